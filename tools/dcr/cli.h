@@ -1,0 +1,32 @@
+// Shared plumbing of the dcr subcommands: each subcommand file defines
+// Add<Name>Command(app), which registers its options and a callback that
+// sets the process exit code. Subcommands parse and print; logic lives in src/.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <cstdint>
+#include <string>
+
+#include "dcr/status.h"
+
+namespace dcr::cli {
+
+// Exit codes shared by every subcommand.
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitDiffers = 1;  // dcr diff: the inputs differ
+inline constexpr int kExitError = 2;
+
+// Prints "dcr <command>: <status>" to stderr and returns kExitError.
+int Fail(const std::string& command, const Status& status);
+
+// Parses "64MB", "1.5GiB", "4096", "2e9" into bytes.
+Result<uint64_t> ParseBytes(const std::string& text);
+
+// The exit code the chosen subcommand's callback sets.
+int& ExitCode();
+
+void AddInspectCommand(CLI::App& app);
+void AddDiffCommand(CLI::App& app);
+void AddGenCommand(CLI::App& app);
+
+}  // namespace dcr::cli
