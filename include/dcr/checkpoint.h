@@ -48,6 +48,7 @@ class Checkpoint {
   // max_shard_bytes must be 0); otherwise it is a directory (created if
   // missing) holding model.safetensors, or model-0000i-of-0000N.safetensors
   // shards plus the index. Tensors are stored in the given order.
+  // kAlreadyExists when the file, or a checkpoint in the directory, exists.
   static Result<Checkpoint> Create(const std::string& path, const std::vector<TensorInfo>& tensors,
                                    const CreateOptions& options = {});
 

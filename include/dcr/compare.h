@@ -15,6 +15,7 @@
 namespace dcr {
 
 class Progress;
+class ThreadPool;
 
 struct BitDiffStats {
   uint64_t elements = 0;
@@ -54,7 +55,9 @@ struct CheckpointDiff {
 };
 
 // Compares every tensor of `a` with its namesake in `b`, in parallel on
-// DefaultPool(). `progress` (may be null) receives bytes of `a` compared.
-CheckpointDiff DiffCheckpoints(const Checkpoint& a, const Checkpoint& b, Progress* progress = nullptr);
+// `pool` (null: DefaultPool()). `progress` (may be null) receives bytes of
+// `a` compared.
+CheckpointDiff DiffCheckpoints(const Checkpoint& a, const Checkpoint& b, Progress* progress = nullptr,
+                               ThreadPool* pool = nullptr);
 
 }  // namespace dcr

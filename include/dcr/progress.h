@@ -10,6 +10,8 @@
 #include <string>
 #include <thread>
 
+#include "dcr/status.h"
+
 namespace dcr {
 
 class Progress {
@@ -44,6 +46,8 @@ class Progress {
 
 // "1.50 GB", "312 MB", "17 B" (decimal units, as throughput figures use).
 std::string FormatBytes(double bytes);
+// Parses "64MB", "1.5GiB", "4096", "2e9" into bytes; kInvalidArgument otherwise.
+Result<uint64_t> ParseBytes(const std::string& text);
 // Seconds since an arbitrary epoch, monotonic.
 double MonotonicSeconds();
 

@@ -57,7 +57,8 @@ void MappedFile::Reset() {
 }
 
 Result<MappedFile> MappedFile::Open(const std::string& path, bool writable) {
-  const int fd = ::open(path.c_str(), (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below.
+  const int fd = ::open(path.c_str(), (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return ErrnoError(errno, "cannot open " + path);
   FdCloser closer{fd};
   struct stat st;
@@ -97,7 +98,9 @@ Status MappedFile::Sync(uint64_t offset, uint64_t len) {
   if (!writable_ || addr_ == nullptr || len == 0) return Status::Ok();
   const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
   const uint64_t begin = offset / page * page;
-  const uint64_t end = std::min<uint64_t>(offset + len, size_);
+  // Clamp to the mapping; offset + len may wrap, offset may lie past the end.
+  const uint64_t end = len > size_ - std::min<uint64_t>(offset, size_) ? size_ : offset + len;
+  if (begin >= end) return Status::Ok();
   if (::msync(static_cast<uint8_t*>(addr_) + begin, end - begin, MS_SYNC) != 0)
     return ErrnoError(errno, "msync " + path_);
   return Status::Ok();

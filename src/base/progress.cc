@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
+#include <utility>
 
 namespace dcr {
 
@@ -24,6 +26,24 @@ std::string FormatBytes(double b) {
   if (u == 0) std::snprintf(buf, sizeof buf, "%.0f %s", b, kUnits[u]);
   else std::snprintf(buf, sizeof buf, b < 10 ? "%.2f %s" : b < 100 ? "%.1f %s" : "%.0f %s", b, kUnits[u]);
   return buf;
+}
+
+Result<uint64_t> ParseBytes(const std::string& text) {
+  const char* begin = text.c_str();
+  char* end = nullptr;
+  const double value = std::strtod(begin, &end);
+  if (end == begin) return InvalidArgument("'" + text + "' is not a size (try 64MB, 1.5GiB or 4096)");
+  const std::string unit(end);
+  static const std::pair<const char*, double> kUnits[] = {
+      {"", 1}, {"B", 1}, {"kB", 1e3}, {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12},
+      {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}};
+  for (const auto& [name, scale] : kUnits)
+    if (unit == name) {
+      const double bytes = value * scale;
+      if (!(bytes >= 0) || bytes > 1.8e19) return InvalidArgument("size '" + text + "' is out of range");
+      return static_cast<uint64_t>(bytes);
+    }
+  return InvalidArgument("unknown unit in '" + text + "' (use B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)");
 }
 
 bool Progress::Enabled() {

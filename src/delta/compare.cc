@@ -4,14 +4,14 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "dcr/progress.h"
 #include "dcr/thread_pool.h"
+#include "compare_kernels.h"
 
 namespace dcr {
 namespace {
-
-enum class Image { kFloat, kSigned, kUnsigned };
 
 struct Fields {
   uint64_t sign, exponent, mantissa;
@@ -23,65 +23,6 @@ Fields FieldMasks(const DTypeInfo& info, uint32_t bits) {
   const uint64_t exp = ((1ull << info.exponent_bits) - 1) << info.mantissa_bits;
   const uint64_t sign = info.sign_bits ? 1ull << (bits - 1) : 0;
   return {sign, exp, mant};
-}
-
-template <Image kImage, typename U>
-inline U ImageOf(U x) {
-  constexpr U kSign = U(1) << (sizeof(U) * 8 - 1);
-  if constexpr (kImage == Image::kFloat) return (x & kSign) ? U(~x) : U(x | kSign);
-  else if constexpr (kImage == Image::kSigned) return U(x ^ kSign);
-  else return x;
-}
-
-// The hot loop for whole-byte element widths. Written so that GCC
-// vectorises it: no early exits, counters per block.
-template <Image kImage, typename U>
-void CompareWords(const U* __restrict a, const U* __restrict b, uint64_t n, U sm, U em, U mm,
-                  BitDiffStats* out) {
-  constexpr uint64_t kBlock = 4096;
-  for (uint64_t base = 0; base < n; base += kBlock) {
-    const uint64_t len = std::min(kBlock, n - base);
-    uint32_t changed = 0, s = 0, e = 0, m = 0;
-    U max_d = 0;
-    for (uint64_t i = 0; i < len; ++i) {
-      const U x = U(a[base + i] ^ b[base + i]);
-      changed += x != 0;
-      s += (x & sm) != 0;
-      e += (x & em) != 0;
-      m += (x & mm) != 0;
-      const U ia = ImageOf<kImage>(a[base + i]);
-      const U ib = ImageOf<kImage>(b[base + i]);
-      const U d = ia > ib ? U(ia - ib) : U(ib - ia);
-      max_d = d > max_d ? d : max_d;
-    }
-    if (changed != 0 && out->first_changed == std::numeric_limits<uint64_t>::max()) {
-      for (uint64_t i = 0; i < len; ++i)
-        if (a[base + i] != b[base + i]) {
-          out->first_changed = base + i;
-          break;
-        }
-    }
-    out->changed += changed;
-    out->sign_changed += s;
-    out->exponent_changed += e;
-    out->mantissa_changed += m;
-    out->max_ulp = std::max<uint64_t>(out->max_ulp, max_d);
-  }
-}
-
-template <typename U>
-void CompareTyped(Image image, const uint8_t* a, const uint8_t* b, uint64_t n, const Fields& f,
-                  BitDiffStats* out) {
-  // Safetensors data is not guaranteed aligned; the loop reads through
-  // memcpy-equivalent unaligned pointers, which x86 handles at full speed.
-  const U* ua = reinterpret_cast<const U*>(a);
-  const U* ub = reinterpret_cast<const U*>(b);
-  const U sm = U(f.sign), em = U(f.exponent), mm = U(f.mantissa);
-  switch (image) {
-    case Image::kFloat: CompareWords<Image::kFloat>(ua, ub, n, sm, em, mm, out); break;
-    case Image::kSigned: CompareWords<Image::kSigned>(ua, ub, n, sm, em, mm, out); break;
-    case Image::kUnsigned: CompareWords<Image::kUnsigned>(ua, ub, n, sm, em, mm, out); break;
-  }
 }
 
 // Element i of a densely packed sub-byte tensor (bits < 8).
@@ -131,6 +72,16 @@ void CompareComplex(const uint8_t* a, const uint8_t* b, uint64_t n, BitDiffStats
   }
 }
 
+kernels::CompareWholeBytesFn CompareKernel() {
+#if defined(__x86_64__)
+  static const kernels::CompareWholeBytesFn fn =
+      __builtin_cpu_supports("avx2") ? kernels::avx2::CompareWholeBytes : kernels::generic::CompareWholeBytes;
+  return fn;
+#else
+  return kernels::generic::CompareWholeBytes;
+#endif
+}
+
 }  // namespace
 
 void BitDiffStats::Append(const BitDiffStats& o) {
@@ -158,20 +109,15 @@ BitDiffStats CompareBits(DType dtype, uint64_t numel, std::span<const uint8_t> a
     return out;
   }
   const Fields f = FieldMasks(info, info.bits);
+  using kernels::Image;
   const Image image = info.kind == DTypeKind::kFloat
                           ? (info.sign_bits ? Image::kFloat : Image::kUnsigned)
                           : info.kind == DTypeKind::kSigned ? Image::kSigned : Image::kUnsigned;
-  switch (info.bits) {
-    case 8: CompareTyped<uint8_t>(image, a.data(), b.data(), numel, f, &out); break;
-    case 16: CompareTyped<uint16_t>(image, a.data(), b.data(), numel, f, &out); break;
-    case 32: CompareTyped<uint32_t>(image, a.data(), b.data(), numel, f, &out); break;
-    case 64: CompareTyped<uint64_t>(image, a.data(), b.data(), numel, f, &out); break;
-    default: break;
-  }
+  CompareKernel()(info.bits, image, a.data(), b.data(), numel, f.sign, f.exponent, f.mantissa, &out);
   return out;
 }
 
-CheckpointDiff DiffCheckpoints(const Checkpoint& a, const Checkpoint& b, Progress* progress) {
+CheckpointDiff DiffCheckpoints(const Checkpoint& a, const Checkpoint& b, Progress* progress, ThreadPool* pool) {
   CheckpointDiff diff;
   struct Piece {
     size_t tensor;       // index into diff.tensors
@@ -208,7 +154,7 @@ CheckpointDiff DiffCheckpoints(const Checkpoint& a, const Checkpoint& b, Progres
     if (a.Find(tb.name) < 0) diff.only_in_b.push_back(tb.name);
 
   std::vector<BitDiffStats> results(pieces.size());
-  DefaultPool().ParallelFor(pieces.size(), [&](size_t i) {
+  (pool ? *pool : DefaultPool()).ParallelFor(pieces.size(), [&](size_t i) {
     const Piece& p = pieces[i];
     const DType dtype = a.tensors()[p.ia].dtype;
     const uint32_t bits = BitsPerElement(dtype);

@@ -182,10 +182,19 @@ Result<Checkpoint> Checkpoint::Create(const std::string& path, const std::vector
   std::vector<std::string> names;
   std::error_code ec;
   if (single_file) {
+    if (fs::exists(path, ec))
+      return AlreadyExists(fmt::format("{} exists; remove it first or choose another path", path));
     names.push_back(path);
   } else {
     fs::create_directories(path, ec);
     if (ec) return ErrnoError(ec.value(), "cannot create directory " + path);
+    // Never mix with an existing checkpoint: stale shards would be read back.
+    for (const auto& entry : fs::directory_iterator(path, ec)) {
+      const std::string name = entry.path().filename().string();
+      if (EndsWith(name, ".safetensors") || name == kIndexFileName)
+        return AlreadyExists(fmt::format("{} already holds a checkpoint ({}); remove it first or choose another path",
+                                         path, name));
+    }
     for (size_t s = 0; s < runs.size(); ++s)
       names.push_back(runs.size() == 1 ? "model.safetensors"
                                        : fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, runs.size()));
@@ -222,8 +231,6 @@ Result<Checkpoint> Checkpoint::Create(const std::string& path, const std::vector
       std::ofstream out(index, std::ios::binary | std::ios::trunc);
       out << doc.dump(2) << "\n";
       if (!out.flush()) return Unavailable("cannot write " + index);
-    } else {
-      fs::remove(index, ec);  // a stale index would contradict the single file
     }
   }
   ckpt.Finalize();

@@ -11,19 +11,22 @@ namespace dcr {
 namespace {
 
 using json = nlohmann::json;
+// Parsed headers keep keys in file order (__metadata__ is reported in file
+// order); nlohmann::json would sort them.
+using ordered_json = nlohmann::ordered_json;
 
 Status Malformed(std::string_view what) {
   return InvalidArgument(fmt::format("malformed safetensors header: {}", what));
 }
 
-Result<uint64_t> AsUint(const json& v, std::string_view tensor, std::string_view field) {
+Result<uint64_t> AsUint(const ordered_json& v, std::string_view tensor, std::string_view field) {
   if (!v.is_number_unsigned() && !(v.is_number_integer() && v.get<int64_t>() >= 0))
     return Malformed(fmt::format("tensor '{}': {} must hold non-negative integers, got {}", tensor,
                                  field, v.dump()));
   return v.get<uint64_t>();
 }
 
-Result<SafetensorsEntry> ParseEntry(const std::string& name, const json& v) {
+Result<SafetensorsEntry> ParseEntry(const std::string& name, const ordered_json& v) {
   if (!v.is_object())
     return Malformed(fmt::format("tensor '{}': entry must be an object, got {}", name, v.type_name()));
   const auto dt = v.find("dtype");
@@ -95,14 +98,15 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const uint8_t> prefix
   // nlohmann keeps the last of duplicate keys; catch them while parsing.
   std::set<std::string> seen;
   std::string duplicate;
-  json::parser_callback_t on_event = [&](int depth, json::parse_event_t event, json& parsed) {
-    if (depth == 1 && event == json::parse_event_t::key && duplicate.empty()) {
+  ordered_json::parser_callback_t on_event = [&](int depth, ordered_json::parse_event_t event,
+                                                  ordered_json& parsed) {
+    if (depth == 1 && event == ordered_json::parse_event_t::key && duplicate.empty()) {
       const auto& key = parsed.get_ref<const std::string&>();
       if (!seen.insert(key).second) duplicate = key;
     }
     return true;
   };
-  json doc = json::parse(text, text + n, on_event, /*allow_exceptions=*/false);
+  ordered_json doc = ordered_json::parse(text, text + n, on_event, /*allow_exceptions=*/false);
   if (doc.is_discarded()) return Malformed("not valid UTF-8 JSON");
   if (!duplicate.empty()) return InvalidArgument(fmt::format("duplicate tensor name '{}'", duplicate));
   if (!doc.is_object()) return Malformed("the JSON header must be an object");

@@ -19,9 +19,6 @@ inline constexpr int kExitError = 2;
 // Prints "dcr <command>: <status>" to stderr and returns kExitError.
 int Fail(const std::string& command, const Status& status);
 
-// Parses "64MB", "1.5GiB", "4096", "2e9" into bytes.
-Result<uint64_t> ParseBytes(const std::string& text);
-
 // The exit code the chosen subcommand's callback sets.
 int& ExitCode();
 

@@ -7,6 +7,7 @@
 #include "cli.h"
 #include "dcr/checkpoint.h"
 #include "dcr/hash.h"
+#include "dcr/progress.h"
 #include "dcr/thread_pool.h"
 
 namespace dcr::cli {
@@ -23,10 +24,14 @@ int RunInspect(const InspectArgs& args) {
   if (!opened.ok()) return Fail("inspect", opened.status());
   const Checkpoint& ckpt = *opened;
   std::vector<uint64_t> hashes(args.checksums ? ckpt.size() : 0);
-  DefaultPool().ParallelFor(hashes.size(), [&](size_t i) {
-    const auto data = ckpt.Data(i);
-    hashes[i] = Xxh3_64(data.data(), data.size());
-  });
+  if (args.checksums) {
+    Progress progress("checksums", ckpt.total_bytes());
+    DefaultPool().ParallelFor(hashes.size(), [&](size_t i) {
+      const auto data = ckpt.Data(i);
+      hashes[i] = Xxh3_64(data.data(), data.size());
+      progress.Add(data.size());
+    });
+  }
   std::map<std::string, std::pair<uint64_t, uint64_t>> by_dtype;  // name -> (tensors, bytes)
   for (const auto& t : ckpt.tensors()) {
     auto& [n, b] = by_dtype[std::string(Name(t.dtype))];

@@ -16,27 +16,6 @@ int Fail(const std::string& command, const Status& status) {
   return kExitError;
 }
 
-Result<uint64_t> ParseBytes(const std::string& text) {
-  std::size_t used = 0;
-  double value = 0;
-  try {  // std::stod is the one throwing call we make; keep it contained here
-    value = std::stod(text, &used);
-  } catch (...) {
-    return InvalidArgument("'" + text + "' is not a size (try 64MB, 1.5GiB or 4096)");
-  }
-  std::string unit = text.substr(used);
-  static const std::pair<const char*, double> kUnits[] = {
-      {"", 1}, {"B", 1}, {"kB", 1e3}, {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12},
-      {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}};
-  for (const auto& [name, scale] : kUnits)
-    if (unit == name) {
-      const double bytes = value * scale;
-      if (!(bytes >= 0) || bytes > 1.8e19) return InvalidArgument("size '" + text + "' is out of range");
-      return static_cast<uint64_t>(bytes);
-    }
-  return InvalidArgument("unknown unit in '" + text + "' (use B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)");
-}
-
 }  // namespace dcr::cli
 
 int main(int argc, char** argv) {

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Installs what dcr needs on a fresh Debian 12 machine and builds it.
+# Idempotent: installs only what is missing, rebuilds incrementally.
+#
+#   scripts/setup.sh            system packages + build (build/)
+#   scripts/setup.sh --python   also the Python test environment (.venv/)
+#   scripts/setup.sh --fuzz     also the libFuzzer build (build-fuzz/, clang)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+want_python=0
+want_fuzz=0
+for arg in "$@"; do
+  case "$arg" in
+    --python) want_python=1 ;;
+    --fuzz) want_fuzz=1 ;;
+    *) echo "setup.sh: unknown option $arg" >&2; exit 2 ;;
+  esac
+done
+
+# C++ dependencies come from Debian's -dev packages (DESIGN.md, house rule 10).
+packages=(g++ cmake ninja-build pkg-config libzstd-dev libxxhash-dev nlohmann-json3-dev libcli11-dev
+          libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev python3-venv)
+if [ "$want_fuzz" = 1 ]; then packages+=(clang libclang-rt-14-dev); fi
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  sudo_cmd=""
+  [ "$(id -u)" = 0 ] || sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+jobs=$(nproc)
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDCR_WERROR=ON \
+  -DDCR_BUILD_TESTS=ON -DDCR_BUILD_BENCHMARKS=ON >/dev/null
+cmake --build build -j "$jobs"
+
+if [ "$want_fuzz" = 1 ]; then
+  CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDCR_WERROR=ON \
+    -DDCR_BUILD_TESTS=OFF -DDCR_BUILD_FUZZERS=ON >/dev/null
+  cmake --build build-fuzz -j "$jobs" --target fuzzers
+fi
+
+if [ "$want_python" = 1 ]; then
+  # The stamp holds the requirements' hash, so a changed file reinstalls.
+  stamp=.venv/.requirements.sha256
+  sum=$(sha256sum requirements-dev.txt | cut -d' ' -f1)
+  if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$sum" ]; then
+    echo "setup: installing Python packages into .venv (torch CPU, transformers, safetensors, pytest)"
+    python3 -m venv .venv
+    .venv/bin/pip install -q --disable-pip-version-check -r requirements-dev.txt 2>&1 | grep -v "^WARNING: Location" || true
+    .venv/bin/python -c "import torch, transformers, safetensors, numpy, pytest, xxhash"
+    echo "$sum" > "$stamp"
+  fi
+fi
