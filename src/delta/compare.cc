@@ -8,7 +8,7 @@
 
 #include "dcr/progress.h"
 #include "dcr/thread_pool.h"
-#include "compare_kernels.h"
+#include "kernels.h"
 
 namespace dcr {
 namespace {
@@ -72,16 +72,6 @@ void CompareComplex(const uint8_t* a, const uint8_t* b, uint64_t n, BitDiffStats
   }
 }
 
-kernels::CompareWholeBytesFn CompareKernel() {
-#if defined(__x86_64__)
-  static const kernels::CompareWholeBytesFn fn =
-      __builtin_cpu_supports("avx2") ? kernels::avx2::CompareWholeBytes : kernels::generic::CompareWholeBytes;
-  return fn;
-#else
-  return kernels::generic::CompareWholeBytes;
-#endif
-}
-
 }  // namespace
 
 void BitDiffStats::Append(const BitDiffStats& o) {
@@ -113,7 +103,7 @@ BitDiffStats CompareBits(DType dtype, uint64_t numel, std::span<const uint8_t> a
   const Image image = info.kind == DTypeKind::kFloat
                           ? (info.sign_bits ? Image::kFloat : Image::kUnsigned)
                           : info.kind == DTypeKind::kSigned ? Image::kSigned : Image::kUnsigned;
-  CompareKernel()(info.bits, image, a.data(), b.data(), numel, f.sign, f.exponent, f.mantissa, &out);
+  kernels::Kernels().compare(info.bits, image, a.data(), b.data(), numel, f.sign, f.exponent, f.mantissa, &out);
   return out;
 }
 

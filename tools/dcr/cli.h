@@ -25,5 +25,6 @@ int& ExitCode();
 void AddInspectCommand(CLI::App& app);
 void AddDiffCommand(CLI::App& app);
 void AddGenCommand(CLI::App& app);
+void AddDeltaCommand(CLI::App& app);
 
 }  // namespace dcr::cli

@@ -25,6 +25,7 @@ int main(int argc, char** argv) {
   dcr::cli::AddInspectCommand(app);
   dcr::cli::AddDiffCommand(app);
   dcr::cli::AddGenCommand(app);
+  dcr::cli::AddDeltaCommand(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,3 +1,3 @@
 // Built with -mavx2 (see CMakeLists.txt); used only when the CPU has AVX2.
 #define DCR_KERNEL_NS avx2
-#include "compare_kernels.inc"
+#include "kernels.inc"

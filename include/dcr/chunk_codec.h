@@ -1,0 +1,91 @@
+// Encoding one chunk's change into a frame, and applying a frame to the
+// receiver's bytes of that chunk. Everything above (deltas, the protocol,
+// relays, layouts) moves frames produced and consumed here.
+//
+// A chunk is words [first_word, first_word + words) of one tensor (a word is
+// the unit of WordBytes(dtype)). Thread-safety: an encoder or applier object
+// holds scratch buffers and is used by one thread at a time; make one per
+// thread.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "dcr/digest.h"
+#include "dcr/frame.h"
+#include "dcr/status.h"
+
+namespace dcr {
+
+// What the receiver may be assumed to hold.
+enum class DeltaClass {
+  kXorClass,   // the base bits: frames use xor or add, whichever is smaller
+  kOverwrite,  // nothing: frames carry new bits (idempotent)
+};
+
+struct EncodeOptions {
+  DeltaClass delta_class = DeltaClass::kXorClass;
+  bool allow_add = true;  // xor class: consider add-mode frames
+  bool allow_xor = true;  // xor class: consider xor-mode frames
+  int zstd_level = 1;
+  // zstd of the dense layout is tried only when the best sparse payload is
+  // larger than this fraction of the dense size (it costs a pass at zstd speed).
+  double zstd_when_sparse_above = 0.25;
+};
+
+struct ChunkInput {
+  DType dtype;
+  DigestKey key;          // of the tensor
+  uint64_t first_word;    // the chunk's first word within the tensor
+  uint32_t elements;      // elements in the chunk
+  std::span<const uint8_t> base, next;  // the chunk's bytes, equal length
+};
+
+struct EncodedChunk {
+  FrameHeader header;            // tensor, chunk, first_element, delta_id left 0
+  std::vector<uint8_t> payload;  // owned by the encoder; valid until the next call
+  Digest base_digest;            // of the chunk, whether or not it changed
+};
+
+class ChunkEncoder {
+ public:
+  // Diffs base and next and encodes the smallest frame within the class.
+  // Returns false when nothing changed (no frame; base_digest still set).
+  // Errors: kInvalidArgument (sizes inconsistent with the dtype).
+  Result<bool> Encode(const ChunkInput& in, const EncodeOptions& options, EncodedChunk* out);
+
+ private:
+  std::vector<uint32_t> positions_;
+  std::vector<uint64_t> values_;
+  std::vector<uint8_t> negative_;
+  std::vector<uint8_t> scratch_;
+};
+
+enum class ApplyOutcome {
+  kApplied,         // the chunk was the base and is now the target
+  kAlreadyApplied,  // the chunk already held the target (duplicate frame); untouched
+};
+
+class ChunkApplier {
+ public:
+  // Applies `frame` to `target` (the chunk's bytes, header.words words),
+  // whose digest is `current` (computed by the caller, or tracked). Decodes
+  // and checks everything before writing a byte: on any error the target is
+  // unchanged. Checks: the frame's shape matches the target; xor/add frames
+  // need current == base digest (or == target: already applied); the result's
+  // digest must equal the frame's target digest. On success `*after` holds
+  // the chunk's new digest.
+  // Errors: kFailedPrecondition (the chunk is neither the frame's base nor
+  // its target), kDataLoss (the payload does not decode, or decodes to the
+  // wrong digest), kInvalidArgument (frame and target disagree).
+  Result<ApplyOutcome> Apply(const FrameView& frame, const DigestKey& key, uint64_t first_word,
+                             std::span<uint8_t> target, const Digest& current, Digest* after);
+
+ private:
+  std::vector<uint32_t> positions_;
+  std::vector<uint64_t> values_;
+  std::vector<uint8_t> dense_;
+};
+
+}  // namespace dcr

@@ -1,2 +1,0 @@
-#define DCR_KERNEL_NS generic
-#include "compare_kernels.inc"

@@ -1,0 +1,2 @@
+#define DCR_KERNEL_NS generic
+#include "kernels.inc"
