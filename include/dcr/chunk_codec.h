@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -40,6 +41,9 @@ struct ChunkInput {
   uint64_t first_word;    // the chunk's first word within the tensor
   uint32_t elements;      // elements in the chunk
   std::span<const uint8_t> base, next;  // the chunk's bytes, equal length
+  // The base chunk's digest when the caller tracks it (a sender updates its
+  // baseline's chunk digests from each delta); null: computed here.
+  const Digest* base_digest = nullptr;
 };
 
 struct EncodedChunk {
@@ -59,7 +63,10 @@ class ChunkEncoder {
   std::vector<uint32_t> positions_;
   std::vector<uint64_t> values_;
   std::vector<uint8_t> negative_;
+  std::vector<uint64_t> olds_, news_;  // base and next words at positions_
   std::vector<uint8_t> scratch_;
+  std::unique_ptr<uint8_t[]> bits_buffer_;  // the sparse bit stream
+  size_t bits_capacity_ = 0;
 };
 
 enum class ApplyOutcome {
@@ -84,7 +91,7 @@ class ChunkApplier {
 
  private:
   std::vector<uint32_t> positions_;
-  std::vector<uint64_t> values_;
+  std::vector<uint64_t> values_;  // the new words at positions_
   std::vector<uint8_t> dense_;
 };
 

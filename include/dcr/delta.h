@@ -111,7 +111,9 @@ struct ApplyReport {
 // Applies the delta to `target` (opened kReadWrite) in place. First checks,
 // without writing, that every tensor is the delta's base, with any chunks
 // already at their target counted as done (so an interrupted apply resumes,
-// and no frame is applied twice); refuses otherwise. Then applies the frames
+// and no frame is applied twice), and, for overwrite frames, chunks in any
+// state the frame still turns into its target (a half-written chunk);
+// refuses otherwise (kFailedPrecondition). Then applies the frames
 // in parallel, each verified by digest before its bytes are written, and
 // syncs the files. Errors name the tensor and chunk.
 Result<ApplyReport> ApplyDelta(Checkpoint& target, const DeltaReader& delta, Progress* progress = nullptr,

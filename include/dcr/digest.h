@@ -1,13 +1,18 @@
-// The additive digest (DESIGN section 4): for a tensor's words x_i,
-//   D = ( sum_i H0(t, i) * x_i  mod 2^64,  sum_i H1(t, i) * x_i  mod 2^64 )
-// with H_k(t, i) odd and pseudo-random per (tensor name, word index).
+// The additive digest (DESIGN section 4). A tensor's bytes are read as
+// 4-byte little-endian limbs Y_m (a partial last limb is zero-extended), and
+//   D_k = sum_m H_k(t, m) * Y_m  mod p,   p = 2^61 - 1 (prime),  k = 0, 1
+// with H_k(t, m) in [1, 2^60], pseudo-random per (tensor name, limb index).
 // Properties the protocol relies on:
-//   - additive: the digest of a region is the sum of its parts' digests, so
-//     shards and chunks add up to the whole, in any order;
-//   - incremental: changing word i from a to b adds H_k(t, i) * (b - a), so a
+//   - additive and linear in the bytes (Y_m = sum_j b_{4m+j} 256^j), so the
+//     digests of any partition of a tensor's bytes (chunks, shards, even a
+//     split limb) add up to the whole, in any order;
+//   - incremental: changing a limb from a to b adds H_k * (b - a) mod p, so a
 //     digest is updated from the changed words alone;
-//   - every single-word change is detected with certainty (H is odd, hence
-//     invertible mod 2^64); other corruptions escape with probability ~2^-128.
+//   - a change inside one limb (any change to a word of at most 4 bytes) is
+//     detected with certainty: 0 < |b - a| < 2^32 < p and H != 0, so the
+//     product is nonzero mod the prime. Any other difference escapes with
+//     probability about 2^-61 per lane (2^-122 for both), whatever the bits
+//     involved: unlike a sum mod 2^64, no bit position is weaker than another.
 // A *word* is the unit dcr diffs and applies (see WordBytes): an element for
 // 1-, 2-, 4- and 8-byte dtypes, a 4-byte lane of C64, a byte of packed F4/F6.
 #pragma once
@@ -21,17 +26,21 @@
 
 namespace dcr {
 
+inline constexpr uint64_t kDigestPrime = (1ull << 61) - 1;
+
+// Two residues mod kDigestPrime; arithmetic is mod the prime.
 struct Digest {
-  uint64_t lane[2] = {0, 0};
+  uint64_t lane[2] = {0, 0};  // each < kDigestPrime
 
   Digest& operator+=(const Digest& o) {
-    lane[0] += o.lane[0];
-    lane[1] += o.lane[1];
+    for (int k = 0; k < 2; ++k) {
+      lane[k] += o.lane[k];
+      if (lane[k] >= kDigestPrime) lane[k] -= kDigestPrime;
+    }
     return *this;
   }
   Digest& operator-=(const Digest& o) {
-    lane[0] -= o.lane[0];
-    lane[1] -= o.lane[1];
+    for (int k = 0; k < 2; ++k) lane[k] = lane[k] >= o.lane[k] ? lane[k] - o.lane[k] : lane[k] + kDigestPrime - o.lane[k];
     return *this;
   }
   friend Digest operator+(Digest a, const Digest& b) { return a += b; }
@@ -39,6 +48,7 @@ struct Digest {
   friend bool operator==(const Digest&, const Digest&) = default;
 
   std::string ToHex() const;  // 32 hex digits, lane 0 first
+  // False unless 32 lowercase hex digits whose lanes are below the prime.
   static bool FromHex(std::string_view hex, Digest* out);
 };
 
@@ -52,21 +62,20 @@ struct DigestKey {
 };
 DigestKey MakeDigestKey(std::string_view tensor_name);
 
-// H_k(key, i) for one word index; what the incremental update multiplies by.
-void PositionHashes(const DigestKey& key, uint64_t index, uint64_t out[2]);
+// H_k(key, m) for one limb index; what the incremental update multiplies by.
+void LimbHashes(const DigestKey& key, uint64_t limb, uint64_t out[2]);
 
-// Digest of words [first_word, first_word + n) of a tensor, whose bytes are
-// `bytes` (n * word_bytes long, little-endian words). Vectorised.
-Digest DigestWords(const DigestKey& key, uint32_t word_bytes, uint64_t first_word, std::span<const uint8_t> bytes);
+// Digest of bytes [offset, offset + bytes.size()) of a tensor. Any offset.
+Digest DigestBytes(const DigestKey& key, uint64_t offset, std::span<const uint8_t> bytes);
 
-// The change in digest when word `index` goes from `old_word` to `new_word`.
-inline Digest DigestDelta(const DigestKey& key, uint64_t index, uint64_t old_word, uint64_t new_word) {
-  uint64_t h[2];
-  PositionHashes(key, index, h);
-  Digest d;
-  d.lane[0] = h[0] * (new_word - old_word);
-  d.lane[1] = h[1] * (new_word - old_word);
-  return d;
+// The digest terms of a word of `word_bytes` (1, 2, 4 or 8) at byte `offset`
+// of a tensor (a multiple of the word size) holding `word`.
+Digest WordTerm(const DigestKey& key, uint64_t offset, uint32_t word_bytes, uint64_t word);
+
+// The change in digest when that word goes from `old_word` to `new_word`.
+inline Digest DigestDelta(const DigestKey& key, uint64_t offset, uint32_t word_bytes, uint64_t old_word,
+                          uint64_t new_word) {
+  return WordTerm(key, offset, word_bytes, new_word) - WordTerm(key, offset, word_bytes, old_word);
 }
 
 }  // namespace dcr

@@ -44,15 +44,19 @@ std::optional<uint64_t> ByteSize(DType dtype, uint64_t numel);
 // top bit): integer order of images follows the float order, -0 sits just
 // below +0, and NaNs sort beyond the infinities. A bijection on `bits`-wide
 // patterns, so differences of images are exact for every pattern.
+// Branch-free (signs of real data are random): negative patterns flip every
+// bit, others only the sign bit.
 inline uint64_t OrderedImage(uint64_t pattern, uint32_t bits) {
   const uint64_t mask = bits >= 64 ? ~0ull : (1ull << bits) - 1;
   const uint64_t sign = 1ull << (bits - 1);
-  return (pattern & sign) ? (~pattern & mask) : (pattern | sign);
+  const uint64_t negative = 0 - ((pattern >> (bits - 1)) & 1);
+  return pattern ^ ((negative & mask) | sign);
 }
 inline uint64_t FromOrderedImage(uint64_t image, uint32_t bits) {
   const uint64_t mask = bits >= 64 ? ~0ull : (1ull << bits) - 1;
   const uint64_t sign = 1ull << (bits - 1);
-  return (image & sign) ? (image & ~sign) : (~image & mask);
+  const uint64_t was_negative = ((image >> (bits - 1)) & 1) - 1;  // all ones when the image's top bit is 0
+  return image ^ ((was_negative & mask) | sign);
 }
 
 }  // namespace dcr

@@ -5,58 +5,54 @@
 #include <cstdint>
 #include <cstring>
 #include <span>
-#include <vector>
 
 namespace dcr {
 
 class BitWriter {
  public:
-  explicit BitWriter(std::vector<uint8_t>* out) : out_(out) {}
+  // Writes into `out`, which has room for at least max_bits / 8 + 16 bytes
+  // (8-byte stores run past the last byte written).
+  explicit BitWriter(uint8_t* out) : begin_(out), p_(out) {}
 
-  // Appends the low `n` bits of v (n <= 57).
-  void Put(uint64_t v, uint32_t n) {
-    acc_ |= (n == 0 ? 0 : (v & (~0ull >> (64 - n)))) << fill_;
+  // Appends the low `n` bits of v (n <= 56). Flushes whole bytes each call
+  // with one unaligned 8-byte store: no branches.
+  [[gnu::always_inline]] void Put(uint64_t v, uint32_t n) {
+    acc_ |= (v & (~0ull >> (63 - n) >> 1)) << fill_;
     fill_ += n;
-    if (fill_ >= 32) Spill();
+    std::memcpy(p_, &acc_, 8);
+    p_ += fill_ >> 3;
+    acc_ >>= (fill_ & ~7u);  // fill_ <= 63: a shift of at most 56
+    fill_ &= 7;
   }
-  // Appends 64 bits.
-  void Put64(uint64_t v) {
-    Put(v & 0xFFFFFFFFu, 32);
-    Put(v >> 32, 32);
-  }
-  // Flushes remaining bits, zero-padded to a byte.
-  void Finish() {
-    while (fill_ > 0) {
-      out_->push_back(static_cast<uint8_t>(acc_));
-      acc_ >>= 8;
-      fill_ = fill_ >= 8 ? fill_ - 8 : 0;
+  // Flushes remaining bits, zero-padded to a byte; returns the bytes written.
+  size_t Finish() {
+    if (fill_ > 0) {
+      *p_++ = static_cast<uint8_t>(acc_);
+      acc_ = 0;
+      fill_ = 0;
     }
+    return static_cast<size_t>(p_ - begin_);
   }
+  static size_t BufferBytes(uint64_t max_bits) { return max_bits / 8 + 16; }
 
  private:
-  void Spill() {
-    const size_t old = out_->size();
-    out_->resize(old + 4);
-    const uint32_t lo = static_cast<uint32_t>(acc_);
-    std::memcpy(out_->data() + old, &lo, 4);
-    acc_ >>= 32;
-    fill_ -= 32;
-  }
-
-  std::vector<uint8_t>* out_;
+  uint8_t* begin_;
+  uint8_t* p_;
   uint64_t acc_ = 0;
-  uint32_t fill_ = 0;  // valid bits in acc_ (< 32 between calls)
+  uint32_t fill_ = 0;  // pending bits in acc_ (< 8 between calls)
 };
 
 // Reads what BitWriter wrote. Never reads outside `data`; reading past the
-// end sets overrun() and yields zero bits.
+// end sets overrun() and yields zero bits. Between calls at least 40 bits
+// are buffered (fewer only at the end of the data), so a Peek() always sees
+// a whole unary prefix of up to 33 bits.
 class BitReader {
  public:
   explicit BitReader(std::span<const uint8_t> data) : data_(data) { Refill(); }
 
-  // The next 57+ bits (fewer valid near the end: the rest read as zero).
+  // The buffered bits, next bit lowest; zeros past the end of the data.
   uint64_t Peek() const { return acc_; }
-  void Skip(uint32_t n) {
+  [[gnu::always_inline]] void Skip(uint32_t n) {
     if (n > fill_) {
       overrun_ = true;
       n = fill_;
@@ -64,16 +60,25 @@ class BitReader {
     acc_ = n == 64 ? 0 : acc_ >> n;
     fill_ -= n;
     consumed_ += n;
-    if (fill_ < 57) Refill();
+    if (fill_ < 40) Refill();
   }
-  uint64_t Get(uint32_t n) {  // n <= 57
+  [[gnu::always_inline]] uint64_t Get(uint32_t n) {  // n <= 56
+    if (fill_ < n) Refill();
     const uint64_t v = n == 0 ? 0 : acc_ & (~0ull >> (64 - n));
     Skip(n);
     return v;
   }
-  uint64_t Get64() {
-    const uint64_t lo = Get(32);
-    return lo | (Get(32) << 32);
+  // For decoders that parse a whole code from one Peek(): buffer at least
+  // 56 bits when the data has them, and report how many are buffered.
+  [[gnu::always_inline]] uint32_t Ensure56() {
+    if (fill_ < 56) Refill();
+    return fill_;
+  }
+  // Consumes n <= buffered bits without refilling (pair with Ensure56()).
+  [[gnu::always_inline]] void Consume(uint32_t n) {
+    acc_ >>= n;  // n <= 56
+    fill_ -= n;
+    consumed_ += n;
   }
   bool overrun() const { return overrun_; }
   // Bits consumed so far.
@@ -88,6 +93,7 @@ class BitReader {
   }
 
  private:
+  // Tops the buffer up to at least 56 bits (or to the end of the data).
   void Refill() {
     if (pos_ + 8 <= data_.size()) {
       // Load 8 bytes, keep the whole ones that fit; bits above fill_ already
@@ -104,8 +110,6 @@ class BitReader {
       acc_ |= static_cast<uint64_t>(data_[pos_++]) << fill_;
       fill_ += 8;
     }
-    // Past the end: pretend zero bits so Peek() stays defined; Skip() beyond
-    // the real bits sets overrun_.
   }
 
   std::span<const uint8_t> data_;

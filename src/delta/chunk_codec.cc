@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 
 #include "bitstream.h"
 #include "kernels.h"
@@ -45,49 +46,77 @@ inline uint64_t FromImage(uint64_t y, uint32_t bits, WordImage kind) {
   return y;
 }
 
-inline uint64_t LoadWord(const uint8_t* p, uint32_t wb) {
-  uint64_t v = 0;
-  std::memcpy(&v, p, wb);  // little-endian host (see frame.cc)
+// Calls f(U{}) with U the unsigned type of `wb` bytes, so word loops get a
+// fixed-size (inlined) load instead of a memcpy call per word.
+template <typename F>
+inline void WithWordType(uint32_t wb, F&& f) {
+  switch (wb) {
+    case 1: f(uint8_t{}); break;
+    case 2: f(uint16_t{}); break;
+    case 4: f(uint32_t{}); break;
+    default: f(uint64_t{}); break;
+  }
+}
+template <typename U>
+inline U Load(const uint8_t* p) {
+  U v;
+  std::memcpy(&v, p, sizeof(U));  // little-endian host (see frame.cc)
   return v;
 }
-inline void StoreWord(uint8_t* p, uint32_t wb, uint64_t v) { std::memcpy(p, &v, wb); }
+template <typename U>
+inline void Store(uint8_t* p, U v) {
+  std::memcpy(p, &v, sizeof(U));
+}
+// Word positions[i] of `bytes` = value(i).
+template <typename Value>
+void Scatter(uint8_t* bytes, uint32_t wb, const uint32_t* positions, uint32_t n, Value value) {
+  WithWordType(wb, [&](auto u) {
+    using U = decltype(u);
+    for (uint32_t i = 0; i < n; ++i) Store<U>(bytes + size_t{positions[i]} * sizeof(U), static_cast<U>(value(i)));
+  });
+}
 
 // A nonzero `bits`-wide wrapped difference as (negative, magnitude - 1);
 // the most negative difference has magnitude 2^(bits-1).
+// Branch-free: signs of real updates are random.
 inline void SplitSigned(uint64_t d, uint32_t bits, bool* negative, uint64_t* magnitude_minus_1) {
-  *negative = (d >> (bits - 1)) & 1;
-  *magnitude_minus_1 = (*negative ? ((~d + 1) & Mask(bits)) : d) - 1;
+  const uint64_t sign = (d >> (bits - 1)) & 1;
+  const uint64_t m = 0 - sign;  // all ones when negative
+  *negative = sign != 0;
+  // Sign-extend d to 64 bits, negate when negative: 1 .. 2^(bits-1) for d != 0.
+  const uint64_t magnitude = (((d | (m & ~Mask(bits))) ^ m) - m) & Mask(bits);
+  *magnitude_minus_1 = magnitude - 1;
 }
 inline uint64_t JoinSigned(bool negative, uint64_t magnitude_minus_1, uint32_t bits) {
-  const uint64_t magnitude = magnitude_minus_1 + 1;
-  return (negative ? (~magnitude + 1) : magnitude) & Mask(bits);
+  const uint64_t m = 0 - static_cast<uint64_t>(negative);
+  return (((magnitude_minus_1 + 1) ^ m) - m) & Mask(bits);
 }
 
 inline uint32_t BitLength(uint64_t x) { return x == 0 ? 0 : 64 - static_cast<uint32_t>(__builtin_clzll(x)); }
 
-// ---- Rice codes with an escape ---------------------------------------------
+// ---- Rice and Exp-Golomb codes with an escape --------------------------------
 
 // A quotient of kEscape zeros announces a raw value instead.
 constexpr uint32_t kEscape = 32;
 constexpr uint32_t kMaxRiceK = 56;
 
-inline void PutRaw(BitWriter& w, uint64_t v, uint32_t bits) {
-  if (bits > 57) {
+[[gnu::always_inline]] inline void PutRaw(BitWriter& w, uint64_t v, uint32_t bits) {
+  if (bits > 56) {
     w.Put(v & 0xFFFFFFFFu, 32);
     w.Put(v >> 32, bits - 32);
   } else {
     w.Put(v, bits);
   }
 }
-inline uint64_t GetRaw(BitReader& r, uint32_t bits) {
-  if (bits > 57) {
+[[gnu::always_inline]] inline uint64_t GetRaw(BitReader& r, uint32_t bits) {
+  if (bits > 56) {
     const uint64_t lo = r.Get(32);
     return lo | (r.Get(bits - 32) << 32);
   }
   return r.Get(bits);
 }
 
-inline void PutRice(BitWriter& w, uint64_t v, uint32_t k, uint32_t escape_bits) {
+[[gnu::always_inline]] inline void PutRice(BitWriter& w, uint64_t v, uint32_t k, uint32_t escape_bits) {
   const uint64_t q = v >> k;
   if (q < kEscape) {
     w.Put(1ull << q, static_cast<uint32_t>(q) + 1);  // q zeros, then a one
@@ -102,7 +131,7 @@ inline uint64_t RiceBits(uint64_t v, uint32_t k, uint32_t escape_bits) {
   return q < kEscape ? q + 1 + k : kEscape + 1 + escape_bits;
 }
 // False on a malformed code.
-inline bool GetRice(BitReader& r, uint32_t k, uint32_t escape_bits, uint64_t* v) {
+[[gnu::always_inline]] inline bool GetRice(BitReader& r, uint32_t k, uint32_t escape_bits, uint64_t* v) {
   const uint64_t peek = r.Peek();
   if (peek == 0) return false;
   const uint32_t q = static_cast<uint32_t>(__builtin_ctzll(peek));
@@ -119,7 +148,7 @@ inline bool GetRice(BitReader& r, uint32_t k, uint32_t escape_bits, uint64_t* v)
 // Exp-Golomb of order k: u = v + 2^k has L bits; L-1-k zeros, a one, then the
 // low L-1 bits of u. Short for small values, logarithmic for the tail. A run
 // of kEscape zeros announces `escape_bits` raw bits instead.
-inline void PutExpGolomb(BitWriter& w, uint64_t v, uint32_t k, uint32_t escape_bits) {
+[[gnu::always_inline]] inline void PutExpGolomb(BitWriter& w, uint64_t v, uint32_t k, uint32_t escape_bits) {
   const uint64_t u = v + (1ull << k);
   const uint32_t len = u < v ? 65 : BitLength(u);  // u < v: overflowed 64 bits
   const uint32_t zeros = len - 1 - k;
@@ -131,13 +160,13 @@ inline void PutExpGolomb(BitWriter& w, uint64_t v, uint32_t k, uint32_t escape_b
     PutRaw(w, v, escape_bits);
   }
 }
-inline uint64_t ExpGolombBits(uint64_t v, uint32_t k, uint32_t escape_bits) {
+[[gnu::always_inline]] inline uint64_t ExpGolombBits(uint64_t v, uint32_t k, uint32_t escape_bits) {
   const uint64_t u = v + (1ull << k);
   const uint32_t len = u < v ? 65 : BitLength(u);
   const uint32_t zeros = len - 1 - k;
   return zeros < kEscape && len <= 64 ? 2 * zeros + 1 + k : kEscape + 1 + escape_bits;
 }
-inline bool GetExpGolomb(BitReader& r, uint32_t k, uint32_t escape_bits, uint64_t* v) {
+[[gnu::always_inline]] inline bool GetExpGolomb(BitReader& r, uint32_t k, uint32_t escape_bits, uint64_t* v) {
   const uint64_t peek = r.Peek();
   if (peek == 0) return false;
   const uint32_t zeros = static_cast<uint32_t>(__builtin_ctzll(peek));
@@ -154,16 +183,21 @@ inline bool GetExpGolomb(BitReader& r, uint32_t k, uint32_t escape_bits, uint64_
   return true;
 }
 
-// The Exp-Golomb order (0..max_k) minimising the total size, and that size.
+// The Exp-Golomb order (0..kMaxExpGolombK) minimising the size of a sample
+// (every `stride`-th value), and that size scaled to all n values.
+constexpr uint32_t kMaxExpGolombK = 4;
 template <typename Get>
-std::pair<uint32_t, uint64_t> ChooseExpGolomb(size_t n, Get get, uint32_t escape_bits, uint32_t max_k) {
-  std::pair<uint32_t, uint64_t> best{0, ~0ull};
-  for (uint32_t k = 0; k <= max_k; ++k) {
-    uint64_t bits = 0;
-    for (size_t i = 0; i < n; ++i) bits += ExpGolombBits(get(i), k, escape_bits);
-    if (bits < best.second) best = {k, bits};
+std::pair<uint32_t, uint64_t> ChooseExpGolomb(size_t n, size_t stride, Get get, uint32_t escape_bits) {
+  uint64_t bits[kMaxExpGolombK + 1] = {};
+  size_t m = 0;
+  for (size_t i = 0; i < n; i += stride, ++m) {
+    const uint64_t v = get(i);
+    for (uint32_t k = 0; k <= kMaxExpGolombK; ++k) bits[k] += ExpGolombBits(v, k, escape_bits);
   }
-  return best;
+  uint32_t best = 0;
+  for (uint32_t k = 1; k <= kMaxExpGolombK; ++k)
+    if (bits[k] < bits[best]) best = k;
+  return {best, m ? bits[best] * n / m : 0};
 }
 
 // The Rice parameter minimising the total size of `values`, and that size.
@@ -171,18 +205,22 @@ struct RiceChoice {
   uint32_t k;
   uint64_t bits;
 };
+// Parameters are chosen on a sample (every `stride`-th value); `bits` is the
+// sample's size scaled to all n values: an estimate, used only to choose.
 template <typename Get>
-RiceChoice ChooseRice(size_t n, Get get, uint32_t escape_bits, uint32_t max_k) {
+RiceChoice ChooseRice(size_t n, size_t stride, Get get, uint32_t escape_bits, uint32_t max_k) {
   long double sum = 0;
-  for (size_t i = 0; i < n; ++i) sum += static_cast<long double>(get(i));
-  const double mean = n ? static_cast<double>(sum / static_cast<long double>(n)) : 0.0;
+  size_t m = 0;
+  for (size_t i = 0; i < n; i += stride, ++m) sum += static_cast<long double>(get(i));
+  const double mean = m ? static_cast<double>(sum / static_cast<long double>(m)) : 0.0;
   const int guess = mean > 1 ? static_cast<int>(std::floor(std::log2(mean * 0.6931))) : 0;
   RiceChoice best{0, ~0ull};
   for (int k = std::max(0, guess - 1); k <= std::min<int>(static_cast<int>(max_k), guess + 1); ++k) {
     uint64_t bits = 0;
-    for (size_t i = 0; i < n; ++i) bits += RiceBits(get(i), static_cast<uint32_t>(k), escape_bits);
+    for (size_t i = 0; i < n; i += stride) bits += RiceBits(get(i), static_cast<uint32_t>(k), escape_bits);
     if (bits < best.bits) best = {static_cast<uint32_t>(k), bits};
   }
+  best.bits = m ? best.bits * n / m : 0;
   return best;
 }
 
@@ -195,31 +233,155 @@ enum class ValueCoding : uint8_t {
 };
 constexpr size_t kSparsePrefix = 4;  // value coding, gap k, value k, reserved
 
-// Iterates the digest position hashes for increasing word indices.
-class PositionHashCursor {
+// The digest change of words moving from old to new, for increasing word
+// positions within one chunk (limb hashes are cached per block).
+class DigestDeltaCursor {
  public:
-  explicit PositionHashCursor(const DigestKey& key)
-      : key_(key), t0_(kernels::DigestTable(0)), t1_(kernels::DigestTable(1)) {}
-  void At(uint64_t index, uint64_t* h0, uint64_t* h1) {
-    const uint64_t block = index / kernels::kDigestBlock;
+  DigestDeltaCursor(const DigestKey& key, uint64_t first_byte, uint32_t word_bytes)
+      : key_(key), first_byte_(first_byte), wb_(word_bytes), t0_(kernels::DigestTable(0)),
+        t1_(kernels::DigestTable(1)) {}
+  [[gnu::always_inline]] void Add(uint32_t position, uint64_t old_word, uint64_t new_word) {
+    const uint64_t byte = first_byte_ + uint64_t{position} * wb_;
+    if (wb_ == 8) {
+      AddLimb(byte / 4, old_word & 0xFFFFFFFFu, new_word & 0xFFFFFFFFu);
+      AddLimb(byte / 4 + 1, old_word >> 32, new_word >> 32);
+    } else {
+      const uint32_t shift = 8 * (byte % 4);
+      AddLimb(byte / 4, old_word << shift, new_word << shift);
+    }
+  }
+  // The digest change of everything added so far.
+  Digest Total() const {
+    Digest d;
+    d.lane[0] = kernels::ModPrime(acc0_);
+    d.lane[1] = kernels::ModPrime(acc1_);
+    return d;
+  }
+
+ private:
+  // Adds H(limb) * (new - old) mod p, for limb values below 2^32. Each
+  // product is folded below 2^62 and summed in 128 bits (room for 2^66 of
+  // them); the one full reduction happens in Total().
+  [[gnu::always_inline]] void AddLimb(uint64_t limb, uint64_t old_y, uint64_t new_y) {
+    const uint64_t block = limb / kernels::kDigestBlock;
     if (block != block_) {
       block_ = block;
       s0_ = kernels::BlockSeed(key_.seed[0], block);
       s1_ = kernels::BlockSeed(key_.seed[1], block);
     }
-    const uint64_t j = index % kernels::kDigestBlock;
-    *h0 = (t0_[j] ^ s0_) | 1;
-    *h1 = (t1_[j] ^ s1_) | 1;
+    const uint64_t j = limb % kernels::kDigestBlock;
+    const uint64_t diff = new_y + kernels::kPrime - old_y;  // (new - old) mod p, below 2^62
+    const kernels::Uint128 t0 = static_cast<kernels::Uint128>(kernels::LimbHash(t0_[j], s0_)) * diff;
+    const kernels::Uint128 t1 = static_cast<kernels::Uint128>(kernels::LimbHash(t1_[j], s1_)) * diff;
+    acc0_ += static_cast<uint64_t>(t0 & kernels::kPrime) + static_cast<uint64_t>(t0 >> 61);
+    acc1_ += static_cast<uint64_t>(t1 & kernels::kPrime) + static_cast<uint64_t>(t1 >> 61);
   }
 
- private:
   DigestKey key_;
+  uint64_t first_byte_;
+  uint32_t wb_;
   const uint64_t *t0_, *t1_;
   uint64_t block_ = ~0ull, s0_ = 0, s1_ = 0;
+  kernels::Uint128 acc0_ = 0, acc1_ = 0;
 };
 
-Digest ChunkDigest(const DigestKey& key, uint32_t wb, uint64_t first_word, std::span<const uint8_t> bytes) {
-  return DigestWords(key, wb, first_word, bytes);
+// The new word from the old one and a frame's value.
+template <WordImage image>
+[[gnu::always_inline]] inline uint64_t NewWord(Mode mode, uint64_t old, uint64_t v, uint32_t bits) {
+  switch (mode) {
+    case Mode::kXor: return old ^ v;
+    case Mode::kAdd: return FromImage((ToImage(old, bits, image) + v) & Mask(bits), bits, image);
+    case Mode::kOverwrite: return v;
+  }
+  return v;
+}
+inline uint64_t NewWordAnyImage(Mode mode, uint64_t old, uint64_t v, uint32_t bits, WordImage image) {
+  switch (image) {
+    case WordImage::kSignMagnitude: return NewWord<WordImage::kSignMagnitude>(mode, old, v, bits);
+    case WordImage::kTwosComplement: return NewWord<WordImage::kTwosComplement>(mode, old, v, bits);
+    case WordImage::kPlain: return NewWord<WordImage::kPlain>(mode, old, v, bits);
+  }
+  return v;
+}
+
+// Decodes a sparse payload's changes, computing each new word from the
+// target's old one and the digest they give; writes nothing to the target.
+// All state lives in locals for the loop (stores through the output arrays
+// would otherwise force reloads of everything reachable by reference).
+// Instantiated per word type, value coding and image kind, so the loop has
+// no per-change dispatch.
+template <typename U, ValueCoding coding, WordImage image>
+Status DecodeSparse(uint32_t gap_k, uint32_t value_k, const FrameHeader& h, const std::string& where,
+                    const uint8_t* target, BitReader* reader, DigestDeltaCursor* cursor_out,
+                    uint32_t* positions, uint64_t* values) {
+  constexpr uint32_t bits = sizeof(U) * 8;
+  constexpr Mode mode = coding == ValueCoding::kRaw         ? Mode::kOverwrite
+                        : coding == ValueCoding::kXorLength ? Mode::kXor
+                                                            : Mode::kAdd;
+  BitReader r = *reader;
+  DigestDeltaCursor cursor = *cursor_out;
+  const uint32_t changed = h.changed, words = h.words;
+  uint64_t pos = 0;
+  const uint64_t gap_mask = Mask(gap_k);
+  for (uint32_t i = 0; i < changed; ++i) {
+    uint64_t g = 0;
+    uint64_t v = 0;
+    bool fast = false;
+    if constexpr (coding == ValueCoding::kSignExpGolomb) {
+      // The common case, decoded from one 56-bit window: a short Rice gap, a
+      // sign bit and a short Exp-Golomb value. Anything longer (escapes,
+      // the end of the data) takes the general path below.
+      if (r.Ensure56() >= 56) {
+        const uint64_t w = r.Peek();
+        const uint32_t q = static_cast<uint32_t>(__builtin_ctzll(w | (1ull << 56)));
+        const uint32_t gap_bits = q + 1 + gap_k;
+        if (q < kEscape && gap_bits < 56) {
+          const uint64_t w2 = w >> gap_bits;  // the sign bit, then the Exp-Golomb code
+          const uint32_t zeros = static_cast<uint32_t>(__builtin_ctzll((w2 >> 1) | (1ull << 54)));
+          const uint32_t low = zeros + value_k;
+          const uint32_t total = gap_bits + 1 + zeros + 1 + low;
+          if (zeros < kEscape && total <= 56) {
+            g = (static_cast<uint64_t>(q) << gap_k) | ((w >> (q + 1)) & gap_mask);
+            const bool negative = w2 & 1;
+            const uint64_t u = (1ull << low) | ((w2 >> (zeros + 2)) & Mask(low));
+            const uint64_t magnitude_minus_1 = u - (1ull << value_k);
+            if (magnitude_minus_1 > (Mask(bits) >> 1))
+              return DataLoss(fmt::format("{}: malformed value at change {}", where, i));
+            v = JoinSigned(negative, magnitude_minus_1, bits);
+            r.Consume(total);
+            fast = true;
+          }
+        }
+      }
+    }
+    if (!fast && !GetRice(r, gap_k, 32, &g))
+      return DataLoss(fmt::format("{}: malformed gap code at change {}", where, i));
+    pos = (i == 0 ? 0 : pos + 1) + g;
+    if (pos >= words)
+      return DataLoss(fmt::format("{}: change {} at word {} is past the chunk's {} words", where, i, pos, words));
+    if (fast) {
+    } else if constexpr (coding == ValueCoding::kRaw) {
+      v = GetRaw(r, bits);
+    } else if constexpr (coding == ValueCoding::kSignExpGolomb) {
+      const bool negative = r.Get(1) != 0;
+      if (!GetExpGolomb(r, value_k, bits, &v) || v > (Mask(bits) >> 1))
+        return DataLoss(fmt::format("{}: malformed value at change {}", where, i));
+      v = JoinSigned(negative, v, bits);
+    } else {
+      uint64_t len1;
+      if (!GetExpGolomb(r, value_k, 8, &len1) || len1 >= bits)
+        return DataLoss(fmt::format("{}: malformed xor length at change {}", where, i));
+      v = (1ull << len1) | GetRaw(r, static_cast<uint32_t>(len1));
+    }
+    const uint64_t old = Load<U>(target + pos * sizeof(U));
+    const uint64_t nw = NewWord<image>(mode, old, v, bits);
+    positions[i] = static_cast<uint32_t>(pos);
+    values[i] = nw;
+    cursor.Add(static_cast<uint32_t>(pos), old, nw);
+  }
+  *reader = r;
+  *cursor_out = cursor;
+  return Status::Ok();
 }
 
 }  // namespace
@@ -236,67 +398,77 @@ Result<bool> ChunkEncoder::Encode(const ChunkInput& in, const EncodeOptions& opt
   const uint32_t words = static_cast<uint32_t>(*chunk_bytes / wb);
   const auto& k = kernels::Kernels();
 
-  out->base_digest = ChunkDigest(in.key, wb, in.first_word, in.base);
-  positions_.resize(words);
-  const uint32_t n = k.find_changes(wb, in.base.data(), in.next.data(), words, positions_.data());
-  positions_.resize(n);
+  out->base_digest = in.base_digest ? *in.base_digest : DigestBytes(in.key, in.first_word * wb, in.base);
+  if (positions_.size() < words) {  // grow only: no per-call zeroing
+    positions_.resize(words);
+    olds_.resize(words);
+    news_.resize(words);
+    values_.resize(words);
+    negative_.resize(words);
+  }
+  const uint32_t n =
+      k.find_changes(wb, in.base.data(), in.next.data(), words, positions_.data(), olds_.data(), news_.data());
   if (n == 0) return false;
 
   // Digest of the target from the changes alone.
   Digest target = out->base_digest;
   {
-    PositionHashCursor cursor(in.key);
-    for (uint32_t i = 0; i < n; ++i) {
-      const uint32_t p = positions_[i];
-      const uint64_t d = LoadWord(in.next.data() + size_t{p} * wb, wb) - LoadWord(in.base.data() + size_t{p} * wb, wb);
-      uint64_t h0, h1;
-      cursor.At(in.first_word + p, &h0, &h1);
-      target.lane[0] += h0 * d;
-      target.lane[1] += h1 * d;
-    }
+    DigestDeltaCursor cursor(in.key, in.first_word * wb, wb);
+    for (uint32_t i = 0; i < n; ++i) cursor.Add(positions_[i], olds_[i], news_[i]);
+    target += cursor.Total();
   }
 
+  // Choose the mode and code parameters on a sample of the changes; then
+  // encode once with the winner.
+  const size_t stride = std::max<size_t>(1, n / 1024);
   auto gap = [&](size_t i) -> uint64_t { return i == 0 ? positions_[0] : positions_[i] - positions_[i - 1] - 1; };
-  const RiceChoice gaps = ChooseRice(n, gap, 32, 31);
+  const RiceChoice gaps = ChooseRice(n, stride, gap, 32, 31);
   const uint64_t dense_bytes = uint64_t{words} * wb;
   const WordImage image = ImageKind(in.dtype);
-  auto old_word = [&](size_t i) { return LoadWord(in.base.data() + size_t{positions_[i]} * wb, wb); };
-  auto new_word = [&](size_t i) { return LoadWord(in.next.data() + size_t{positions_[i]} * wb, wb); };
+  auto old_word = [&](size_t i) { return olds_[i]; };
+  auto new_word = [&](size_t i) { return news_[i]; };
+  auto add_delta = [&](size_t i) {
+    return (ToImage(news_[i], bits, image) - ToImage(olds_[i], bits, image)) & Mask(bits);
+  };
 
-  // Candidates within the class: (mode, value coding, value k, payload bytes).
   struct Candidate {
     Mode mode;
     ValueCoding coding;
     uint32_t value_k;
-    uint64_t bytes;
+    uint64_t bytes;  // estimated payload
   };
-  std::vector<Candidate> sparse;
+  Candidate best{Mode::kOverwrite, ValueCoding::kRaw, 0, ~0ull};
+  auto consider = [&](Candidate c) {
+    if (c.bytes < best.bytes) best = c;
+  };
   if (opt.delta_class == DeltaClass::kOverwrite) {
-    sparse.push_back({Mode::kOverwrite, ValueCoding::kRaw, 0, kSparsePrefix + (gaps.bits + uint64_t{n} * bits + 7) / 8});
+    consider({Mode::kOverwrite, ValueCoding::kRaw, 0, kSparsePrefix + (gaps.bits + uint64_t{n} * bits + 7) / 8});
   } else {
+    if (!opt.allow_add && !opt.allow_xor) return InvalidArgument("xor-class delta with both xor and add disabled");
     if (opt.allow_add) {
-      values_.resize(n);
-      negative_.resize(n);
-      for (uint32_t i = 0; i < n; ++i) {
-        bool neg;
-        SplitSigned((ToImage(new_word(i), bits, image) - ToImage(old_word(i), bits, image)) & Mask(bits), bits, &neg,
-                    &values_[i]);
-        negative_[i] = neg;
-      }
-      const auto [k_v, v_bits] = ChooseExpGolomb(n, [&](size_t i) { return values_[i]; }, bits, 4);
-      sparse.push_back({Mode::kAdd, ValueCoding::kSignExpGolomb, k_v, kSparsePrefix + (gaps.bits + n + v_bits + 7) / 8});
+      const auto [k_v, v_bits] = ChooseExpGolomb(n, stride, [&](size_t i) {
+        bool negative;
+        uint64_t magnitude_minus_1;
+        SplitSigned(add_delta(i), bits, &negative, &magnitude_minus_1);
+        return magnitude_minus_1;
+      }, bits);
+      consider({Mode::kAdd, ValueCoding::kSignExpGolomb, k_v, kSparsePrefix + (gaps.bits + n + v_bits + 7) / 8});
     }
     if (opt.allow_xor) {
-      uint64_t low_bits = 0;
+      uint64_t low_bits = 0, sampled = 0;
+      for (size_t i = 0; i < n; i += stride, ++sampled) low_bits += BitLength(old_word(i) ^ new_word(i)) - 1;
+      low_bits = low_bits * n / sampled;
       const auto [k_v, v_bits] = ChooseExpGolomb(
-          n, [&](size_t i) { return uint64_t{BitLength(old_word(i) ^ new_word(i))} - 1; }, 8, 4);
-      for (uint32_t i = 0; i < n; ++i) low_bits += BitLength(old_word(i) ^ new_word(i)) - 1;
-      sparse.push_back({Mode::kXor, ValueCoding::kXorLength, k_v, kSparsePrefix + (gaps.bits + v_bits + low_bits + 7) / 8});
+          n, stride, [&](size_t i) { return uint64_t{BitLength(old_word(i) ^ new_word(i))} - 1; }, 8);
+      consider({Mode::kXor, ValueCoding::kXorLength, k_v, kSparsePrefix + (gaps.bits + v_bits + low_bits + 7) / 8});
     }
-    if (sparse.empty()) return InvalidArgument("xor-class delta with both xor and add disabled");
   }
-  const Candidate best = *std::min_element(sparse.begin(), sparse.end(),
-                                           [](const Candidate& a, const Candidate& b) { return a.bytes < b.bytes; });
+  if (best.mode == Mode::kAdd)
+    for (uint32_t i = 0; i < n; ++i) {
+      bool negative;
+      SplitSigned(add_delta(i), bits, &negative, &values_[i]);
+      negative_[i] = negative;
+    }
 
   FrameHeader& h = out->header;
   h = FrameHeader{};
@@ -325,8 +497,7 @@ Result<bool> ChunkEncoder::Encode(const ChunkInput& in, const EncodeOptions& opt
       std::memcpy(scratch_.data(), in.next.data(), dense_bytes);
     } else {
       std::memset(scratch_.data(), 0, dense_bytes);
-      for (uint32_t i = 0; i < n; ++i)
-        StoreWord(scratch_.data() + size_t{positions_[i]} * wb, wb, dense_value(old_word(i), new_word(i)));
+      Scatter(scratch_.data(), wb, positions_.data(), n, [&](uint32_t i) { return dense_value(old_word(i), new_word(i)); });
     }
     std::vector<uint8_t>& payload = out->payload;
     payload.resize(ZSTD_compressBound(dense_bytes));
@@ -345,16 +516,37 @@ Result<bool> ChunkEncoder::Encode(const ChunkInput& in, const EncodeOptions& opt
   }
 
   // The sparse bitstream.
-  std::vector<uint8_t>& payload = out->payload;
-  payload.clear();
-  payload.reserve(best.bytes + 8);
-  payload.push_back(static_cast<uint8_t>(best.coding));
-  payload.push_back(static_cast<uint8_t>(gaps.k));
-  payload.push_back(static_cast<uint8_t>(best.value_k));
-  payload.push_back(0);
-  BitWriter w(&payload);
+  // Worst case per change: an escaped gap (33 + 32 bits) and an escaped
+  // value (a sign bit, 33 + 64 bits, or a length code and 63 bits).
+  const size_t buffer_bytes = BitWriter::BufferBytes(uint64_t{n} * (65 + 98));
+  if (bits_capacity_ < buffer_bytes) {  // grow only, never zeroed
+    bits_buffer_ = std::make_unique_for_overwrite<uint8_t[]>(buffer_bytes);
+    bits_capacity_ = buffer_bytes;
+  }
+  BitWriter w(bits_buffer_.get());
+  const uint32_t gk = gaps.k, vk = best.value_k;
+  const uint64_t gap_mask = Mask(gk);
+  const uint32_t* positions = positions_.data();
+  const uint64_t* magnitudes = values_.data();
+  const uint8_t* negatives = negative_.data();
   for (uint32_t i = 0; i < n; ++i) {
-    PutRice(w, gap(i), gaps.k, 32);
+    const uint64_t g = i == 0 ? positions[0] : positions[i] - positions[i - 1] - 1;
+    if (best.coding == ValueCoding::kSignExpGolomb) {
+      // The common case as one code word: Rice gap, sign, Exp-Golomb value.
+      const uint64_t q = g >> gk;
+      const uint64_t u = magnitudes[i] + (1ull << vk);
+      const uint32_t len = u < magnitudes[i] ? 65 : BitLength(u);
+      const uint32_t zeros = len - 1 - vk;
+      const uint64_t gap_bits = q + 1 + gk;
+      if (q < kEscape && zeros < kEscape && gap_bits + 1 + zeros + len <= 56) {
+        uint64_t code = (1ull << q) | ((g & gap_mask) << (q + 1));
+        code |= uint64_t{negatives[i]} << gap_bits;
+        code |= ((1ull << zeros) | ((u & Mask(len - 1)) << (zeros + 1))) << (gap_bits + 1);
+        w.Put(code, static_cast<uint32_t>(gap_bits + 1 + zeros + len));
+        continue;
+      }
+    }
+    PutRice(w, g, gk, 32);
     switch (best.coding) {
       case ValueCoding::kRaw: PutRaw(w, new_word(i), bits); break;
       case ValueCoding::kSignExpGolomb:
@@ -370,8 +562,25 @@ Result<bool> ChunkEncoder::Encode(const ChunkInput& in, const EncodeOptions& opt
       }
     }
   }
-  w.Finish();
+  const size_t stream_bytes = w.Finish();
+  std::vector<uint8_t>& payload = out->payload;
+  payload.resize(kSparsePrefix + stream_bytes);
+  payload[0] = static_cast<uint8_t>(best.coding);
+  payload[1] = static_cast<uint8_t>(gaps.k);
+  payload[2] = static_cast<uint8_t>(best.value_k);
+  payload[3] = 0;
+  std::memcpy(payload.data() + kSparsePrefix, bits_buffer_.get(), stream_bytes);
   h.codec = Codec::kSparse;
+  if (payload.size() >= dense_bytes) {  // the estimate was optimistic: cap at the dense size
+    payload.resize(dense_bytes);
+    if (best.mode == Mode::kOverwrite) {
+      std::memcpy(payload.data(), in.next.data(), dense_bytes);
+    } else {
+      std::memset(payload.data(), 0, dense_bytes);
+      Scatter(payload.data(), wb, positions_.data(), n, [&](uint32_t i) { return dense_value(old_word(i), new_word(i)); });
+    }
+    h.codec = Codec::kRaw;
+  }
   return true;
 }
 
@@ -397,9 +606,16 @@ Result<ApplyOutcome> ChunkApplier::Apply(const FrameView& frame, const DigestKey
         where, current.ToHex(), h.base_digest.ToHex()));
 
   const WordImage image = ImageKind(h.dtype);
+  if (positions_.size() < h.words) {  // grow only: no per-call zeroing
+    positions_.resize(h.words);
+    values_.resize(h.words);
+  }
+  // Decoding, the new words and the digest they give run in one pass over
+  // the changes; the target is written only after the digest checks out.
+  Digest d = current;
+  DigestDeltaCursor cursor(key, first_word * wb, wb);
   uint32_t n = 0;
-  positions_.resize(h.words);
-  values_.resize(h.words);
+  Status error;
   if (h.codec == Codec::kSparse) {
     if (frame.payload.size() < kSparsePrefix) return DataLoss(where + ": sparse payload shorter than its prefix");
     const auto coding = static_cast<ValueCoding>(frame.payload[0]);
@@ -410,35 +626,27 @@ Result<ApplyOutcome> ChunkApplier::Apply(const FrameView& frame, const DigestKey
     const bool coding_fits = (h.mode == Mode::kOverwrite && coding == ValueCoding::kRaw) ||
                              (h.mode == Mode::kAdd && coding == ValueCoding::kSignExpGolomb) ||
                              (h.mode == Mode::kXor && coding == ValueCoding::kXorLength);
-    if (!coding_fits) return DataLoss(fmt::format("{}: value coding {} does not fit mode {}", where, frame.payload[0], ModeName(h.mode)));
+    if (!coding_fits)
+      return DataLoss(fmt::format("{}: value coding {} does not fit mode {}", where, frame.payload[0], ModeName(h.mode)));
     BitReader r(frame.payload.subspan(kSparsePrefix));
-    uint64_t pos = 0;
-    for (uint32_t i = 0; i < h.changed; ++i) {
-      uint64_t g;
-      if (!GetRice(r, gap_k, 32, &g)) return DataLoss(fmt::format("{}: malformed gap code at change {}", where, i));
-      pos = (i == 0 ? 0 : pos + 1) + g;
-      if (pos >= h.words) return DataLoss(fmt::format("{}: change {} at word {} is past the chunk's {} words", where, i, pos, h.words));
-      uint64_t v = 0;
+    WithWordType(wb, [&](auto u) {
+      using U = decltype(u);
+      auto run = [&](auto decode) {
+        error = decode(gap_k, value_k, h, where, target.data(), &r, &cursor, positions_.data(), values_.data());
+      };
+      using C = ValueCoding;
+      using I = WordImage;
       switch (coding) {
-        case ValueCoding::kRaw: v = GetRaw(r, bits); break;
-        case ValueCoding::kSignExpGolomb: {
-          const bool negative = r.Get(1) != 0;
-          if (!GetExpGolomb(r, value_k, bits, &v) || v > (Mask(bits) >> 1))
-            return DataLoss(fmt::format("{}: malformed value at change {}", where, i));
-          v = JoinSigned(negative, v, bits);
+        case C::kRaw: run(DecodeSparse<U, C::kRaw, I::kPlain>); break;
+        case C::kXorLength: run(DecodeSparse<U, C::kXorLength, I::kPlain>); break;
+        case C::kSignExpGolomb:
+          if (image == I::kSignMagnitude) run(DecodeSparse<U, C::kSignExpGolomb, I::kSignMagnitude>);
+          else if (image == I::kTwosComplement) run(DecodeSparse<U, C::kSignExpGolomb, I::kTwosComplement>);
+          else run(DecodeSparse<U, C::kSignExpGolomb, I::kPlain>);
           break;
-        }
-        case ValueCoding::kXorLength: {
-          uint64_t len1;
-          if (!GetExpGolomb(r, value_k, 8, &len1) || len1 >= bits)
-            return DataLoss(fmt::format("{}: malformed xor length at change {}", where, i));
-          v = (1ull << len1) | GetRaw(r, static_cast<uint32_t>(len1));
-          break;
-        }
       }
-      positions_[i] = static_cast<uint32_t>(pos);
-      values_[i] = v;
-    }
+    });
+    DCR_RETURN_IF_ERROR(error);
     if (r.overrun()) return DataLoss(where + ": sparse payload ends early");
     if (!r.AtPaddedEnd()) return DataLoss(where + ": sparse payload has bytes after its last change");
     n = h.changed;
@@ -461,32 +669,25 @@ Result<ApplyOutcome> ChunkApplier::Apply(const FrameView& frame, const DigestKey
                                     ZSTD_isError(got) ? ZSTD_getErrorName(got) : "short output"));
       dense = dense_;
     }
-    for (uint32_t p = 0; p < h.words; ++p) {
-      const uint64_t v = LoadWord(dense.data() + size_t{p} * wb, wb);
-      const bool change = h.mode == Mode::kOverwrite ? v != LoadWord(target.data() + size_t{p} * wb, wb) : v != 0;
-      if (!change) continue;
-      positions_[n] = p;
-      values_[n] = v;
-      ++n;
-    }
+    const bool overwrite = h.mode == Mode::kOverwrite;
+    WithWordType(wb, [&](auto u) {
+      using U = decltype(u);
+      for (uint32_t p = 0; p < h.words; ++p) {
+        const U v = Load<U>(dense.data() + size_t{p} * sizeof(U));
+        const U old = Load<U>(target.data() + size_t{p} * sizeof(U));
+        if (overwrite ? v == old : v == 0) continue;
+        const uint64_t nw = NewWordAnyImage(h.mode, old, v, bits, image);
+        positions_[n] = p;
+        values_[n] = nw;
+        cursor.Add(p, old, nw);
+        ++n;
+      }
+    });
     if (h.mode != Mode::kOverwrite && n != h.changed)
       return DataLoss(fmt::format("{}: dense payload holds {} changes, the header says {}", where, n, h.changed));
   }
 
-  // New words and the digest they give, before touching the target.
-  Digest d = current;
-  PositionHashCursor cursor(key);
-  for (uint32_t i = 0; i < n; ++i) {
-    const uint64_t old = LoadWord(target.data() + size_t{positions_[i]} * wb, wb);
-    uint64_t nw = values_[i];
-    if (h.mode == Mode::kXor) nw = old ^ values_[i];
-    else if (h.mode == Mode::kAdd) nw = FromImage((ToImage(old, bits, image) + values_[i]) & Mask(bits), bits, image);
-    values_[i] = nw;
-    uint64_t h0, h1;
-    cursor.At(first_word + positions_[i], &h0, &h1);
-    d.lane[0] += h0 * (nw - old);
-    d.lane[1] += h1 * (nw - old);
-  }
+  d += cursor.Total();
   if (d != h.target_digest) {
     if (h.mode == Mode::kOverwrite && current != h.base_digest)
       return FailedPrecondition(fmt::format(
@@ -496,7 +697,7 @@ Result<ApplyOutcome> ChunkApplier::Apply(const FrameView& frame, const DigestKey
     return DataLoss(fmt::format("{}: decodes to digest {} but the frame promises {}", where, d.ToHex(),
                                 h.target_digest.ToHex()));
   }
-  for (uint32_t i = 0; i < n; ++i) StoreWord(target.data() + size_t{positions_[i]} * wb, wb, values_[i]);
+  Scatter(target.data(), wb, positions_.data(), n, [&](uint32_t i) { return values_[i]; });
   *after = d;
   return ApplyOutcome::kApplied;
 }

@@ -103,8 +103,7 @@ std::vector<std::vector<Digest>> ChunkDigests(const Checkpoint& ckpt, const Delt
     uint64_t first_word, words;
     uint32_t elements;
     m.ChunkWords(t, c, &first_word, &words, &elements);
-    out[t][c] = DigestWords(keys[t], WordBytes(m.tensors[t].dtype), first_word,
-                            ckpt.Data(index[t]).subspan(offset, bytes));
+    out[t][c] = DigestBytes(keys[t], offset, ckpt.Data(index[t]).subspan(offset, bytes));
     if (progress) progress->Add(bytes);
   });
   return out;
@@ -275,43 +274,66 @@ Result<ApplyReport> ApplyDelta(Checkpoint& target, const DeltaReader& delta, Pro
   DCR_RETURN_IF_ERROR(CheckSameTensors(target, m));
   const auto digests = ChunkDigests(target, m, nullptr, pool);
 
-  // Classify frames: done (chunk at target) or pending (chunk at base); any
-  // other chunk state, or a tensor whose unchanged chunks moved, is refused.
-  std::vector<uint8_t> done(m.frames.size(), 0);
-  std::vector<Digest> expected(m.tensors.size());
-  for (size_t t = 0; t < m.tensors.size(); ++t) expected[t] = m.tensors[t].base_digest;
-  for (size_t i = 0; i < m.frames.size(); ++i) {
-    const auto& e = m.frames[i];
-    DCR_ASSIGN_OR_RETURN(FrameView frame, delta.Frame(i));
-    const Digest& current = digests[e.tensor][e.chunk];
-    if (current == frame.header.target_digest) {
-      done[i] = 1;
-      expected[e.tensor] += frame.header.target_digest - frame.header.base_digest;
-    } else if (current != frame.header.base_digest && frame.header.mode != Mode::kOverwrite) {
-      return FailedPrecondition(fmt::format(
-          "{} is not the base of delta {}: tensor '{}' chunk {} holds other bits (digest {}); apply the delta to its "
-          "base version, or use an overwrite delta",
-          target.path(), delta.dir(), m.tensors[e.tensor].name, e.chunk, current.ToHex()));
-    }
-  }
-  for (size_t t = 0; t < m.tensors.size(); ++t) {
-    Digest current;
-    for (const auto& d : digests[t]) current += d;
-    bool overwrite_pending = false;
-    for (size_t i = 0; i < m.frames.size(); ++i)
-      if (m.frames[i].tensor == t && !done[i] && m.frames[i].mode == Mode::kOverwrite) overwrite_pending = true;
-    if (current != expected[t] && !overwrite_pending)
-      return FailedPrecondition(fmt::format(
-          "{} is not the base of delta {}: tensor '{}' differs (digest {}, the delta's base is {})", target.path(),
-          delta.dir(), m.tensors[t].name, current.ToHex(), m.tensors[t].base_digest.ToHex()));
-  }
-
   std::vector<size_t> target_index(m.tensors.size());
   std::vector<DigestKey> keys(m.tensors.size());
   for (size_t t = 0; t < m.tensors.size(); ++t) {
     target_index[t] = static_cast<size_t>(target.Find(m.tensors[t].name));
     keys[t] = MakeDigestKey(m.tensors[t].name);
   }
+
+  // Classify frames: done (chunk at target), pending (chunk at base), or,
+  // for overwrite frames only, repairable (the chunk holds other bits that
+  // the frame still turns into its target: a dense overwrite always, a
+  // sparse one when the chunk differs from the target only at its
+  // positions, which a dry run on a copy decides). Any other chunk state, or
+  // a tensor whose frameless or base chunks moved, is refused before a byte
+  // is written.
+  std::vector<uint8_t> done(m.frames.size(), 0);
+  std::vector<Digest> expected(m.tensors.size()), current(m.tensors.size());
+  for (size_t t = 0; t < m.tensors.size(); ++t) {
+    expected[t] = m.tensors[t].base_digest;
+    for (const auto& d : digests[t]) current[t] += d;
+  }
+  auto not_base = [&](const DeltaFrameEntry& e, std::string_view why) {
+    return FailedPrecondition(fmt::format(
+        "{} is not the base of delta {}: tensor '{}' chunk {} holds other bits (digest {}){}; apply the delta to its "
+        "base version, or use an overwrite delta",
+        target.path(), delta.dir(), m.tensors[e.tensor].name, e.chunk, digests[e.tensor][e.chunk].ToHex(), why));
+  };
+  ChunkApplier dry_run;
+  std::vector<uint8_t> scratch;
+  for (size_t i = 0; i < m.frames.size(); ++i) {
+    const auto& e = m.frames[i];
+    DCR_ASSIGN_OR_RETURN(FrameView frame, delta.Frame(i));
+    const Digest& now = digests[e.tensor][e.chunk];
+    if (now == frame.header.target_digest) {
+      done[i] = 1;
+      expected[e.tensor] += frame.header.target_digest - frame.header.base_digest;
+    } else if (now != frame.header.base_digest) {
+      if (frame.header.mode != Mode::kOverwrite) return not_base(e, "");
+      if (frame.header.codec == Codec::kSparse) {
+        const auto [offset, bytes] = ChunkByteRange(m, e.tensor, e.chunk);
+        const auto data = target.Data(target_index[e.tensor]).subspan(offset, bytes);
+        scratch.assign(data.begin(), data.end());
+        uint64_t first_word, words;
+        uint32_t elements;
+        m.ChunkWords(e.tensor, e.chunk, &first_word, &words, &elements);
+        Digest after;
+        if (!dry_run.Apply(frame, keys[e.tensor], first_word, scratch, now, &after).ok())
+          return not_base(e, " that this overwrite frame cannot repair");
+      }
+      // Repairable: leave the chunk out of its tensor's check.
+      current[e.tensor] -= now;
+      expected[e.tensor] -= frame.header.base_digest;
+    }
+  }
+  for (size_t t = 0; t < m.tensors.size(); ++t)
+    if (current[t] != expected[t])
+      return FailedPrecondition(fmt::format(
+          "{} is not the base of delta {}: tensor '{}' differs outside the delta's frames (digest {}, the delta's "
+          "base is {})",
+          target.path(), delta.dir(), m.tensors[t].name, current[t].ToHex(), m.tensors[t].base_digest.ToHex()));
+
   std::vector<Status> errors(m.frames.size());
   std::atomic<uint64_t> applied{0}, payload{0}, changed{0};
   PoolOr(pool).ParallelFor(m.frames.size(), [&](size_t i) {

@@ -19,9 +19,9 @@ const KernelSet& Kernels() {
   static const KernelSet set = [] {
 #if defined(__x86_64__)
     if (__builtin_cpu_supports("avx2"))
-      return KernelSet{avx2::CompareWholeBytes, avx2::DigestWords, avx2::FindChanges};
+      return KernelSet{avx2::CompareWholeBytes, avx2::DigestLimbs, avx2::FindChanges};
 #endif
-    return KernelSet{generic::CompareWholeBytes, generic::DigestWords, generic::FindChanges};
+    return KernelSet{generic::CompareWholeBytes, generic::DigestLimbs, generic::FindChanges};
   }();
   return set;
 }

@@ -20,9 +20,11 @@ using CompareWholeBytesFn = void (*)(uint32_t bits, Image image, const uint8_t* 
                                      uint64_t sign_mask, uint64_t exponent_mask, uint64_t mantissa_mask,
                                      BitDiffStats* out);
 
-// The digest's position hash (include/dcr/digest.h): word i of a tensor
-// with per-lane seed s has H(i) = (table[i % kDigestBlock] ^ BlockSeed(s, i / kDigestBlock)) | 1.
+// The digest's limb hash (include/dcr/digest.h): limb m of a tensor with
+// per-lane seed s has H(m) = LimbHash(table[m % kDigestBlock], BlockSeed(s, m / kDigestBlock)).
 inline constexpr uint64_t kDigestBlock = 4096;
+inline constexpr uint64_t kPrime = (1ull << 61) - 1;
+__extension__ typedef unsigned __int128 Uint128;  // GCC and clang; __extension__ keeps -Wpedantic quiet
 // `static`: every kernel build keeps its own copy (no shared inline symbol
 // compiled for AVX2 reaching a generic caller).
 static inline uint64_t DigestMix(uint64_t x) {
@@ -32,31 +34,42 @@ static inline uint64_t DigestMix(uint64_t x) {
   return x ^ (x >> 31);
 }
 static inline uint64_t BlockSeed(uint64_t seed, uint64_t block) { return DigestMix(seed ^ DigestMix(block)); }
+// In [1, 2^60]: never 0 mod the prime.
+static inline uint64_t LimbHash(uint64_t table_entry, uint64_t block_seed) { return ((table_entry ^ block_seed) >> 4) + 1; }
+// x mod (2^61 - 1) for any 128-bit x.
+static inline uint64_t ModPrime(Uint128 x) {
+  uint64_t lo = static_cast<uint64_t>(x & kPrime) + static_cast<uint64_t>((x >> 61) & kPrime);
+  const uint64_t hi = static_cast<uint64_t>(x >> 122);  // at most 63
+  lo = (lo & kPrime) + (lo >> 61) + hi;
+  lo = (lo & kPrime) + (lo >> 61);
+  return lo >= kPrime ? lo - kPrime : lo;
+}
 // The two lanes' fixed tables of kDigestBlock odd-or-even random words.
 const uint64_t* DigestTable(int lane);
 
-// Adds the digest terms of words [first, first + n) (little-endian words of
-// `word_bytes` at `bytes`) to acc[0], acc[1].
-using DigestWordsFn = void (*)(uint32_t word_bytes, const uint64_t seed[2], uint64_t first, const uint8_t* bytes,
-                               uint64_t n, uint64_t acc[2]);
+// Adds the digest terms of whole limbs [first, first + n) (4n bytes at
+// `bytes`) to acc[0], acc[1] (residues mod the prime).
+using DigestLimbsFn = void (*)(const uint64_t seed[2], uint64_t first, const uint8_t* bytes, uint64_t n,
+                               uint64_t acc[2]);
 
 // Writes the indices j < n where the words of a and b differ into
-// `positions` (room for n) and returns how many there are.
+// `positions`, and those words of a and b into `olds` and `news` (each with
+// room for n), and returns how many there are.
 using FindChangesFn = uint32_t (*)(uint32_t word_bytes, const uint8_t* a, const uint8_t* b, uint32_t n,
-                                   uint32_t* positions);
+                                   uint32_t* positions, uint64_t* olds, uint64_t* news);
 
 struct KernelSet {
   CompareWholeBytesFn compare;
-  DigestWordsFn digest;
+  DigestLimbsFn digest;
   FindChangesFn find_changes;
 };
 
 #define DCR_DECLARE_KERNELS                                                                                     \
   void CompareWholeBytes(uint32_t bits, Image image, const uint8_t* a, const uint8_t* b, uint64_t n,            \
                          uint64_t sign_mask, uint64_t exponent_mask, uint64_t mantissa_mask, BitDiffStats* out); \
-  void DigestWords(uint32_t word_bytes, const uint64_t seed[2], uint64_t first, const uint8_t* bytes, uint64_t n,  \
-                   uint64_t acc[2]);                                                                             \
-  uint32_t FindChanges(uint32_t word_bytes, const uint8_t* a, const uint8_t* b, uint32_t n, uint32_t* positions);
+  void DigestLimbs(const uint64_t seed[2], uint64_t first, const uint8_t* bytes, uint64_t n, uint64_t acc[2]);     \
+  uint32_t FindChanges(uint32_t word_bytes, const uint8_t* a, const uint8_t* b, uint32_t n, uint32_t* positions, \
+                       uint64_t* olds, uint64_t* news);
 
 namespace generic {
 DCR_DECLARE_KERNELS

@@ -1,5 +1,6 @@
 #include <fmt/format.h>
 
+#include <cstdlib>
 #include <nlohmann/json.hpp>
 
 #include "dcr/delta.h"
@@ -84,9 +85,9 @@ Result<DeltaManifest> DeltaManifest::FromJson(std::string_view text, const std::
   if (version != 1) return Unimplemented(fmt::format("{}: delta format version {} (this dcr reads 1)", where, version));
   DeltaManifest m;
   DCR_ASSIGN_OR_RETURN(std::string id, Str(doc, "delta_id", where));
-  Digest id_check;
-  if (id.size() != 16 || !Digest::FromHex(id + std::string(16, '0'), &id_check)) return Bad(where, "'delta_id' must be 16 hex digits");
-  m.delta_id = id_check.lane[0];
+  if (id.size() != 16 || id.find_first_not_of("0123456789abcdef") != std::string::npos)
+    return Bad(where, "'delta_id' must be 16 lowercase hex digits");
+  m.delta_id = std::strtoull(id.c_str(), nullptr, 16);
   DCR_ASSIGN_OR_RETURN(std::string cls, Str(doc, "class", where));
   if (cls == "xor") m.delta_class = DeltaClass::kXorClass;
   else if (cls == "overwrite") m.delta_class = DeltaClass::kOverwrite;

@@ -1,10 +1,17 @@
 #!/usr/bin/env python3
-"""Writes a seed corpus of small safetensors files (valid and subtly broken)
-into the directory given as argv[1]. Standard library only."""
+"""Writes seed corpora for the fuzz targets: OUT/safetensors_header_fuzz
+(small safetensors files, valid and subtly broken), and, using the dcr binary
+given as argv[2], OUT/frame_fuzz (single frames of real deltas in every mode)
+and OUT/manifest_fuzz (their manifests). Standard library only.
+
+usage: seeds.py OUT DCR_BINARY
+"""
 import json
 import os
 import struct
+import subprocess
 import sys
+import tempfile
 
 
 def safetensors(tensors, metadata=None, pad=True, data_extra=b""):
@@ -23,9 +30,41 @@ def safetensors(tensors, metadata=None, pad=True, data_extra=b""):
     return struct.pack("<Q", len(text)) + text + data + data_extra
 
 
+def delta_seeds(dcr, frames_out, manifests_out):
+    """Small deltas in both classes; every frame becomes one seed file."""
+    os.makedirs(frames_out, exist_ok=True)
+    os.makedirs(manifests_out, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([dcr, "gen", "-o", f"{tmp}/g", "--family", "deepseek-v3", "--size", "1MB",
+                        "--versions", "1", "--rate", "0.05", "--seed", "5"], check=True, capture_output=True)
+        n = 0
+        for mode, chunk, extra in (("xor", "4096", []), ("xor", "65536", ["--no-add"]), ("overwrite", "2048", [])):
+            d = f"{tmp}/d-{mode}-{chunk}-{len(extra)}"
+            subprocess.run([dcr, "delta", "make", f"{tmp}/g/v0", f"{tmp}/g/v1", "-o", d, "--mode", mode,
+                            "--chunk", chunk, *extra], check=True, capture_output=True)
+            with open(f"{d}/manifest.json", "rb") as f:
+                manifest = f.read()
+            with open(os.path.join(manifests_out, f"manifest-{n}"), "wb") as f:
+                f.write(manifest)
+            doc = json.loads(manifest)
+            small = dict(doc, tensors=doc["tensors"][:2], frames=[f for f in doc["frames"] if f["tensor"] < 2][:3])
+            with open(os.path.join(manifests_out, f"manifest-small-{n}"), "w") as f:
+                json.dump(small, f)
+            data = open(f"{d}/frames.bin", "rb").read()
+            for entry in doc["frames"][:40]:
+                frame = data[entry["offset"]:entry["offset"] + entry["bytes"]]
+                if len(frame) > 64 << 10:
+                    continue  # keep seeds small
+                for variant, first in (("checked", frame[0]), ("resealed", frame[0] | 1)):
+                    with open(os.path.join(frames_out, f"frame-{n}-{variant}"), "wb") as f:
+                        f.write(bytes([first]) + frame[1:])
+                n += 1
+
+
 def main():
-    out = sys.argv[1]
+    out = os.path.join(sys.argv[1], "safetensors_header_fuzz")
     os.makedirs(out, exist_ok=True)
+    delta_seeds(sys.argv[2], os.path.join(sys.argv[1], "frame_fuzz"), os.path.join(sys.argv[1], "manifest_fuzz"))
     seeds = {
         "empty_header": safetensors([]),
         "one_bf16": safetensors([("w", "BF16", [2, 3], 12)]),

@@ -119,7 +119,11 @@ int RunVerify(const DeltaArgs& a) {
                 {"differing", report->differing}};
     fmt::print("{}\n", doc.dump(2));
   } else {
-    for (const auto& name : report->differing) fmt::print("differs: {}\n", name);
+    constexpr size_t kShown = 20;
+    for (size_t i = 0; i < std::min(kShown, report->differing.size()); ++i)
+      fmt::print("differs: {}\n", report->differing[i]);
+    if (report->differing.size() > kShown)
+      fmt::print("... and {} more tensors (--json lists all)\n", report->differing.size() - kShown);
     fmt::print("{} {} the delta's {}\n", a.target, report->matches ? "is" : "is NOT", what);
   }
   return report->matches ? kExitOk : kExitDiffers;

@@ -1,0 +1,718 @@
+// dcr_codec_bench [--dir DIR] [--size 1GB] [--quick] [--reps N] [--sets training-3,stress-5]
+//
+// The chunk codec (ChunkEncoder / ChunkApplier) against the reference
+// paper's codec and two simpler baselines, on generated qwen3-moe-like
+// checkpoint pairs: the training update model at 1%, 3%, 5% and the stress
+// model at 3%, 5%. Every chunk of every tensor (2^20 elements, as
+// DeltaManifest::ChunkWords cuts them) is encoded, applied to an in-memory
+// copy of the base, and the copy is checked against the next version byte
+// for byte. Baselines, measured in the same run on the same chunks:
+//   (a) the paper's codec: changed positions as gaps (the first position,
+//       then differences) at the smallest of uint16/32/64 that fits every gap
+//       of the chunk, values as raw XOR bits at word width; each array
+//       compressed with zstd level 1;
+//   (b) zstd level 1 of the chunk's dense XOR mask;
+//   (c) the dense new bits of every chunk (size only).
+// Also shown, size only: (a') = (a) with each array stored as byte planes
+// (not the paper's layout; zstd-1 compresses it much better).
+// Throughputs are GB/s of dense (base) bytes per core: with 1 thread, and
+// with every core divided by the number of threads. Timings are the best of
+// --reps runs (3; --quick: 1, and a 128 MB checkpoint).
+#include <fmt/format.h>
+#include <zstd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dcr/checkpoint.h"
+#include "dcr/chunk_codec.h"
+#include "dcr/delta.h"
+#include "dcr/digest.h"
+#include "dcr/progress.h"
+#include "dcr/synth.h"
+#include "dcr/thread_pool.h"
+
+namespace {
+
+using namespace dcr;
+
+constexpr uint64_t kChunkElements = kDefaultChunkElements;  // 2^20
+
+[[noreturn]] void Die(const std::string& what) {
+  fmt::print(stderr, "dcr_codec_bench: {}\n", what);
+  std::fflush(stdout);
+  std::abort();
+}
+
+// ---- data sets ----------------------------------------------------------------
+
+struct DataSet {
+  std::string name;  // "training 3%"
+  std::string key;   // "training-3" (for --sets)
+  UpdateModel update;
+  double rate;
+  std::string dir;
+  // From gen.json.
+  uint64_t bytes = 0, elements = 0, changed = 0;
+  uint64_t tensors = 0, chunks = 0;
+};
+
+std::vector<DataSet> AllDataSets(const std::string& dir, uint64_t size) {
+  std::vector<DataSet> sets;
+  auto add = [&](UpdateModel u, double rate) {
+    DataSet d;
+    d.update = u;
+    d.rate = rate;
+    d.name = fmt::format("{} {:g}%", UpdateModelName(u), rate * 100);
+    d.key = fmt::format("{}-{:g}", UpdateModelName(u), rate * 100);
+    d.dir = fmt::format("{}/qwen3-moe-{}-{}-{}", dir, size, UpdateModelName(u), rate);
+    sets.push_back(d);
+  };
+  add(UpdateModel::kTraining, 0.01);
+  add(UpdateModel::kTraining, 0.03);
+  add(UpdateModel::kTraining, 0.05);
+  add(UpdateModel::kStress, 0.03);
+  add(UpdateModel::kStress, 0.05);
+  return sets;
+}
+
+void EnsureGenerated(DataSet& d, uint64_t size) {
+  GenOptions opt;
+  opt.shape = ShapeForSize(Family::kQwen3Moe, size);
+  opt.versions = 1;
+  opt.update = d.update;
+  opt.rate = d.rate;
+  opt.seed = 1;
+  const std::string meta = d.dir + "/gen.json";
+  if (!std::filesystem::exists(meta)) {
+    std::fflush(stdout);
+    fmt::print(stderr, "generating {} in {} ...\n", d.name, d.dir);
+    Progress progress(fmt::format("gen {}", d.name), ModelBytes(opt.shape) * 2);
+    auto report = GenerateVersions(d.dir, opt, &progress);
+    progress.Finish();
+    if (!report.ok()) Die(fmt::format("generating {}: {}", d.dir, report.status().ToString()));
+  }
+  std::ifstream in(meta);
+  std::stringstream text;
+  text << in.rdbuf();
+  const auto doc = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  if (doc.is_discarded() || !doc.contains("changed_per_version") || !doc.contains("elements_per_version"))
+    Die(fmt::format("{} is unreadable; delete {} to regenerate", meta, d.dir));
+  d.bytes = doc["bytes_per_version"].get<uint64_t>();
+  d.elements = doc["elements_per_version"].get<uint64_t>();
+  d.changed = doc["changed_per_version"][0].get<uint64_t>();
+}
+
+// ---- chunks ---------------------------------------------------------------------
+
+struct ChunkRef {
+  uint32_t base_tensor, next_tensor;  // indices in the two checkpoints
+  uint32_t key;                       // index into keys
+  DType dtype;
+  uint32_t wb;
+  uint64_t first_word, words;
+  uint32_t elements;
+  uint64_t offset, bytes;  // within the tensor's data
+  uint64_t work_offset;    // within the apply copy
+};
+
+struct Pair {
+  Checkpoint base, next;
+  std::vector<DigestKey> keys;        // per base tensor
+  std::vector<uint64_t> work_offset;  // per base tensor
+  std::vector<size_t> next_index;     // per base tensor: its index in next
+  std::vector<ChunkRef> chunks;
+  uint64_t bytes = 0;
+
+  std::span<const uint8_t> Base(const ChunkRef& c) const { return base.Data(c.base_tensor).subspan(c.offset, c.bytes); }
+  std::span<const uint8_t> Next(const ChunkRef& c) const { return next.Data(c.next_tensor).subspan(c.offset, c.bytes); }
+};
+
+std::unique_ptr<Pair> OpenPair(const DataSet& d) {
+  auto a = Checkpoint::Open(d.dir + "/v0");
+  if (!a.ok()) Die(a.status().ToString());
+  auto b = Checkpoint::Open(d.dir + "/v1");
+  if (!b.ok()) Die(b.status().ToString());
+  auto p = std::make_unique<Pair>(Pair{std::move(*a), std::move(*b), {}, {}, {}, {}, 0});
+  uint64_t work = 0;
+  for (size_t t = 0; t < p->base.size(); ++t) {
+    const TensorInfo& info = p->base.tensors()[t];
+    const int64_t j = p->next.Find(info.name);
+    if (j < 0 || p->next.tensors()[static_cast<size_t>(j)].nbytes != info.nbytes)
+      Die(fmt::format("{}: tensor {} differs between v0 and v1", d.dir, info.name));
+    p->keys.push_back(MakeDigestKey(info.name));
+    p->next_index.push_back(static_cast<size_t>(j));
+    p->work_offset.push_back(work);
+    const uint64_t bits = BitsPerElement(info.dtype), wb = WordBytes(info.dtype);
+    for (uint64_t first = 0; first < info.numel; first += kChunkElements) {
+      // As DeltaManifest::ChunkWords.
+      const uint64_t count = std::min(kChunkElements, info.numel - first);
+      ChunkRef c;
+      c.base_tensor = static_cast<uint32_t>(t);
+      c.next_tensor = static_cast<uint32_t>(j);
+      c.key = static_cast<uint32_t>(t);
+      c.dtype = info.dtype;
+      c.wb = static_cast<uint32_t>(wb);
+      c.first_word = first * bits / (8 * wb);
+      c.words = count * bits / (8 * wb);
+      c.elements = static_cast<uint32_t>(count);
+      c.offset = c.first_word * wb;
+      c.bytes = c.words * wb;
+      c.work_offset = work + c.offset;
+      p->chunks.push_back(c);
+    }
+    work += info.nbytes;
+  }
+  p->bytes = work;
+  return p;
+}
+
+// ---- per-thread state -------------------------------------------------------------
+
+struct ZstdFree {
+  void operator()(ZSTD_CCtx* c) const { ZSTD_freeCCtx(c); }
+  void operator()(ZSTD_DCtx* c) const { ZSTD_freeDCtx(c); }
+};
+
+struct Workspace {
+  ChunkEncoder encoder;
+  EncodedChunk encoded;
+  ChunkApplier applier;
+  std::unique_ptr<ZSTD_CCtx, ZstdFree> cctx{ZSTD_createCCtx()};
+  std::unique_ptr<ZSTD_DCtx, ZstdFree> dctx{ZSTD_createDCtx()};
+  std::vector<uint32_t> positions;
+  std::vector<uint8_t> gaps, values, dense, compressed;
+};
+
+// One per thread (the pools' workers and the main thread), kept across runs.
+Workspace& Ws() {
+  thread_local Workspace ws;
+  return ws;
+}
+
+inline uint64_t LoadWord(const uint8_t* p, uint32_t wb) {
+  uint64_t v = 0;
+  std::memcpy(&v, p, wb);  // little-endian host
+  return v;
+}
+inline uint64_t Load64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+
+// ---- dcr ------------------------------------------------------------------------------
+
+struct DcrOut {
+  bool frame = false;
+  FrameHeader header;
+  std::vector<uint8_t> payload;
+  Digest base_digest;
+};
+
+// `base_digest`: the chunk's tracked digest, as a sender that keeps its
+// baseline's chunk digests passes it (steady state); null computes it.
+void DcrEncode(const Pair& p, const ChunkRef& c, DcrOut* out, const Digest* base_digest) {
+  Workspace& ws = Ws();
+  ChunkInput in{c.dtype, p.keys[c.key], c.first_word, c.elements, p.Base(c), p.Next(c)};
+  in.base_digest = base_digest;
+  auto r = ws.encoder.Encode(in, EncodeOptions{}, &ws.encoded);
+  if (!r.ok()) Die(fmt::format("Encode: {}", r.status().ToString()));
+  out->frame = *r;
+  out->base_digest = ws.encoded.base_digest;
+  if (*r) {
+    out->header = ws.encoded.header;
+    out->header.payload_bytes = static_cast<uint32_t>(ws.encoded.payload.size());
+    out->payload.assign(ws.encoded.payload.begin(), ws.encoded.payload.end());
+  }
+}
+
+void DcrApply(const Pair& p, const ChunkRef& c, const DcrOut& f, uint8_t* work) {
+  if (!f.frame) return;
+  Digest after;
+  auto r = Ws().applier.Apply(FrameView{f.header, f.payload}, p.keys[c.key], c.first_word,
+                              std::span<uint8_t>(work + c.work_offset, c.bytes), f.base_digest, &after);
+  if (!r.ok()) Die(fmt::format("Apply (tensor {}, words from {}): {}", c.base_tensor, c.first_word, r.status().ToString()));
+  if (*r != ApplyOutcome::kApplied || after != f.header.target_digest)
+    Die(fmt::format("Apply (tensor {}, words from {}): not applied, or wrong digest", c.base_tensor, c.first_word));
+}
+
+// ---- (a) the paper's codec ------------------------------------------------------------
+
+struct PaperOut {
+  uint32_t changed = 0;
+  uint8_t width = 0;  // bytes per gap: 2, 4 or 8
+  std::vector<uint8_t> zpos, zval;
+};
+
+// Changed word positions; 32 bytes compared at a time, then 8.
+uint32_t ScanChanges(const uint8_t* a, const uint8_t* b, uint64_t words, uint32_t wb, std::vector<uint32_t>& pos) {
+  pos.resize(words);
+  uint32_t n = 0;
+  const uint64_t bytes = words * wb;
+  uint64_t i = 0;
+  auto block8 = [&](uint64_t at) {
+    if (Load64(a + at) == Load64(b + at)) return;
+    for (uint64_t w = at / wb; w < (at + 8) / wb; ++w) {
+      pos[n] = static_cast<uint32_t>(w);
+      n += LoadWord(a + w * wb, wb) != LoadWord(b + w * wb, wb);
+    }
+  };
+  for (; i + 32 <= bytes; i += 32) {
+    const uint64_t x = (Load64(a + i) ^ Load64(b + i)) | (Load64(a + i + 8) ^ Load64(b + i + 8)) |
+                       (Load64(a + i + 16) ^ Load64(b + i + 16)) | (Load64(a + i + 24) ^ Load64(b + i + 24));
+    if (x == 0) continue;
+    for (uint64_t k = 0; k < 32; k += 8) block8(i + k);
+  }
+  for (; i + 8 <= bytes; i += 8) block8(i);
+  for (uint64_t w = i / wb; w < words; ++w)
+    if (LoadWord(a + w * wb, wb) != LoadWord(b + w * wb, wb)) pos[n++] = static_cast<uint32_t>(w);
+  return n;
+}
+
+void Compress(ZSTD_CCtx* cctx, const std::vector<uint8_t>& src, size_t len, std::vector<uint8_t>* dst) {
+  dst->resize(ZSTD_compressBound(len));
+  const size_t z = ZSTD_compressCCtx(cctx, dst->data(), dst->size(), src.data(), len, 1);
+  if (ZSTD_isError(z)) Die(fmt::format("ZSTD_compress: {}", ZSTD_getErrorName(z)));
+  dst->resize(z);
+}
+
+void PaperEncode(const Pair& p, const ChunkRef& c, PaperOut* out) {
+  Workspace& ws = Ws();
+  const uint8_t* a = p.Base(c).data();
+  const uint8_t* b = p.Next(c).data();
+  const uint32_t wb = c.wb;
+  const uint32_t n = ScanChanges(a, b, c.words, wb, ws.positions);
+  out->changed = n;
+  if (n == 0) {
+    out->width = 0;
+    out->zpos.clear();
+    out->zval.clear();
+    return;
+  }
+  uint64_t max_gap = ws.positions[0];
+  for (uint32_t i = 1; i < n; ++i) max_gap = std::max<uint64_t>(max_gap, ws.positions[i] - ws.positions[i - 1]);
+  const uint32_t width = max_gap <= 0xFFFF ? 2 : max_gap <= 0xFFFFFFFFull ? 4 : 8;
+  out->width = static_cast<uint8_t>(width);
+  ws.gaps.resize(size_t{n} * width);
+  ws.values.resize(size_t{n} * wb);
+  uint32_t prev = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    const uint32_t q = ws.positions[i];
+    const uint64_t gap = q - prev;
+    prev = q;
+    std::memcpy(ws.gaps.data() + size_t{i} * width, &gap, width);
+    const uint64_t x = LoadWord(a + size_t{q} * wb, wb) ^ LoadWord(b + size_t{q} * wb, wb);
+    std::memcpy(ws.values.data() + size_t{i} * wb, &x, wb);
+  }
+  Compress(ws.cctx.get(), ws.gaps, ws.gaps.size(), &out->zpos);
+  Compress(ws.cctx.get(), ws.values, ws.values.size(), &out->zval);
+}
+
+// For comparison only (not the paper's layout, untimed): the same two arrays
+// stored as byte planes (all low bytes, then the next byte, ...), which zstd
+// compresses much better than interleaved little-endian words.
+uint64_t PaperPlanesBytes(const Pair& p, const ChunkRef& c, const PaperOut& f) {
+  if (f.changed == 0) return 0;
+  Workspace& ws = Ws();
+  const uint8_t* a = p.Base(c).data();
+  const uint8_t* b = p.Next(c).data();
+  const uint32_t wb = c.wb, width = f.width, n = f.changed;
+  if (ScanChanges(a, b, c.words, wb, ws.positions) != n) Die("baseline (a'): changes differ");
+  ws.gaps.assign(size_t{n} * width, 0);
+  ws.values.assign(size_t{n} * wb, 0);
+  uint32_t prev = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    const uint32_t q = ws.positions[i];
+    const uint64_t gap = q - prev;
+    prev = q;
+    const uint64_t x = LoadWord(a + size_t{q} * wb, wb) ^ LoadWord(b + size_t{q} * wb, wb);
+    for (uint32_t k = 0; k < width; ++k) ws.gaps[size_t{k} * n + i] = static_cast<uint8_t>(gap >> (8 * k));
+    for (uint32_t k = 0; k < wb; ++k) ws.values[size_t{k} * n + i] = static_cast<uint8_t>(x >> (8 * k));
+  }
+  std::vector<uint8_t> z;
+  Compress(ws.cctx.get(), ws.gaps, ws.gaps.size(), &z);
+  uint64_t bytes = z.size();
+  Compress(ws.cctx.get(), ws.values, ws.values.size(), &z);
+  return bytes + z.size();
+}
+
+void Decompress(ZSTD_DCtx* dctx, const std::vector<uint8_t>& src, size_t expect, std::vector<uint8_t>* dst) {
+  const unsigned long long size = ZSTD_getFrameContentSize(src.data(), src.size());
+  if (size != expect) Die("baseline (a): zstd frame of the wrong size");
+  dst->resize(expect);
+  const size_t got = ZSTD_decompressDCtx(dctx, dst->data(), dst->size(), src.data(), src.size());
+  if (ZSTD_isError(got) || got != expect) Die("baseline (a): zstd frame does not decode");
+}
+
+void PaperApply(const ChunkRef& c, const PaperOut& f, uint8_t* work) {
+  if (f.changed == 0) return;
+  Workspace& ws = Ws();
+  const uint32_t wb = c.wb, width = f.width;
+  Decompress(ws.dctx.get(), f.zpos, size_t{f.changed} * width, &ws.gaps);
+  Decompress(ws.dctx.get(), f.zval, size_t{f.changed} * wb, &ws.values);
+  uint8_t* t = work + c.work_offset;
+  uint64_t q = 0;
+  for (uint32_t i = 0; i < f.changed; ++i) {
+    uint64_t gap = 0, x = 0;
+    std::memcpy(&gap, ws.gaps.data() + size_t{i} * width, width);
+    std::memcpy(&x, ws.values.data() + size_t{i} * wb, wb);
+    q += gap;
+    if (q >= c.words) Die("baseline (a): position past the chunk");
+    const uint64_t v = LoadWord(t + q * wb, wb) ^ x;
+    std::memcpy(t + q * wb, &v, wb);
+  }
+}
+
+// ---- (b) zstd of the dense XOR mask -------------------------------------------------
+
+uint64_t DenseXorZstd(const Pair& p, const ChunkRef& c) {
+  Workspace& ws = Ws();
+  const uint8_t* a = p.Base(c).data();
+  const uint8_t* b = p.Next(c).data();
+  ws.dense.resize(c.bytes);
+  uint8_t* d = ws.dense.data();
+  uint64_t i = 0;
+  for (; i + 8 <= c.bytes; i += 8) {
+    const uint64_t x = Load64(a + i) ^ Load64(b + i);
+    std::memcpy(d + i, &x, 8);
+  }
+  for (; i < c.bytes; ++i) d[i] = a[i] ^ b[i];
+  Compress(ws.cctx.get(), ws.dense, c.bytes, &ws.compressed);
+  return ws.compressed.size();
+}
+
+// ---- the digest alone ---------------------------------------------------------------
+
+// The base chunk's digest, as Encode computes it.
+Digest ChunkDigest(const DigestKey& key, uint32_t wb, uint64_t first_word, std::span<const uint8_t> bytes) {
+  return DigestBytes(key, first_word * wb, bytes);
+}
+
+// ---- timing ---------------------------------------------------------------------------
+
+double ProcessCpuSeconds() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+// The wall time of a run, and the CPU time the process got meanwhile.
+struct Timing {
+  double wall = 0, cpu = 0;
+};
+
+// Best of `reps` runs of run(); setup() before each, untimed; check() after each, untimed.
+Timing BestOf(int reps, const std::function<void()>& setup, const std::function<void()>& run,
+              const std::function<void()>& check) {
+  Timing best{1e30, 0};
+  for (int r = 0; r < reps; ++r) {
+    if (setup) setup();
+    const double c0 = ProcessCpuSeconds();
+    const double t0 = MonotonicSeconds();
+    run();
+    const double wall = MonotonicSeconds() - t0;
+    const double cpu = ProcessCpuSeconds() - c0;
+    if (wall < best.wall) best = {wall, cpu};
+    if (check) check();
+  }
+  return best;
+}
+
+// A run whose threads got less than this share of the wall time on a CPU
+// was slowed by other work on the machine: its figure is marked.
+constexpr double kBusyShare = 0.85;
+bool g_busy_seen = false;
+
+std::string LoadAverage() {
+  std::ifstream in("/proc/loadavg");
+  std::string a, b, c;
+  in >> a >> b >> c;
+  return in ? fmt::format("{} {} {}", a, b, c) : "unknown";
+}
+
+std::string CpuModel() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("model name", 0) == 0) {
+      const size_t colon = line.find(':');
+      if (colon != std::string::npos) return line.substr(line.find_first_not_of(' ', colon + 1));
+    }
+  return "unknown";
+}
+
+struct Row {
+  std::string name;
+  double bytes = 0;  // payload
+  Timing enc[2], dec[2];  // wall 0: not measured
+};
+
+std::string Gbps(double bytes, const Timing& t, size_t threads) {
+  if (t.wall <= 0) return "-";
+  const bool busy = t.cpu < kBusyShare * static_cast<double>(threads) * t.wall;
+  g_busy_seen |= busy;
+  return fmt::format("{:.2f}{}", bytes / t.wall / 1e9 / static_cast<double>(threads), busy ? "*" : "");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string dir = "/tmp/dcr-bench-codec";
+  uint64_t size = 1'000'000'000;
+  bool size_given = false, quick = false;
+  int reps = 3;
+  bool reps_given = false;
+  std::string only;
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        fmt::print(stderr, "{} needs a value\n", k);
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (k == "--dir") dir = value();
+    else if (k == "--size") {
+      auto parsed = ParseBytes(value());
+      if (!parsed.ok() || *parsed == 0) {
+        fmt::print(stderr, "--size: {}\n", parsed.ok() ? "must be positive" : parsed.status().ToString());
+        return 2;
+      }
+      size = *parsed;
+      size_given = true;
+    } else if (k == "--quick") quick = true;
+    else if (k == "--reps") {
+      reps = std::atoi(value().c_str());
+      reps_given = true;
+      if (reps < 1) {
+        fmt::print(stderr, "--reps must be at least 1\n");
+        return 2;
+      }
+    } else if (k == "--sets") {
+      only = ",";
+      only += value();
+      only += ",";
+    }
+    else if (k == "--help" || k == "-h") {
+      fmt::print("usage: dcr_codec_bench [--dir DIR] [--size 1GB] [--quick] [--reps N] [--sets training-3,stress-5]\n");
+      return 0;
+    } else {
+      fmt::print(stderr, "unknown option {}\n", k);
+      return 2;
+    }
+  }
+  if (quick) {
+    if (!size_given) size = 128'000'000;
+    if (!reps_given) reps = 1;
+  }
+
+  std::vector<DataSet> sets;
+  for (auto& d : AllDataSets(dir, size))
+    if (only.empty() || only.find(fmt::format(",{},", d.key)) != std::string::npos) sets.push_back(d);
+  if (sets.empty()) {
+    fmt::print(stderr, "--sets matches none of training-1, training-3, training-5, stress-3, stress-5\n");
+    return 2;
+  }
+  for (auto& d : sets) EnsureGenerated(d, size);
+
+  const size_t threads_all = DefaultThreadCount();
+  ThreadPool pool1(0), pool_all(threads_all - 1);
+  ThreadPool* pools[2] = {&pool1, &pool_all};
+  const int configs = threads_all > 1 ? 2 : 1;
+
+  fmt::print("dcr chunk codec vs baselines: qwen3-moe-like checkpoint pairs, chunks of 2^20 elements\n");
+  fmt::print("machine: {} cores ({}), {} threads for 'all cores'; zstd {}\n", std::thread::hardware_concurrency(),
+             CpuModel(), threads_all, ZSTD_versionString());
+  fmt::print("load average (1, 5, 15 min) at start: {} (other work on the machine skews timings)\n", LoadAverage());
+  fmt::print("timings: best of {} run{}; GB/s of dense base bytes per core (all cores: divided by {} threads)\n", reps,
+             reps == 1 ? "" : "s", threads_all);
+  if (size < 1'000'000'000) fmt::print("NOTE: --size {} is below 1 GB: a smoke run, not a recordable result\n", FormatBytes(static_cast<double>(size)));
+  fmt::print("\n{:<14} {:>10} {:>14} {:>13} {:>9} {:>8}  {}\n", "data set", "bytes", "elements", "changed", "%", "chunks",
+             "dir");
+  for (auto& d : sets) {
+    auto p = OpenPair(d);
+    d.tensors = p->base.size();
+    d.chunks = p->chunks.size();
+    fmt::print("{:<14} {:>10} {:>14} {:>13} {:>8.3f}% {:>8}  {}\n", d.name, FormatBytes(static_cast<double>(d.bytes)),
+               d.elements, d.changed, 100.0 * static_cast<double>(d.changed) / static_cast<double>(d.elements), d.chunks,
+               d.dir);
+  }
+  fmt::print("(tensors per checkpoint: {})\n", sets[0].tensors);
+
+  std::vector<std::string> summaries;
+  for (auto& d : sets) {
+    std::fflush(stdout);
+    fmt::print(stderr, "measuring {} ...\n", d.name);
+    auto p = OpenPair(d);
+    const size_t nchunks = p->chunks.size();
+    const double dense = static_cast<double>(p->bytes);
+    std::unique_ptr<uint8_t[]> work(new uint8_t[p->bytes]);
+
+    auto copy_base = [&] {
+      pool_all.ParallelFor(p->base.size(), [&](size_t t) {
+        const auto src = p->base.Data(t);
+        std::memcpy(work.get() + p->work_offset[t], src.data(), src.size());
+      });
+    };
+    auto verify = [&](const char* who) {
+      pool_all.ParallelFor(p->base.size(), [&](size_t t) {
+        const auto want = p->next.Data(p->next_index[t]);
+        if (std::memcmp(work.get() + p->work_offset[t], want.data(), want.size()) != 0)
+          Die(fmt::format("{}: {} applied to v0 does not give v1 in tensor {}", d.name, who, p->base.tensors()[t].name));
+      });
+    };
+
+    // Warm-up (faults the mappings in) and the memory reference: read both, count differing words.
+    std::vector<uint64_t> diff_words(nchunks);
+    auto read_both = [&] {
+      pools[0]->ParallelFor(nchunks, [&](size_t i) {
+        const auto a = p->Base(p->chunks[i]);
+        const auto b = p->Next(p->chunks[i]);
+        uint64_t n = 0;
+        for (size_t w = 0; w + 8 <= a.size(); w += 8) n += Load64(a.data() + w) != Load64(b.data() + w);
+        diff_words[i] = n;
+      });
+    };
+    read_both();
+    copy_base();
+    const Timing t_read = BestOf(reps, nullptr, read_both, nullptr);
+    const Timing t_memcpy = BestOf(reps, nullptr, [&] {
+      for (size_t t = 0; t < p->base.size(); ++t) {
+        const auto src = p->next.Data(p->next_index[t]);
+        std::memcpy(work.get() + p->work_offset[t], src.data(), src.size());
+      }
+    }, nullptr);
+
+    // dcr: digest (a full pass, as at join or audit), encode with tracked
+    // digests (steady state), encode computing them, apply.
+    std::vector<DcrOut> dcr(nchunks);
+    std::vector<Digest> tracked(nchunks);
+    const Timing t_digest = BestOf(reps, nullptr, [&] {
+      for (size_t i = 0; i < nchunks; ++i) {
+        const auto& c = p->chunks[i];
+        tracked[i] = ChunkDigest(p->keys[c.key], c.wb, c.first_word, p->Base(c));
+      }
+    }, nullptr);
+    Row r_dcr{"dcr"};
+    for (int k = 0; k < configs; ++k)
+      r_dcr.enc[k] = BestOf(reps, nullptr, [&] { pools[k]->ParallelFor(nchunks, [&](size_t i) { DcrEncode(*p, p->chunks[i], &dcr[i], &tracked[i]); }); }, nullptr);
+    const Timing t_enc_full = BestOf(reps, nullptr, [&] { pools[0]->ParallelFor(nchunks, [&](size_t i) { DcrEncode(*p, p->chunks[i], &dcr[i], nullptr); }); }, nullptr);
+    uint64_t changed = 0, frames = 0, payload = 0;
+    uint64_t by_kind[4][4] = {};  // [mode][codec]
+    for (const auto& f : dcr) {
+      if (!f.frame) continue;
+      ++frames;
+      changed += f.header.changed;
+      payload += f.payload.size();
+      ++by_kind[static_cast<int>(f.header.mode)][static_cast<int>(f.header.codec)];
+    }
+    r_dcr.bytes = static_cast<double>(payload);
+    for (int k = 0; k < configs; ++k)
+      r_dcr.dec[k] = BestOf(reps, copy_base, [&] {
+        pools[k]->ParallelFor(nchunks, [&](size_t i) { DcrApply(*p, p->chunks[i], dcr[i], work.get()); });
+      }, [&] { verify("dcr"); });
+
+    // (a) the paper's codec.
+    std::vector<PaperOut> paper(nchunks);
+    Row r_a{"(a) paper: gaps+xor, zstd-1"};
+    for (int k = 0; k < configs; ++k)
+      r_a.enc[k] = BestOf(reps, nullptr, [&] { pools[k]->ParallelFor(nchunks, [&](size_t i) { PaperEncode(*p, p->chunks[i], &paper[i]); }); }, nullptr);
+    uint64_t a_bytes = 0, a_wide = 0;
+    for (size_t i = 0; i < nchunks; ++i) {
+      const uint32_t want = dcr[i].frame ? dcr[i].header.changed : 0;
+      if (paper[i].changed != want)
+        Die(fmt::format("{}: chunk {}: baseline (a) finds {} changed words, dcr {}", d.name, i, paper[i].changed, want));
+      a_bytes += paper[i].zpos.size() + paper[i].zval.size();
+      a_wide += paper[i].width > 2;
+    }
+    r_a.bytes = static_cast<double>(a_bytes);
+    for (int k = 0; k < configs; ++k)
+      r_a.dec[k] = BestOf(reps, copy_base, [&] {
+        pools[k]->ParallelFor(nchunks, [&](size_t i) { PaperApply(p->chunks[i], paper[i], work.get()); });
+      }, [&] { verify("baseline (a)"); });
+    std::vector<uint64_t> planes(nchunks);
+    pool_all.ParallelFor(nchunks, [&](size_t i) { planes[i] = PaperPlanesBytes(*p, p->chunks[i], paper[i]); });
+    Row r_a2{"(a') = (a) as byte planes"};
+    for (uint64_t x : planes) r_a2.bytes += static_cast<double>(x);
+    paper.clear();
+    paper.shrink_to_fit();
+
+    // (b) zstd-1 of the dense XOR mask (chunks without a change send nothing).
+    std::vector<uint64_t> b_sizes(nchunks);
+    Row r_b{"(b) zstd-1 of dense xor"};
+    for (int k = 0; k < configs; ++k)
+      r_b.enc[k] = BestOf(reps, nullptr, [&] { pools[k]->ParallelFor(nchunks, [&](size_t i) { b_sizes[i] = DenseXorZstd(*p, p->chunks[i]); }); }, nullptr);
+    for (size_t i = 0; i < nchunks; ++i)
+      if (dcr[i].frame) r_b.bytes += static_cast<double>(b_sizes[i]);
+
+    // (c) dense new bits: every chunk's bytes.
+    Row r_c{"(c) dense new bits"};
+    r_c.bytes = dense;
+
+    // The table.
+    const double ch = static_cast<double>(changed);
+    fmt::print("\n== {} ({}, {} of {} elements changed = {:.3f}%; dcr frames {} of {} chunks) ==\n", d.name,
+               FormatBytes(dense), changed, d.elements, 100.0 * ch / static_cast<double>(d.elements), frames, nchunks);
+    if (changed != d.changed)
+      fmt::print("  NOTE: changed words {} differ from the generator's changed elements {}\n", changed, d.changed);
+    fmt::print("{:<30} {:>10} {:>10} {:>8} | {:>9} {:>9} | {:>10} {:>10}\n", "", "B/changed", "% dense", "vs (a)",
+               "enc 1t", fmt::format("enc {}t", threads_all), "apply 1t", fmt::format("apply {}t", threads_all));
+    fmt::print("{:<30} {:>10} {:>10} {:>8} | {:>19} | {:>21}\n", "", "", "", "", "GB/s/core", "GB/s/core");
+    auto print_row = [&](const Row& row, bool timings) {
+      fmt::print("{:<30} {:>10.3f} {:>9.3f}% {:>7.3f}x | {:>9} {:>9} | {:>10} {:>10}\n", row.name, row.bytes / ch,
+                 100.0 * row.bytes / dense, row.bytes / r_a.bytes, timings ? Gbps(dense, row.enc[0], 1) : "-",
+                 timings && configs > 1 ? Gbps(dense, row.enc[1], threads_all) : "-",
+                 timings ? Gbps(dense, row.dec[0], 1) : "-",
+                 timings && configs > 1 ? Gbps(dense, row.dec[1], threads_all) : "-");
+    };
+    print_row(r_dcr, true);
+    Row r_dcr_h{"dcr incl. 96 B frame headers"};
+    r_dcr_h.bytes = static_cast<double>(payload + frames * kFrameHeaderBytes);
+    print_row(r_dcr_h, false);
+    print_row(r_a, true);
+    print_row(r_a2, false);
+    print_row(r_b, true);
+    print_row(r_c, false);
+    std::string mix;
+    for (int m = 1; m <= 3; ++m)
+      for (int c = 1; c <= 3; ++c)
+        if (by_kind[m][c])
+          mix += fmt::format("{}{} {}/{}", mix.empty() ? "" : ", ", by_kind[m][c], ModeName(static_cast<Mode>(m)),
+                             CodecName(static_cast<Codec>(c)));
+    fmt::print("dcr frames: {}; dcr payload {} (+headers {}), (a) {} ({} chunks with gaps wider than 16 bits)\n", mix,
+               FormatBytes(static_cast<double>(payload)), FormatBytes(static_cast<double>(payload + frames * kFrameHeaderBytes)),
+               FormatBytes(r_a.bytes), a_wide);
+    fmt::print("dcr encode above uses tracked chunk digests (a sender's steady state); computing them in the\n"
+               "encoder instead (no tracked digests): {} GB/s/core (1 thread). Digest full pass alone: {} GB/s\n"
+               "= {:.1f}% of steady-state encode time (needed at join and audits, not per step)\n",
+               Gbps(dense, t_enc_full, 1), Gbps(dense, t_digest, 1), 100.0 * t_digest.wall / r_dcr.enc[0].wall);
+    fmt::print("memory reference (1 thread): read base+next, count differing 8-byte words {} GB/s; memcpy next {} GB/s\n",
+               Gbps(dense, t_read, 1), Gbps(dense, t_memcpy, 1));
+    summaries.push_back(fmt::format(
+        "{}: dcr {:.2f} B/changed ({:.2f}x of (a)); encode {} GB/s/core ({} computing digests); decode+apply {} GB/s/core; "
+        "full digest pass {:.0f}% of encode",
+        d.name, r_dcr.bytes / ch, r_dcr.bytes / r_a.bytes, Gbps(dense, r_dcr.enc[0], 1), Gbps(dense, t_enc_full, 1),
+        Gbps(dense, r_dcr.dec[0], 1), 100.0 * t_digest.wall / r_dcr.enc[0].wall));
+  }
+  fmt::print("\nload average at end: {}\n", LoadAverage());
+  fmt::print("\nsummary (throughputs with 1 thread):\n");
+  for (const auto& s : summaries) fmt::print("{}\n", s);
+  if (g_busy_seen)
+    fmt::print("\n* the best run got under {:.0f}% of its threads' time on a CPU (other work on the machine): the figure\n"
+               "  understates; rerun on a quiet machine or with more --reps\n",
+               100 * kBusyShare);
+  return 0;
+}
