@@ -81,8 +81,6 @@ class BitReader {
     consumed_ += n;
   }
   bool overrun() const { return overrun_; }
-  // Bits consumed so far.
-  uint64_t consumed_bits() const { return consumed_; }
   // True when every bit after the consumed ones is zero padding within the
   // last byte (and nothing follows).
   bool AtPaddedEnd() const {
