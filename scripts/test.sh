@@ -7,6 +7,18 @@ cd "$(dirname "$0")/.."
 
 scripts/setup.sh --python --fuzz
 
+# A real S3 server for the store tests: a single-node Ceph cluster with
+# radosgw (tests/s3/radosgw.sh), stopped on exit whatever happens.
+s3_dir=$(mktemp -d /tmp/dcr-radosgw.XXXXXX)
+trap 'tests/s3/radosgw.sh stop "$s3_dir" >/dev/null 2>&1 || true' EXIT
+echo "== starting radosgw (Ceph, single node) for the S3 tests"
+tests/s3/radosgw.sh start "$s3_dir"
+set -a
+# shellcheck disable=SC1091
+. "$s3_dir/env"
+set +a
+export DCR_S3_TEST_URL="s3://dcr-conformance?create_bucket=1"
+
 echo "== C++ unit tests"
 ctest --test-dir build --output-on-failure -j "$(nproc)"
 

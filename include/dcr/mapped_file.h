@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 
 #include "dcr/status.h"
 
@@ -44,5 +45,9 @@ class MappedFile {
   bool writable_ = false;
   std::string path_;
 };
+
+// Writes `data` to the file `path` atomically: a temporary file beside it,
+// fsync, rename. Readers see the old file or the new one, never a mix.
+Status WriteFileAtomically(const std::string& path, std::string_view data);
 
 }  // namespace dcr

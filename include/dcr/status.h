@@ -19,6 +19,8 @@ enum class Code : uint8_t {
   kInvalidArgument,     // the caller's input is malformed (bad file, bad flag)
   kNotFound,            // a named file, key or tensor does not exist
   kAlreadyExists,       // a create-if-absent found the object present
+  kPermissionDenied,    // credentials rejected or access denied
+  kOutOfRange,          // a read past the end of an object or file
   kFailedPrecondition,  // the system is not in the state the call needs (wrong base)
   kAborted,             // a concurrent actor won (fenced attempt, lost race)
   kUnavailable,         // transient: a service or connection failed; retry
@@ -61,6 +63,8 @@ class [[nodiscard]] Status {
 Status InvalidArgument(std::string message);
 Status NotFound(std::string message);
 Status AlreadyExists(std::string message);
+Status PermissionDenied(std::string message);
+Status OutOfRange(std::string message);
 Status FailedPrecondition(std::string message);
 Status Aborted(std::string message);
 Status Unavailable(std::string message);

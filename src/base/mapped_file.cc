@@ -106,4 +106,25 @@ Status MappedFile::Sync(uint64_t offset, uint64_t len) {
   return Status::Ok();
 }
 
+Status WriteFileAtomically(const std::string& path, std::string_view text) {
+  const std::string tmp = path + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return ErrnoError(errno, "cannot create " + tmp);
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t w = ::write(fd, text.data() + done, text.size() - done);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      const int err = errno;
+      ::close(fd);
+      return ErrnoError(err, "cannot write " + tmp);
+    }
+    done += static_cast<size_t>(w);
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0) return ErrnoError(errno, "cannot sync " + tmp);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) return ErrnoError(errno, "cannot rename " + tmp);
+  return Status::Ok();
+}
+
+
 }  // namespace dcr

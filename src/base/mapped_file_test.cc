@@ -210,14 +210,14 @@ TEST_F(MappedFileTest, MoveTransfersOwnership) {
   EXPECT_EQ(ReadFile(path)[0], '#');
 }
 
-TEST_F(MappedFileTest, NoPermissionIsInvalidArgument) {
+TEST_F(MappedFileTest, NoPermissionIsPermissionDenied) {
   if (::geteuid() == 0) GTEST_SKIP() << "root ignores file permissions";
   const std::string path = Path("locked.bin");
   WriteFile(path, "secret");
   ASSERT_EQ(::chmod(path.c_str(), 0), 0);
   auto f = MappedFile::Open(path, false);
   ASSERT_FALSE(f.ok());
-  EXPECT_EQ(f.status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(f.status().code(), Code::kPermissionDenied);
 }
 
 }  // namespace

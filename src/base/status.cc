@@ -11,6 +11,8 @@ std::string_view CodeName(Code code) {
     case Code::kInvalidArgument: return "INVALID_ARGUMENT";
     case Code::kNotFound: return "NOT_FOUND";
     case Code::kAlreadyExists: return "ALREADY_EXISTS";
+    case Code::kPermissionDenied: return "PERMISSION_DENIED";
+    case Code::kOutOfRange: return "OUT_OF_RANGE";
     case Code::kFailedPrecondition: return "FAILED_PRECONDITION";
     case Code::kAborted: return "ABORTED";
     case Code::kUnavailable: return "UNAVAILABLE";
@@ -41,6 +43,8 @@ Status Status::WithContext(std::string_view context) const {
 Status InvalidArgument(std::string m) { return {Code::kInvalidArgument, std::move(m)}; }
 Status NotFound(std::string m) { return {Code::kNotFound, std::move(m)}; }
 Status AlreadyExists(std::string m) { return {Code::kAlreadyExists, std::move(m)}; }
+Status PermissionDenied(std::string m) { return {Code::kPermissionDenied, std::move(m)}; }
+Status OutOfRange(std::string m) { return {Code::kOutOfRange, std::move(m)}; }
 Status FailedPrecondition(std::string m) { return {Code::kFailedPrecondition, std::move(m)}; }
 Status Aborted(std::string m) { return {Code::kAborted, std::move(m)}; }
 Status Unavailable(std::string m) { return {Code::kUnavailable, std::move(m)}; }
@@ -57,7 +61,8 @@ Status ErrnoError(int err, std::string_view what) {
   switch (err) {
     case ENOENT: case ENOTDIR: code = Code::kNotFound; break;
     case EEXIST: case ENOTEMPTY: code = Code::kAlreadyExists; break;
-    case EACCES: case EPERM: case EROFS: case EISDIR: case EINVAL: case ENAMETOOLONG:
+    case EACCES: case EPERM: code = Code::kPermissionDenied; break;
+    case EROFS: case EISDIR: case EINVAL: case ENAMETOOLONG:
     case ELOOP: case EFBIG:
       code = Code::kInvalidArgument; break;
     case ENOSPC: case EDQUOT: case ENOMEM: case EAGAIN: case EINTR: case EBUSY: case EMFILE:

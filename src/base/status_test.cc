@@ -15,7 +15,8 @@ namespace {
 constexpr Code kAllCodes[] = {
     Code::kOk,          Code::kInvalidArgument,  Code::kNotFound, Code::kAlreadyExists,
     Code::kFailedPrecondition, Code::kAborted,   Code::kUnavailable, Code::kDeadlineExceeded,
-    Code::kDataLoss,    Code::kUnimplemented,    Code::kInternal,
+    Code::kDataLoss,    Code::kUnimplemented,    Code::kInternal, Code::kPermissionDenied,
+    Code::kOutOfRange,
 };
 
 TEST(StatusTest, DefaultIsOk) {
@@ -112,7 +113,7 @@ TEST(StatusTest, ErrnoErrorMapping) {
   const Case cases[] = {
       {ENOENT, Code::kNotFound},          {ENOTDIR, Code::kNotFound},
       {EEXIST, Code::kAlreadyExists},     {ENOTEMPTY, Code::kAlreadyExists},
-      {EACCES, Code::kInvalidArgument},   {EPERM, Code::kInvalidArgument},
+      {EACCES, Code::kPermissionDenied},  {EPERM, Code::kPermissionDenied},
       {EROFS, Code::kInvalidArgument},    {EISDIR, Code::kInvalidArgument},
       {EINVAL, Code::kInvalidArgument},   {ENAMETOOLONG, Code::kInvalidArgument},
       {ELOOP, Code::kInvalidArgument},    {EFBIG, Code::kInvalidArgument},
