@@ -1,12 +1,17 @@
 // Deltas: every frame of one attempt to move a checkpoint from a base
 // version to a target version, plus the manifest that describes them
-// (DESIGN section 4; docs/format.md). On disk a delta is a directory:
-//   manifest.json   tensors, chunking, digests, the frame list, totals
-//   frames.bin      the frames, back to back, in (tensor, chunk) order
+// (DESIGN section 4; docs/format.md). A delta is a manifest plus one or more
+// frame objects (files in a directory, or objects in a store):
+//   manifest.json   tensors, chunking, digests, the frame objects, the frame
+//                   list (object, offset, size), totals
+//   frames.bin      (`dcr delta make`) the frames, back to back, in (tensor,
+//                   chunk) order; the protocol writes one object per sender
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -37,7 +42,8 @@ struct DeltaTensor {
 
 struct DeltaFrameEntry {
   uint32_t tensor = 0, chunk = 0;
-  uint64_t offset = 0, bytes = 0;  // within frames.bin, header included
+  uint32_t object = 0;             // index into DeltaManifest::objects
+  uint64_t offset = 0, bytes = 0;  // within that object, header included
   Mode mode = Mode::kOverwrite;
   Codec codec = Codec::kRaw;
   uint32_t changed = 0;  // words
@@ -49,6 +55,9 @@ struct DeltaManifest {
   uint64_t chunk_elements = kDefaultChunkElements;
   Digest base_digest, target_digest;  // the whole checkpoint: sums over tensors
   std::vector<DeltaTensor> tensors;   // sorted by name; a frame's tensor id indexes this
+  // Names of the frame objects, relative to where the manifest lives
+  // ('/'-separated, no '.' or '..' components).
+  std::vector<std::string> objects;
   std::vector<DeltaFrameEntry> frames;  // sorted by (tensor, chunk), at most one per chunk
   // Totals.
   uint64_t total_elements = 0, total_bytes = 0, changed_words = 0, payload_bytes = 0, frame_bytes = 0;
@@ -69,6 +78,43 @@ struct DeltaOptions {
   uint64_t delta_id = 0;  // 0: a random id
 };
 
+// A manifest for moving `base` to `next` with no frames yet: tensors (from
+// `next`), chunking, class and id (random when options.delta_id is 0).
+// Refuses (kFailedPrecondition) unless both hold the same tensors.
+Result<DeltaManifest> StartDelta(const Checkpoint& base, const Checkpoint& next, const DeltaOptions& options);
+
+// Where encoded frames go: called in (tensor, chunk) order, one call per frame.
+using FrameSink = std::function<Status(std::string_view frame)>;
+
+struct ChunkId {
+  uint32_t tensor = 0, chunk = 0;
+  friend bool operator==(const ChunkId&, const ChunkId&) = default;
+  friend auto operator<=>(const ChunkId&, const ChunkId&) = default;
+};
+
+// Every chunk of the manifest's tensors, in (tensor, chunk) order.
+std::vector<ChunkId> AllChunks(const DeltaManifest& manifest);
+
+struct EncodedFrames {
+  std::vector<DeltaFrameEntry> frames;  // object 0, offsets within what went to the sink
+  // Per chunk encoded (same order as the input chunks): its base and target digests.
+  std::vector<Digest> base_digests, target_digests;
+  uint64_t bytes = 0;  // sent to the sink
+};
+
+// Encodes `chunks` (sorted) of `base` -> `next` in the manifest's chunking
+// and class, in parallel, handing frames to `sink` in order (memory stays
+// O(threads x chunk)). `base_digests`, when given, holds the base's tracked
+// digest of each of `chunks` (no digest pass over the base).
+Result<EncodedFrames> EncodeFrames(const Checkpoint& base, const Checkpoint& next, const DeltaManifest& manifest,
+                                   std::span<const ChunkId> chunks, const EncodeOptions& options, const FrameSink& sink,
+                                   const std::vector<Digest>* base_digests = nullptr, Progress* progress = nullptr,
+                                   ThreadPool* pool = nullptr);
+
+// Fills in the manifest's digests and totals from the chunk digests of
+// every chunk (in AllChunks order) and its frames (which it sorts).
+void FinishDelta(DeltaManifest& manifest, std::span<const Digest> base_digests, std::span<const Digest> target_digests);
+
 // Diffs `next` against `base` (same tensor names, dtypes and shapes) and
 // writes the delta into directory `out_dir` (created; must not hold a delta
 // already). Chunks are encoded in parallel; memory stays O(threads x chunk).
@@ -76,10 +122,15 @@ struct DeltaOptions {
 Result<DeltaManifest> MakeDelta(const Checkpoint& base, const Checkpoint& next, const DeltaOptions& options,
                                 const std::string& out_dir, Progress* progress = nullptr, ThreadPool* pool = nullptr);
 
-// An opened delta directory; frames are read zero-copy from a mapping.
+// An opened delta: the manifest and its frame objects, read zero-copy.
 class DeltaReader {
  public:
+  // A delta directory (its frame objects are files in it, mapped).
   static Result<DeltaReader> Open(const std::string& dir);
+  // A manifest and its frame objects' bytes (objects[i] for manifest.objects[i]),
+  // kept alive by `owner`. `where` names the delta in errors.
+  static Result<DeltaReader> FromObjects(DeltaManifest manifest, std::vector<std::span<const uint8_t>> objects,
+                                         std::shared_ptr<const void> owner, std::string where);
   const DeltaManifest& manifest() const { return manifest_; }
   const std::string& dir() const { return dir_; }
   // Frame i of the manifest, parsed and checked (checksums, and that its
@@ -89,12 +140,16 @@ class DeltaReader {
  private:
   std::string dir_;
   DeltaManifest manifest_;
-  std::shared_ptr<MappedFile> frames_;
+  std::vector<std::span<const uint8_t>> objects_;
+  std::shared_ptr<const void> owner_;
 };
+
+// Chunk digests of a checkpoint, result[t][c], in a manifest's chunking.
+using ChunkDigestTable = std::vector<std::vector<Digest>>;
 
 // Digest of every chunk of every tensor of `ckpt`, computed in parallel, in
 // the chunking of `manifest`: result[t][c]. Precondition: the tensors match.
-std::vector<std::vector<Digest>> ChunkDigests(const Checkpoint& ckpt, const DeltaManifest& manifest,
+ChunkDigestTable ChunkDigests(const Checkpoint& ckpt, const DeltaManifest& manifest,
                                               Progress* progress = nullptr, ThreadPool* pool = nullptr);
 
 // Refuses (kFailedPrecondition, naming the tensor) unless `ckpt` has exactly
@@ -116,8 +171,14 @@ struct ApplyReport {
 // refuses otherwise (kFailedPrecondition). Then applies the frames
 // in parallel, each verified by digest before its bytes are written, and
 // syncs the files. Errors name the tensor and chunk.
+// `tracked`, when given and not empty, holds the target's chunk digests (no
+// digest pass); when given it receives the chunk digests after the apply
+// (unchanged on error, except chunks whose frames were applied).
+// `sync`: flush the target's files to disk before returning (receivers that
+// verify their digest at start-up may skip it: an OS crash is then detected
+// and repaired, not prevented).
 Result<ApplyReport> ApplyDelta(Checkpoint& target, const DeltaReader& delta, Progress* progress = nullptr,
-                               ThreadPool* pool = nullptr);
+                               ThreadPool* pool = nullptr, ChunkDigestTable* tracked = nullptr, bool sync = true);
 
 struct VerifyReport {
   bool matches = false;

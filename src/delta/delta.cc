@@ -22,18 +22,6 @@ namespace fs = std::filesystem;
 
 ThreadPool& PoolOr(ThreadPool* pool) { return pool ? *pool : DefaultPool(); }
 
-struct ChunkRef {
-  uint32_t tensor;
-  uint32_t chunk;
-};
-
-std::vector<ChunkRef> AllChunks(const DeltaManifest& m) {
-  std::vector<ChunkRef> out;
-  for (size_t t = 0; t < m.tensors.size(); ++t)
-    for (uint64_t c = 0; c < m.ChunkCount(t); ++c) out.push_back({static_cast<uint32_t>(t), static_cast<uint32_t>(c)});
-  return out;
-}
-
 // Bytes of chunk c of tensor t within the tensor's data.
 std::pair<uint64_t, uint64_t> ChunkByteRange(const DeltaManifest& m, size_t t, uint64_t c) {
   uint64_t first_word, words;
@@ -43,28 +31,14 @@ std::pair<uint64_t, uint64_t> ChunkByteRange(const DeltaManifest& m, size_t t, u
   return {first_word * wb, words * wb};
 }
 
-// Writes `text` to `path` atomically: a temporary file, fsync, rename.
-Status WriteFileAtomically(const std::string& path, std::string_view text) {
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return ErrnoError(errno, "cannot create " + tmp);
-  size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t w = ::write(fd, text.data() + done, text.size() - done);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      const int err = errno;
-      ::close(fd);
-      return ErrnoError(err, "cannot write " + tmp);
-    }
-    done += static_cast<size_t>(w);
-  }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) return ErrnoError(errno, "cannot sync " + tmp);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) return ErrnoError(errno, "cannot rename " + tmp);
-  return Status::Ok();
-}
-
 }  // namespace
+
+std::vector<ChunkId> AllChunks(const DeltaManifest& m) {
+  std::vector<ChunkId> out;
+  for (size_t t = 0; t < m.tensors.size(); ++t)
+    for (uint64_t c = 0; c < m.ChunkCount(t); ++c) out.push_back({static_cast<uint32_t>(t), static_cast<uint32_t>(c)});
+  return out;
+}
 
 Status CheckSameTensors(const Checkpoint& ckpt, const DeltaManifest& m) {
   for (const auto& t : m.tensors) {
@@ -86,9 +60,8 @@ Status CheckSameTensors(const Checkpoint& ckpt, const DeltaManifest& m) {
   return Status::Ok();
 }
 
-std::vector<std::vector<Digest>> ChunkDigests(const Checkpoint& ckpt, const DeltaManifest& m, Progress* progress,
-                                              ThreadPool* pool) {
-  std::vector<std::vector<Digest>> out(m.tensors.size());
+ChunkDigestTable ChunkDigests(const Checkpoint& ckpt, const DeltaManifest& m, Progress* progress, ThreadPool* pool) {
+  ChunkDigestTable out(m.tensors.size());
   std::vector<size_t> index(m.tensors.size());
   std::vector<DigestKey> keys(m.tensors.size());
   for (size_t t = 0; t < m.tensors.size(); ++t) {
@@ -109,8 +82,7 @@ std::vector<std::vector<Digest>> ChunkDigests(const Checkpoint& ckpt, const Delt
   return out;
 }
 
-Result<DeltaManifest> MakeDelta(const Checkpoint& base, const Checkpoint& next, const DeltaOptions& options,
-                                const std::string& out_dir, Progress* progress, ThreadPool* pool) {
+Result<DeltaManifest> StartDelta(const Checkpoint& base, const Checkpoint& next, const DeltaOptions& options) {
   if (options.chunk_elements == 0 || options.chunk_elements % 8 != 0 || options.chunk_elements > (1ull << 28))
     return InvalidArgument(fmt::format("chunk size {} must be a positive multiple of 8, at most 2^28", options.chunk_elements));
   DeltaManifest m;
@@ -134,7 +106,107 @@ Result<DeltaManifest> MakeDelta(const Checkpoint& base, const Checkpoint& next, 
   }
   if (Status s = CheckSameTensors(base, m); !s.ok())
     return s.WithContext(fmt::format("{} and {} must hold the same tensors to make a delta", base.path(), next.path()));
+  return m;
+}
 
+Result<EncodedFrames> EncodeFrames(const Checkpoint& base, const Checkpoint& next, const DeltaManifest& m,
+                                   std::span<const ChunkId> chunks, const EncodeOptions& options, const FrameSink& sink,
+                                   const std::vector<Digest>* base_digests, Progress* progress, ThreadPool* pool) {
+  if (base_digests && base_digests->size() != chunks.size())
+    return InvalidArgument("EncodeFrames: one tracked base digest per chunk is needed");
+  std::vector<size_t> base_index(m.tensors.size()), next_index(m.tensors.size());
+  std::vector<DigestKey> keys(m.tensors.size());
+  for (size_t t = 0; t < m.tensors.size(); ++t) {
+    const int64_t b = base.Find(m.tensors[t].name), n = next.Find(m.tensors[t].name);
+    if (b < 0 || n < 0) return FailedPrecondition(fmt::format("tensor '{}' is missing from a checkpoint", m.tensors[t].name));
+    base_index[t] = static_cast<size_t>(b);
+    next_index[t] = static_cast<size_t>(n);
+    keys[t] = MakeDigestKey(m.tensors[t].name);
+  }
+  EncodedFrames out;
+  out.base_digests.resize(chunks.size());
+  out.target_digests.resize(chunks.size());
+  ThreadPool& workers = PoolOr(pool);
+  // Encode a window of chunks in parallel, then hand its frames over in
+  // order: output is deterministic and memory is bounded by the window.
+  const size_t window = std::max<size_t>(8, 4 * (workers.size() + 1));
+  std::vector<std::string> frames(window);
+  std::vector<Status> errors(window);
+  for (size_t begin = 0; begin < chunks.size(); begin += window) {
+    const size_t count = std::min(window, chunks.size() - begin);
+    workers.ParallelFor(count, [&](size_t i) {
+      thread_local ChunkEncoder encoder;
+      thread_local EncodedChunk encoded;
+      const auto [t, c] = chunks[begin + i];
+      errors[i] = Status::Ok();
+      frames[i].clear();
+      if (t >= m.tensors.size() || c >= m.ChunkCount(t)) {
+        errors[i] = InvalidArgument(fmt::format("EncodeFrames: no chunk {} of tensor {}", c, t));
+        return;
+      }
+      const auto [off, bytes] = ChunkByteRange(m, t, c);
+      uint64_t first_word, words;
+      uint32_t elements;
+      m.ChunkWords(t, c, &first_word, &words, &elements);
+      ChunkInput in{m.tensors[t].dtype, keys[t], first_word, elements,
+                    base.Data(base_index[t]).subspan(off, bytes), next.Data(next_index[t]).subspan(off, bytes),
+                    base_digests ? &(*base_digests)[begin + i] : nullptr};
+      auto changed = encoder.Encode(in, options, &encoded);
+      if (!changed.ok()) {
+        errors[i] = changed.status().WithContext(fmt::format("tensor '{}' chunk {}", m.tensors[t].name, c));
+        return;
+      }
+      out.base_digests[begin + i] = out.target_digests[begin + i] = encoded.base_digest;
+      if (*changed) {
+        encoded.header.tensor = t;
+        encoded.header.chunk = c;
+        encoded.header.first_element = uint64_t{c} * m.chunk_elements;
+        encoded.header.delta_id = m.delta_id;
+        out.target_digests[begin + i] = encoded.header.target_digest;
+        frames[i] = EncodeFrame(encoded.header, encoded.payload);
+      }
+      if (progress) progress->Add(bytes);
+    });
+    for (size_t i = 0; i < count; ++i) {
+      DCR_RETURN_IF_ERROR(errors[i]);
+      if (frames[i].empty()) continue;
+      const auto [t, c] = chunks[begin + i];
+      auto view = ParseFrame(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(frames[i].data()), frames[i].size()));
+      if (!view.ok()) return view.status().WithContext("internal: a frame just encoded does not parse");
+      const FrameHeader& h = view->header;
+      out.frames.push_back({t, c, 0, out.bytes, frames[i].size(), h.mode, h.codec, h.changed});
+      DCR_RETURN_IF_ERROR(sink(frames[i]));
+      out.bytes += frames[i].size();
+    }
+  }
+  return out;
+}
+
+void FinishDelta(DeltaManifest& m, std::span<const Digest> base_digests, std::span<const Digest> target_digests) {
+  std::sort(m.frames.begin(), m.frames.end(),
+            [](const DeltaFrameEntry& a, const DeltaFrameEntry& b) { return std::pair(a.tensor, a.chunk) < std::pair(b.tensor, b.chunk); });
+  m.base_digest = m.target_digest = Digest();
+  size_t i = 0;
+  for (auto& t : m.tensors) {
+    t.base_digest = t.target_digest = Digest();
+    for (uint64_t c = 0, n = m.ChunkCount(static_cast<size_t>(&t - m.tensors.data())); c < n; ++c, ++i) {
+      t.base_digest += base_digests[i];
+      t.target_digest += target_digests[i];
+    }
+    m.base_digest += t.base_digest;
+    m.target_digest += t.target_digest;
+  }
+  m.changed_words = m.payload_bytes = m.frame_bytes = 0;
+  for (const auto& f : m.frames) {
+    m.changed_words += f.changed;
+    m.payload_bytes += f.bytes - kFrameHeaderBytes;
+    m.frame_bytes += f.bytes;
+  }
+}
+
+Result<DeltaManifest> MakeDelta(const Checkpoint& base, const Checkpoint& next, const DeltaOptions& options,
+                                const std::string& out_dir, Progress* progress, ThreadPool* pool) {
+  DCR_ASSIGN_OR_RETURN(DeltaManifest m, StartDelta(base, next, options));
   std::error_code ec;
   fs::create_directories(out_dir, ec);
   if (ec) return ErrnoError(ec.value(), "cannot create " + out_dir);
@@ -144,72 +216,15 @@ Result<DeltaManifest> MakeDelta(const Checkpoint& base, const Checkpoint& next, 
   const std::string frames_path = (fs::path(out_dir) / kFramesFileName).string();
   std::ofstream frames_out(frames_path, std::ios::binary | std::ios::trunc);
   if (!frames_out) return ErrnoError(errno, "cannot create " + frames_path);
-
-  std::vector<size_t> base_index(m.tensors.size()), next_index(m.tensors.size());
-  std::vector<DigestKey> keys(m.tensors.size());
-  for (size_t t = 0; t < m.tensors.size(); ++t) {
-    base_index[t] = static_cast<size_t>(base.Find(m.tensors[t].name));
-    next_index[t] = static_cast<size_t>(next.Find(m.tensors[t].name));
-    keys[t] = MakeDigestKey(m.tensors[t].name);
-  }
   const auto chunks = AllChunks(m);
-  ThreadPool& workers = PoolOr(pool);
-  // Encode a window of chunks in parallel, then append its frames in order:
-  // output is deterministic and memory is bounded by the window.
-  const size_t window = std::max<size_t>(8, 4 * (workers.size() + 1));
-  std::vector<std::string> frames(window);
-  std::vector<Digest> chunk_base(window);
-  std::vector<Status> errors(window);
-  uint64_t offset = 0;
-  for (size_t begin = 0; begin < chunks.size(); begin += window) {
-    const size_t count = std::min(window, chunks.size() - begin);
-    workers.ParallelFor(count, [&](size_t i) {
-      thread_local ChunkEncoder encoder;
-      thread_local EncodedChunk encoded;
-      const auto [t, c] = chunks[begin + i];
-      const auto [off, bytes] = ChunkByteRange(m, t, c);
-      uint64_t first_word, words;
-      uint32_t elements;
-      m.ChunkWords(t, c, &first_word, &words, &elements);
-      ChunkInput in{m.tensors[t].dtype, keys[t], first_word, elements,
-                    base.Data(base_index[t]).subspan(off, bytes), next.Data(next_index[t]).subspan(off, bytes)};
-      frames[i].clear();
-      auto changed = encoder.Encode(in, options.encode, &encoded);
-      if (!changed.ok()) {
-        errors[i] = changed.status().WithContext(fmt::format("tensor '{}' chunk {}", m.tensors[t].name, c));
-        return;
-      }
-      chunk_base[i] = encoded.base_digest;
-      if (*changed) {
-        encoded.header.tensor = t;
-        encoded.header.chunk = c;
-        encoded.header.first_element = uint64_t{c} * m.chunk_elements;
-        encoded.header.delta_id = m.delta_id;
-        frames[i] = EncodeFrame(encoded.header, encoded.payload);
-        errors[i] = Status::Ok();
-      }
-      if (progress) progress->Add(bytes);
-    });
-    for (size_t i = 0; i < count; ++i) {
-      DCR_RETURN_IF_ERROR(errors[i]);
-      const auto [t, c] = chunks[begin + i];
-      DeltaTensor& tensor = m.tensors[t];
-      tensor.base_digest += chunk_base[i];
-      tensor.target_digest += chunk_base[i];
-      if (frames[i].empty()) continue;
-      auto view = ParseFrame(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(frames[i].data()), frames[i].size()));
-      if (!view.ok()) return view.status().WithContext("internal: a frame just encoded does not parse");
-      const FrameHeader& h = view->header;
-      tensor.target_digest += h.target_digest - h.base_digest;
-      m.frames.push_back({t, c, offset, frames[i].size(), h.mode, h.codec, h.changed});
-      m.changed_words += h.changed;
-      m.payload_bytes += h.payload_bytes;
-      m.frame_bytes += frames[i].size();
-      frames_out.write(frames[i].data(), static_cast<std::streamsize>(frames[i].size()));
-      offset += frames[i].size();
-    }
-    if (!frames_out) return Unavailable("cannot write " + frames_path + " (disk full?)");
-  }
+  DCR_ASSIGN_OR_RETURN(
+      EncodedFrames encoded,
+      EncodeFrames(base, next, m, chunks, options.encode,
+                   [&](std::string_view frame) {
+                     frames_out.write(frame.data(), static_cast<std::streamsize>(frame.size()));
+                     return frames_out ? Status::Ok() : Unavailable("cannot write " + frames_path + " (disk full?)");
+                   },
+                   nullptr, progress, pool));
   frames_out.close();
   if (!frames_out) return Unavailable("cannot write " + frames_path);
   {
@@ -217,42 +232,58 @@ Result<DeltaManifest> MakeDelta(const Checkpoint& base, const Checkpoint& next, 
     if (fd < 0 || ::fsync(fd) != 0) return ErrnoError(errno, "cannot sync " + frames_path);
     ::close(fd);
   }
-  for (const auto& t : m.tensors) {
-    m.base_digest += t.base_digest;
-    m.target_digest += t.target_digest;
-  }
+  m.objects = {std::string(kFramesFileName)};
+  m.frames = std::move(encoded.frames);
+  FinishDelta(m, encoded.base_digests, encoded.target_digests);
   DCR_RETURN_IF_ERROR(WriteFileAtomically(manifest_path, m.ToJson()));
   return m;
 }
 
 Result<DeltaReader> DeltaReader::Open(const std::string& dir) {
-  DeltaReader r;
-  r.dir_ = dir;
   const std::string manifest_path = (fs::path(dir) / kManifestFileName).string();
   std::error_code ec;
   if (!fs::exists(manifest_path, ec))
     return NotFound(fmt::format("{} is not a delta: no {} in it", dir, kManifestFileName));
   DCR_ASSIGN_OR_RETURN(MappedFile manifest_file, MappedFile::Open(manifest_path, false));
   const auto text = manifest_file.data();
-  DCR_ASSIGN_OR_RETURN(r.manifest_, DeltaManifest::FromJson(
-                                        std::string_view(reinterpret_cast<const char*>(text.data()), text.size()),
-                                        manifest_path));
-  const std::string frames_path = (fs::path(dir) / kFramesFileName).string();
-  DCR_ASSIGN_OR_RETURN(MappedFile frames, MappedFile::Open(frames_path, false));
-  for (const auto& f : r.manifest_.frames)
-    if (f.offset > frames.size() || f.bytes > frames.size() - f.offset)
-      return DataLoss(fmt::format("{}: frame (tensor {}, chunk {}) at [{}, +{}) is past the end ({} bytes)", frames_path,
-                                  f.tensor, f.chunk, f.offset, f.bytes, frames.size()));
-  r.frames_ = std::make_shared<MappedFile>(std::move(frames));
+  DCR_ASSIGN_OR_RETURN(DeltaManifest m, DeltaManifest::FromJson(
+                                            std::string_view(reinterpret_cast<const char*>(text.data()), text.size()),
+                                            manifest_path));
+  auto files = std::make_shared<std::vector<MappedFile>>();
+  std::vector<std::span<const uint8_t>> objects;
+  for (const auto& name : m.objects) {
+    DCR_ASSIGN_OR_RETURN(MappedFile f, MappedFile::Open((fs::path(dir) / name).string(), false));
+    files->push_back(std::move(f));
+    objects.push_back(files->back().data());
+  }
+  return FromObjects(std::move(m), std::move(objects), files, dir);
+}
+
+Result<DeltaReader> DeltaReader::FromObjects(DeltaManifest manifest, std::vector<std::span<const uint8_t>> objects,
+                                             std::shared_ptr<const void> owner, std::string where) {
+  if (objects.size() != manifest.objects.size())
+    return InvalidArgument(fmt::format("{}: {} frame objects given for {} named", where, objects.size(), manifest.objects.size()));
+  for (const auto& f : manifest.frames) {
+    const uint64_t size = objects[f.object].size();
+    if (f.offset > size || f.bytes > size - f.offset)
+      return DataLoss(fmt::format("{}/{}: frame (tensor {}, chunk {}) at [{}, +{}) is past the end ({} bytes)", where,
+                                  manifest.objects[f.object], f.tensor, f.chunk, f.offset, f.bytes, size));
+  }
+  DeltaReader r;
+  r.dir_ = std::move(where);
+  r.manifest_ = std::move(manifest);
+  r.objects_ = std::move(objects);
+  r.owner_ = std::move(owner);
   return r;
 }
 
 Result<FrameView> DeltaReader::Frame(size_t i) const {
   const DeltaFrameEntry& e = manifest_.frames[i];
   const DeltaTensor& t = manifest_.tensors[e.tensor];
-  const std::string where = fmt::format("{}/{}: frame of tensor '{}' chunk {}", dir_, kFramesFileName, t.name, e.chunk);
+  const std::string where =
+      fmt::format("{}/{}: frame of tensor '{}' chunk {}", dir_, manifest_.objects[e.object], t.name, e.chunk);
   size_t consumed = 0;
-  auto view = ParseFrame(frames_->data().subspan(e.offset, e.bytes), &consumed);
+  auto view = ParseFrame(objects_[e.object].subspan(e.offset, e.bytes), &consumed);
   if (!view.ok()) return view.status().WithContext(where);
   const FrameHeader& h = view->header;
   uint64_t first_word, words;
@@ -268,11 +299,20 @@ Result<FrameView> DeltaReader::Frame(size_t i) const {
   return view;
 }
 
-Result<ApplyReport> ApplyDelta(Checkpoint& target, const DeltaReader& delta, Progress* progress, ThreadPool* pool) {
+Result<ApplyReport> ApplyDelta(Checkpoint& target, const DeltaReader& delta, Progress* progress, ThreadPool* pool,
+                               ChunkDigestTable* tracked, bool sync) {
   const DeltaManifest& m = delta.manifest();
   if (target.mode() != OpenMode::kReadWrite) return InvalidArgument(target.path() + " must be opened read-write to apply");
   DCR_RETURN_IF_ERROR(CheckSameTensors(target, m));
-  const auto digests = ChunkDigests(target, m, nullptr, pool);
+  ChunkDigestTable computed;
+  if (!tracked || tracked->empty()) {
+    computed = ChunkDigests(target, m, nullptr, pool);
+  } else {
+    bool shaped = tracked->size() == m.tensors.size();
+    for (size_t t = 0; shaped && t < m.tensors.size(); ++t) shaped = (*tracked)[t].size() == m.ChunkCount(t);
+    if (!shaped) return InvalidArgument("ApplyDelta: tracked chunk digests do not match the delta's chunking");
+  }
+  ChunkDigestTable& digests = computed.empty() ? *tracked : computed;
 
   std::vector<size_t> target_index(m.tensors.size());
   std::vector<DigestKey> keys(m.tensors.size());
@@ -357,13 +397,15 @@ Result<ApplyReport> ApplyDelta(Checkpoint& target, const DeltaReader& delta, Pro
       errors[i] = outcome.status().WithContext(fmt::format("tensor '{}'", m.tensors[e.tensor].name));
       return;
     }
+    digests[e.tensor][e.chunk] = after;  // chunks are distinct: no two frames share a slot
     applied.fetch_add(1);
     payload.fetch_add(frame->header.payload_bytes);
     changed.fetch_add(frame->header.changed);
     if (progress) progress->Add(bytes);
   });
   for (const auto& s : errors) DCR_RETURN_IF_ERROR(s);
-  DCR_RETURN_IF_ERROR(target.Sync());
+  if (sync) DCR_RETURN_IF_ERROR(target.Sync());
+  if (tracked && tracked != &digests) *tracked = std::move(digests);
   ApplyReport report;
   report.frames_applied = applied.load();
   report.frames_already_applied = static_cast<uint64_t>(std::count(done.begin(), done.end(), 1));

@@ -32,6 +32,23 @@ Result<Digest> Dig(const json& obj, const char* key, const std::string& where) {
   return d;
 }
 
+// A name relative to the manifest: non-empty '/'-separated components, none
+// empty, "." or "..", no control bytes or backslashes.
+bool IsRelativeName(std::string_view name) {
+  if (name.empty() || name.size() > 1024) return false;
+  for (unsigned char c : name)
+    if (c < 0x20 || c == 0x7f || c == '\\') return false;
+  size_t start = 0;
+  while (start <= name.size()) {
+    size_t end = name.find('/', start);
+    if (end == std::string_view::npos) end = name.size();
+    std::string_view part = name.substr(start, end - start);
+    if (part.empty() || part == "." || part == "..") return false;
+    start = end + 1;
+  }
+  return true;
+}
+
 }  // namespace
 
 uint64_t DeltaManifest::ChunkCount(size_t t) const {
@@ -69,9 +86,10 @@ std::string DeltaManifest::ToJson() const {
                   {"shape", t.shape},
                   {"base_digest", t.base_digest.ToHex()},
                   {"target_digest", t.target_digest.ToHex()}});
+  doc["objects"] = objects;
   json& fs = doc["frames"] = json::array();
   for (const auto& f : frames)
-    fs.push_back({{"tensor", f.tensor}, {"chunk", f.chunk}, {"offset", f.offset}, {"bytes", f.bytes},
+    fs.push_back({{"tensor", f.tensor}, {"chunk", f.chunk}, {"object", f.object}, {"offset", f.offset}, {"bytes", f.bytes},
                   {"mode", ModeName(f.mode)}, {"codec", CodecName(f.codec)}, {"changed", f.changed}});
   return doc.dump(1, ' ', false, json::error_handler_t::replace) + "\n";
 }
@@ -126,6 +144,13 @@ Result<DeltaManifest> DeltaManifest::FromJson(std::string_view text, const std::
     m.total_elements += info->numel;
     m.total_bytes += info->nbytes;
   }
+  auto objs = doc.find("objects");
+  if (objs == doc.end() || !objs->is_array()) return Bad(where, "'objects' must be an array");
+  for (const auto& o : *objs) {
+    if (!o.is_string() || !IsRelativeName(o.get<std::string>()))
+      return Bad(where, "each of 'objects' must be a relative name ('/'-separated, no '.' or '..' components)");
+    m.objects.push_back(o.get<std::string>());
+  }
   auto fs = doc.find("frames");
   if (fs == doc.end() || !fs->is_array()) return Bad(where, "'frames' must be an array");
   for (const auto& f : *fs) {
@@ -133,6 +158,11 @@ Result<DeltaManifest> DeltaManifest::FromJson(std::string_view text, const std::
     DeltaFrameEntry e;
     DCR_ASSIGN_OR_RETURN(uint64_t tensor, U64(f, "tensor", where));
     DCR_ASSIGN_OR_RETURN(uint64_t chunk, U64(f, "chunk", where));
+    DCR_ASSIGN_OR_RETURN(uint64_t object, U64(f, "object", where));
+    if (object >= m.objects.size())
+      return Bad(where, fmt::format("frame (tensor {}, chunk {}) names object {} of {}", tensor, chunk, object,
+                                    m.objects.size()));
+    e.object = static_cast<uint32_t>(object);
     DCR_ASSIGN_OR_RETURN(e.offset, U64(f, "offset", where));
     DCR_ASSIGN_OR_RETURN(e.bytes, U64(f, "bytes", where));
     DCR_ASSIGN_OR_RETURN(uint64_t changed, U64(f, "changed", where));
