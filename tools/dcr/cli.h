@@ -26,5 +26,7 @@ void AddInspectCommand(CLI::App& app);
 void AddDiffCommand(CLI::App& app);
 void AddGenCommand(CLI::App& app);
 void AddDeltaCommand(CLI::App& app);
+void AddRefitCommands(CLI::App& app);  // publish, follow, status
+void AddStoreCommand(CLI::App& app);
 
 }  // namespace dcr::cli

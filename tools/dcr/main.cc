@@ -26,6 +26,8 @@ int main(int argc, char** argv) {
   dcr::cli::AddDiffCommand(app);
   dcr::cli::AddGenCommand(app);
   dcr::cli::AddDeltaCommand(app);
+  dcr::cli::AddRefitCommands(app);
+  dcr::cli::AddStoreCommand(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

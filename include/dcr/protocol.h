@@ -1,0 +1,230 @@
+// The refit protocol (DESIGN section 5; docs/protocol.md): a publisher (a
+// coordinator and its senders) moves a run from committed version v to v+1
+// through a store, and followers (receivers) apply every committed version
+// in place. The store is the control plane: every decision is an object.
+//
+//   run.json                                  the run: id, chunking, tensors
+//   snapshots/v<N>/snapshot.json, files/...   a full checkpoint (start, join, rejoin)
+//   attempts/v<N>/<attempt>/attempt.json      mode, coordinator (created first)
+//   attempts/v<N>/<attempt>/frames/s<K>.bin   sender K's frames, streamed
+//   attempts/v<N>/<attempt>/senders/s<K>.json sender K's frame list and chunk digests
+//   attempts/v<N>/<attempt>/manifest.json     the delta manifest (written when every sender is done)
+//   attempts/v<N>/<attempt>/acks/<R>.json     receiver R applied and verified it (or failed)
+//   attempts/v<N>/<attempt>/fence             the attempt is obsolete
+//   commits/v<N>.json                         written once, create-if-absent
+//   receivers/<R>.json                        heartbeat: version, state, time
+//
+// <N> is zero-padded to 10 digits so listings sort by version; <attempt> is
+// "<seq:04>-<random hex>" so listings sort by age.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dcr/delta.h"
+#include "dcr/store.h"
+
+namespace dcr {
+
+class Progress;
+class ThreadPool;
+
+// ---- Keys ------------------------------------------------------------------
+
+namespace run_keys {
+inline constexpr std::string_view kRun = "run.json";
+std::string VersionDir(uint64_t v);  // "v0000000042"
+std::string Commit(uint64_t v);
+std::string Attempts(uint64_t v);  // prefix, ends in '/'
+std::string Attempt(uint64_t v, std::string_view attempt);  // prefix, ends in '/'
+std::string Snapshot(uint64_t v);  // prefix, ends in '/'
+std::string Receiver(std::string_view id);
+}  // namespace run_keys
+
+// ---- Records (JSON objects in the store) -----------------------------------
+// Each FromJson validates fully and names `where` in errors (kInvalidArgument,
+// "does not parse", with the way forward).
+
+struct RunRecord {
+  std::string run_id;
+  uint64_t chunk_elements = kDefaultChunkElements;
+  std::vector<DeltaTensor> tensors;  // name, dtype, shape (digests unused)
+  std::string ToJson() const;
+  static Result<RunRecord> FromJson(std::string_view json, const std::string& where);
+};
+
+struct CommitRecord {
+  uint64_t version = 0, base_version = 0;
+  std::string attempt;  // empty for version 0 (the snapshot)
+  Digest target_digest;
+  std::vector<std::string> acked, retired;  // receivers
+  double time = 0;  // unix seconds
+  std::string ToJson() const;
+  static Result<CommitRecord> FromJson(std::string_view json, const std::string& where);
+};
+
+struct AckRecord {
+  std::string receiver;
+  bool ok = true;
+  Digest digest;      // the receiver's whole digest after applying
+  std::string error;  // when !ok
+  std::string ToJson() const;
+  static Result<AckRecord> FromJson(std::string_view json, const std::string& where);
+};
+
+struct ReceiverRecord {
+  std::string id, state;  // state: joining, following, applying, retired, stopped
+  uint64_t version = 0;   // committed version it holds
+  double heartbeat = 0;   // unix seconds
+  std::string ToJson() const;
+  static Result<ReceiverRecord> FromJson(std::string_view json, const std::string& where);
+};
+
+struct SnapshotRecord {
+  uint64_t version = 0;
+  Digest digest;
+  struct File {
+    std::string name;
+    uint64_t bytes = 0;
+  };
+  std::vector<File> files;  // relative to the snapshot's files/ prefix
+  std::string ToJson() const;
+  static Result<SnapshotRecord> FromJson(std::string_view json, const std::string& where);
+};
+
+// ---- Plans -----------------------------------------------------------------
+
+// Which sender owns which chunks: contiguous runs of the (tensor, chunk)
+// order, balanced by bytes. Deterministic from the tensor list, the chunking
+// and the sender count; every chunk has exactly one owner.
+std::vector<std::vector<ChunkId>> PlanOwnership(const DeltaManifest& layout, uint32_t senders);
+
+// The committed state of a run, read from the store.
+struct RunState {
+  std::optional<RunRecord> run;
+  std::optional<uint64_t> latest;  // newest committed version
+};
+Result<RunState> ReadRunState(Store& store);
+
+// ---- Publisher (coordinator + senders) --------------------------------------
+
+struct PublishOptions {
+  uint32_t senders = 1;
+  DeltaOptions delta;                 // chunking and encoder options (class is per attempt)
+  uint32_t max_attempts = 3;          // the first in xor class, retries in overwrite
+  std::chrono::milliseconds ack_timeout{60000};        // then silent receivers are retired
+  std::chrono::milliseconds heartbeat_timeout{10000};  // receivers older than this are not waited for
+  uint64_t snapshot_every = 0;        // also publish a snapshot every N versions (0: only v0)
+  uint64_t keep_versions = 2;         // GC: keep attempts of this many versions below the floor
+  std::string coordinator_id;         // for records; default host:pid
+  // Fault injection for tests: called at named points ("frames-written",
+  // "manifest-written", "acked", "before-commit"; and "committed", after the
+  // commit and before the baseline moves); a non-OK status fails the attempt
+  // (after "committed": the publish) there as a crash would.
+  std::function<Status(std::string_view point)> fault;
+};
+
+struct PublishReport {
+  uint64_t version = 0;
+  std::string attempt;
+  uint32_t attempts = 0;  // tries it took
+  uint64_t frame_bytes = 0, payload_bytes = 0, changed_words = 0, total_bytes = 0;
+  std::vector<std::string> acked, retired;
+  double encode_seconds = 0, wait_seconds = 0, total_seconds = 0;
+  bool already_committed = false;  // the commit record existed with this target
+};
+
+// Publishes checkpoints as versions of the run in `store`. The baseline (the
+// last committed version, which deltas are made against) is a checkpoint
+// directory `state_dir` that the publisher owns.
+class Publisher {
+ public:
+  Publisher(Store& store, std::string state_dir, PublishOptions options);
+
+  // Publishes `next` as `version`. Version 0 creates the run (run.json) and
+  // its snapshot; version v > 0 needs v-1 committed and the baseline at v-1.
+  // Returns once the version is committed. Errors: kAlreadyExists (another
+  // coordinator committed this version with other bits), kFailedPrecondition
+  // (wrong version, baseline or tensors; the message says what to do),
+  // kAborted (every attempt failed), store errors.
+  Result<PublishReport> Publish(uint64_t version, const Checkpoint& next, Progress* progress = nullptr);
+
+ private:
+  Store& store_;
+  std::string state_dir_;
+  PublishOptions options_;
+};
+
+// ---- Follower (receiver) -----------------------------------------------------
+
+struct FollowOptions {
+  std::string id;  // default host-pid
+  std::chrono::milliseconds poll{100};
+  std::chrono::milliseconds heartbeat_every{1000};
+  // Fault injection for tests, as PublishOptions::fault ("applying", "applied", "acked").
+  std::function<Status(std::string_view point)> fault;
+  std::function<void(const std::string& line)> log;  // progress lines; default stderr
+};
+
+// A receiver holding a checkpoint directory `target` that it updates in
+// place. An empty or missing directory joins from the newest snapshot.
+class Follower {
+ public:
+  Follower(Store& store, std::string target, FollowOptions options);
+
+  // Follows until version `until` is committed and applied (forever when
+  // nullopt, or until `stop` returns true). Survives restarts: its journal
+  // (TARGET/.dcr-follow.json) says what it holds.
+  Status Run(std::optional<uint64_t> until, const std::function<bool()>& stop = {});
+
+  uint64_t version() const { return version_; }
+
+ private:
+  Store& store_;
+  std::string target_;
+  FollowOptions options_;
+  uint64_t version_ = 0;
+};
+
+// ---- Status -------------------------------------------------------------------
+
+struct AttemptStatus {
+  std::string id, state;  // state: committed, fenced, open (manifest written), starting
+  std::string mode;       // xor / overwrite (from the manifest), or empty
+  uint64_t frame_bytes = 0, frames = 0;
+  std::vector<std::string> acks, nacks;
+  std::string fence_reason;
+};
+struct VersionStatus {
+  uint64_t version = 0;
+  bool committed = false;
+  std::optional<CommitRecord> commit;
+  std::vector<AttemptStatus> attempts;
+};
+struct ReceiverStatus {
+  ReceiverRecord record;
+  double age_seconds = 0;  // since the last heartbeat
+  bool live = false;
+  uint64_t behind = 0;  // committed versions it lacks
+};
+struct RunStatusReport {
+  std::optional<RunRecord> run;
+  std::optional<uint64_t> latest;
+  std::vector<uint64_t> snapshots;
+  std::vector<VersionStatus> versions;  // those with a commit or attempts in the store, ascending
+  std::vector<ReceiverStatus> receivers;
+};
+// What `dcr status` shows, read from the store (records that do not parse
+// are reported as errors).
+Result<RunStatusReport> ReadRunStatus(Store& store, std::chrono::milliseconds heartbeat_timeout);
+
+// GC: removes attempts of versions below min(newest snapshot, every live
+// receiver's version) - keep_versions, fenced attempts of committed
+// versions, and snapshots older than the newest one below that floor.
+Status CollectGarbage(Store& store, uint64_t keep_versions, std::chrono::milliseconds heartbeat_timeout);
+
+}  // namespace dcr

@@ -1,0 +1,372 @@
+// The follower: a receiver that keeps a checkpoint directory at the newest
+// committed version (docs/protocol.md, "Receivers").
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <thread>
+
+#include "internal.h"
+
+namespace dcr {
+
+using namespace protocol_internal;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr std::string_view kJournal = ".dcr-follow.json";
+// The journal's attempt while a join downloads a snapshot (attempt ids are
+// "<seq>-<hex>", so it names none).
+constexpr std::string_view kJoining = "snapshot";
+
+// TARGET/.dcr-follow.json: the run, the committed version the target holds,
+// and the attempt being applied (empty when none): a restart after a crash
+// mid-apply knows the bits may be between versions.
+struct Journal {
+  std::string run_id, receiver, attempt;
+  uint64_t version = 0;
+};
+
+Result<std::optional<Journal>> ReadJournal(const std::string& target) {
+  const std::string path = (fs::path(target) / kJournal).string();
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return std::optional<Journal>();
+  DCR_ASSIGN_OR_RETURN(MappedFile f, MappedFile::Open(path, false));
+  auto doc = nlohmann::json::parse(f.data().begin(), f.data().end(), nullptr, false);
+  if (doc.is_discarded() || !doc.is_object() || !doc["run_id"].is_string() || !doc["receiver"].is_string() ||
+      !doc["attempt"].is_string() || !doc["version"].is_number_unsigned())
+    return InvalidArgument(path + ": does not parse; remove it and the checkpoint to rejoin from a snapshot");
+  return std::optional<Journal>(Journal{doc["run_id"].get<std::string>(), doc["receiver"].get<std::string>(),
+                                        doc["attempt"].get<std::string>(), doc["version"].get<uint64_t>()});
+}
+
+Status WriteJournal(const std::string& target, const Journal& j) {
+  nlohmann::json doc = {{"run_id", j.run_id}, {"receiver", j.receiver}, {"version", j.version}, {"attempt", j.attempt}};
+  return WriteFileAtomically((fs::path(target) / kJournal).string(), doc.dump(1) + "\n");
+}
+
+bool HoldsCheckpoint(const std::string& dir) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return false;
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    if (e.path().extension() == ".safetensors") return true;
+  return false;
+}
+
+std::string DefaultReceiverId() {
+  char host[256] = {0};
+  ::gethostname(host, sizeof host - 1);
+  return fmt::format("{}-{}", host, ::getpid());
+}
+
+// One Run() call's state.
+class FollowRun {
+ public:
+  FollowRun(Store& store, const std::string& target, const FollowOptions& o, uint64_t* version)
+      : store_(store), target_(target), o_(o), version_(*version), version_out_(version) {}
+  ~FollowRun() { StopHeartbeat(); }
+
+  Status Run(std::optional<uint64_t> until, const std::function<bool()>& stop);
+
+ private:
+  void Log(const std::string& line) {
+    if (o_.log) o_.log(line);
+    else std::cerr << "dcr follow [" << o_.id << "] " << line << std::endl;
+  }
+  Status Fault(std::string_view point) { return o_.fault ? o_.fault(point) : Status::Ok(); }
+  bool Stopped(const std::function<bool()>& stop) { return stop && stop(); }
+  void Sleep() { std::this_thread::sleep_for(o_.poll); }
+
+  Status Start(const std::function<bool()>& stop);
+  Status Join(uint64_t at_most, const std::string& why);
+  Status OpenTarget();
+  Status Commit(uint64_t v);  // the target holds committed v
+  Status SetState(const std::string& state);
+  Status Step();
+  void StartHeartbeat();
+  void StopHeartbeat();
+
+  Store& store_;
+  const std::string& target_;
+  const FollowOptions& o_;
+  uint64_t& version_;
+  uint64_t* version_out_;
+  RunRecord run_;
+  Journal journal_;
+  std::optional<Checkpoint> ckpt_;
+  ChunkDigestTable digests_;
+  std::set<std::string> handled_;  // attempts acked (or nacked) by this run
+  std::map<uint64_t, int> commit_failures_;  // committed versions that failed to apply
+
+  std::mutex mu_;
+  std::string state_ = "joining";
+  std::atomic<bool> heartbeat_stop_{false};
+  std::thread heartbeat_;
+};
+
+Status FollowRun::SetState(const std::string& state) {
+  ReceiverRecord r;
+  {
+    std::lock_guard lock(mu_);
+    state_ = state;
+    r.state = state_;
+    r.version = version_;
+  }
+  r.id = o_.id;
+  r.heartbeat = UnixNow();
+  return store_.Put(run_keys::Receiver(o_.id), r.ToJson());
+}
+
+void FollowRun::StartHeartbeat() {
+  heartbeat_ = std::thread([this] {
+    auto next = std::chrono::steady_clock::now();
+    while (!heartbeat_stop_.load()) {
+      if (std::chrono::steady_clock::now() >= next) {
+        ReceiverRecord r{o_.id, "", 0, UnixNow()};
+        {
+          std::lock_guard lock(mu_);
+          r.state = state_;
+          r.version = version_;
+        }
+        if (Status s = store_.Put(run_keys::Receiver(o_.id), r.ToJson()); !s.ok()) Log("heartbeat: " + s.ToString());
+        next = std::chrono::steady_clock::now() + o_.heartbeat_every;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  });
+}
+
+void FollowRun::StopHeartbeat() {
+  if (!heartbeat_.joinable()) return;
+  heartbeat_stop_ = true;
+  heartbeat_.join();
+}
+
+Status FollowRun::OpenTarget() {
+  ckpt_.reset();
+  DCR_ASSIGN_OR_RETURN(Checkpoint c, Checkpoint::Open(target_, OpenMode::kReadWrite));
+  DCR_RETURN_IF_ERROR(CheckRunTensors(c, run_));
+  ckpt_.emplace(std::move(c));
+  digests_ = ChunkDigests(*ckpt_, LayoutOf(run_));
+  return Status::Ok();
+}
+
+Status FollowRun::Commit(uint64_t v) {
+  {
+    std::lock_guard lock(mu_);
+    version_ = v;
+  }
+  *version_out_ = v;
+  journal_.version = v;
+  journal_.attempt.clear();
+  return WriteJournal(target_, journal_);
+}
+
+// Replaces the target with the newest snapshot at or below `at_most`.
+Status FollowRun::Join(uint64_t at_most, const std::string& why) {
+  ckpt_.reset();
+  DCR_ASSIGN_OR_RETURN(SnapshotRecord snap, NewestSnapshot(store_, at_most));
+  Log(fmt::format("joining from the snapshot of version {} ({})", snap.version, why));
+  SetState("joining").IgnoreError();
+  // Journal the join before the download: a receiver killed in the middle
+  // (some files of the snapshot in place, some not) finds the journal and
+  // joins again instead of refusing a checkpoint it does not recognize.
+  std::error_code ec;
+  fs::create_directories(target_, ec);
+  if (ec) return ErrnoError(ec.value(), "cannot create " + target_);
+  journal_ = Journal{run_.run_id, o_.id, std::string(kJoining), snap.version};
+  DCR_RETURN_IF_ERROR(WriteJournal(target_, journal_));
+  DCR_RETURN_IF_ERROR(DownloadSnapshot(store_, snap, target_, nullptr));
+  DCR_RETURN_IF_ERROR(OpenTarget());
+  if (Total(digests_) != snap.digest)
+    return DataLoss(fmt::format("{}: the snapshot of version {} does not have its recorded digest", store_.url(),
+                                snap.version));
+  return Commit(snap.version);
+}
+
+Status FollowRun::Start(const std::function<bool()>& stop) {
+  // Wait for the run to exist.
+  RunState state;
+  for (;;) {
+    DCR_ASSIGN_OR_RETURN(state, ReadRunState(store_));
+    if (state.run && state.latest) break;
+    if (Stopped(stop)) return Aborted("stopped before the run started");
+    Sleep();
+  }
+  run_ = *state.run;
+  DCR_ASSIGN_OR_RETURN(auto journal, ReadJournal(target_));
+  if (journal && journal->run_id != run_.run_id)
+    return FailedPrecondition(fmt::format(
+        "{} follows run {}, but {} holds run {}; follow into an empty directory to join this run", target_,
+        journal->run_id, store_.url(), run_.run_id));
+  if (!journal) {
+    if (!HoldsCheckpoint(target_)) return Join(*state.latest, "new receiver");
+    // An existing checkpoint: adopt it if it is a committed version.
+    DCR_RETURN_IF_ERROR(OpenTarget());
+    const Digest d = Total(digests_);
+    for (uint64_t v = *state.latest + 1; v-- > 0;) {
+      auto c = ReadCommit(store_, v);
+      if (c.ok() && c->target_digest == d) {
+        journal_ = Journal{run_.run_id, o_.id, "", v};
+        Log(fmt::format("{} holds committed version {}", target_, v));
+        return Commit(v);
+      }
+    }
+    return FailedPrecondition(fmt::format(
+        "{} holds a checkpoint that is no committed version of run {} in {}; follow into an empty directory to join "
+        "from a snapshot",
+        target_, run_.run_id, store_.url()));
+  }
+  journal_ = *journal;
+  journal_.receiver = o_.id;
+  version_ = journal_.version;
+  *version_out_ = version_;
+  if (journal_.attempt == kJoining) return Join(*state.latest, "restarted while joining");
+  if (!HoldsCheckpoint(target_)) return Join(*state.latest, "the journal's checkpoint is missing");
+  if (Status s = OpenTarget(); !s.ok()) return Join(*state.latest, "cannot open the checkpoint: " + s.ToString());
+  auto c = ReadCommit(store_, version_);
+  if (!c.ok()) return c.status().WithContext("the version " + target_ + " claims to hold");
+  if (Total(digests_) != c->target_digest) {
+    if (!journal_.attempt.empty()) {
+      Log(fmt::format("restarted while applying attempt {}; the next attempt or the commit repairs it", journal_.attempt));
+      return Status::Ok();
+    }
+    return Join(*state.latest, fmt::format("{} does not hold version {} as its journal claims", target_, version_));
+  }
+  return Status::Ok();
+}
+
+Status FollowRun::Run(std::optional<uint64_t> until, const std::function<bool()>& stop) {
+  // Store failures that outlast the driver's retries are waited out here:
+  // a receiver keeps its place and tries again.
+  for (;;) {
+    Status s = Start(stop);
+    if (s.ok()) break;
+    if (!Transient(s) || Stopped(stop)) return s;
+    Log("store unavailable, retrying: " + s.ToString());
+    Sleep();
+  }
+  StartHeartbeat();
+  SetState("following").IgnoreError();
+  while (!(until && version_ >= *until) && !Stopped(stop)) {
+    Status s = Step();
+    if (s.ok()) continue;
+    if (!Transient(s)) return s;
+    Log("store unavailable, retrying: " + s.ToString());
+    Sleep();
+  }
+  StopHeartbeat();
+  // Best effort: the target is consistent whatever the store says, and a
+  // receiver whose record stays "following" only goes stale.
+  Status s = SetState("stopped");
+  for (int tries = 1; Transient(s) && tries < 5; ++tries) {
+    Sleep();
+    s = SetState("stopped");
+  }
+  if (!s.ok()) Log("could not record the stop: " + s.ToString());
+  return Status::Ok();
+}
+
+// One step towards version_ + 1: apply its commit, or the open attempts.
+Status FollowRun::Step() {
+  if (!ckpt_) {  // a join was interrupted by a store failure
+    DCR_ASSIGN_OR_RETURN(RunState state, ReadRunState(store_));
+    return Join(*state.latest, "resuming an interrupted join");
+  }
+  const uint64_t v = version_ + 1;
+  DCR_ASSIGN_OR_RETURN(auto commit_text, GetIfPresent(store_, run_keys::Commit(v)));
+  if (commit_text) {
+    DCR_ASSIGN_OR_RETURN(CommitRecord c, CommitRecord::FromJson(*commit_text, StoreContext(store_.url(), run_keys::Commit(v))));
+    if (std::find(c.retired.begin(), c.retired.end(), o_.id) != c.retired.end())
+      Log(fmt::format("retired from version {} (no ack before the deadline): catching up from the committed delta, "
+                      "or the newest snapshot if that is impossible",
+                      v));
+    if (Total(digests_) != c.target_digest) {
+      // Catch up through the committed attempt (a late or retired receiver).
+      auto delta = LoadAttempt(store_, v, c.attempt);
+      Status s = delta.status();
+      if (delta.ok()) {
+        journal_.attempt = c.attempt;
+        DCR_RETURN_IF_ERROR(WriteJournal(target_, journal_));
+        auto applied = ApplyDelta(*ckpt_, *delta, nullptr, nullptr, &digests_, /*sync=*/false);
+        s = applied.status();
+        if (s.ok() && Total(digests_) != c.target_digest) s = DataLoss("the committed delta did not reach its digest");
+      }
+      if (Transient(s)) return s;
+      if (!s.ok()) {
+        // Once from a snapshot; if the committed delta fails again the store's
+        // copy of version v is damaged and rejoining would loop.
+        if (++commit_failures_[v] > 1)
+          return DataLoss(fmt::format(
+              "{}: committed version {} (attempt {}) cannot be applied even after rejoining from a snapshot: {}. The "
+              "store's copy of that version is damaged; receivers can only pass it from a newer snapshot (publish "
+              "with --snapshot-every)",
+              store_.url(), v, c.attempt, s.ToString()));
+        DCR_ASSIGN_OR_RETURN(RunState state, ReadRunState(store_));
+        return Join(*state.latest, "cannot apply committed version " + std::to_string(v) + ": " + s.ToString());
+      }
+    }
+    DCR_RETURN_IF_ERROR(Commit(v));
+    SetState("following").IgnoreError();
+    Log(fmt::format("at version {} (attempt {})", v, c.attempt.empty() ? "snapshot" : c.attempt));
+    return Status::Ok();
+  }
+  DCR_ASSIGN_OR_RETURN(auto attempts, ListAttempts(store_, v));
+  bool progressed = false;
+  for (const auto& a : attempts) {
+    if (!a.has_manifest || a.fenced || handled_.count(a.id) ||
+        std::find(a.acks.begin(), a.acks.end(), o_.id) != a.acks.end())
+      continue;
+    auto delta = LoadAttempt(store_, v, a.id);
+    if (Transient(delta.status())) return delta.status();
+    journal_.attempt = a.id;
+    DCR_RETURN_IF_ERROR(WriteJournal(target_, journal_));
+    SetState("applying").IgnoreError();
+    DCR_RETURN_IF_ERROR(Fault("applying"));
+    Status s = delta.status();
+    if (delta.ok()) {
+      auto applied = ApplyDelta(*ckpt_, *delta, nullptr, nullptr, &digests_, /*sync=*/false);
+      s = applied.status();
+      if (s.ok() && Total(digests_) != delta->manifest().target_digest)
+        s = DataLoss("applied every frame but the checkpoint's digest is not the target's");
+    }
+    DCR_RETURN_IF_ERROR(Fault("applied"));
+    AckRecord ack;
+    ack.receiver = o_.id;
+    ack.ok = s.ok();
+    ack.digest = Total(digests_);
+    ack.error = s.ok() ? "" : s.ToString();
+    Log(s.ok() ? fmt::format("applied version {} attempt {}", v, a.id)
+               : fmt::format("cannot apply version {} attempt {}: {}", v, a.id, s.ToString()));
+    DCR_RETURN_IF_ERROR(store_.Put(run_keys::Attempt(v, a.id) + "acks/" + o_.id + ".json", ack.ToJson()));
+    DCR_RETURN_IF_ERROR(Fault("acked"));
+    handled_.insert(a.id);
+    progressed = true;
+    SetState("following").IgnoreError();
+  }
+  if (!progressed) Sleep();
+  return Status::Ok();
+}
+
+}  // namespace
+
+Follower::Follower(Store& store, std::string target, FollowOptions options)
+    : store_(store), target_(std::move(target)), options_(std::move(options)) {
+  if (options_.id.empty()) options_.id = DefaultReceiverId();
+}
+
+Status Follower::Run(std::optional<uint64_t> until, const std::function<bool()>& stop) {
+  if (Status s = ValidateKey(run_keys::Receiver(options_.id)); !s.ok())
+    return InvalidArgument("receiver id '" + options_.id + "' cannot name an object: " + s.message());
+  FollowRun run(store_, target_, options_, &version_);
+  return run.Run(until, stop);
+}
+
+}  // namespace dcr

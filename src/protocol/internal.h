@@ -1,0 +1,54 @@
+// Helpers shared by the publisher, the follower and GC. Not public API.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dcr/mapped_file.h"
+#include "dcr/protocol.h"
+
+namespace dcr::protocol_internal {
+
+double UnixNow();
+
+// Store failures worth waiting out (the driver's own retries ran out).
+bool Transient(const Status& s);
+
+// The object, or nullopt when it does not exist.
+Result<std::optional<std::string>> GetIfPresent(Store& store, std::string_view key);
+
+// The run's tensors and chunking as a frameless manifest (for chunk plans
+// and digest tables).
+DeltaManifest LayoutOf(const RunRecord& run);
+
+// kFailedPrecondition unless `ckpt` holds exactly the run's tensors.
+Status CheckRunTensors(const Checkpoint& ckpt, const RunRecord& run);
+
+Digest Total(const ChunkDigestTable& table);
+
+// Reads the committed record of version v (kNotFound when absent).
+Result<CommitRecord> ReadCommit(Store& store, uint64_t v);
+
+// The attempt ids of version v (sorted, oldest first) and, for each, whether
+// it has a manifest and whether it is fenced.
+struct AttemptInfo {
+  std::string id;
+  bool has_manifest = false, fenced = false;
+  std::vector<std::string> acks;  // receivers
+};
+Result<std::vector<AttemptInfo>> ListAttempts(Store& store, uint64_t v);
+
+// The attempt's delta, frames downloaded (kept in memory).
+Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& attempt);
+
+// Snapshots: the regular files of a checkpoint (a file, or the top-level
+// files of its directory) as objects under snapshots/v<N>/files/, then
+// snapshot.json. Download writes them into `dir` (created) and opens it.
+Status UploadSnapshot(Store& store, uint64_t v, const Checkpoint& ckpt, const Digest& digest, Progress* progress);
+Result<SnapshotRecord> ReadSnapshot(Store& store, uint64_t v);
+// The newest snapshot at or below `at_most` (kNotFound if none).
+Result<SnapshotRecord> NewestSnapshot(Store& store, uint64_t at_most);
+Status DownloadSnapshot(Store& store, const SnapshotRecord& snapshot, const std::string& dir, Progress* progress);
+
+}  // namespace dcr::protocol_internal

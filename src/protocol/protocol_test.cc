@@ -1,0 +1,541 @@
+// The protocol end to end in one process: a publisher and followers on
+// threads over the mem and file stores, with faults injected at the named
+// points. Every receiver is compared with the published checkpoint byte for
+// byte. (tests/python/test_refit.py runs the same with real processes.)
+#include "dcr/protocol.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <filesystem>
+#include <functional>
+#include <fstream>
+#include <thread>
+
+#include "dcr/compare.h"
+#include "dcr/synth.h"
+#include "testing/temp_dir.h"
+
+namespace dcr {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A store that forwards to another and lets a test break chosen requests:
+// `hook(op, key, after)` runs before each request (after=false; a non-OK
+// status fails it unrun) and after each write or delete succeeded
+// (after=true; a non-OK status is reported although the write happened, as
+// a lost response).
+class HookStore final : public Store {
+ public:
+  using Hook = std::function<Status(std::string_view op, std::string_view key, bool after)>;
+  HookStore(Store& inner, Hook hook) : inner_(inner), hook_(std::move(hook)) {}
+
+  const std::string& url() const override { return inner_.url(); }
+  Result<std::unique_ptr<ObjectWriter>> OpenWriter(std::string_view key, WriteMode mode) override {
+    DCR_RETURN_IF_ERROR(hook_("write", key, false));
+    DCR_ASSIGN_OR_RETURN(auto w, inner_.OpenWriter(key, mode));
+    return std::unique_ptr<ObjectWriter>(new Writer(this, std::string(key), std::move(w)));
+  }
+  Result<ObjectInfo> Head(std::string_view key) override {
+    DCR_RETURN_IF_ERROR(hook_("read", key, false));
+    return inner_.Head(key);
+  }
+  Status ReadRange(std::string_view key, uint64_t offset, std::span<uint8_t> out, const ReadOptions& o) override {
+    DCR_RETURN_IF_ERROR(hook_("read", key, false));
+    return inner_.ReadRange(key, offset, out, o);
+  }
+  Result<std::string> Get(std::string_view key, ObjectInfo* info) override {
+    DCR_RETURN_IF_ERROR(hook_("read", key, false));
+    return inner_.Get(key, info);
+  }
+  Result<std::vector<ObjectInfo>> List(std::string_view prefix) override {
+    DCR_RETURN_IF_ERROR(hook_("list", prefix, false));
+    return inner_.List(prefix);
+  }
+  Status Delete(std::string_view key) override {
+    DCR_RETURN_IF_ERROR(hook_("delete", key, false));
+    DCR_RETURN_IF_ERROR(inner_.Delete(key));
+    return hook_("delete", key, true);
+  }
+
+ private:
+  class Writer final : public ObjectWriter {
+   public:
+    Writer(HookStore* store, std::string key, std::unique_ptr<ObjectWriter> inner)
+        : store_(store), key_(std::move(key)), inner_(std::move(inner)) {}
+    Status Write(std::string_view data) override { return inner_->Write(data); }
+    Status Close() override {
+      DCR_RETURN_IF_ERROR(inner_->Close());
+      return store_->hook_("write", key_, true);
+    }
+    void Abort() override { inner_->Abort(); }
+
+   private:
+    HookStore* store_;
+    std::string key_;
+    std::unique_ptr<ObjectWriter> inner_;
+  };
+  Store& inner_;
+  Hook hook_;
+};
+
+class ProtocolTest : public testing::TempDirTest {
+ protected:
+  void SetUp() override {
+    TempDirTest::SetUp();
+    GenOptions g;
+    g.shape = ShapeForSize(Family::kQwen3Moe, 1 << 20);
+    g.versions = 4;
+    g.update = UpdateModel::kTraining;
+    g.rate = 0.03;
+    g.seed = 11;
+    auto r = GenerateVersions(Path("gen"), g);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    store_url_ = "mem://" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name());
+    auto s = OpenStore(store_url_);
+    ASSERT_TRUE(s.ok());
+    store_ = std::move(*s);
+  }
+  void TearDown() override {
+    ResetMemStore(store_url_.substr(6));
+    TempDirTest::TearDown();
+  }
+
+  Checkpoint Version(int v) {
+    auto c = Checkpoint::Open(Path("gen/v" + std::to_string(v)));
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    return std::move(*c);
+  }
+  PublishOptions Fast() {
+    PublishOptions o;
+    o.delta.chunk_elements = 1 << 14;
+    o.senders = 3;
+    o.ack_timeout = std::chrono::milliseconds(5000);
+    o.heartbeat_timeout = std::chrono::milliseconds(2000);
+    return o;
+  }
+  FollowOptions Receiver(const std::string& id) {
+    FollowOptions o;
+    o.id = id;
+    o.poll = std::chrono::milliseconds(5);
+    o.heartbeat_every = std::chrono::milliseconds(100);
+    o.log = [](const std::string&) {};
+    return o;
+  }
+  void ExpectIdentical(const std::string& target, int v) {
+    auto a = Checkpoint::Open(target);
+    ASSERT_TRUE(a.ok()) << a.status().ToString();
+    Checkpoint b = Version(v);
+    EXPECT_TRUE(DiffCheckpoints(*a, b).identical()) << target << " differs from v" << v;
+    // And the files themselves, byte for byte.
+    for (const auto& e : fs::directory_iterator(Path("gen/v" + std::to_string(v)))) {
+      if (e.path().extension() != ".safetensors" && e.path().extension() != ".json") continue;
+      auto read = [](const fs::path& p) {
+        std::ifstream in(p, std::ios::binary);
+        return std::string((std::istreambuf_iterator<char>(in)), {});
+      };
+      EXPECT_TRUE(read(e.path()) == read(fs::path(target) / e.path().filename())) << e.path().filename();
+    }
+  }
+  // Waits until `n` receivers have registered.
+  void WaitForReceivers(size_t n) {
+    for (int i = 0; i < 2000; ++i) {
+      auto l = store_->List("receivers/");
+      if (l.ok() && l->size() >= n) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    FAIL() << "receivers did not register";
+  }
+
+  std::string store_url_;
+  std::unique_ptr<Store> store_;
+};
+
+TEST_F(ProtocolTest, ReceiversFollowEveryVersionBitExactly) {
+  Publisher pub(*store_, Path("state"), Fast());
+  auto r0 = pub.Publish(0, Version(0));
+  ASSERT_TRUE(r0.ok()) << r0.status().ToString();
+  std::vector<std::thread> threads;
+  std::vector<Status> results(3);
+  for (int i = 0; i < 3; ++i) {
+    threads.emplace_back([&, i] {
+      Follower f(*store_, Path("r" + std::to_string(i)), Receiver("r" + std::to_string(i)));
+      results[i] = f.Run(3);
+    });
+  }
+  WaitForReceivers(3);
+  for (int v = 1; v <= 3; ++v) {
+    auto r = pub.Publish(v, Version(v));
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->attempts, 1u);
+    EXPECT_EQ(r->acked.size(), 3u);
+    EXPECT_TRUE(r->retired.empty());
+    EXPECT_GT(r->frame_bytes, 0u);
+    EXPECT_LT(r->frame_bytes, r->total_bytes / 5);
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(results[i].ok()) << results[i].ToString();
+    ExpectIdentical(Path("r" + std::to_string(i)), 3);
+  }
+  // A late joiner catches up from the snapshot and the committed deltas.
+  Follower late(*store_, Path("late"), Receiver("late"));
+  ASSERT_TRUE(late.Run(3).ok());
+  ExpectIdentical(Path("late"), 3);
+  // Publishing a committed version again with the same bits is a no-op.
+  auto again = pub.Publish(3, Version(3));
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_TRUE(again->already_committed);
+  // ... with other bits it is refused.
+  EXPECT_EQ(pub.Publish(3, Version(2)).status().code(), Code::kAlreadyExists);
+}
+
+TEST_F(ProtocolTest, CoordinatorFailureBeforeCommitIsRepairedByAnOverwriteRetry) {
+  PublishOptions o = Fast();
+  std::atomic<int> failures{0};
+  o.fault = [&](std::string_view point) {
+    if (point == "before-commit" && failures.fetch_add(1) == 0) return Unavailable("injected: coordinator dies");
+    return Status::Ok();
+  };
+  Publisher pub(*store_, Path("state"), o);
+  ASSERT_TRUE(pub.Publish(0, Version(0)).ok());
+  Status follow;
+  std::thread t([&] {
+    Follower f(*store_, Path("r"), Receiver("r"));
+    follow = f.Run(1);
+  });
+  WaitForReceivers(1);
+  auto r = pub.Publish(1, Version(1));
+  t.join();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->attempts, 2u);
+  ASSERT_TRUE(follow.ok()) << follow.ToString();
+  ExpectIdentical(Path("r"), 1);
+}
+
+TEST_F(ProtocolTest, ReceiverCrashMidApplyRestartsAndIsRepaired) {
+  Publisher pub(*store_, Path("state"), Fast());
+  ASSERT_TRUE(pub.Publish(0, Version(0)).ok());
+  // First life: dies right after applying (before acking).
+  FollowOptions crash = Receiver("r");
+  crash.fault = [](std::string_view point) { return point == "applied" ? Aborted("injected: killed") : Status::Ok(); };
+  Status first;
+  std::thread t([&] {
+    Follower f(*store_, Path("r"), crash);
+    first = f.Run(1);
+  });
+  WaitForReceivers(1);
+  PublishOptions o = Fast();
+  o.ack_timeout = std::chrono::milliseconds(1500);  // the dead receiver is retired
+  Publisher pub2(*store_, Path("state"), o);
+  auto r = pub2.Publish(1, Version(1));
+  t.join();
+  EXPECT_EQ(first.code(), Code::kAborted);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->retired, std::vector<std::string>{"r"});
+  // Second life: resumes from its journal and catches up.
+  Follower again(*store_, Path("r"), Receiver("r"));
+  ASSERT_TRUE(again.Run(1).ok());
+  ExpectIdentical(Path("r"), 1);
+}
+
+TEST_F(ProtocolTest, ReceiverWithWrongBitsRejoinsFromTheSnapshot) {
+  Publisher pub(*store_, Path("state"), Fast());
+  ASSERT_TRUE(pub.Publish(0, Version(0)).ok());
+  ASSERT_TRUE(pub.Publish(1, Version(1)).ok());
+  Follower f(*store_, Path("r"), Receiver("r"));
+  ASSERT_TRUE(f.Run(1).ok());
+  {  // Flip a byte behind dcr's back.
+    auto c = Checkpoint::Open(Path("r"), OpenMode::kReadWrite);
+    ASSERT_TRUE(c.ok());
+    c->MutableData(0)[0] ^= 0x40;
+    ASSERT_TRUE(c->Sync().ok());
+  }
+  ASSERT_TRUE(pub.Publish(2, Version(2)).ok());
+  Follower again(*store_, Path("r"), Receiver("r"));
+  ASSERT_TRUE(again.Run(2).ok());
+  ExpectIdentical(Path("r"), 2);
+}
+
+TEST_F(ProtocolTest, BadInputIsRefusedWithAWayForward) {
+  Publisher pub(*store_, Path("state"), Fast());
+  // Out of order.
+  auto early = pub.Publish(1, Version(1));
+  EXPECT_EQ(early.status().code(), Code::kFailedPrecondition);
+  EXPECT_NE(early.status().message().find("version 0 first"), std::string::npos) << early.status().message();
+  ASSERT_TRUE(pub.Publish(0, Version(0)).ok());
+  EXPECT_EQ(pub.Publish(2, Version(2)).status().code(), Code::kFailedPrecondition);
+  // A checkpoint with other tensors.
+  GenOptions g;
+  g.shape = ShapeForSize(Family::kLlama, 1 << 20);
+  g.versions = 1;
+  ASSERT_TRUE(GenerateVersions(Path("other"), g).ok());
+  auto other = Checkpoint::Open(Path("other/v1"));
+  ASSERT_TRUE(other.ok());
+  auto wrong = pub.Publish(1, *other);
+  EXPECT_EQ(wrong.status().code(), Code::kFailedPrecondition);
+  EXPECT_NE(wrong.status().message().find("new run"), std::string::npos) << wrong.status().message();
+  // A record that does not parse.
+  ASSERT_TRUE(store_->Put("commits/v0000000000.json", "{not json").ok());
+  auto broken = pub.Publish(1, Version(1));
+  EXPECT_EQ(broken.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(broken.status().message().find("does not parse"), std::string::npos) << broken.status().message();
+  // A receiver of another run.
+  ASSERT_TRUE(fs::create_directories(Path("foreign")));
+  {
+    std::ofstream j(Path("foreign/.dcr-follow.json"));
+    j << R"({"run_id": "someone-else", "receiver": "x", "version": 0, "attempt": ""})";
+  }
+  auto fixed = OpenStore("mem://bad-input-fresh");
+  ASSERT_TRUE(fixed.ok());
+  Publisher pub2(**fixed, Path("state2"), Fast());
+  ASSERT_TRUE(pub2.Publish(0, Version(0)).ok());
+  Follower f(**fixed, Path("foreign"), Receiver("x"));
+  Status s = f.Run(0);
+  EXPECT_EQ(s.code(), Code::kFailedPrecondition);
+  EXPECT_NE(s.message().find("empty directory"), std::string::npos) << s.message();
+  ResetMemStore("bad-input-fresh");
+}
+
+TEST_F(ProtocolTest, TwoCoordinatorsCommitEachVersionOnce) {
+  // Two publishers with their own baselines publish the same checkpoints at once.
+  Publisher a(*store_, Path("state-a"), Fast());
+  ASSERT_TRUE(a.Publish(0, Version(0)).ok());
+  fs::copy(Path("state-a"), Path("state-b"), fs::copy_options::recursive);
+  Publisher b(*store_, Path("state-b"), Fast());
+  Status fa, fb;
+  bool a_committed = false, b_committed = false;
+  std::string a_attempt, b_attempt;
+  std::thread ta([&] {
+    auto r = a.Publish(1, Version(1));
+    fa = r.status();
+    a_committed = r.ok() && !r->already_committed;
+    if (r.ok()) a_attempt = r->attempt;
+  });
+  std::thread tb([&] {
+    auto r = b.Publish(1, Version(1));
+    fb = r.status();
+    b_committed = r.ok() && !r->already_committed;
+    if (r.ok()) b_attempt = r->attempt;
+  });
+  ta.join();
+  tb.join();
+  ASSERT_TRUE(fa.ok()) << fa.ToString();
+  ASSERT_TRUE(fb.ok()) << fb.ToString();
+  EXPECT_TRUE(a_committed != b_committed) << "exactly one coordinator commits";
+  // Both report the attempt that is committed (the loser too, not its own).
+  auto status = ReadRunStatus(*store_, std::chrono::milliseconds(2000));
+  ASSERT_TRUE(status.ok()) << status.status().ToString();
+  ASSERT_EQ(status->versions.size(), 2u);
+  ASSERT_TRUE(status->versions[1].commit.has_value());
+  EXPECT_EQ(a_attempt, status->versions[1].commit->attempt);
+  EXPECT_EQ(b_attempt, status->versions[1].commit->attempt);
+  Follower f(*store_, Path("r"), Receiver("r"));
+  ASSERT_TRUE(f.Run(1).ok());
+  ExpectIdentical(Path("r"), 1);
+}
+
+// Regression: `dcr status` listed no attempts at all (it looked for the '/'
+// after "attempts/v<10 digits>" one byte early).
+TEST_F(ProtocolTest, StatusListsTheAttemptsOfEachVersion) {
+  Publisher pub(*store_, Path("state"), Fast());
+  ASSERT_TRUE(pub.Publish(0, Version(0)).ok());
+  ASSERT_TRUE(pub.Publish(1, Version(1)).ok());
+  PublishOptions o = Fast();
+  o.max_attempts = 1;
+  o.fault = [](std::string_view point) { return point == "manifest-written" ? Aborted("injected") : Status::Ok(); };
+  Publisher failing(*store_, Path("state"), o);
+  EXPECT_EQ(failing.Publish(2, Version(2)).status().code(), Code::kAborted);
+  auto status = ReadRunStatus(*store_, std::chrono::milliseconds(2000));
+  ASSERT_TRUE(status.ok()) << status.status().ToString();
+  ASSERT_EQ(status->versions.size(), 3u);
+  const VersionStatus& v1 = status->versions[1];
+  ASSERT_EQ(v1.attempts.size(), 1u);
+  EXPECT_EQ(v1.attempts[0].state, "committed");
+  EXPECT_EQ(v1.attempts[0].id, v1.commit->attempt);
+  EXPECT_EQ(v1.attempts[0].mode, "xor");
+  EXPECT_GT(v1.attempts[0].frame_bytes, 0u);
+  const VersionStatus& v2 = status->versions[2];
+  EXPECT_FALSE(v2.committed);
+  ASSERT_EQ(v2.attempts.size(), 1u);
+  EXPECT_EQ(v2.attempts[0].state, "fenced");
+  EXPECT_NE(v2.attempts[0].fence_reason.find("injected"), std::string::npos);
+}
+
+// Regression: a commit whose response was lost failed its attempt, which was
+// then fenced although committed, and a second attempt waited for acks that
+// never came.
+TEST_F(ProtocolTest, ALostCommitResponseIsStillThisAttemptsCommit) {
+  std::atomic<int> writes{0}, lost{0};
+  HookStore hooked(*store_, [&](std::string_view op, std::string_view key, bool after) {
+    if (op != "write" || key != run_keys::Commit(1)) return Status::Ok();
+    if (!after) ++writes;
+    if (after && lost.fetch_add(1) == 0) return Unavailable("injected: lost response");
+    return Status::Ok();
+  });
+  Publisher pub(hooked, Path("state"), Fast());
+  ASSERT_TRUE(pub.Publish(0, Version(0)).ok());
+  auto r = pub.Publish(1, Version(1));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(writes.load(), 2) << "the commit is written again (and found present)";
+  EXPECT_EQ(r->attempts, 1u);
+  EXPECT_FALSE(r->already_committed);
+  auto fence = store_->Head(run_keys::Attempt(1, r->attempt) + "fence");
+  EXPECT_EQ(fence.status().code(), Code::kNotFound) << "the committed attempt was fenced";
+}
+
+// Regression: one failed poll while waiting for acks failed the attempt (and
+// re-sent every frame), and a failed GC delete after the commit failed the
+// publish of a committed version.
+TEST_F(ProtocolTest, StoreFailuresAfterTheFramesDoNotFailTheAttempt) {
+  std::atomic<int> list_failures{0};
+  HookStore hooked(*store_, [&](std::string_view op, std::string_view key, bool after) {
+    if (!after && op == "list" && key == "receivers/" && list_failures.fetch_add(1) < 3)
+      return Unavailable("injected: list failed");
+    if (after && op == "delete") return Unavailable("injected: lost delete response");
+    return Status::Ok();
+  });
+  {
+    Publisher pub(*store_, Path("state"), Fast());
+    ASSERT_TRUE(pub.Publish(0, Version(0)).ok());
+  }
+  Status follow;
+  std::atomic<bool> give_up{false};
+  std::thread t([&] {
+    Follower f(*store_, Path("r"), Receiver("r"));
+    follow = f.Run(2, [&] { return give_up.load(); });
+  });
+  struct Joiner {  // a failed ASSERT must not leave the follower running
+    std::atomic<bool>& stop;
+    std::thread& t;
+    ~Joiner() {
+      stop = true;
+      if (t.joinable()) t.join();
+    }
+  } joiner{give_up, t};
+  WaitForReceivers(1);
+  PublishOptions o = Fast();
+  std::atomic<int> faults{0};
+  o.fault = [&](std::string_view point) {  // v2's first attempt fails: GC has one to delete
+    return point == "before-commit" && faults.fetch_add(1) == 1 ? Aborted("injected") : Status::Ok();
+  };
+  Publisher pub(hooked, Path("state"), o);
+  auto r1 = pub.Publish(1, Version(1));
+  ASSERT_TRUE(r1.ok()) << r1.status().ToString();
+  EXPECT_EQ(r1->attempts, 1u);
+  EXPECT_EQ(r1->acked, std::vector<std::string>{"r"});
+  EXPECT_GE(list_failures.load(), 3);
+  auto r2 = pub.Publish(2, Version(2));
+  ASSERT_TRUE(r2.ok()) << r2.status().ToString();
+  EXPECT_EQ(r2->attempts, 2u);
+  t.join();  // it stops by itself at version 2
+  ASSERT_TRUE(follow.ok()) << follow.ToString();
+  ExpectIdentical(Path("r"), 2);
+}
+
+// Regression: a receiver stopped while the store failed exited with an error
+// (its last record write failed) although its target was consistent.
+TEST_F(ProtocolTest, AReceiverStopsCleanlyWhileTheStoreFails) {
+  Publisher pub(*store_, Path("state"), Fast());
+  ASSERT_TRUE(pub.Publish(0, Version(0)).ok());
+  std::atomic<bool> broken{false};
+  HookStore hooked(*store_, [&](std::string_view op, std::string_view key, bool) {
+    return broken && op == "write" && key.starts_with("receivers/") ? Unavailable("injected") : Status::Ok();
+  });
+  Follower f(hooked, Path("r"), Receiver("r"));
+  Status s = f.Run(std::nullopt, [&] {
+    broken = true;
+    return true;
+  });
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  ExpectIdentical(Path("r"), 0);
+}
+
+// Regression: a receiver killed while it downloaded a snapshot of several
+// files (some in place, no journal yet) refused its own directory on restart;
+// and one whose journal names a checkpoint that lost a shard did not rejoin.
+TEST_F(ProtocolTest, AReceiverInterruptedWhileJoiningJoinsAgain) {
+  GenOptions g;
+  g.shape = ShapeForSize(Family::kQwen3Moe, 1 << 20);
+  g.versions = 1;
+  g.seed = 5;
+  g.max_shard_bytes = 300 << 10;
+  ASSERT_TRUE(GenerateVersions(Path("sharded"), g).ok());
+  auto v0 = Checkpoint::Open(Path("sharded/v0"));
+  ASSERT_TRUE(v0.ok());
+  std::vector<std::string> shards;
+  for (const auto& e : fs::directory_iterator(Path("sharded/v0")))
+    if (e.path().extension() == ".safetensors") shards.push_back(e.path().filename().string());
+  std::sort(shards.begin(), shards.end());
+  ASSERT_GE(shards.size(), 3u);
+  Publisher pub(*store_, Path("state"), Fast());
+  ASSERT_TRUE(pub.Publish(0, *v0).ok());
+  auto expect_v0 = [&](const std::string& dir) {
+    auto c = Checkpoint::Open(dir);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    EXPECT_TRUE(DiffCheckpoints(*c, *v0).identical());
+  };
+  // The download dies at the second shard, as a killed receiver would.
+  HookStore hooked(*store_, [&](std::string_view op, std::string_view key, bool) {
+    return op == "read" && key.ends_with("/" + shards[1]) ? PermissionDenied("injected: killed") : Status::Ok();
+  });
+  Follower first(hooked, Path("r"), Receiver("r"));
+  EXPECT_EQ(first.Run(0).code(), Code::kPermissionDenied);
+  ASSERT_TRUE(fs::exists(Path("r/" + shards[0])));
+  Follower again(*store_, Path("r"), Receiver("r"));
+  Status s = again.Run(0);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  expect_v0(Path("r"));
+  // A shard lost behind dcr's back: the journal says the directory is ours.
+  fs::remove(Path("r/" + shards[2]));
+  Follower third(*store_, Path("r"), Receiver("r"));
+  s = third.Run(0);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  expect_v0(Path("r"));
+}
+
+// Regression: a publisher killed while it copied the changed chunks into its
+// baseline (after the commit) left a chunk half copied, and every later
+// publish failed; it now rebuilds the baseline from the store.
+TEST_F(ProtocolTest, APublisherKilledWhileItsBaselineMovedRebuildsIt) {
+  {
+    Publisher pub(*store_, Path("state"), Fast());
+    ASSERT_TRUE(pub.Publish(0, Version(0)).ok());
+  }
+  PublishOptions o = Fast();
+  o.fault = [](std::string_view point) { return point == "committed" ? Aborted("injected: killed") : Status::Ok(); };
+  Publisher dies(*store_, Path("state"), o);
+  EXPECT_EQ(dies.Publish(1, Version(1)).status().code(), Code::kAborted);
+  {  // Half of the copy: one changed byte of a chunk, not the next one.
+    auto base = Checkpoint::Open(Path("state/baseline"), OpenMode::kReadWrite);
+    ASSERT_TRUE(base.ok()) << base.status().ToString();
+    Checkpoint next = Version(1);
+    bool done = false;
+    for (size_t t = 0; t < base->tensors().size() && !done; ++t) {
+      auto dst = base->MutableData(t);
+      auto src = next.Data(static_cast<size_t>(next.Find(base->tensors()[t].name)));
+      for (size_t i = 0; i + 1 < dst.size() && !done; ++i) {
+        if (dst[i] == src[i]) continue;
+        for (size_t j = i + 1; j < std::min(dst.size(), i + 64) && !done; ++j)
+          if (dst[j] != src[j]) {
+            dst[i] = src[i];
+            done = true;
+          }
+      }
+    }
+    ASSERT_TRUE(done);
+    ASSERT_TRUE(base->Sync().ok());
+  }
+  Publisher pub(*store_, Path("state"), Fast());
+  auto r = pub.Publish(2, Version(2));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  Follower f(*store_, Path("r"), Receiver("r"));
+  ASSERT_TRUE(f.Run(2).ok());
+  ExpectIdentical(Path("r"), 2);
+  ExpectIdentical(Path("state/baseline"), 2);
+}
+
+}  // namespace
+}  // namespace dcr

@@ -1,0 +1,514 @@
+// The publisher: coordinator and senders in one process (docs/protocol.md).
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <set>
+#include <thread>
+
+#include "dcr/progress.h"
+#include "internal.h"
+
+namespace dcr {
+
+using namespace protocol_internal;
+namespace fs = std::filesystem;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point since) { return std::chrono::duration<double>(Clock::now() - since).count(); }
+
+std::string DefaultId() {
+  char host[256] = {0};
+  ::gethostname(host, sizeof host - 1);
+  return fmt::format("{}-{}", host, ::getpid());
+}
+
+// state_dir/publisher.json: which run and version the baseline holds.
+struct BaselineState {
+  std::string run_id;
+  uint64_t version = 0;
+};
+
+std::string BaselineDir(const std::string& state_dir) { return (fs::path(state_dir) / "baseline").string(); }
+std::string BaselineRecord(const std::string& state_dir) { return (fs::path(state_dir) / "publisher.json").string(); }
+
+Result<std::optional<BaselineState>> ReadBaseline(const std::string& state_dir) {
+  const std::string path = BaselineRecord(state_dir);
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return std::optional<BaselineState>();
+  DCR_ASSIGN_OR_RETURN(MappedFile f, MappedFile::Open(path, false));
+  auto doc = nlohmann::json::parse(f.data().begin(), f.data().end(), nullptr, false);
+  if (doc.is_discarded() || !doc.is_object() || !doc["run_id"].is_string() || !doc["version"].is_number_unsigned())
+    return InvalidArgument(path + ": does not parse; remove the publisher state directory to start over from the store");
+  return std::optional<BaselineState>(BaselineState{doc["run_id"].get<std::string>(), doc["version"].get<uint64_t>()});
+}
+
+Status WriteBaseline(const std::string& state_dir, const BaselineState& s) {
+  nlohmann::json doc = {{"run_id", s.run_id}, {"version", s.version}};
+  return WriteFileAtomically(BaselineRecord(state_dir), doc.dump(1) + "\n");
+}
+
+std::string RandomHex(int digits) {
+  std::random_device rd;
+  uint64_t x = (uint64_t{rd()} << 32) ^ rd();
+  return fmt::format("{:0{}x}", x & ((digits >= 16) ? ~0ull : ((1ull << (4 * digits)) - 1)), digits);
+}
+
+Status Fault(const PublishOptions& o, std::string_view point) { return o.fault ? o.fault(point) : Status::Ok(); }
+
+// Copies the bytes of `chunks` from `next` into `baseline` (same layout).
+void CopyChunks(Checkpoint& baseline, const Checkpoint& next, const DeltaManifest& layout,
+                const std::vector<DeltaFrameEntry>& frames) {
+  for (const auto& f : frames) {
+    const auto& t = layout.tensors[f.tensor];
+    uint64_t first_word, words;
+    uint32_t elements;
+    layout.ChunkWords(f.tensor, f.chunk, &first_word, &words, &elements);
+    const uint64_t wb = WordBytes(t.dtype);
+    auto src = next.Data(static_cast<size_t>(next.Find(t.name))).subspan(first_word * wb, words * wb);
+    auto dst = baseline.MutableData(static_cast<size_t>(baseline.Find(t.name))).subspan(first_word * wb, words * wb);
+    std::copy(src.begin(), src.end(), dst.begin());
+  }
+}
+
+}  // namespace
+
+Publisher::Publisher(Store& store, std::string state_dir, PublishOptions options)
+    : store_(store), state_dir_(std::move(state_dir)), options_(std::move(options)) {
+  if (options_.coordinator_id.empty()) options_.coordinator_id = DefaultId();
+}
+
+namespace {
+
+// One publish call's working state.
+class PublishRun {
+ public:
+  PublishRun(Store& store, const std::string& state_dir, const PublishOptions& options, Progress* progress)
+      : store_(store), state_dir_(state_dir), o_(options), progress_(progress) {}
+
+  Result<PublishReport> PublishSnapshot(const Checkpoint& next);
+  Result<PublishReport> PublishDelta(uint64_t v, const Checkpoint& next, const RunRecord& run);
+
+ private:
+  struct AttemptResult {
+    bool committed = false;
+    Status failure;  // why the attempt was fenced
+  };
+  Result<AttemptResult> RunAttempt(uint64_t v, const std::string& id, DeltaClass cls, const Checkpoint& baseline,
+                                   const Checkpoint& next,
+                                   const DeltaManifest& layout, const ChunkDigestTable& base_digests,
+                                   PublishReport* report, DeltaManifest* manifest_out);
+  Status Fence(uint64_t v, const std::string& id, const Status& why);
+  Status CatchUpBaseline(Checkpoint& baseline, uint64_t from, uint64_t to, ChunkDigestTable* digests);
+  // Opens the baseline (recorded at version `at`), catches it up to `want`
+  // and checks its digest.
+  Status LoadBaseline(uint64_t at, const CommitRecord& want, const RunRecord& run, const DeltaManifest& layout,
+                      std::optional<Checkpoint>* out, ChunkDigestTable* digests);
+  Status RebuildBaseline(const CommitRecord& want, const RunRecord& run, const DeltaManifest& layout);
+
+  Store& store_;
+  const std::string& state_dir_;
+  const PublishOptions& o_;
+  Progress* progress_;
+};
+
+Result<PublishReport> PublishRun::PublishSnapshot(const Checkpoint& next) {
+  const auto start = Clock::now();
+  PublishReport report;
+  DCR_ASSIGN_OR_RETURN(DeltaManifest layout, StartDelta(next, next, o_.delta));
+  RunRecord run;
+  run.run_id = RandomHex(16);
+  run.chunk_elements = layout.chunk_elements;
+  run.tensors = layout.tensors;
+  const Digest digest = Total(ChunkDigests(next, layout));
+  report.total_bytes = layout.total_bytes;
+
+  Status created = store_.Put(run_keys::kRun, run.ToJson(), WriteMode::kCreateIfAbsent);
+  if (created.code() == Code::kAlreadyExists) {
+    // Someone created the run: fine if it is this model and v0 has these bits.
+    DCR_ASSIGN_OR_RETURN(RunState state, ReadRunState(store_));
+    DCR_RETURN_IF_ERROR(CheckRunTensors(next, *state.run));
+    auto commit = ReadCommit(store_, 0);
+    if (commit.ok() && commit->target_digest == digest) {
+      run = *state.run;
+      report.already_committed = true;
+    } else if (commit.ok()) {
+      return AlreadyExists(fmt::format("{} already holds a run whose version 0 has other bits; use a new store prefix",
+                                       store_.url()));
+    } else if (commit.status().code() == Code::kNotFound) {
+      run = *state.run;  // a publisher died before committing v0: finish its job
+    } else {
+      return commit.status();
+    }
+  } else {
+    DCR_RETURN_IF_ERROR(created);
+  }
+  if (!report.already_committed) {
+    DCR_RETURN_IF_ERROR(UploadSnapshot(store_, 0, next, digest, progress_));
+    CommitRecord c;
+    c.version = 0;
+    c.target_digest = digest;
+    c.time = UnixNow();
+    Status s = store_.Put(run_keys::Commit(0), c.ToJson(), WriteMode::kCreateIfAbsent);
+    if (s.code() == Code::kAlreadyExists) {
+      DCR_ASSIGN_OR_RETURN(CommitRecord other, ReadCommit(store_, 0));
+      if (other.target_digest != digest) return AlreadyExists(store_.url() + ": version 0 was committed with other bits");
+    } else {
+      DCR_RETURN_IF_ERROR(s);
+    }
+  }
+  // The baseline: a copy of the checkpoint's files.
+  std::error_code ec;
+  fs::remove_all(BaselineDir(state_dir_), ec);
+  fs::create_directories(BaselineDir(state_dir_), ec);
+  if (ec) return ErrnoError(ec.value(), "cannot create " + BaselineDir(state_dir_));
+  if (fs::is_regular_file(next.path())) {
+    fs::copy_file(next.path(), fs::path(BaselineDir(state_dir_)) / "model.safetensors", ec);
+  } else {
+    for (const auto& e : fs::directory_iterator(next.path(), ec))
+      if (e.is_regular_file() && !e.path().filename().string().starts_with("."))
+        fs::copy_file(e.path(), fs::path(BaselineDir(state_dir_)) / e.path().filename(), ec);
+  }
+  if (ec) return ErrnoError(ec.value(), "cannot copy the baseline into " + BaselineDir(state_dir_));
+  DCR_RETURN_IF_ERROR(WriteBaseline(state_dir_, {run.run_id, 0}));
+  report.version = 0;
+  report.attempts = 1;
+  report.total_seconds = Seconds(start);
+  return report;
+}
+
+Status PublishRun::Fence(uint64_t v, const std::string& id, const Status& why) {
+  // Never fence a committed attempt (its commit's response may have been lost).
+  if (auto c = ReadCommit(store_, v); c.ok() && c->attempt == id) return Status::Ok();
+  nlohmann::json doc = {{"format", "dcr-fence"}, {"reason", why.ToString()}, {"time", UnixNow()}};
+  return store_.Put(run_keys::Attempt(v, id) + "fence", doc.dump(1) + "\n");
+}
+
+Status PublishRun::CatchUpBaseline(Checkpoint& baseline, uint64_t from, uint64_t to, ChunkDigestTable* digests) {
+  for (uint64_t v = from + 1; v <= to; ++v) {
+    DCR_ASSIGN_OR_RETURN(CommitRecord c, ReadCommit(store_, v));
+    DCR_ASSIGN_OR_RETURN(DeltaReader delta, LoadAttempt(store_, v, c.attempt));
+    auto applied = ApplyDelta(baseline, delta, nullptr, nullptr, digests);
+    if (!applied.ok())
+      return applied.status().WithContext(fmt::format(
+          "the publisher baseline {} cannot move to committed version {}; remove {} and publish again from a fresh "
+          "baseline",
+          baseline.path(), v, state_dir_));
+  }
+  return Status::Ok();
+}
+
+Status PublishRun::LoadBaseline(uint64_t at, const CommitRecord& want, const RunRecord& run,
+                                const DeltaManifest& layout, std::optional<Checkpoint>* out,
+                                ChunkDigestTable* digests) {
+  DCR_ASSIGN_OR_RETURN(Checkpoint baseline, Checkpoint::Open(BaselineDir(state_dir_), OpenMode::kReadWrite));
+  DCR_RETURN_IF_ERROR(CheckRunTensors(baseline, run));
+  *digests = ChunkDigests(baseline, layout);
+  DCR_RETURN_IF_ERROR(CatchUpBaseline(baseline, at, want.version, digests));
+  if (Total(*digests) != want.target_digest)
+    return FailedPrecondition(fmt::format(
+        "the publisher baseline {} is not committed version {} (digest {} != {}); remove {} and rebuild it",
+        baseline.path(), want.version, Total(*digests).ToHex(), want.target_digest.ToHex(), state_dir_));
+  if (at < want.version) DCR_RETURN_IF_ERROR(WriteBaseline(state_dir_, {run.run_id, want.version}));
+  out->emplace(std::move(baseline));
+  return Status::Ok();
+}
+
+Status PublishRun::RebuildBaseline(const CommitRecord& want, const RunRecord& run, const DeltaManifest& layout) {
+  // As a receiver joins: the newest snapshot at or below the version, then
+  // the committed deltas, into a fresh directory that replaces the baseline.
+  const std::string dir = BaselineDir(state_dir_), fresh = dir + ".rebuild";
+  std::error_code ec;
+  fs::remove_all(fresh, ec);
+  DCR_ASSIGN_OR_RETURN(SnapshotRecord snap, NewestSnapshot(store_, want.version));
+  DCR_RETURN_IF_ERROR(DownloadSnapshot(store_, snap, fresh, nullptr));
+  {
+    DCR_ASSIGN_OR_RETURN(Checkpoint rebuilt, Checkpoint::Open(fresh, OpenMode::kReadWrite));
+    DCR_RETURN_IF_ERROR(CheckRunTensors(rebuilt, run));
+    ChunkDigestTable digests = ChunkDigests(rebuilt, layout);
+    DCR_RETURN_IF_ERROR(CatchUpBaseline(rebuilt, snap.version, want.version, &digests));
+    if (Total(digests) != want.target_digest)
+      return DataLoss(fmt::format("{}: the snapshot of version {} and the committed deltas do not make version {}",
+                                  store_.url(), snap.version, want.version));
+    DCR_RETURN_IF_ERROR(rebuilt.Sync());
+  }
+  // A crash from here on leaves no baseline (rebuilt again next time) or the
+  // new one under an older record (caught up, or rebuilt, next time).
+  fs::remove_all(dir, ec);
+  if (!ec) fs::rename(fresh, dir, ec);
+  if (ec) return ErrnoError(ec.value(), "cannot replace " + dir + " with " + fresh);
+  return WriteBaseline(state_dir_, {run.run_id, want.version});
+}
+
+Result<PublishReport> PublishRun::PublishDelta(uint64_t v, const Checkpoint& next, const RunRecord& run) {
+  const auto start = Clock::now();
+  PublishReport report;
+  report.version = v;
+  DCR_RETURN_IF_ERROR(CheckRunTensors(next, run));
+  const DeltaManifest layout = LayoutOf(run);
+  report.total_bytes = 0;
+  for (const auto& t : next.tensors()) report.total_bytes += t.nbytes;
+
+  // The baseline must hold v-1: catch it up from committed deltas if it is behind.
+  DCR_ASSIGN_OR_RETURN(auto state, ReadBaseline(state_dir_));
+  if (!state)
+    return FailedPrecondition(fmt::format(
+        "{} holds no publisher baseline; publish version 0 from here, or copy version {} there", state_dir_, v - 1));
+  if (state->run_id != run.run_id)
+    return FailedPrecondition(fmt::format("{} is the baseline of run {}, but {} holds run {}; use another --state",
+                                          state_dir_, state->run_id, store_.url(), run.run_id));
+  if (state->version >= v)
+    return FailedPrecondition(fmt::format("the baseline in {} is at version {}: version {} was published from here",
+                                          state_dir_, state->version, v));
+  DCR_ASSIGN_OR_RETURN(CommitRecord base_commit, ReadCommit(store_, v - 1));
+  std::optional<Checkpoint> opened;
+  ChunkDigestTable base_digests;
+  Status ready = LoadBaseline(state->version, base_commit, run, layout, &opened, &base_digests);
+  if (!ready.ok() && !Transient(ready)) {
+    // A publisher killed while its baseline moved (a chunk half copied), a
+    // damaged baseline, or deltas GC removed: rebuild it from the store.
+    opened.reset();
+    Status rebuilt = RebuildBaseline(base_commit, run, layout);
+    if (!rebuilt.ok())
+      return rebuilt.WithContext(ready.ToString() + "; rebuilding the baseline from the store failed too");
+    ready = LoadBaseline(v - 1, base_commit, run, layout, &opened, &base_digests);
+  }
+  DCR_RETURN_IF_ERROR(ready);
+  Checkpoint& baseline = *opened;
+
+  DCR_ASSIGN_OR_RETURN(auto prior, ListAttempts(store_, v));
+  Status last_failure;
+  for (uint32_t n = 0; n < std::max<uint32_t>(o_.max_attempts, 1); ++n) {
+    const uint32_t seq = static_cast<uint32_t>(prior.size()) + n;
+    // The first attempt of a version is xor class; every retry (and a
+    // version someone already tried) is overwrite, which repairs receivers
+    // whatever part of a failed attempt they applied.
+    const DeltaClass cls = seq == 0 ? DeltaClass::kXorClass : DeltaClass::kOverwrite;
+    const std::string id = fmt::format("{:04}-{}", seq, RandomHex(8));
+    DeltaManifest manifest;
+    auto result = RunAttempt(v, id, cls, baseline, next, layout, base_digests, &report, &manifest);
+    ++report.attempts;
+    if (!result.ok()) {
+      // The store or this process failed mid-attempt; fence it (best effort) and retry.
+      last_failure = result.status();
+      Fence(v, id, last_failure).IgnoreError();
+      if (last_failure.code() == Code::kAlreadyExists || last_failure.code() == Code::kFailedPrecondition)
+        return last_failure;
+      continue;
+    }
+    if (!result->committed) {
+      last_failure = result->failure;
+      DCR_RETURN_IF_ERROR(Fence(v, id, last_failure));
+      continue;
+    }
+    // Committed: advance the baseline to v (copy the changed chunks). A
+    // crash here leaves the baseline at v-1; the next publish catches it up.
+    DCR_RETURN_IF_ERROR(Fault(o_, "committed"));
+    // No msync: a killed process leaves the page cache intact, and after an OS
+    // crash the baseline's digest check at the next publish rebuilds it.
+    CopyChunks(baseline, next, layout, manifest.frames);
+    DCR_RETURN_IF_ERROR(WriteBaseline(state_dir_, {run.run_id, v}));
+    if (o_.snapshot_every > 0 && v % o_.snapshot_every == 0)
+      DCR_RETURN_IF_ERROR(UploadSnapshot(store_, v, next, manifest.target_digest, nullptr));
+    // Best effort: v is committed whatever GC meets, and the next publish collects again.
+    CollectGarbage(store_, o_.keep_versions, o_.heartbeat_timeout).IgnoreError();
+    report.total_seconds = Seconds(start);
+    return report;
+  }
+  return Aborted(fmt::format("version {} was not committed after {} attempts; last failure: {}", v, report.attempts,
+                             last_failure.ToString()));
+}
+
+Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::string& id, DeltaClass cls,
+                                                         const Checkpoint& baseline, const Checkpoint& next, const DeltaManifest& layout,
+                                                         const ChunkDigestTable& base_digests, PublishReport* report,
+                                                         DeltaManifest* manifest_out) {
+  const std::string prefix = run_keys::Attempt(v, id);
+  nlohmann::json attempt_doc = {{"format", "dcr-attempt"},
+                                {"version", v},
+                                {"class", cls == DeltaClass::kXorClass ? "xor" : "overwrite"},
+                                {"coordinator", o_.coordinator_id},
+                                {"time", UnixNow()}};
+  DCR_RETURN_IF_ERROR(store_.Put(prefix + "attempt.json", attempt_doc.dump(1) + "\n", WriteMode::kCreateIfAbsent));
+
+  // Senders: each encodes the chunks it owns, streaming frames into its object.
+  const auto encode_start = Clock::now();
+  DeltaOptions options = o_.delta;
+  options.encode.delta_class = cls;
+  options.chunk_elements = layout.chunk_elements;
+  DeltaManifest m = layout;
+  m.delta_class = cls;
+  m.delta_id = std::strtoull(RandomHex(16).c_str(), nullptr, 16) | 1;
+  const auto plan = PlanOwnership(layout, o_.senders);
+  std::vector<Digest> all_base, all_target;
+  for (uint32_t k = 0; k < plan.size(); ++k) {
+    std::vector<Digest> tracked;
+    for (const auto& c : plan[k]) tracked.push_back(base_digests[c.tensor][c.chunk]);
+    const std::string object = fmt::format("frames/s{}.bin", k);
+    DCR_ASSIGN_OR_RETURN(auto writer, store_.OpenWriter(prefix + object, WriteMode::kOverwrite));
+    DCR_ASSIGN_OR_RETURN(EncodedFrames encoded,
+                         EncodeFrames(baseline, next, m, plan[k], options.encode,
+                                      [&](std::string_view frame) { return writer->Write(frame); }, &tracked,
+                                      progress_));
+    DCR_RETURN_IF_ERROR(writer->Close());
+    for (auto& f : encoded.frames) {
+      f.object = k;
+      m.frames.push_back(f);
+    }
+    m.objects.push_back(object);
+    all_base.insert(all_base.end(), encoded.base_digests.begin(), encoded.base_digests.end());
+    all_target.insert(all_target.end(), encoded.target_digests.begin(), encoded.target_digests.end());
+  }
+  FinishDelta(m, all_base, all_target);
+  report->encode_seconds += Seconds(encode_start);
+  report->attempt = id;
+  report->frame_bytes = m.frame_bytes;
+  report->payload_bytes = m.payload_bytes;
+  report->changed_words = m.changed_words;
+  DCR_RETURN_IF_ERROR(Fault(o_, "frames-written"));
+  DCR_RETURN_IF_ERROR(store_.Put(prefix + std::string(kManifestFileName), m.ToJson(), WriteMode::kCreateIfAbsent));
+  DCR_RETURN_IF_ERROR(Fault(o_, "manifest-written"));
+
+  // Wait for every live receiver's ack; retire the silent ones at the deadline.
+  const auto wait_start = Clock::now();
+  const auto deadline = wait_start + o_.ack_timeout;
+  std::set<std::string> acked, retired;
+  std::map<std::string, bool> seen;  // ack key -> parsed
+  std::optional<Status> refused;     // a receiver failed, or acked other bits
+  std::vector<std::string> waiting;  // live receivers that have not acked
+  bool committed = false;            // commits/v exists (another coordinator, or a lost response)
+  auto poll = [&]() -> Status {
+    waiting.clear();
+    DCR_ASSIGN_OR_RETURN(auto acks, store_.List(prefix + "acks/"));
+    for (const auto& o : acks) {
+      if (seen.count(o.key)) continue;
+      DCR_ASSIGN_OR_RETURN(std::string text, store_.Get(o.key));
+      DCR_ASSIGN_OR_RETURN(AckRecord ack, AckRecord::FromJson(text, StoreContext(store_.url(), o.key)));
+      seen[o.key] = true;
+      if (!ack.ok) {
+        refused = Aborted(fmt::format("receiver {} failed: {}", ack.receiver, ack.error));
+        return Status::Ok();
+      }
+      if (ack.digest != m.target_digest) {
+        refused = Aborted(fmt::format("receiver {} acked digest {}, not the target {}", ack.receiver,
+                                      ack.digest.ToHex(), m.target_digest.ToHex()));
+        return Status::Ok();
+      }
+      acked.insert(ack.receiver);
+    }
+    // Live receivers: fresh heartbeat, not retired or stopped.
+    DCR_ASSIGN_OR_RETURN(auto regs, store_.List("receivers/"));
+    const double now = UnixNow(), fresh = std::chrono::duration<double>(o_.heartbeat_timeout).count();
+    for (const auto& o : regs) {
+      auto text = store_.Get(o.key);
+      if (!text.ok()) {
+        if (text.status().code() == Code::kNotFound) continue;  // deleted meanwhile
+        return text.status();
+      }
+      auto r = ReceiverRecord::FromJson(*text, StoreContext(store_.url(), o.key));
+      if (!r.ok() || r->state == "stopped" || r->state == "retired" || now - r->heartbeat > fresh) continue;
+      if (!acked.count(r->id)) waiting.push_back(r->id);
+    }
+    if (!waiting.empty()) {
+      // Receivers that moved on to v+1 never ack this attempt: stop waiting
+      // once v is committed; the commit below obeys the record.
+      DCR_ASSIGN_OR_RETURN(auto record, GetIfPresent(store_, run_keys::Commit(v)));
+      committed = record.has_value();
+    }
+    return Status::Ok();
+  };
+  for (;;) {
+    // A store failure costs one poll, not the attempt (whose frames may be
+    // applied everywhere already), until the deadline.
+    Status polled = poll();
+    if (refused) return AttemptResult{false, *refused};
+    if (polled.ok() && (waiting.empty() || committed)) break;
+    if (!polled.ok() && !Transient(polled)) return polled;
+    if (Clock::now() >= deadline) {
+      DCR_RETURN_IF_ERROR(polled);
+      retired.insert(waiting.begin(), waiting.end());
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  report->wait_seconds += Seconds(wait_start);
+  DCR_RETURN_IF_ERROR(Fault(o_, "acked"));
+  DCR_RETURN_IF_ERROR(Fault(o_, "before-commit"));
+
+  CommitRecord c;
+  c.version = v;
+  c.base_version = v - 1;
+  c.attempt = id;
+  c.target_digest = m.target_digest;
+  c.acked.assign(acked.begin(), acked.end());
+  c.retired.assign(retired.begin(), retired.end());
+  c.time = UnixNow();
+  Status s = store_.Put(run_keys::Commit(v), c.ToJson(), WriteMode::kCreateIfAbsent);
+  // After a transient failure the record may or may not have been written (a
+  // lost response): create it again; if it exists and names this attempt, it
+  // is ours.
+  for (int tries = 1; Transient(s) && tries < 10; ++tries) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20 * tries));
+    s = store_.Put(run_keys::Commit(v), c.ToJson(), WriteMode::kCreateIfAbsent);
+  }
+  if (s.code() == Code::kAlreadyExists) {
+    // Someone else committed v first: obey the record.
+    DCR_ASSIGN_OR_RETURN(CommitRecord other, ReadCommit(store_, v));
+    if (other.attempt != id) {
+      Fence(v, id, Aborted("version committed by attempt " + other.attempt)).IgnoreError();
+      if (other.target_digest != m.target_digest)
+        return AlreadyExists(fmt::format("version {} was committed by attempt {} of another coordinator with other bits",
+                                         v, other.attempt));
+      report->already_committed = true;
+      report->attempt = other.attempt;  // what is committed, not the attempt that lost
+      c = other;
+    }
+  } else {
+    DCR_RETURN_IF_ERROR(s);
+  }
+  report->acked = c.acked;
+  report->retired = c.retired;
+  *manifest_out = std::move(m);
+  return AttemptResult{true, Status::Ok()};
+}
+
+}  // namespace
+
+Result<PublishReport> Publisher::Publish(uint64_t version, const Checkpoint& next, Progress* progress) {
+  PublishRun run(store_, state_dir_, options_, progress);
+  DCR_ASSIGN_OR_RETURN(RunState state, ReadRunState(store_));
+  if (version == 0) {
+    if (state.latest && *state.latest > 0)
+      return FailedPrecondition(fmt::format("{} already holds versions up to {}; publish version {}", store_.url(),
+                                            *state.latest, *state.latest + 1));
+    return run.PublishSnapshot(next);
+  }
+  if (!state.run)
+    return FailedPrecondition(fmt::format("{} holds no run; publish version 0 first", store_.url()));
+  if (!state.latest || *state.latest < version - 1)
+    return FailedPrecondition(fmt::format("version {} is not committed (latest: {}); publish versions in order",
+                                          version - 1, state.latest ? std::to_string(*state.latest) : "none"));
+  if (*state.latest >= version) {
+    // Already committed (a retried publish): fine when it holds these bits.
+    DCR_ASSIGN_OR_RETURN(CommitRecord c, ReadCommit(store_, version));
+    DCR_RETURN_IF_ERROR(CheckRunTensors(next, *state.run));
+    if (Total(ChunkDigests(next, LayoutOf(*state.run))) != c.target_digest)
+      return AlreadyExists(fmt::format("version {} is already committed with other bits; publish version {}", version,
+                                       *state.latest + 1));
+    PublishReport report;
+    report.version = version;
+    report.attempt = c.attempt;
+    report.already_committed = true;
+    return report;
+  }
+  return run.PublishDelta(version, next, *state.run);
+}
+
+}  // namespace dcr

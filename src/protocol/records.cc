@@ -1,0 +1,259 @@
+// Keys and the JSON records of the protocol (docs/protocol.md).
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+
+#include "dcr/protocol.h"
+
+namespace dcr {
+
+namespace run_keys {
+std::string VersionDir(uint64_t v) { return fmt::format("v{:010}", v); }
+std::string Commit(uint64_t v) { return "commits/" + VersionDir(v) + ".json"; }
+std::string Attempts(uint64_t v) { return "attempts/" + VersionDir(v) + "/"; }
+std::string Attempt(uint64_t v, std::string_view attempt) { return Attempts(v) + std::string(attempt) + "/"; }
+std::string Snapshot(uint64_t v) { return "snapshots/" + VersionDir(v) + "/"; }
+std::string Receiver(std::string_view id) { return "receivers/" + std::string(id) + ".json"; }
+}  // namespace run_keys
+
+namespace {
+
+using json = nlohmann::ordered_json;
+
+Status Bad(const std::string& where, std::string_view what) {
+  return InvalidArgument(fmt::format(
+      "{}: does not parse: {} (the store holds a damaged record, or one from another dcr; inspect it with dcr status)",
+      where, what));
+}
+
+Result<json> Parse(std::string_view text, const std::string& where, std::string_view format) {
+  json doc = json::parse(text.begin(), text.end(), nullptr, false);
+  if (doc.is_discarded() || !doc.is_object()) return Bad(where, "not a JSON object");
+  auto f = doc.find("format");
+  if (f == doc.end() || !f->is_string() || *f != format) return Bad(where, fmt::format("'format' is not \"{}\"", format));
+  return doc;
+}
+
+Result<uint64_t> U64(const json& o, const char* key, const std::string& where) {
+  auto it = o.find(key);
+  if (it == o.end() || !it->is_number_unsigned()) return Bad(where, fmt::format("'{}' must be a non-negative integer", key));
+  return it->get<uint64_t>();
+}
+Result<double> Num(const json& o, const char* key, const std::string& where) {
+  auto it = o.find(key);
+  if (it == o.end() || !it->is_number()) return Bad(where, fmt::format("'{}' must be a number", key));
+  return it->get<double>();
+}
+Result<std::string> Str(const json& o, const char* key, const std::string& where) {
+  auto it = o.find(key);
+  if (it == o.end() || !it->is_string()) return Bad(where, fmt::format("'{}' must be a string", key));
+  return it->get<std::string>();
+}
+Result<bool> Bool(const json& o, const char* key, const std::string& where) {
+  auto it = o.find(key);
+  if (it == o.end() || !it->is_boolean()) return Bad(where, fmt::format("'{}' must be true or false", key));
+  return it->get<bool>();
+}
+Result<Digest> Dig(const json& o, const char* key, const std::string& where) {
+  DCR_ASSIGN_OR_RETURN(std::string hex, Str(o, key, where));
+  Digest d;
+  if (!Digest::FromHex(hex, &d)) return Bad(where, fmt::format("'{}' is not a digest", key));
+  return d;
+}
+Result<std::vector<std::string>> Strs(const json& o, const char* key, const std::string& where) {
+  auto it = o.find(key);
+  if (it == o.end() || !it->is_array()) return Bad(where, fmt::format("'{}' must be an array of strings", key));
+  std::vector<std::string> out;
+  for (const auto& s : *it) {
+    if (!s.is_string()) return Bad(where, fmt::format("'{}' must be an array of strings", key));
+    out.push_back(s.get<std::string>());
+  }
+  return out;
+}
+
+std::string Dump(const json& doc) { return doc.dump(1, ' ', false, json::error_handler_t::replace) + "\n"; }
+
+}  // namespace
+
+std::string RunRecord::ToJson() const {
+  json doc;
+  doc["format"] = "dcr-run";
+  doc["run_id"] = run_id;
+  doc["chunk_elements"] = chunk_elements;
+  json& ts = doc["tensors"] = json::array();
+  for (const auto& t : tensors) ts.push_back({{"name", t.name}, {"dtype", Name(t.dtype)}, {"shape", t.shape}});
+  return Dump(doc);
+}
+
+Result<RunRecord> RunRecord::FromJson(std::string_view text, const std::string& where) {
+  DCR_ASSIGN_OR_RETURN(json doc, Parse(text, where, "dcr-run"));
+  RunRecord r;
+  DCR_ASSIGN_OR_RETURN(r.run_id, Str(doc, "run_id", where));
+  DCR_ASSIGN_OR_RETURN(r.chunk_elements, U64(doc, "chunk_elements", where));
+  if (r.chunk_elements == 0 || r.chunk_elements % 8 != 0 || r.chunk_elements > (1ull << 28))
+    return Bad(where, "'chunk_elements' must be a positive multiple of 8, at most 2^28");
+  auto ts = doc.find("tensors");
+  if (ts == doc.end() || !ts->is_array()) return Bad(where, "'tensors' must be an array");
+  for (const auto& t : *ts) {
+    if (!t.is_object()) return Bad(where, "each tensor must be an object");
+    DeltaTensor d;
+    DCR_ASSIGN_OR_RETURN(d.name, Str(t, "name", where));
+    DCR_ASSIGN_OR_RETURN(std::string dtype, Str(t, "dtype", where));
+    auto parsed = ParseDType(dtype);
+    if (!parsed) return Bad(where, fmt::format("tensor '{}': unknown dtype '{}'", d.name, dtype));
+    d.dtype = *parsed;
+    auto sh = t.find("shape");
+    if (sh == t.end() || !sh->is_array()) return Bad(where, fmt::format("tensor '{}': 'shape' must be an array", d.name));
+    for (const auto& x : *sh) {
+      if (!x.is_number_unsigned()) return Bad(where, fmt::format("tensor '{}': bad shape", d.name));
+      d.shape.push_back(x.get<uint64_t>());
+    }
+    auto info = MakeTensorInfo(d.name, d.dtype, d.shape);
+    if (!info.ok()) return Bad(where, info.status().message());
+    d.elements = info->numel;
+    if (!r.tensors.empty() && !(r.tensors.back().name < d.name)) return Bad(where, "tensors must be sorted and unique");
+    r.tensors.push_back(std::move(d));
+  }
+  return r;
+}
+
+std::string CommitRecord::ToJson() const {
+  json doc;
+  doc["format"] = "dcr-commit";
+  doc["version"] = version;
+  doc["base_version"] = base_version;
+  doc["attempt"] = attempt;
+  doc["target_digest"] = target_digest.ToHex();
+  doc["acked"] = acked;
+  doc["retired"] = retired;
+  doc["time"] = time;
+  return Dump(doc);
+}
+
+Result<CommitRecord> CommitRecord::FromJson(std::string_view text, const std::string& where) {
+  DCR_ASSIGN_OR_RETURN(json doc, Parse(text, where, "dcr-commit"));
+  CommitRecord r;
+  DCR_ASSIGN_OR_RETURN(r.version, U64(doc, "version", where));
+  DCR_ASSIGN_OR_RETURN(r.base_version, U64(doc, "base_version", where));
+  DCR_ASSIGN_OR_RETURN(r.attempt, Str(doc, "attempt", where));
+  DCR_ASSIGN_OR_RETURN(r.target_digest, Dig(doc, "target_digest", where));
+  DCR_ASSIGN_OR_RETURN(r.acked, Strs(doc, "acked", where));
+  DCR_ASSIGN_OR_RETURN(r.retired, Strs(doc, "retired", where));
+  DCR_ASSIGN_OR_RETURN(r.time, Num(doc, "time", where));
+  if (r.version > 0 && r.base_version + 1 != r.version) return Bad(where, "'base_version' must be version - 1");
+  return r;
+}
+
+std::string AckRecord::ToJson() const {
+  json doc;
+  doc["format"] = "dcr-ack";
+  doc["receiver"] = receiver;
+  doc["ok"] = ok;
+  doc["digest"] = digest.ToHex();
+  doc["error"] = error;
+  return Dump(doc);
+}
+
+Result<AckRecord> AckRecord::FromJson(std::string_view text, const std::string& where) {
+  DCR_ASSIGN_OR_RETURN(json doc, Parse(text, where, "dcr-ack"));
+  AckRecord r;
+  DCR_ASSIGN_OR_RETURN(r.receiver, Str(doc, "receiver", where));
+  DCR_ASSIGN_OR_RETURN(r.ok, Bool(doc, "ok", where));
+  DCR_ASSIGN_OR_RETURN(r.digest, Dig(doc, "digest", where));
+  DCR_ASSIGN_OR_RETURN(r.error, Str(doc, "error", where));
+  return r;
+}
+
+std::string ReceiverRecord::ToJson() const {
+  json doc;
+  doc["format"] = "dcr-receiver";
+  doc["id"] = id;
+  doc["state"] = state;
+  doc["version"] = version;
+  doc["heartbeat"] = heartbeat;
+  return Dump(doc);
+}
+
+Result<ReceiverRecord> ReceiverRecord::FromJson(std::string_view text, const std::string& where) {
+  DCR_ASSIGN_OR_RETURN(json doc, Parse(text, where, "dcr-receiver"));
+  ReceiverRecord r;
+  DCR_ASSIGN_OR_RETURN(r.id, Str(doc, "id", where));
+  DCR_ASSIGN_OR_RETURN(r.state, Str(doc, "state", where));
+  DCR_ASSIGN_OR_RETURN(r.version, U64(doc, "version", where));
+  DCR_ASSIGN_OR_RETURN(r.heartbeat, Num(doc, "heartbeat", where));
+  return r;
+}
+
+std::string SnapshotRecord::ToJson() const {
+  json doc;
+  doc["format"] = "dcr-snapshot";
+  doc["version"] = version;
+  doc["digest"] = digest.ToHex();
+  json& fs = doc["files"] = json::array();
+  for (const auto& f : files) fs.push_back({{"name", f.name}, {"bytes", f.bytes}});
+  return Dump(doc);
+}
+
+Result<SnapshotRecord> SnapshotRecord::FromJson(std::string_view text, const std::string& where) {
+  DCR_ASSIGN_OR_RETURN(json doc, Parse(text, where, "dcr-snapshot"));
+  SnapshotRecord r;
+  DCR_ASSIGN_OR_RETURN(r.version, U64(doc, "version", where));
+  DCR_ASSIGN_OR_RETURN(r.digest, Dig(doc, "digest", where));
+  auto fs = doc.find("files");
+  if (fs == doc.end() || !fs->is_array() || fs->empty()) return Bad(where, "'files' must be a non-empty array");
+  for (const auto& f : *fs) {
+    if (!f.is_object()) return Bad(where, "each file must be an object");
+    File file;
+    DCR_ASSIGN_OR_RETURN(file.name, Str(f, "name", where));
+    DCR_ASSIGN_OR_RETURN(file.bytes, U64(f, "bytes", where));
+    if (file.name.empty() || file.name.find('/') != std::string::npos || file.name.starts_with("."))
+      return Bad(where, fmt::format("snapshot file name '{}' must be a plain file name", file.name));
+    r.files.push_back(std::move(file));
+  }
+  return r;
+}
+
+std::vector<std::vector<ChunkId>> PlanOwnership(const DeltaManifest& layout, uint32_t senders) {
+  senders = std::max<uint32_t>(senders, 1);
+  std::vector<std::vector<ChunkId>> plan(senders);
+  const auto chunks = AllChunks(layout);
+  // Cut the chunk sequence where the running byte count crosses k/senders of the total.
+  std::vector<uint64_t> bytes(chunks.size());
+  uint64_t total = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    uint64_t first_word, words;
+    uint32_t elements;
+    layout.ChunkWords(chunks[i].tensor, chunks[i].chunk, &first_word, &words, &elements);
+    bytes[i] = words * WordBytes(layout.tensors[chunks[i].tensor].dtype);
+    total += bytes[i];
+  }
+  uint64_t running = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    // The owner is the sender whose share contains this chunk's midpoint.
+    const long double mid = static_cast<long double>(running) + bytes[i] / 2.0L;
+    uint32_t k = total == 0 ? 0 : static_cast<uint32_t>(mid * senders / static_cast<long double>(total));
+    plan[std::min(k, senders - 1)].push_back(chunks[i]);
+    running += bytes[i];
+  }
+  return plan;
+}
+
+Result<RunState> ReadRunState(Store& store) {
+  RunState state;
+  auto run = store.Get(run_keys::kRun);
+  if (!run.ok() && run.status().code() != Code::kNotFound) return run.status();
+  if (run.ok()) {
+    DCR_ASSIGN_OR_RETURN(state.run, RunRecord::FromJson(*run, StoreContext(store.url(), run_keys::kRun)));
+  }
+  DCR_ASSIGN_OR_RETURN(auto commits, store.List("commits/v"));
+  for (const auto& o : commits) {
+    // commits/v<10 digits>.json; anything else is not ours.
+    std::string_view k = o.key;
+    if (k.size() != 8 + 11 + 5 || !k.ends_with(".json")) continue;
+    uint64_t v = std::strtoull(std::string(k.substr(9, 10)).c_str(), nullptr, 10);
+    if (!state.latest || v > *state.latest) state.latest = v;
+  }
+  return state;
+}
+
+}  // namespace dcr

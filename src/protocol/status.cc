@@ -1,0 +1,94 @@
+// The run's state as `dcr status` shows it.
+#include <fmt/format.h>
+
+#include <map>
+#include <set>
+#include <nlohmann/json.hpp>
+
+#include "internal.h"
+
+namespace dcr {
+
+using namespace protocol_internal;
+
+Result<RunStatusReport> ReadRunStatus(Store& store, std::chrono::milliseconds heartbeat_timeout) {
+  RunStatusReport report;
+  DCR_ASSIGN_OR_RETURN(RunState state, ReadRunState(store));
+  report.run = state.run;
+  report.latest = state.latest;
+
+  DCR_ASSIGN_OR_RETURN(auto snaps, store.List("snapshots/v"));
+  for (const auto& o : snaps)
+    if (o.key.ends_with("/snapshot.json") && o.key.size() == 10 + 11 + 14)
+      report.snapshots.push_back(std::strtoull(o.key.substr(11, 10).c_str(), nullptr, 10));
+
+  std::map<uint64_t, VersionStatus> versions;
+  if (state.latest)
+    for (uint64_t v = 0; v <= *state.latest; ++v) {
+      auto c = ReadCommit(store, v);
+      if (c.status().code() == Code::kNotFound) continue;
+      if (!c.ok()) return c.status();
+      versions[v].version = v;
+      versions[v].committed = true;
+      versions[v].commit = *c;
+    }
+  DCR_ASSIGN_OR_RETURN(auto objects, store.List("attempts/v"));
+  std::set<uint64_t> with_attempts;
+  for (const auto& o : objects)
+    // "attempts/v" + 10 digits + '/'
+    if (o.key.size() > 21 && o.key[20] == '/') with_attempts.insert(std::strtoull(o.key.substr(10, 10).c_str(), nullptr, 10));
+  for (uint64_t v : with_attempts) {
+    VersionStatus& vs = versions[v];
+    vs.version = v;
+    DCR_ASSIGN_OR_RETURN(auto attempts, ListAttempts(store, v));
+    for (const auto& a : attempts) {
+      AttemptStatus as;
+      as.id = a.id;
+      const std::string prefix = run_keys::Attempt(v, a.id);
+      if (a.has_manifest) {
+        DCR_ASSIGN_OR_RETURN(std::string text, store.Get(prefix + std::string(kManifestFileName)));
+        DCR_ASSIGN_OR_RETURN(DeltaManifest m, DeltaManifest::FromJson(text, StoreContext(store.url(), prefix)));
+        as.mode = m.delta_class == DeltaClass::kXorClass ? "xor" : "overwrite";
+        as.frame_bytes = m.frame_bytes;
+        as.frames = m.frames.size();
+      }
+      for (const auto& r : a.acks) {
+        auto text = store.Get(prefix + "acks/" + r + ".json");
+        if (!text.ok()) continue;
+        auto ack = AckRecord::FromJson(*text, prefix);
+        if (ack.ok() && ack->ok) as.acks.push_back(r);
+        else as.nacks.push_back(r);
+      }
+      if (a.fenced) {
+        auto text = store.Get(prefix + "fence");
+        if (text.ok()) {
+          auto doc = nlohmann::json::parse(*text, nullptr, false);
+          if (doc.is_object() && doc["reason"].is_string()) as.fence_reason = doc["reason"].get<std::string>();
+        }
+      }
+      if (vs.commit && vs.commit->attempt == a.id) as.state = "committed";
+      else if (a.fenced) as.state = "fenced";
+      else if (a.has_manifest) as.state = "open";
+      else as.state = "starting";
+      vs.attempts.push_back(std::move(as));
+    }
+  }
+  for (auto& [v, vs] : versions) report.versions.push_back(std::move(vs));
+
+  DCR_ASSIGN_OR_RETURN(auto regs, store.List("receivers/"));
+  const double now = UnixNow(), fresh = std::chrono::duration<double>(heartbeat_timeout).count();
+  for (const auto& o : regs) {
+    auto text = store.Get(o.key);
+    if (!text.ok()) continue;
+    DCR_ASSIGN_OR_RETURN(ReceiverRecord r, ReceiverRecord::FromJson(*text, StoreContext(store.url(), o.key)));
+    ReceiverStatus rs;
+    rs.age_seconds = now - r.heartbeat;
+    rs.live = r.state != "stopped" && rs.age_seconds <= fresh;
+    rs.behind = state.latest && *state.latest > r.version ? *state.latest - r.version : 0;
+    rs.record = std::move(r);
+    report.receivers.push_back(std::move(rs));
+  }
+  return report;
+}
+
+}  // namespace dcr
