@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <mutex>
 #include <random>
@@ -34,13 +35,15 @@ Result<FaultSpec> ParseSpec(std::string_view text) {
     std::string key = item.substr(0, eq), value = item.substr(eq + 1);
     char* rest = nullptr;
     double x = std::strtod(value.c_str(), &rest);
-    if (rest == value.c_str() || *rest != '\0' || x < 0)
+    // !(x >= 0) also refuses NaN; converting an out-of-range double to an
+    // integer is undefined behaviour, so the ranges are checked first.
+    if (rest == value.c_str() || *rest != '\0' || !(x >= 0) || std::isinf(x))
       return InvalidArgument("DCR_STORE_FAULTS: '" + item + "' needs a non-negative number");
-    if (key == "seed") spec.seed = static_cast<uint64_t>(x);
+    if (key == "seed" && x < 0x1p64) spec.seed = static_cast<uint64_t>(x);
     else if (key == "fail" && x <= 1) spec.fail = x;
     else if (key == "lost" && x <= 1) spec.lost = x;
-    else if (key == "delay_ms") spec.delay_ms = static_cast<int>(x);
-    else if (key == "mbps") spec.mbps = x;
+    else if (key == "delay_ms" && x <= 86'400'000) spec.delay_ms = static_cast<int>(x);  // a day at most
+    else if (key == "mbps" && (x == 0 || x >= 0.001)) spec.mbps = x;  // 0: off; else at least 1 kB/s
     else return InvalidArgument("DCR_STORE_FAULTS: unknown or out-of-range '" + item + "' (seed, fail, lost, delay_ms, mbps)");
   }
   return spec;

@@ -360,6 +360,8 @@ Result<S3Options> ParseS3Url(std::string_view url, const GetEnvFunction& getenv_
   }
   if (const auto* v = param("part_size")) {
     DCR_ASSIGN_OR_RETURN(o.part_size, ParseBytes("part_size", *v));
+    if (o.part_size > (uint64_t{5} << 30))  // what OpenS3Store accepts (found by store_config_fuzz)
+      return bad(fmt::format("part_size={}: at most 5g, S3's largest part", *v));
   }
   if (const auto* v = param("create_if_absent_limit")) {
     DCR_ASSIGN_OR_RETURN(o.create_if_absent_limit, ParseBytes("create_if_absent_limit", *v));

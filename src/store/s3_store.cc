@@ -794,6 +794,7 @@ class S3Client {
         truncated = doc->ChildText("IsTruncated") == "true";
         next = doc->ChildText("NextContinuationToken");
         if (truncated && next.empty()) return Done(DataLoss("truncated page without a continuation token"));
+        if (truncated && next == token) return Done(DataLoss("the server repeated its continuation token"));
         return Done();
       });
       if (!s.ok()) return s.WithContext("ListObjectsV2");

@@ -215,9 +215,15 @@ TEST(FaultStoreTest, BandwidthLimitPacesTransfers) {
 }
 
 TEST(FaultStoreTest, RejectsMalformedSpecs) {
-  for (const char* spec : {"fail", "fail=2", "lost=-1", "bogus=1", "seed=x", "delay_ms=1,,"}) {
+  for (const char* spec : {"fail", "fail=2", "lost=-1", "bogus=1", "seed=x", "delay_ms=1,,",
+                           // Out of range for the integer or the sleep they become (found by
+                           // store_config_fuzz: converting them was undefined behaviour).
+                           "seed=1e30", "seed=18446744073709551616", "delay_ms=1e10", "delay_ms=nan",
+                           "fail=nan", "mbps=inf", "mbps=1e-300", "seed=-0.5"}) {
     EXPECT_EQ(WrapWithFaults(OpenMemStore("fault-bad"), spec).status().code(), Code::kInvalidArgument) << spec;
   }
+  for (const char* spec : {"seed=18446744073709549568", "delay_ms=86400000", "mbps=0", "mbps=0.001", "fail=0"})
+    EXPECT_TRUE(WrapWithFaults(OpenMemStore("fault-ok"), spec).ok()) << spec;
 }
 
 }  // namespace

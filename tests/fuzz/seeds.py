@@ -2,10 +2,15 @@
 """Writes seed corpora for the fuzz targets: OUT/safetensors_header_fuzz
 (small safetensors files, valid and subtly broken), and, using the dcr binary
 given as argv[2], OUT/frame_fuzz (single frames of real deltas in every mode)
-and OUT/manifest_fuzz (their manifests). Standard library only.
+and OUT/manifest_fuzz (their manifests); for the object stores,
+OUT/s3_xml_fuzz (S3 XML replies as AWS and radosgw send them),
+OUT/s3_response_fuzz (scripted S3 exchanges) and OUT/store_config_fuzz
+(store URLs, AWS environment and profile files, fault specs). Standard
+library only.
 
 usage: seeds.py OUT DCR_BINARY
 """
+import hashlib
 import json
 import os
 import struct
@@ -61,6 +66,133 @@ def delta_seeds(dcr, frames_out, manifests_out):
                 n += 1
 
 
+S3_NS = 'xmlns="http://s3.amazonaws.com/doc/2006-03-01/"'
+XML_DECL = '<?xml version="1.0" encoding="UTF-8"?>'
+
+S3_XML = {
+    "list": f'{XML_DECL}<ListBucketResult {S3_NS}><Name>bkt</Name><Prefix>pre/</Prefix><KeyCount>2</KeyCount>'
+            '<MaxKeys>1000</MaxKeys><IsTruncated>false</IsTruncated><Contents><Key>pre/a/b</Key>'
+            '<LastModified>2026-11-30T10:00:00.000Z</LastModified><ETag>&quot;9e107d9d372bb6826bd81d3542a419d6&quot;'
+            '</ETag><Size>43</Size><StorageClass>STANDARD</StorageClass></Contents><Contents><Key>pre/a/c</Key>'
+            '<ETag>"d41d8cd98f00b204e9800998ecf8427e-2"</ETag><Size>10485760</Size></Contents></ListBucketResult>',
+    "list_truncated": f'{XML_DECL}<ListBucketResult {S3_NS}><Name>bkt</Name><Prefix></Prefix><IsTruncated>true'
+                      '</IsTruncated><NextContinuationToken>1ueGcxLPRx1Tr/XYExHnhbYLgveDs2J/wm36Hy4vbOwM=</NextContinuationToken>'
+                      '<Contents><Key>k &amp; &lt;x&gt;</Key><Size>0</Size><ETag>"x"</ETag></Contents></ListBucketResult>',
+    "list_empty": f'<ListBucketResult {S3_NS}><Name>bkt</Name><KeyCount>0</KeyCount><IsTruncated>false</IsTruncated>'
+                  '</ListBucketResult>',
+    "error_nosuchkey": f'{XML_DECL}\n<Error><Code>NoSuchKey</Code><Message>The specified key does not exist.</Message>'
+                       '<Key>pre/a</Key><RequestId>tx00000a1b2c3d4e5f-0065a1b2c3-1234-default</RequestId>'
+                       '<HostId>1234-default-default</HostId></Error>',
+    "error_slowdown": '<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>',
+    "error_redirect": '<Error><Code>PermanentRedirect</Code><Message>The bucket you are attempting to access must be '
+                      'addressed using the specified endpoint.</Message><Endpoint>bkt.s3.eu-west-1.amazonaws.com'
+                      '</Endpoint><Bucket>bkt</Bucket></Error>',
+    "error_signature": '<Error><Code>SignatureDoesNotMatch</Code><Message></Message><StringToSign>AWS4-HMAC-SHA256\n'
+                       '20261130T100000Z\n20261130/default/s3/aws4_request\nabc</StringToSign></Error>',
+    "initiate": f'{XML_DECL}<InitiateMultipartUploadResult {S3_NS}><Bucket>bkt</Bucket><Key>pre/big</Key>'
+                '<UploadId>2~iCw_lDY8VoDLyGNbxpNtyGp6CJ1Ai1s</UploadId></InitiateMultipartUploadResult>',
+    "complete": f'{XML_DECL}<CompleteMultipartUploadResult {S3_NS}><Location>http://127.0.0.1:7480/bkt/pre/big'
+                '</Location><Bucket>bkt</Bucket><Key>pre/big</Key><ETag>"3858f62230ac3c915f300c664312c11f-2"</ETag>'
+                '</CompleteMultipartUploadResult>',
+    "complete_200_error": f'{XML_DECL}\n   \n<Error><Code>InternalError</Code><Message>We encountered an internal '
+                          'error. Please try again.</Message></Error>',
+    "cdata_comment": '<Error><!-- c --><Code><![CDATA[Slow]]>Down</Code><Message>a&#x41;&#66;</Message></Error>',
+    "doctype": '<!DOCTYPE lolz [<!ENTITY lol "lol"><!ENTITY lol2 "&lol;&lol;">]><Error><Code>&lol2;</Code></Error>',
+    "escape": "~a & b <c> \"d\" 'e'\n\tf",
+}
+
+
+def reply(status, headers=(), body=""):
+    head = "".join(f"{k}: {v}\n" for k, v in headers)
+    return f"HTTP {status}\n{head}\n{body}"
+
+
+def s3_response_seeds():
+    # The ETag S3 gives a multipart object: MD5 of the parts' binary MD5s, "-N".
+    parts_md5 = hashlib.md5(bytes.fromhex("a" * 32) + bytes.fromhex("b" * 32)).hexdigest()
+    multipart_etag = f'"{parts_md5}-2"'
+    md5_hello = '"5d41402abc4b2a76b9719d911017c592"'
+    get = [reply(206, [("Content-Range", "bytes 0-4/5"), ("Content-Length", "5"), ("ETag", md5_hello)], "hello")]
+    head = [reply(200, [("Content-Length", "5"), ("ETag", md5_hello)])]
+    ok = [reply(200, [("ETag", md5_hello), ("Content-Length", "0")])]
+    err = lambda status, code: reply(status, [("Content-Type", "application/xml")],
+                                     f"<Error><Code>{code}</Code><Message>m</Message></Error>")
+    seeds = {
+        "head_get": ("H G", head + get),
+        "get_whole_200": ("G", [reply(200, [("Content-Length", "5"), ("ETag", md5_hello)], "hello")]),
+        "get_two_rounds": ("G", [reply(206, [("Content-Range", "bytes 0-1/5"), ("Content-Length", "2"),
+                                              ("ETag", '"e1"')], "he"),
+                                 reply(206, [("Content-Range", "bytes 2-4/5"), ("Content-Length", "3"),
+                                             ("ETag", '"e1"')], "llo")]),
+        "get_empty": ("G", [reply(416, [("Content-Range", "bytes */0")]), reply(200, [("Content-Length", "0"),
+                                                                                      ("ETag", '"d41d8"')])]),
+        "read_range": ("R1,3 R4,2,e R9,1", [reply(206, [("Content-Range", "bytes 1-3/5"), ("Content-Length", "3"),
+                                                         ("ETag", md5_hello)], "ell"),
+                                             reply(412, [], ""), reply(416, [("Content-Range", "bytes */5")])]),
+        "retry_then_ok": ("G", [err(503, "SlowDown"), "timeout"] + get),
+        "truncated_then_ok": ("G", [reply(200, [("Content-Length", "5")], "he")] + get),
+        "drop_mid_body": ("G", [reply(206, [("Content-Range", "bytes 0-4/5"), ("Content-Length", "5"),
+                                            ("ETag", md5_hello)], "hel").replace("HTTP 206", "HTTP 206 drop 2")] + get),
+        "list_pages": ("L La/", [reply(200, [], S3_XML["list_truncated"]), reply(200, [], S3_XML["list"]),
+                                 reply(200, [], S3_XML["list_empty"])]),
+        "put_create": ("P5 C5 C5", ok + [err(412, "PreconditionFailed")] + head +
+                       [err(412, "PreconditionFailed"), reply(404, [])]),
+        "multipart": ("W9000", [reply(200, [], S3_XML["initiate"]), reply(200, [("ETag", '"a' * 1 + "0" * 31 + '"')]),
+                                reply(200, [("ETag", '"' + "b" * 32 + '"')]), reply(200, [("ETag", '"' + "c" * 32 + '"')]),
+                                reply(200, [], S3_XML["complete"])]),
+        "multipart_lost_complete": ("W5000", [reply(200, [], S3_XML["initiate"]), reply(200, [("ETag", '"' + "a" * 32 + '"')]),
+                                              reply(200, [("ETag", '"' + "b" * 32 + '"')]), "timeout",
+                                              err(404, "NoSuchUpload"),
+                                              reply(200, [("Content-Length", "5000"), ("ETag", multipart_etag)])]),
+        "multipart_200_error": ("W5000", [reply(200, [], S3_XML["initiate"]), reply(200, [("ETag", '"' + "a" * 32 + '"')]),
+                                          reply(200, [("ETag", '"' + "b" * 32 + '"')]),
+                                          reply(200, [], S3_XML["complete_200_error"]), reply(200, [], S3_XML["complete"])]),
+        "abort": ("W5000a", [reply(200, [], S3_XML["initiate"]), reply(200, [("ETag", '"' + "a" * 32 + '"')]),
+                             reply(204, [])]),
+        "errors": ("H H H D B", [reply(404, []), reply(404, []), reply(403, []), err(403, "RequestTimeTooSkewed"),
+                                 err(404, "NoSuchBucket"), err(409, "BucketAlreadyOwnedByYou")]),
+        "redirect": ("G", [reply(301, [("x-amz-bucket-region", "eu-west-1")], S3_XML["error_redirect"])]),
+    }
+    return {name: (ops + "".join("\n~~\n" + r for r in replies)).encode() for name, (ops, replies) in seeds.items()}
+
+
+def store_config_seeds():
+    sep = "\n--\n"
+    seeds = {
+        "url_local": "s" + "s3://bkt/run%2042/sub/?endpoint=http://127.0.0.1:7480/&region=default&addressing=path",
+        "url_tuning": "s" + "s3://bkt?part_size=8m&parts_in_flight=4&threads=16&max_attempts=10"
+                      "&create_if_absent_limit=1g&verify_tls=0&create_bucket=1",
+        "url_credentials": "s" + "s3://bkt/p?access_key_id=AKIDEXAMPLE&secret_access_key=wJalr%2FXUtnFEMI"
+                           "&session_token=FwoGZXIvYXdzEJr",
+        "env": "s" + "s3://bkt" + sep + "AWS_ACCESS_KEY_ID=AKIDENVENV\nAWS_SECRET_ACCESS_KEY=secretsecret\n"
+               "AWS_SESSION_TOKEN=tokentoken\nAWS_REGION=eu-west-1\nDCR_S3_ENDPOINT=https://s3.example.com:9000",
+        "profiles": "s" + "s3://bkt?profile=work" + sep + "AWS_PROFILE=other" + sep +
+                    "[default]\naws_access_key_id = AKIDDEFAULT\naws_secret_access_key = defaultsecret\n"
+                    "[work]\naws_access_key_id=AKIDWORK\naws_secret_access_key=worksecret\n"
+                    "aws_session_token = worktoken\n" + sep +
+                    "[profile work]\nregion = us-west-2\nendpoint_url = http://minio:9000\ns3 =\n"
+                    "  addressing_style = path\n  endpoint_url = http://s3.minio:9000\n; comment\n# comment\n",
+        "profile_default_config": "s" + "s3://bkt" + sep + "" + sep + "" + sep +
+                                  "[default]\nregion=default\ns3 =\n addressing_style = virtual\n",
+        "bad_query": "s" + "s3://bkt?part_size=0&part_size=1&x=%zz#frag",
+        "open_file": "o" + "file:///tmp/dcr-fuzz-nonexistent/a%20b/../c",
+        "open_localhost": "o" + "file://localhost/tmp",
+        "open_mem": "o" + "mem://fuzz-name",
+        "open_path": "o" + "relative/path",
+        "open_unknown": "o" + "gs://bucket/x",
+        "faults": "f" + "seed=1,fail=0.1,lost=0.05,delay_ms=5,mbps=100",
+        "faults_bad": "f" + "seed=1e30,delay_ms=nan,mbps=-1,fail=2",
+    }
+    return {name: text.encode() for name, text in seeds.items()}
+
+
+def write_all(out_dir, seeds):
+    os.makedirs(out_dir, exist_ok=True)
+    for name, blob in seeds.items():
+        with open(os.path.join(out_dir, name), "wb") as f:
+            f.write(blob.encode() if isinstance(blob, str) else blob)
+
+
 def main():
     out = os.path.join(sys.argv[1], "safetensors_header_fuzz")
     os.makedirs(out, exist_ok=True)
@@ -85,6 +217,9 @@ def main():
     for name, blob in seeds.items():
         with open(os.path.join(out, name), "wb") as f:
             f.write(blob)
+    write_all(os.path.join(sys.argv[1], "s3_xml_fuzz"), S3_XML)
+    write_all(os.path.join(sys.argv[1], "s3_response_fuzz"), s3_response_seeds())
+    write_all(os.path.join(sys.argv[1], "store_config_fuzz"), store_config_seeds())
 
 
 if __name__ == "__main__":
