@@ -1,4 +1,4 @@
-// dcr_codec_bench [--dir DIR] [--size 1GB] [--quick] [--reps N] [--sets training-3,stress-5]
+// dcr_codec_bench [--dir DIR] [--size 1GB] [--quick] [--reps N] [--sets training-3,stress-5] [--dcr-only]
 //
 // The chunk codec (ChunkEncoder / ChunkApplier) against the reference
 // paper's codec and two simpler baselines, on generated qwen3-moe-like
@@ -18,6 +18,12 @@
 // Throughputs are GB/s of dense (base) bytes per core: with 1 thread, and
 // with every core divided by the number of threads. Timings are the best of
 // --reps runs (3; --quick: 1, and a 128 MB checkpoint).
+//
+// --dcr-only: dcr encode (tracked digests) and decode+apply alone, 1 thread,
+// checked, no baselines. With --reps 1, for instruction counts, e.g.
+//   valgrind --tool=callgrind --toggle-collect='dcr::ChunkEncoder::Encode*' (or
+//   'dcr::ChunkApplier::Apply*') dcr_codec_bench --dcr-only --reps 1 --sets training-3
+// divided by the changed words printed.
 #include <fmt/format.h>
 #include <zstd.h>
 
@@ -39,6 +45,8 @@
 #include "dcr/chunk_codec.h"
 #include "dcr/delta.h"
 #include "dcr/digest.h"
+#include "dcr/frame.h"
+#include "dcr/hash.h"
 #include "dcr/progress.h"
 #include "dcr/synth.h"
 #include "dcr/thread_pool.h"
@@ -471,7 +479,7 @@ std::string Gbps(double bytes, const Timing& t, size_t threads) {
 int main(int argc, char** argv) {
   std::string dir = "/tmp/dcr-bench-codec";
   uint64_t size = 1'000'000'000;
-  bool size_given = false, quick = false;
+  bool size_given = false, quick = false, dcr_only = false;
   int reps = 3;
   bool reps_given = false;
   std::string only;
@@ -494,6 +502,7 @@ int main(int argc, char** argv) {
       size = *parsed;
       size_given = true;
     } else if (k == "--quick") quick = true;
+    else if (k == "--dcr-only") dcr_only = true;
     else if (k == "--reps") {
       reps = std::atoi(value().c_str());
       reps_given = true;
@@ -507,7 +516,7 @@ int main(int argc, char** argv) {
       only += ",";
     }
     else if (k == "--help" || k == "-h") {
-      fmt::print("usage: dcr_codec_bench [--dir DIR] [--size 1GB] [--quick] [--reps N] [--sets training-3,stress-5]\n");
+      fmt::print("usage: dcr_codec_bench [--dir DIR] [--size 1GB] [--quick] [--reps N] [--sets training-3,stress-5] [--dcr-only]\n");
       return 0;
     } else {
       fmt::print(stderr, "unknown option {}\n", k);
@@ -588,6 +597,34 @@ int main(int argc, char** argv) {
     };
     read_both();
     copy_base();
+    if (dcr_only) {
+      std::vector<DcrOut> frames(nchunks);
+      std::vector<Digest> digests(nchunks);
+      for (size_t i = 0; i < nchunks; ++i) {
+        const auto& c = p->chunks[i];
+        digests[i] = ChunkDigest(p->keys[c.key], c.wb, c.first_word, p->Base(c));
+      }
+      const Timing enc = BestOf(reps, nullptr, [&] {
+        for (size_t i = 0; i < nchunks; ++i) DcrEncode(*p, p->chunks[i], &frames[i], &digests[i]);
+      }, nullptr);
+      const Timing dec = BestOf(reps, copy_base, [&] {
+        for (size_t i = 0; i < nchunks; ++i) DcrApply(*p, p->chunks[i], frames[i], work.get());
+      }, [&] { verify("dcr"); });
+      uint64_t changed = 0, payload = 0, hash = 0;  // hash: of every frame, equal across builds that encode alike
+      for (const auto& f : frames) {
+        if (!f.frame) continue;
+        changed += f.header.changed;
+        payload += f.payload.size();
+        const std::string bytes = EncodeFrame(f.header, f.payload);
+        hash = Xxh3_64(bytes.data(), bytes.size(), hash);
+      }
+      auto by_cpu = [&](const Timing& t) { return fmt::format("{:.2f}", dense / t.cpu / 1e9); };
+      fmt::print("{}: dcr only: {} changed words, {:.4f} payload bytes per changed, frames hash {:016x}; "
+                 "encode {} GB/s ({} by CPU time), decode+apply {} GB/s ({} by CPU time) (1 thread)\n",
+                 d.name, changed, static_cast<double>(payload) / static_cast<double>(changed), hash,
+                 Gbps(dense, enc, 1), by_cpu(enc), Gbps(dense, dec, 1), by_cpu(dec));
+      continue;
+    }
     const Timing t_read = BestOf(reps, nullptr, read_both, nullptr);
     const Timing t_memcpy = BestOf(reps, nullptr, [&] {
       for (size_t t = 0; t < p->base.size(); ++t) {

@@ -60,13 +60,15 @@ class ChunkEncoder {
   Result<bool> Encode(const ChunkInput& in, const EncodeOptions& options, EncodedChunk* out);
 
  private:
-  std::vector<uint32_t> positions_;
-  std::vector<uint64_t> values_;
-  std::vector<uint8_t> negative_;
-  std::vector<uint64_t> olds_, news_;  // base and next words at positions_
-  std::vector<uint8_t> scratch_;
-  std::unique_ptr<uint8_t[]> bits_buffer_;  // the sparse bit stream
+  // Scratch, grown only and never zeroed: changed word positions, the
+  // changes (position, base and next word), the sparse bit stream.
+  std::unique_ptr<uint32_t[]> positions_;
+  size_t positions_capacity_ = 0;
+  std::unique_ptr<uint8_t[]> changes_;
+  size_t changes_capacity_ = 0;  // bytes
+  std::unique_ptr<uint8_t[]> bits_buffer_;
   size_t bits_capacity_ = 0;
+  std::vector<uint8_t> scratch_;  // a dense layout, for zstd
 };
 
 enum class ApplyOutcome {
@@ -90,9 +92,12 @@ class ChunkApplier {
                              std::span<uint8_t> target, const Digest& current, Digest* after);
 
  private:
-  std::vector<uint32_t> positions_;
-  std::vector<uint64_t> values_;  // the new words at positions_
-  std::vector<uint8_t> dense_;
+  // Scratch, grown only and never zeroed: the changes (position, old and
+  // new word).
+  std::unique_ptr<uint8_t[]> changes_;
+  size_t changes_capacity_ = 0;  // bytes
+  std::vector<uint8_t> payload_;  // a sparse payload's bit stream, zero-padded
+  std::vector<uint8_t> dense_;    // a zstd payload, decompressed
 };
 
 }  // namespace dcr

@@ -4,7 +4,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <span>
 
 namespace dcr {
 
@@ -14,10 +13,10 @@ class BitWriter {
   // (8-byte stores run past the last byte written).
   explicit BitWriter(uint8_t* out) : begin_(out), p_(out) {}
 
-  // Appends the low `n` bits of v (n <= 56). Flushes whole bytes each call
-  // with one unaligned 8-byte store: no branches.
+  // Appends the n <= 56 bits of v; v < 2^n (no bits above). Flushes whole
+  // bytes each call with one unaligned 8-byte store: no branches.
   [[gnu::always_inline]] void Put(uint64_t v, uint32_t n) {
-    acc_ |= (v & (~0ull >> (63 - n) >> 1)) << fill_;
+    acc_ |= v << fill_;
     fill_ += n;
     std::memcpy(p_, &acc_, 8);
     p_ += fill_ >> 3;
@@ -33,6 +32,8 @@ class BitWriter {
     }
     return static_cast<size_t>(p_ - begin_);
   }
+  // Bits written so far.
+  uint32_t Bits() const { return static_cast<uint32_t>(p_ - begin_) * 8 + fill_; }
   static size_t BufferBytes(uint64_t max_bits) { return max_bits / 8 + 16; }
 
  private:
@@ -42,80 +43,67 @@ class BitWriter {
   uint32_t fill_ = 0;  // pending bits in acc_ (< 8 between calls)
 };
 
-// Reads what BitWriter wrote. Never reads outside `data`; reading past the
-// end sets overrun() and yields zero bits. Between calls at least 40 bits
-// are buffered (fewer only at the end of the data), so a Peek() always sees
-// a whole unary prefix of up to 33 bits.
+// Reads what BitWriter wrote, from a copy followed by kPadding zero bytes,
+// so that a refill is one unaligned 8-byte load, with no bounds branch. The
+// window holds 56 to 63 bits after each refill (the 8 bytes loaded, less
+// the partial last one); consuming bits shifts it, so the next bits are
+// always at the bottom, and the next refill's load address never waits on
+// the bits just decoded. Reading past the data yields zero bits.
 class BitReader {
  public:
-  explicit BitReader(std::span<const uint8_t> data) : data_(data) { Refill(); }
+  static constexpr size_t kPadding = 64;
 
-  // The buffered bits, next bit lowest; zeros past the end of the data.
-  uint64_t Peek() const { return acc_; }
+  // `data` holds `bytes` bytes and then kPadding zero bytes; reading starts
+  // at bit `start` <= 8 * bytes.
+  BitReader(const uint8_t* data, size_t bytes, uint64_t start = 0)
+      : data_(data), end_(data + bytes), p_(data + start / 8) {
+    Refill();
+    Skip(static_cast<uint32_t>(start % 8));
+  }
+
+  // The next 56 or more bits, next bit lowest.
+  [[gnu::always_inline]] uint64_t Peek() {
+    Refill();
+    return acc_;
+  }
+  // Consumes n bits, at most as many as the last Peek() returned.
   [[gnu::always_inline]] void Skip(uint32_t n) {
-    if (n > fill_) {
-      overrun_ = true;
-      n = fill_;
-    }
-    acc_ = n == 64 ? 0 : acc_ >> n;
-    fill_ -= n;
-    consumed_ += n;
-    if (fill_ < 40) Refill();
+    acc_ >>= n;
+    bits_ -= n;
   }
   [[gnu::always_inline]] uint64_t Get(uint32_t n) {  // n <= 56
-    if (fill_ < n) Refill();
-    const uint64_t v = n == 0 ? 0 : acc_ & (~0ull >> (64 - n));
+    const uint64_t v = Peek() & ((1ull << n) - 1);
     Skip(n);
     return v;
   }
-  // For decoders that parse a whole code from one Peek(): buffer at least
-  // 56 bits when the data has them, and report how many are buffered.
-  [[gnu::always_inline]] uint32_t Ensure56() {
-    if (fill_ < 56) Refill();
-    return fill_;
-  }
-  // Consumes n <= buffered bits without refilling (pair with Ensure56()).
-  [[gnu::always_inline]] void Consume(uint32_t n) {
-    acc_ >>= n;  // n <= 56
-    fill_ -= n;
-    consumed_ += n;
-  }
-  bool overrun() const { return overrun_; }
+  uint64_t position() const { return static_cast<uint64_t>(p_ - data_) * 8 - bits_; }  // bits consumed
+  // True when more bits were consumed than the data has.
+  bool overrun() const { return position() > static_cast<uint64_t>(end_ - data_) * 8; }
+  // A cheap, late overrun(): true once the window is 8 bytes past the data.
+  // A decoder checks it at least every 200 bits consumed, which keeps its
+  // reads inside the padding.
+  [[gnu::always_inline]] bool exhausted() const { return p_ > end_ + 8; }
   // True when every bit after the consumed ones is zero padding within the
   // last byte (and nothing follows).
-  bool AtPaddedEnd() const {
-    const uint64_t total_bits = static_cast<uint64_t>(data_.size()) * 8;
-    if (consumed_ > total_bits) return false;
-    if ((total_bits - consumed_) >= 8) return false;
-    return acc_ == 0;
+  bool AtPaddedEnd() {
+    const uint64_t total = static_cast<uint64_t>(end_ - data_) * 8;
+    return position() <= total && total - position() < 8 && Peek() == 0;
   }
 
  private:
-  // Tops the buffer up to at least 56 bits (or to the end of the data).
-  void Refill() {
-    if (pos_ + 8 <= data_.size()) {
-      // Load 8 bytes, keep the whole ones that fit; bits above fill_ already
-      // hold the next bytes' true values, so OR-ing them again is harmless.
-      uint64_t w;
-      std::memcpy(&w, data_.data() + pos_, 8);
-      acc_ |= w << fill_;
-      const uint32_t bytes = (63 - fill_) >> 3;
-      pos_ += bytes;
-      fill_ += bytes * 8;
-      return;
-    }
-    while (fill_ <= 56 && pos_ < data_.size()) {
-      acc_ |= static_cast<uint64_t>(data_[pos_++]) << fill_;
-      fill_ += 8;
-    }
+  [[gnu::always_inline]] void Refill() {
+    uint64_t w;
+    std::memcpy(&w, p_, 8);  // little-endian host (see frame.cc)
+    acc_ |= w << bits_;      // the bits above bits_ are the same data again, or zero
+    p_ += (63 - bits_) >> 3;
+    bits_ |= 56;
   }
 
-  std::span<const uint8_t> data_;
-  size_t pos_ = 0;
+  const uint8_t* data_;
+  const uint8_t* end_;
+  const uint8_t* p_;  // the next byte to load
   uint64_t acc_ = 0;
-  uint32_t fill_ = 0;
-  uint64_t consumed_ = 0;
-  bool overrun_ = false;
+  uint32_t bits_ = 0;  // valid bits in acc_
 };
 
 }  // namespace dcr

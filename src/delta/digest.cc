@@ -42,8 +42,8 @@ DigestKey MakeDigestKey(std::string_view name) {
 
 void LimbHashes(const DigestKey& key, uint64_t limb, uint64_t out[2]) {
   const uint64_t block = limb / kernels::kDigestBlock, j = limb % kernels::kDigestBlock;
-  out[0] = kernels::LimbHash(kernels::DigestTable(0)[j], kernels::BlockSeed(key.seed[0], block));
-  out[1] = kernels::LimbHash(kernels::DigestTable(1)[j], kernels::BlockSeed(key.seed[1], block));
+  out[0] = kernels::LimbHash(kernels::DigestTable()[2 * j], kernels::BlockSeed(key.seed[0], block));
+  out[1] = kernels::LimbHash(kernels::DigestTable()[2 * j + 1], kernels::BlockSeed(key.seed[1], block));
 }
 
 namespace {

@@ -1,5 +1,5 @@
 // The vectorised kernels of src/delta (bit comparison, digests, change
-// scans), one build per instruction set: kernels.inc is compiled into
+// scans, codes), one build per instruction set: kernels.inc is compiled into
 // kernels_generic.cc and (x86-64) kernels_avx2.cc; Kernels() picks the best
 // the CPU runs. Internal to src/delta.
 #pragma once
@@ -25,6 +25,7 @@ using CompareWholeBytesFn = void (*)(uint32_t bits, Image image, const uint8_t* 
 inline constexpr uint64_t kDigestBlock = 4096;
 inline constexpr uint64_t kPrime = (1ull << 61) - 1;
 __extension__ typedef unsigned __int128 Uint128;  // GCC and clang; __extension__ keeps -Wpedantic quiet
+__extension__ typedef __int128 Int128;
 // `static`: every kernel build keeps its own copy (no shared inline symbol
 // compiled for AVX2 reaching a generic caller).
 static inline uint64_t DigestMix(uint64_t x) {
@@ -44,24 +45,58 @@ static inline uint64_t ModPrime(Uint128 x) {
   lo = (lo & kPrime) + (lo >> 61);
   return lo >= kPrime ? lo - kPrime : lo;
 }
-// The two lanes' fixed tables of kDigestBlock odd-or-even random words.
-const uint64_t* DigestTable(int lane);
+// x mod the prime, for any signed 128-bit x.
+static inline uint64_t ModPrimeSigned(Int128 x) {
+  if (x >= 0) return ModPrime(static_cast<Uint128>(x));
+  const uint64_t r = ModPrime(static_cast<Uint128>(-x));
+  return r == 0 ? 0 : kPrime - r;
+}
+// The two lanes' fixed tables of kDigestBlock random words, interleaved:
+// entry 2j + lane is T_lane[j] (one cache line serves both lanes).
+const uint64_t* DigestTable();
 
 // Adds the digest terms of whole limbs [first, first + n) (4n bytes at
 // `bytes`) to acc[0], acc[1] (residues mod the prime).
 using DigestLimbsFn = void (*)(const uint64_t seed[2], uint64_t first, const uint8_t* bytes, uint64_t n,
                                uint64_t acc[2]);
 
-// Writes the indices j < n where the words of a and b differ into
-// `positions`, and those words of a and b into `olds` and `news` (each with
-// room for n), and returns how many there are.
+// A changed word of a chunk: its index, and its bits before and after.
+template <typename U>
+struct Change {
+  uint32_t position;
+  U old_word, new_word;
+};
+
+// Finds the words of `word_bytes` bytes that differ between a and b (n
+// words each) and writes them, in increasing order, to `changes`, an array
+// of Change<U> for U the unsigned type of that size, with room for n; returns
+// how many. `positions` is scratch with room for n + 8.
 using FindChangesFn = uint32_t (*)(uint32_t word_bytes, const uint8_t* a, const uint8_t* b, uint32_t n,
-                                   uint32_t* positions, uint64_t* olds, uint64_t* news);
+                                   uint32_t* positions, void* changes);
+
+// The digest change (lanes 0 and 1, residues mod the prime) of n changes
+// (`changes`: Change<U>[n] as for FindChangesFn, positions increasing) of a
+// tensor with per-lane seeds `seed`: the word at first_word + position goes
+// from its old to its new bits.
+using DigestChangesFn = void (*)(uint32_t word_bytes, const uint64_t seed[2], uint64_t first_word,
+                                 const void* changes, uint32_t n, uint64_t out[2]);
+
+// The sparse codec's codes (chunk_codec.cc) of add-mode changes of 16-bit
+// words whose image is `image`, two changes at a time: for changes 2i and
+// 2i+1 (n a multiple of 8), word i of `codes` holds their gap and value
+// codes, the first change's lowest, in its low 56 bits and the number of
+// those bits in its top 8; or is 0 when either change needs the general
+// path (a code over 32 bits, or the pair over 56). `next` is the word after
+// the change before changes[0] (0 if none); gap_k < 32, value_k <= 4.
+using AddCodes16Fn = void (*)(const Change<uint16_t>* changes, uint32_t n, uint32_t next, uint32_t gap_k,
+                              uint32_t value_k, Image image, uint64_t* codes);
 
 struct KernelSet {
   CompareWholeBytesFn compare;
   DigestLimbsFn digest;
   FindChangesFn find_changes;
+  DigestChangesFn digest_changes;
+  AddCodes16Fn add_codes16;  // null where no vector version is built
 };
 
 #define DCR_DECLARE_KERNELS                                                                                     \
@@ -69,7 +104,9 @@ struct KernelSet {
                          uint64_t sign_mask, uint64_t exponent_mask, uint64_t mantissa_mask, BitDiffStats* out); \
   void DigestLimbs(const uint64_t seed[2], uint64_t first, const uint8_t* bytes, uint64_t n, uint64_t acc[2]);     \
   uint32_t FindChanges(uint32_t word_bytes, const uint8_t* a, const uint8_t* b, uint32_t n, uint32_t* positions, \
-                       uint64_t* olds, uint64_t* news);
+                       void* changes);                                                                          \
+  void DigestChanges(uint32_t word_bytes, const uint64_t seed[2], uint64_t first_word, const void* changes,      \
+                     uint32_t n, uint64_t out[2]);
 
 namespace generic {
 DCR_DECLARE_KERNELS
@@ -77,11 +114,18 @@ DCR_DECLARE_KERNELS
 #if defined(__x86_64__)
 namespace avx2 {  // built with -mavx2; call only where the CPU has AVX2
 DCR_DECLARE_KERNELS
+void AddCodes16(const Change<uint16_t>* changes, uint32_t n, uint32_t next, uint32_t gap_k, uint32_t value_k,
+                Image image, uint64_t* codes);
 }
 #endif
 #undef DCR_DECLARE_KERNELS
 
-// The best kernels this CPU runs.
+// The best kernels this CPU runs: the baseline build when BaselineIsa().
 const KernelSet& Kernels();
+
+// True when the environment variable DCR_BASELINE_ISA is set (not to "0"):
+// run the baseline x86-64 code paths even where the CPU has more, as a test
+// of those paths does.
+bool BaselineIsa();
 
 }  // namespace dcr::kernels
