@@ -86,11 +86,19 @@ def bench_one(a, update, rate, work):
     acks = [os.path.getmtime(os.path.join(attempt_dir, "acks", f)) for f in os.listdir(os.path.join(attempt_dir, "acks"))]
     committed_at = os.path.getmtime(os.path.join(store_dir, "commits", "v0000000001.json"))
     commit_latency = committed_at - max(acks)
+    # Timeline from the store's file times: publisher start-up (baseline load and
+    # check), encode + upload (attempt.json to manifest), receivers' last ack.
+    frames_dir = os.path.join(attempt_dir, "frames")
+    segments = [os.path.getmtime(os.path.join(frames_dir, f)) for f in os.listdir(frames_dir)]
+    timeline = dict(attempt=os.path.getmtime(os.path.join(attempt_dir, "attempt.json")) - t0,
+                    first_segment=min(segments) - t0 if segments else 0.0, segments=len(segments),
+                    manifest=os.path.getmtime(os.path.join(attempt_dir, "manifest.json")) - t0,
+                    last_ack=max(acks) - t0)
     refit = committed_at - t0  # to the commit; the publisher then advances its baseline and collects garbage
     full = up + down
     return dict(update=update, rate=rate, total=total, frame_bytes=rep["frame_bytes"], changed=rep["changed_words"],
                 full_s=full, up_s=up, down_s=down, refit_s=refit, encode_s=rep["encode_seconds"],
-                wait_s=rep["wait_seconds"], commit_latency_s=commit_latency, publish_s=publish_s)
+                wait_s=rep["wait_seconds"], commit_latency_s=commit_latency, publish_s=publish_s, timeline=timeline)
 
 
 def main():
@@ -118,6 +126,10 @@ def main():
         print(f"{r['update']:>8} {r['rate']:>5} {r['frame_bytes']:>12,} {r['frame_bytes'] / max(r['changed'], 1):>9.3f} "
               f"{byte_ratio:>15.1f}x {r['full_s']:>11.2f} {r['refit_s']:>8.2f} {r['publish_s']:>9.2f} {speedup:>7.1f}x {speedup / byte_ratio:>13.2f} "
               f"{r['encode_s']:>8.2f} {r['commit_latency_s']:>23.3f}", flush=True)
+        tl = r["timeline"]
+        print(f"{'':>14} timeline s: attempt opened {tl['attempt']:.2f}, first of {tl['segments']} frame objects "
+              f"{tl['first_segment']:.2f}, manifest {tl['manifest']:.2f}, last ack {tl['last_ack']:.2f}, "
+              f"commit {r['refit_s']:.2f}; transfer alone {r['frame_bytes'] / (a.mbps * 1e6):.2f} each way", flush=True)
     print("full copy: upload once + all receivers download at once; refit: publish call to the commit record, every "
           "receiver applied, verified and acked (publish s adds advancing the baseline and GC); speedup/bytes = 1.0 means purely transport-bound")
 

@@ -120,6 +120,11 @@ struct PublishOptions {
   std::chrono::milliseconds heartbeat_timeout{10000};  // receivers older than this are not waited for
   uint64_t snapshot_every = 0;        // also publish a snapshot every N versions (0: only v0)
   uint64_t keep_versions = 2;         // GC: keep attempts of this many versions below the floor
+  // Each sender's frames go to objects of about this many bytes (a frame is
+  // never split), each visible once written, so that receivers download one
+  // while the next is encoded and uploaded. 0: the checkpoint's size / 4096,
+  // within [256 KiB, 16 MiB] (a 3% delta then spans some 100 objects).
+  uint64_t segment_bytes = 0;
   std::string coordinator_id;         // for records; default host:pid
   // Fault injection for tests: called at named points ("frames-written",
   // "manifest-written", "acked", "before-commit"; and "committed", after the
@@ -164,6 +169,9 @@ class Publisher {
 struct FollowOptions {
   std::string id;  // default host-pid
   std::chrono::milliseconds poll{100};
+  // While an attempt is streaming (started, no manifest yet): how often to
+  // look for its next frame objects.
+  std::chrono::milliseconds stream_poll{20};
   std::chrono::milliseconds heartbeat_every{1000};
   // Fault injection for tests, as PublishOptions::fault ("applying", "applied", "acked").
   std::function<Status(std::string_view point)> fault;

@@ -73,20 +73,31 @@ Result<std::vector<AttemptInfo>> ListAttempts(Store& store, uint64_t v) {
     else if (leaf == "fence") a.fenced = true;
     else if (leaf.starts_with("acks/") && leaf.ends_with(".json"))
       a.acks.emplace_back(leaf.substr(5, leaf.size() - 10));
+    else if (leaf.starts_with("frames/"))
+      a.frame_objects.push_back(o.key);
   }
   return out;
 }
 
-Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& attempt) {
+Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& attempt,
+                                std::map<std::string, std::string>* prefetched) {
   const std::string prefix = run_keys::Attempt(v, attempt);
-  const std::string where = StoreContext(store.url(), prefix);
+  // The attempt's prefix ends in '/'; the delta's messages add "/<object>".
+  const std::string where = StoreContext(store.url(), prefix.substr(0, prefix.size() - 1));
   DCR_ASSIGN_OR_RETURN(std::string text, store.Get(prefix + std::string(kManifestFileName)));
-  DCR_ASSIGN_OR_RETURN(DeltaManifest m, DeltaManifest::FromJson(text, where + std::string(kManifestFileName)));
+  DCR_ASSIGN_OR_RETURN(DeltaManifest m, DeltaManifest::FromJson(text, where + "/" + std::string(kManifestFileName)));
   auto blobs = std::make_shared<std::vector<std::string>>();
   std::vector<std::span<const uint8_t>> spans;
   blobs->reserve(m.objects.size());
   for (const auto& name : m.objects) {
-    DCR_ASSIGN_OR_RETURN(std::string blob, store.Get(prefix + name));
+    const std::string key = prefix + name;
+    std::string blob;
+    if (prefetched && prefetched->count(key)) {
+      blob = std::move(prefetched->at(key));
+      prefetched->erase(key);
+    } else {
+      DCR_ASSIGN_OR_RETURN(blob, store.Get(key));
+    }
     blobs->push_back(std::move(blob));
     spans.emplace_back(reinterpret_cast<const uint8_t*>(blobs->back().data()), blobs->back().size());
   }

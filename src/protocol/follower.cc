@@ -104,6 +104,9 @@ class FollowRun {
   ChunkDigestTable digests_;
   std::set<std::string> handled_;  // attempts acked (or nacked) by this run
   std::map<uint64_t, int> commit_failures_;  // committed versions that failed to apply
+  // Frame objects of version_ + 1's streaming attempts, downloaded before
+  // their manifest (full key -> bytes); LoadAttempt takes them from here.
+  std::map<std::string, std::string> prefetched_;
 
   std::mutex mu_;
   std::string state_ = "joining";
@@ -164,6 +167,7 @@ Status FollowRun::Commit(uint64_t v) {
     version_ = v;
   }
   *version_out_ = v;
+  prefetched_.clear();
   journal_.version = v;
   journal_.attempt.clear();
   return WriteJournal(target_, journal_);
@@ -290,7 +294,7 @@ Status FollowRun::Step() {
                       v));
     if (Total(digests_) != c.target_digest) {
       // Catch up through the committed attempt (a late or retired receiver).
-      auto delta = LoadAttempt(store_, v, c.attempt);
+      auto delta = LoadAttempt(store_, v, c.attempt, &prefetched_);
       Status s = delta.status();
       if (delta.ok()) {
         journal_.attempt = c.attempt;
@@ -319,12 +323,29 @@ Status FollowRun::Step() {
     return Status::Ok();
   }
   DCR_ASSIGN_OR_RETURN(auto attempts, ListAttempts(store_, v));
-  bool progressed = false;
+  bool progressed = false, streaming = false;
   for (const auto& a : attempts) {
-    if (!a.has_manifest || a.fenced || handled_.count(a.id) ||
-        std::find(a.acks.begin(), a.acks.end(), o_.id) != a.acks.end())
+    if (a.fenced || handled_.count(a.id) || std::find(a.acks.begin(), a.acks.end(), o_.id) != a.acks.end()) {
+      std::erase_if(prefetched_, [&](const auto& kv) { return kv.first.starts_with(run_keys::Attempt(v, a.id)); });
       continue;
-    auto delta = LoadAttempt(store_, v, a.id);
+    }
+    if (!a.has_manifest) {
+      // Streaming: download the frame objects written so far, so that only
+      // the last one or two remain when the manifest appears.
+      streaming = true;
+      for (const auto& key : a.frame_objects) {
+        if (prefetched_.count(key)) continue;
+        auto blob = store_.Get(key);
+        if (!blob.ok()) {
+          if (Transient(blob.status())) return blob.status();
+          break;  // LoadAttempt reports it, once the manifest says the object is needed
+        }
+        prefetched_[key] = std::move(*blob);
+        progressed = true;
+      }
+      continue;
+    }
+    auto delta = LoadAttempt(store_, v, a.id, &prefetched_);
     if (Transient(delta.status())) return delta.status();
     journal_.attempt = a.id;
     DCR_RETURN_IF_ERROR(WriteJournal(target_, journal_));
@@ -351,7 +372,7 @@ Status FollowRun::Step() {
     progressed = true;
     SetState("following").IgnoreError();
   }
-  if (!progressed) Sleep();
+  if (!progressed) std::this_thread::sleep_for(streaming ? std::min(o_.stream_poll, o_.poll) : o_.poll);
   return Status::Ok();
 }
 

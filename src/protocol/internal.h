@@ -1,6 +1,7 @@
 // Helpers shared by the publisher, the follower and GC. Not public API.
 #pragma once
 
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -35,12 +36,16 @@ Result<CommitRecord> ReadCommit(Store& store, uint64_t v);
 struct AttemptInfo {
   std::string id;
   bool has_manifest = false, fenced = false;
-  std::vector<std::string> acks;  // receivers
+  std::vector<std::string> acks;           // receivers
+  std::vector<std::string> frame_objects;  // full keys of its frame objects written so far
 };
 Result<std::vector<AttemptInfo>> ListAttempts(Store& store, uint64_t v);
 
-// The attempt's delta, frames downloaded (kept in memory).
-Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& attempt);
+// The attempt's delta, frames downloaded (kept in memory). Objects found in
+// `prefetched` (full key -> bytes, downloaded while the attempt streamed)
+// are moved from it instead of downloaded again.
+Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& attempt,
+                                std::map<std::string, std::string>* prefetched = nullptr);
 
 // Snapshots: the regular files of a checkpoint (a file, or the top-level
 // files of its directory) as objects under snapshots/v<N>/files/, then

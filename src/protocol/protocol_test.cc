@@ -11,6 +11,8 @@
 #include <filesystem>
 #include <functional>
 #include <fstream>
+#include <map>
+#include <mutex>
 #include <thread>
 
 #include "dcr/compare.h"
@@ -190,6 +192,74 @@ TEST_F(ProtocolTest, ReceiversFollowEveryVersionBitExactly) {
   EXPECT_TRUE(again->already_committed);
   // ... with other bits it is refused.
   EXPECT_EQ(pub.Publish(3, Version(2)).status().code(), Code::kAlreadyExists);
+}
+
+TEST_F(ProtocolTest, ReceiversDownloadSegmentsWhileTheAttemptStreams) {
+  PublishOptions o = Fast();
+  o.segment_bytes = 4096;  // many frame objects per sender
+  // Per receiver: how often it read each frame object.
+  struct Reads {
+    std::mutex mu;
+    std::map<std::string, int> n;
+  };
+  std::vector<Reads> reads(2);
+  std::vector<std::unique_ptr<HookStore>> views;
+  for (int i = 0; i < 2; ++i)
+    views.push_back(std::make_unique<HookStore>(*store_, [&, i](std::string_view op, std::string_view key, bool after) {
+      if (op == "read" && !after && key.find("/frames/") != std::string_view::npos) {
+        std::lock_guard lock(reads[i].mu);
+        ++reads[i].n[std::string(key)];
+      }
+      return Status::Ok();
+    }));
+  auto frame_objects = [&] {
+    std::vector<std::string> keys;
+    auto listed = store_->List("attempts/v0000000001/");
+    EXPECT_TRUE(listed.ok()) << listed.status().ToString();
+    if (listed.ok())
+      for (const auto& info : *listed)
+        if (info.key.find("/frames/") != std::string::npos) keys.push_back(info.key);
+    return keys;
+  };
+  // Every sender has written its frames, the manifest not yet: the receivers
+  // must be able to fetch every frame object already.
+  bool prefetched_all = false;
+  size_t objects = 0;
+  o.fault = [&](std::string_view point) {
+    if (point != "frames-written") return Status::Ok();
+    const auto keys = frame_objects();
+    objects = keys.size();
+    for (int t = 0; t < 2000 && !prefetched_all; ++t) {
+      prefetched_all = true;
+      for (auto& r : reads) {
+        std::lock_guard lock(r.mu);
+        for (const auto& k : keys) prefetched_all = prefetched_all && r.n.count(k) == 1;
+      }
+      if (!prefetched_all) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return Status::Ok();
+  };
+  Publisher pub(*store_, Path("state"), o);
+  ASSERT_TRUE(pub.Publish(0, Version(0)).ok());
+  std::vector<std::thread> threads;
+  std::vector<Status> results(2);
+  for (int i = 0; i < 2; ++i)
+    threads.emplace_back([&, i] {
+      Follower f(*views[i], Path("r" + std::to_string(i)), Receiver("r" + std::to_string(i)));
+      results[i] = f.Run(1);
+    });
+  WaitForReceivers(2);
+  auto r = pub.Publish(1, Version(1));
+  for (auto& t : threads) t.join();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_GT(objects, 2 * size_t{o.senders}) << "segments were not cut";
+  EXPECT_TRUE(prefetched_all) << "receivers did not download frame objects before the manifest";
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(results[i].ok()) << results[i].ToString();
+    ExpectIdentical(Path("r" + std::to_string(i)), 1);
+    for (const auto& [key, n] : reads[i].n) EXPECT_EQ(n, 1) << "receiver " << i << " read " << key << " " << n << " times";
+    EXPECT_EQ(reads[i].n.size(), objects);
+  }
 }
 
 TEST_F(ProtocolTest, CoordinatorFailureBeforeCommitIsRepairedByAnOverwriteRetry) {

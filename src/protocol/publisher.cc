@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <optional>
@@ -326,6 +327,59 @@ Result<PublishReport> PublishRun::PublishDelta(uint64_t v, const Checkpoint& nex
                              last_failure.ToString()));
 }
 
+namespace {
+
+// A sender's frame stream cut into objects frames/s<K>-<NNNN>.bin of about
+// `segment_bytes` each, at frame boundaries. Each object is visible (and can
+// be downloaded) as soon as it is closed, while the next is being written.
+class SegmentedFrameWriter {
+ public:
+  SegmentedFrameWriter(Store& store, std::string prefix, uint32_t sender, uint64_t segment_bytes)
+      : store_(store), prefix_(std::move(prefix)), sender_(sender), segment_bytes_(std::max<uint64_t>(segment_bytes, 1)) {}
+
+  Status Write(std::string_view frame) {
+    if (!writer_ || in_segment_ >= segment_bytes_) {
+      DCR_RETURN_IF_ERROR(Close());
+      names_.push_back(fmt::format("frames/s{}-{:04}.bin", sender_, names_.size()));
+      starts_.push_back(written_);
+      DCR_ASSIGN_OR_RETURN(writer_, store_.OpenWriter(prefix_ + names_.back(), WriteMode::kOverwrite));
+      in_segment_ = 0;
+    }
+    DCR_RETURN_IF_ERROR(writer_->Write(frame));
+    in_segment_ += frame.size();
+    written_ += frame.size();
+    return Status::Ok();
+  }
+
+  Status Close() {
+    if (!writer_) return Status::Ok();
+    auto writer = std::move(writer_);
+    return writer->Close();
+  }
+
+  // Turns an entry's offset in the whole stream (EncodeFrames' object 0)
+  // into its segment (an index into names()) and the offset there.
+  void Locate(DeltaFrameEntry* f) const {
+    const size_t seg = static_cast<size_t>(std::upper_bound(starts_.begin(), starts_.end(), f->offset) - starts_.begin()) - 1;
+    f->object = static_cast<uint32_t>(seg);
+    f->offset -= starts_[seg];
+  }
+
+  const std::vector<std::string>& names() const { return names_; }
+
+ private:
+  Store& store_;
+  const std::string prefix_;
+  const uint32_t sender_;
+  const uint64_t segment_bytes_;
+  std::unique_ptr<ObjectWriter> writer_;
+  std::vector<std::string> names_;
+  std::vector<uint64_t> starts_;  // stream offset where each segment begins
+  uint64_t in_segment_ = 0, written_ = 0;
+};
+
+}  // namespace
+
 Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::string& id, DeltaClass cls,
                                                          const Checkpoint& baseline, const Checkpoint& next, const DeltaManifest& layout,
                                                          const ChunkDigestTable& base_digests, PublishReport* report,
@@ -347,22 +401,25 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
   m.delta_class = cls;
   m.delta_id = std::strtoull(RandomHex(16).c_str(), nullptr, 16) | 1;
   const auto plan = PlanOwnership(layout, o_.senders);
+  const uint64_t segment_bytes =
+      o_.segment_bytes ? o_.segment_bytes : std::clamp<uint64_t>(next.total_bytes() / 4096, 256 << 10, 16 << 20);
   std::vector<Digest> all_base, all_target;
   for (uint32_t k = 0; k < plan.size(); ++k) {
     std::vector<Digest> tracked;
     for (const auto& c : plan[k]) tracked.push_back(base_digests[c.tensor][c.chunk]);
-    const std::string object = fmt::format("frames/s{}.bin", k);
-    DCR_ASSIGN_OR_RETURN(auto writer, store_.OpenWriter(prefix + object, WriteMode::kOverwrite));
+    SegmentedFrameWriter segments(store_, prefix, k, segment_bytes);
     DCR_ASSIGN_OR_RETURN(EncodedFrames encoded,
                          EncodeFrames(baseline, next, m, plan[k], options.encode,
-                                      [&](std::string_view frame) { return writer->Write(frame); }, &tracked,
+                                      [&](std::string_view frame) { return segments.Write(frame); }, &tracked,
                                       progress_));
-    DCR_RETURN_IF_ERROR(writer->Close());
+    DCR_RETURN_IF_ERROR(segments.Close());
+    const uint32_t first_object = static_cast<uint32_t>(m.objects.size());
     for (auto& f : encoded.frames) {
-      f.object = k;
+      segments.Locate(&f);
+      f.object += first_object;
       m.frames.push_back(f);
     }
-    m.objects.push_back(object);
+    m.objects.insert(m.objects.end(), segments.names().begin(), segments.names().end());
     all_base.insert(all_base.end(), encoded.base_digests.begin(), encoded.base_digests.end());
     all_target.insert(all_target.end(), encoded.target_digests.begin(), encoded.target_digests.end());
   }

@@ -61,7 +61,7 @@ struct PublishArgs {
   std::string store, checkpoint, state;
   uint64_t version = 0;
   uint32_t senders = 1, attempts = 3;
-  std::string chunk = "1048576";
+  std::string chunk = "1048576", segment = "auto";
   double ack_timeout = 60, heartbeat_timeout = 10;
   uint64_t snapshot_every = 0;
   bool json = false;
@@ -78,6 +78,13 @@ int RunPublish(const PublishArgs& a) {
   auto chunk = ParseBytes(a.chunk);
   if (!chunk.ok()) return Fail("publish", chunk.status().WithContext("--chunk"));
   o.delta.chunk_elements = *chunk;
+  if (a.segment != "auto") {
+    auto segment = ParseBytes(a.segment);
+    if (!segment.ok() || *segment == 0)
+      return Fail("publish", segment.ok() ? InvalidArgument("--segment: must be at least one byte")
+                                          : segment.status().WithContext("--segment"));
+    o.segment_bytes = *segment;
+  }
   o.ack_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.ack_timeout * 1000));
   o.heartbeat_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.heartbeat_timeout * 1000));
   o.snapshot_every = a.snapshot_every;
@@ -111,7 +118,7 @@ int RunPublish(const PublishArgs& a) {
 struct FollowArgs {
   std::string store, target, id;
   int64_t until = -1;
-  double poll = 0.1, heartbeat = 1;
+  double poll = 0.1, stream_poll = 0.02, heartbeat = 1;
 };
 
 int RunFollow(const FollowArgs& a) {
@@ -120,6 +127,7 @@ int RunFollow(const FollowArgs& a) {
   FollowOptions o;
   o.id = a.id;
   o.poll = std::chrono::milliseconds(static_cast<int64_t>(a.poll * 1000));
+  o.stream_poll = std::chrono::milliseconds(static_cast<int64_t>(a.stream_poll * 1000));
   o.heartbeat_every = std::chrono::milliseconds(static_cast<int64_t>(a.heartbeat * 1000));
   o.fault = TestCrashHook();
   std::signal(SIGINT, OnSignal);
@@ -208,6 +216,9 @@ void AddRefitCommands(CLI::App& app) {
   pub->add_option("--senders", pa->senders, "Senders (chunk owners)")->check(CLI::Range(1, 1024));
   pub->add_option("--attempts", pa->attempts, "Attempts before giving up (retries are overwrite)")->check(CLI::Range(1, 100));
   pub->add_option("--chunk", pa->chunk, "Chunk size in elements (version 0 fixes it for the run)");
+  pub->add_option("--segment", pa->segment,
+                  "Bytes of frames per object (receivers download each while the next is written), e.g. 1MiB; "
+                  "auto: checkpoint size / 4096 within [256 KiB, 16 MiB]");
   pub->add_option("--ack-timeout", pa->ack_timeout, "Seconds to wait for acks before retiring silent receivers");
   pub->add_option("--heartbeat-timeout", pa->heartbeat_timeout, "Receivers silent longer than this are not waited for");
   pub->add_option("--snapshot-every", pa->snapshot_every, "Also publish a snapshot every N versions");
@@ -221,6 +232,8 @@ void AddRefitCommands(CLI::App& app) {
   fol->add_option("--id", fa->id, "Receiver id (default host-pid)");
   fol->add_option("--until", fa->until, "Exit once this version is applied");
   fol->add_option("--poll", fa->poll, "Seconds between store polls");
+  fol->add_option("--stream-poll", fa->stream_poll,
+                  "Seconds between looks for new frame objects while an attempt streams");
   fol->add_option("--heartbeat", fa->heartbeat, "Seconds between heartbeats");
   fol->callback([fa] { ExitCode() = RunFollow(*fa); });
 
