@@ -1,5 +1,6 @@
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -168,10 +169,35 @@ Result<SnapshotRecord> NewestSnapshot(Store& store, uint64_t at_most) {
   return ReadSnapshot(store, *best);
 }
 
+bool IsNoSpace(int err) { return err == ENOSPC || err == EDQUOT; }
+
+Status NoSpace(const std::string& dir, uint64_t need, std::string_view what, std::optional<uint64_t> available) {
+  return FailedPrecondition(fmt::format(
+      "no space left in {} for {}: it needs {}{}; free space on that filesystem, or use a directory on one with room",
+      dir, what, FormatBytes(need), available ? fmt::format(", {} is available", FormatBytes(*available)) : ""));
+}
+
+Status CheckFreeSpace(const std::string& dir, uint64_t need, std::string_view what) {
+  struct statvfs st;
+  if (::statvfs(dir.c_str(), &st) != 0) return ErrnoError(errno, "cannot stat the filesystem of " + dir);
+  const uint64_t avail = static_cast<uint64_t>(st.f_bavail) * st.f_frsize;
+  if (avail >= need) return Status::Ok();
+  return NoSpace(dir, need, what, avail);
+}
+
 Status DownloadSnapshot(Store& store, const SnapshotRecord& snapshot, const std::string& dir, Progress* progress) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return ErrnoError(ec.value(), "cannot create " + dir);
+  // Peak use: every new file, plus the largest one that replaces an old
+  // file (both exist until the rename).
+  uint64_t need = 0, largest_replaced = 0;
+  for (const auto& f : snapshot.files) {
+    if (fs::exists(fs::path(dir) / f.name, ec)) largest_replaced = std::max(largest_replaced, f.bytes);
+    else need += f.bytes;
+  }
+  const std::string what = fmt::format("the snapshot of version {}", snapshot.version);
+  DCR_RETURN_IF_ERROR(CheckFreeSpace(dir, need + largest_replaced, what));
   const std::string prefix = run_keys::Snapshot(snapshot.version) + "files/";
   std::vector<uint8_t> block(kCopyBlock);
   for (const auto& f : snapshot.files) {
@@ -190,12 +216,13 @@ Status DownloadSnapshot(Store& store, const SnapshotRecord& snapshot, const std:
       for (uint64_t w = 0; s.ok() && w < n;) {
         const ssize_t k = ::write(fd, block.data() + w, n - w);
         if (k < 0 && errno == EINTR) continue;
-        if (k < 0) s = ErrnoError(errno, "cannot write " + part);
+        if (k < 0) s = IsNoSpace(errno) ? NoSpace(dir, need + largest_replaced, what) : ErrnoError(errno, "cannot write " + part);
         else w += static_cast<uint64_t>(k);
       }
       if (progress && s.ok()) progress->Add(n);
     }
-    if (s.ok() && ::fsync(fd) != 0) s = ErrnoError(errno, "cannot sync " + part);
+    if (s.ok() && ::fsync(fd) != 0)
+      s = IsNoSpace(errno) ? NoSpace(dir, need + largest_replaced, what) : ErrnoError(errno, "cannot sync " + part);
     ::close(fd);
     if (s.ok() && ::rename(part.c_str(), (fs::path(dir) / f.name).c_str()) != 0) s = ErrnoError(errno, "cannot rename " + part);
     if (!s.ok()) {

@@ -56,4 +56,13 @@ Result<SnapshotRecord> ReadSnapshot(Store& store, uint64_t v);
 Result<SnapshotRecord> NewestSnapshot(Store& store, uint64_t at_most);
 Status DownloadSnapshot(Store& store, const SnapshotRecord& snapshot, const std::string& dir, Progress* progress);
 
+// A full disk: FAILED_PRECONDITION (not transient: waiting does not free
+// space) naming `dir`, what needs `need` bytes there, and what to do.
+// CheckFreeSpace returns it up front when `dir`'s filesystem has less than
+// `need` bytes available; NoSpace is for ENOSPC/EDQUOT met while writing.
+Status CheckFreeSpace(const std::string& dir, uint64_t need, std::string_view what);
+Status NoSpace(const std::string& dir, uint64_t need, std::string_view what,
+               std::optional<uint64_t> available = std::nullopt);
+bool IsNoSpace(int err);
+
 }  // namespace dcr::protocol_internal

@@ -166,18 +166,28 @@ Result<PublishReport> PublishRun::PublishSnapshot(const Checkpoint& next) {
     }
   }
   // The baseline: a copy of the checkpoint's files.
+  const std::string dir = BaselineDir(state_dir_);
   std::error_code ec;
-  fs::remove_all(BaselineDir(state_dir_), ec);
-  fs::create_directories(BaselineDir(state_dir_), ec);
-  if (ec) return ErrnoError(ec.value(), "cannot create " + BaselineDir(state_dir_));
+  fs::remove_all(dir, ec);
+  fs::create_directories(dir, ec);
+  if (ec) return ErrnoError(ec.value(), "cannot create " + dir);
+  std::vector<std::pair<fs::path, fs::path>> copies;  // from, to
   if (fs::is_regular_file(next.path())) {
-    fs::copy_file(next.path(), fs::path(BaselineDir(state_dir_)) / "model.safetensors", ec);
+    copies.emplace_back(next.path(), fs::path(dir) / "model.safetensors");
   } else {
     for (const auto& e : fs::directory_iterator(next.path(), ec))
       if (e.is_regular_file() && !e.path().filename().string().starts_with("."))
-        fs::copy_file(e.path(), fs::path(BaselineDir(state_dir_)) / e.path().filename(), ec);
+        copies.emplace_back(e.path(), fs::path(dir) / e.path().filename());
+    if (ec) return ErrnoError(ec.value(), "cannot list " + next.path());
   }
-  if (ec) return ErrnoError(ec.value(), "cannot copy the baseline into " + BaselineDir(state_dir_));
+  uint64_t need = 0;
+  for (const auto& [from, to] : copies) need += fs::file_size(from, ec);
+  const std::string what = "the publisher's baseline (a copy of version 0; or pass another --state)";
+  DCR_RETURN_IF_ERROR(CheckFreeSpace(dir, need, what));
+  for (const auto& [from, to] : copies)
+    if (!fs::copy_file(from, to, ec) || ec)
+      return IsNoSpace(ec.value()) ? NoSpace(dir, need, what)
+                                   : ErrnoError(ec.value(), "cannot copy " + from.string() + " into " + dir);
   DCR_RETURN_IF_ERROR(WriteBaseline(state_dir_, {run.run_id, 0}));
   report.version = 0;
   report.attempts = 1;

@@ -104,7 +104,8 @@ int RunPublish(const PublishArgs& a) {
                 {"total_seconds", r->total_seconds}};
     std::cout << doc.dump(1) << "\n";
   } else if (r->already_committed) {
-    fmt::print("version {} was already committed (attempt {})\n", r->version, r->attempt);
+    fmt::print("version {} was already committed ({})\n", r->version,
+               r->attempt.empty() ? "snapshot" : "attempt " + r->attempt);
   } else {
     fmt::print("committed version {} (attempt {}, {} tries): {} of frames for {} ({:.2f}%), {} receivers acked{}, {:.2f} s\n",
                r->version, r->attempt.empty() ? "snapshot" : r->attempt, r->attempts, FormatBytes(r->frame_bytes),
