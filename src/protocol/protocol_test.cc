@@ -262,6 +262,41 @@ TEST_F(ProtocolTest, ReceiversDownloadSegmentsWhileTheAttemptStreams) {
   }
 }
 
+TEST_F(ProtocolTest, ASnapshotThatFailedAfterItsCommitIsUploadedByTheNextPublish) {
+  PublishOptions o = Fast();
+  o.snapshot_every = 2;
+  bool failed_once = false;
+  HookStore flaky(*store_, [&](std::string_view op, std::string_view key, bool after) {
+    if (op == "write" && !after && key == "snapshots/v0000000002/snapshot.json" && !failed_once) {
+      failed_once = true;
+      return Unavailable("injected: the snapshot record is lost");
+    }
+    return Status::Ok();
+  });
+  Publisher pub(flaky, Path("state"), o);
+  for (int v = 0; v <= 1; ++v) ASSERT_TRUE(pub.Publish(v, Version(v)).ok());
+  // v2 commits; its snapshot does not make it.
+  EXPECT_FALSE(pub.Publish(2, Version(2)).ok());
+  ASSERT_TRUE(failed_once);
+  EXPECT_FALSE(store_->Head("snapshots/v0000000002/snapshot.json").ok());
+  auto committed = store_->Head("commits/v0000000002.json");
+  ASSERT_TRUE(committed.ok()) << committed.status().ToString();
+  // The next publish uploads it first, from the baseline at v2.
+  auto r3 = pub.Publish(3, Version(3));
+  ASSERT_TRUE(r3.ok()) << r3.status().ToString();
+  ASSERT_TRUE(store_->Head("snapshots/v0000000002/snapshot.json").ok());
+  // A joiner starts from that snapshot and catches up to v3 exactly.
+  std::vector<std::string> lines;
+  FollowOptions fo = Receiver("late");
+  fo.log = [&](const std::string& line) { lines.push_back(line); };
+  Follower late(*store_, Path("late"), fo);
+  ASSERT_TRUE(late.Run(3).ok());
+  ExpectIdentical(Path("late"), 3);
+  EXPECT_TRUE(std::any_of(lines.begin(), lines.end(), [](const std::string& l) {
+    return l.find("snapshot of version 2") != std::string::npos;
+  })) << "the joiner did not start from the v2 snapshot";
+}
+
 TEST_F(ProtocolTest, CoordinatorFailureBeforeCommitIsRepairedByAnOverwriteRetry) {
   PublishOptions o = Fast();
   std::atomic<int> failures{0};

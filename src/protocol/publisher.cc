@@ -293,6 +293,15 @@ Result<PublishReport> PublishRun::PublishDelta(uint64_t v, const Checkpoint& nex
   }
   DCR_RETURN_IF_ERROR(ready);
   Checkpoint& baseline = *opened;
+  // A scheduled snapshot of v-1 whose upload failed after v-1's commit is
+  // uploaded now, from the baseline (which holds v-1 exactly).
+  if (o_.snapshot_every > 0 && v - 1 > 0 && (v - 1) % o_.snapshot_every == 0) {
+    auto snap = NewestSnapshot(store_, v - 1);
+    if (!snap.ok() && Transient(snap.status())) return snap.status();
+    if (!snap.ok() || snap->version != v - 1)
+      DCR_RETURN_IF_ERROR(UploadSnapshot(store_, v - 1, baseline, Total(base_digests), progress_)
+                              .WithContext(fmt::format("uploading the missed snapshot of version {}", v - 1)));
+  }
 
   DCR_ASSIGN_OR_RETURN(auto prior, ListAttempts(store_, v));
   Status last_failure;
