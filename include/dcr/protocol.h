@@ -218,6 +218,10 @@ struct ReceiverStatus {
   double age_seconds = 0;  // since the last heartbeat
   bool live = false;
   uint64_t behind = 0;  // committed versions it lacks
+  // The newest committed version whose commit retired it (no ack before the
+  // deadline), when it does not hold that version yet; a follower that runs
+  // again catches up by itself (committed deltas, or the newest snapshot).
+  std::optional<uint64_t> retired_at;
 };
 struct RunStatusReport {
   std::optional<RunRecord> run;

@@ -1,6 +1,7 @@
 // The run's state as `dcr status` shows it.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <map>
 #include <set>
 #include <nlohmann/json.hpp>
@@ -85,6 +86,10 @@ Result<RunStatusReport> ReadRunStatus(Store& store, std::chrono::milliseconds he
     rs.age_seconds = now - r.heartbeat;
     rs.live = r.state != "stopped" && rs.age_seconds <= fresh;
     rs.behind = state.latest && *state.latest > r.version ? *state.latest - r.version : 0;
+    for (const auto& vs : report.versions)
+      if (vs.commit && vs.version > r.version &&
+          std::find(vs.commit->retired.begin(), vs.commit->retired.end(), r.id) != vs.commit->retired.end())
+        rs.retired_at = vs.version;
     rs.record = std::move(r);
     report.receivers.push_back(std::move(rs));
   }

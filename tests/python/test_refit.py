@@ -352,8 +352,11 @@ class Campaign:
             r.pause()
             runs.append(h.publish(v, ack_timeout=1.0))
             runs[0].wait()
-            r.resume()
             retired = (h.commit(v) or {}).get("retired", [])
+            if r.id in retired:  # status says so until it catches up
+                shown = {x["id"]: x.get("retired_at") for x in h.status()["receivers"]}
+                assert shown.get(r.id) == v, f"dcr status does not show {r.id} retired from v{v}: {shown}"
+            r.resume()
             detail = f"{r.id} stopped through the publish; retired: {retired}"
             self.faults(kind)
         elif kind == "damage-receiver":

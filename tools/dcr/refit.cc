@@ -176,7 +176,8 @@ int RunStatus(const StatusArgs& a) {
     json& rs = doc["receivers"] = json::array();
     for (const auto& x : r->receivers)
       rs.push_back({{"id", x.record.id}, {"state", x.record.state}, {"version", x.record.version},
-                    {"live", x.live}, {"heartbeat_age_seconds", x.age_seconds}, {"behind", x.behind}});
+                    {"live", x.live}, {"heartbeat_age_seconds", x.age_seconds}, {"behind", x.behind},
+                    {"retired_at", x.retired_at ? json(*x.retired_at) : json(nullptr)}});
     std::cout << doc.dump(1) << "\n";
     return kExitOk;
   }
@@ -202,6 +203,11 @@ int RunStatus(const StatusArgs& a) {
   for (const auto& x : r->receivers)
     fmt::print("  receiver {}: {} at v{}{}, heartbeat {:.1f} s ago{}\n", x.record.id, x.record.state, x.record.version,
                x.behind ? fmt::format(" ({} behind)", x.behind) : "", x.age_seconds, x.live ? "" : " (not live)");
+  for (const auto& x : r->receivers)
+    if (x.retired_at)
+      fmt::print("  receiver {} was retired from v{} (no ack before the deadline); run `dcr follow` on its target "
+                 "again and it catches up from committed deltas, or the newest snapshot\n",
+                 x.record.id, *x.retired_at);
   return kExitOk;
 }
 
