@@ -83,7 +83,9 @@ struct DeltaOptions {
 // Refuses (kFailedPrecondition) unless both hold the same tensors.
 Result<DeltaManifest> StartDelta(const Checkpoint& base, const Checkpoint& next, const DeltaOptions& options);
 
-// Where encoded frames go: called in (tensor, chunk) order, one call per frame.
+// Where encoded frames go: called in (tensor, chunk) order, one call per
+// frame, from one thread at a time (not necessarily the caller's: the sink's
+// I/O overlaps the encoding of the next chunks).
 using FrameSink = std::function<Status(std::string_view frame)>;
 
 struct ChunkId {

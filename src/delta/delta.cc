@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <mutex>
 #include <random>
 #include <unordered_set>
@@ -127,21 +128,40 @@ Result<EncodedFrames> EncodeFrames(const Checkpoint& base, const Checkpoint& nex
   out.base_digests.resize(chunks.size());
   out.target_digests.resize(chunks.size());
   ThreadPool& workers = PoolOr(pool);
-  // Encode a window of chunks in parallel, then hand its frames over in
-  // order: output is deterministic and memory is bounded by the window.
+  // Encode a window of chunks in parallel while the previous window's frames
+  // go to the sink (on another thread), in order: output is deterministic,
+  // the sink's I/O overlaps the encoding, and memory is bounded by two windows.
   const size_t window = std::max<size_t>(8, 4 * (workers.size() + 1));
-  std::vector<std::string> frames(window);
-  std::vector<Status> errors(window);
-  for (size_t begin = 0; begin < chunks.size(); begin += window) {
+  std::vector<std::string> frames[2] = {std::vector<std::string>(window), std::vector<std::string>(window)};
+  std::vector<Status> errors[2] = {std::vector<Status>(window), std::vector<Status>(window)};
+  // Hands window `begin` (in buffers `b`) to the sink; the first error wins.
+  auto drain = [&](size_t begin, size_t count, int b) -> Status {
+    for (size_t i = 0; i < count; ++i) {
+      DCR_RETURN_IF_ERROR(errors[b][i]);
+      const std::string& frame = frames[b][i];
+      if (frame.empty()) continue;
+      const auto [t, c] = chunks[begin + i];
+      auto view = ParseFrame(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(frame.data()), frame.size()));
+      if (!view.ok()) return view.status().WithContext("internal: a frame just encoded does not parse");
+      const FrameHeader& h = view->header;
+      out.frames.push_back({t, c, 0, out.bytes, frame.size(), h.mode, h.codec, h.changed});
+      DCR_RETURN_IF_ERROR(sink(frame));
+      out.bytes += frame.size();
+    }
+    return Status::Ok();
+  };
+  std::future<Status> draining;  // the previous window, at the sink
+  int b = 0;
+  for (size_t begin = 0; begin < chunks.size(); begin += window, b ^= 1) {
     const size_t count = std::min(window, chunks.size() - begin);
     workers.ParallelFor(count, [&](size_t i) {
       thread_local ChunkEncoder encoder;
       thread_local EncodedChunk encoded;
       const auto [t, c] = chunks[begin + i];
-      errors[i] = Status::Ok();
-      frames[i].clear();
+      errors[b][i] = Status::Ok();
+      frames[b][i].clear();
       if (t >= m.tensors.size() || c >= m.ChunkCount(t)) {
-        errors[i] = InvalidArgument(fmt::format("EncodeFrames: no chunk {} of tensor {}", c, t));
+        errors[b][i] = InvalidArgument(fmt::format("EncodeFrames: no chunk {} of tensor {}", c, t));
         return;
       }
       const auto [off, bytes] = ChunkByteRange(m, t, c);
@@ -153,7 +173,7 @@ Result<EncodedFrames> EncodeFrames(const Checkpoint& base, const Checkpoint& nex
                     base_digests ? &(*base_digests)[begin + i] : nullptr};
       auto changed = encoder.Encode(in, options, &encoded);
       if (!changed.ok()) {
-        errors[i] = changed.status().WithContext(fmt::format("tensor '{}' chunk {}", m.tensors[t].name, c));
+        errors[b][i] = changed.status().WithContext(fmt::format("tensor '{}' chunk {}", m.tensors[t].name, c));
         return;
       }
       out.base_digests[begin + i] = out.target_digests[begin + i] = encoded.base_digest;
@@ -163,22 +183,14 @@ Result<EncodedFrames> EncodeFrames(const Checkpoint& base, const Checkpoint& nex
         encoded.header.first_element = uint64_t{c} * m.chunk_elements;
         encoded.header.delta_id = m.delta_id;
         out.target_digests[begin + i] = encoded.header.target_digest;
-        frames[i] = EncodeFrame(encoded.header, encoded.payload);
+        frames[b][i] = EncodeFrame(encoded.header, encoded.payload);
       }
       if (progress) progress->Add(bytes);
     });
-    for (size_t i = 0; i < count; ++i) {
-      DCR_RETURN_IF_ERROR(errors[i]);
-      if (frames[i].empty()) continue;
-      const auto [t, c] = chunks[begin + i];
-      auto view = ParseFrame(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(frames[i].data()), frames[i].size()));
-      if (!view.ok()) return view.status().WithContext("internal: a frame just encoded does not parse");
-      const FrameHeader& h = view->header;
-      out.frames.push_back({t, c, 0, out.bytes, frames[i].size(), h.mode, h.codec, h.changed});
-      DCR_RETURN_IF_ERROR(sink(frames[i]));
-      out.bytes += frames[i].size();
-    }
+    if (draining.valid()) DCR_RETURN_IF_ERROR(draining.get());
+    draining = std::async(std::launch::async, drain, begin, count, b);
   }
+  if (draining.valid()) DCR_RETURN_IF_ERROR(draining.get());
   return out;
 }
 
