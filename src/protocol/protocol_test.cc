@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <functional>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -640,6 +641,46 @@ TEST_F(ProtocolTest, APublisherKilledWhileItsBaselineMovedRebuildsIt) {
   ASSERT_TRUE(f.Run(2).ok());
   ExpectIdentical(Path("r"), 2);
   ExpectIdentical(Path("state/baseline"), 2);
+}
+
+// The publisher keeps its baseline's chunk digests between publishes
+// (state/baseline-digests.json) instead of a digest pass over the baseline;
+// a baseline changed behind its back is still caught and rebuilt.
+TEST_F(ProtocolTest, APublisherTrustsItsCachedBaselineDigestsOnlyForAnUnchangedBaseline) {
+  auto cached_version = [&]() -> int64_t {
+    std::ifstream in(Path("state/baseline-digests.json"));
+    if (!in) return -1;
+    auto doc = nlohmann::json::parse(in, nullptr, false);
+    return doc.is_object() && doc["version"].is_number() ? doc["version"].get<int64_t>() : -2;
+  };
+  Publisher pub(*store_, Path("state"), Fast());
+  ASSERT_TRUE(pub.Publish(0, Version(0)).ok());
+  EXPECT_EQ(cached_version(), 0);
+  ASSERT_TRUE(pub.Publish(1, Version(1)).ok());
+  EXPECT_EQ(cached_version(), 1);
+  // Damage the baseline (a later modification time than the cache records).
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  {
+    auto base = Checkpoint::Open(Path("state/baseline"), OpenMode::kReadWrite);
+    ASSERT_TRUE(base.ok()) << base.status().ToString();
+    base->MutableData(0)[0] ^= 0x40;
+    ASSERT_TRUE(base->Sync().ok());
+  }
+  auto r = pub.Publish(2, Version(2));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(cached_version(), 2);
+  Follower f(*store_, Path("r"), Receiver("r"));
+  ASSERT_TRUE(f.Run(2).ok());
+  ExpectIdentical(Path("r"), 2);
+  ExpectIdentical(Path("state/baseline"), 2);
+  // A cache that does not parse, or names another version, is ignored.
+  {
+    std::ofstream(Path("state/baseline-digests.json")) << "{not json";
+  }
+  ASSERT_TRUE(pub.Publish(3, Version(3)).ok());
+  EXPECT_EQ(cached_version(), 3);
+  ASSERT_TRUE(f.Run(3).ok());
+  ExpectIdentical(Path("r"), 3);
 }
 
 }  // namespace

@@ -1,9 +1,14 @@
 // The publisher: coordinator and senders in one process (docs/protocol.md).
 #include <fmt/format.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <optional>
 #include <nlohmann/json.hpp>
@@ -56,6 +61,79 @@ Status WriteBaseline(const std::string& state_dir, const BaselineState& s) {
   return WriteFileAtomically(BaselineRecord(state_dir), doc.dump(1) + "\n");
 }
 
+// state_dir/baseline-digests.json: the baseline's chunk digests at a
+// version, so that a publish costs O(changed chunks) instead of a digest pass
+// over the whole baseline (DESIGN section 4). Trusted only while the
+// baseline's files have the sizes and modification times recorded and the
+// machine has not rebooted since (the baseline is not msynced: an OS crash
+// may lose its writes, a killed process does not); otherwise the pass runs.
+std::string DigestCachePath(const std::string& state_dir) {
+  return (fs::path(state_dir) / "baseline-digests.json").string();
+}
+
+std::string BootId() {
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  std::getline(f, id);
+  return id;
+}
+
+// Name, size and mtime (ns) of every file of the baseline, sorted by name.
+nlohmann::json BaselineFileStamps(const Checkpoint& baseline) {
+  nlohmann::json files = nlohmann::json::array();
+  std::vector<std::string> names = baseline.files();
+  std::sort(names.begin(), names.end());
+  for (const auto& name : names) {
+    struct stat st{};
+    if (::stat(name.c_str(), &st) != 0) return nlohmann::json();  // unknown: never matches
+    files.push_back({fs::path(name).filename().string(), static_cast<uint64_t>(st.st_size),
+                     static_cast<uint64_t>(st.st_mtim.tv_sec) * 1000000000ull + static_cast<uint64_t>(st.st_mtim.tv_nsec)});
+  }
+  return files;
+}
+
+void DropDigestCache(const std::string& state_dir) {
+  std::error_code ec;
+  fs::remove(DigestCachePath(state_dir), ec);
+}
+
+// Best effort: a cache that cannot be written costs the next publish a pass.
+void WriteDigestCache(const std::string& state_dir, uint64_t version, const Checkpoint& baseline,
+                      const ChunkDigestTable& digests) {
+  nlohmann::json table = nlohmann::json::array();
+  for (const auto& tensor : digests) {
+    nlohmann::json row = nlohmann::json::array();
+    for (const auto& d : tensor) row.push_back(d.ToHex());
+    table.push_back(std::move(row));
+  }
+  nlohmann::json doc = {{"format", "dcr-baseline-digests"}, {"version", version}, {"boot_id", BootId()},
+                        {"files", BaselineFileStamps(baseline)}, {"chunks", std::move(table)}};
+  if (!WriteFileAtomically(DigestCachePath(state_dir), doc.dump() + "\n").ok()) DropDigestCache(state_dir);
+}
+
+// The cached chunk digests of `baseline` at `version` in `layout`'s chunking,
+// or nullopt when there is no cache or it cannot be trusted.
+std::optional<ChunkDigestTable> ReadDigestCache(const std::string& state_dir, uint64_t version,
+                                                const Checkpoint& baseline, const DeltaManifest& layout) {
+  auto f = MappedFile::Open(DigestCachePath(state_dir), false);
+  if (!f.ok()) return std::nullopt;
+  auto doc = nlohmann::json::parse(f->data().begin(), f->data().end(), nullptr, false);
+  if (doc.is_discarded() || !doc.is_object() || doc.value("format", "") != "dcr-baseline-digests" ||
+      !doc["version"].is_number_unsigned() || doc["version"].get<uint64_t>() != version ||
+      doc.value("boot_id", "") != BootId() || BootId().empty() || doc["files"] != BaselineFileStamps(baseline) ||
+      !doc["chunks"].is_array() || doc["chunks"].size() != layout.tensors.size())
+    return std::nullopt;
+  ChunkDigestTable table(layout.tensors.size());
+  for (size_t t = 0; t < table.size(); ++t) {
+    const auto& row = doc["chunks"][t];
+    if (!row.is_array() || row.size() != layout.ChunkCount(t)) return std::nullopt;
+    table[t].resize(row.size());
+    for (size_t c = 0; c < row.size(); ++c)
+      if (!row[c].is_string() || !Digest::FromHex(row[c].get<std::string>(), &table[t][c])) return std::nullopt;
+  }
+  return table;
+}
+
 std::string RandomHex(int digits) {
   std::random_device rd;
   uint64_t x = (uint64_t{rd()} << 32) ^ rd();
@@ -105,7 +183,8 @@ class PublishRun {
   Result<AttemptResult> RunAttempt(uint64_t v, const std::string& id, DeltaClass cls, const Checkpoint& baseline,
                                    const Checkpoint& next,
                                    const DeltaManifest& layout, const ChunkDigestTable& base_digests,
-                                   PublishReport* report, DeltaManifest* manifest_out);
+                                   PublishReport* report, DeltaManifest* manifest_out,
+                                   ChunkDigestTable* target_digests_out);
   Status Fence(uint64_t v, const std::string& id, const Status& why);
   Status CatchUpBaseline(Checkpoint& baseline, uint64_t from, uint64_t to, ChunkDigestTable* digests);
   // Opens the baseline (recorded at version `at`), catches it up to `want`
@@ -128,7 +207,8 @@ Result<PublishReport> PublishRun::PublishSnapshot(const Checkpoint& next) {
   run.run_id = RandomHex(16);
   run.chunk_elements = layout.chunk_elements;
   run.tensors = layout.tensors;
-  const Digest digest = Total(ChunkDigests(next, layout));
+  const ChunkDigestTable chunk_digests = ChunkDigests(next, layout);
+  const Digest digest = Total(chunk_digests);
   report.total_bytes = layout.total_bytes;
 
   Status created = store_.Put(run_keys::kRun, run.ToJson(), WriteMode::kCreateIfAbsent);
@@ -168,6 +248,7 @@ Result<PublishReport> PublishRun::PublishSnapshot(const Checkpoint& next) {
   // The baseline: a copy of the checkpoint's files.
   const std::string dir = BaselineDir(state_dir_);
   std::error_code ec;
+  DropDigestCache(state_dir_);
   fs::remove_all(dir, ec);
   fs::create_directories(dir, ec);
   if (ec) return ErrnoError(ec.value(), "cannot create " + dir);
@@ -189,6 +270,7 @@ Result<PublishReport> PublishRun::PublishSnapshot(const Checkpoint& next) {
       return IsNoSpace(ec.value()) ? NoSpace(dir, need, what)
                                    : ErrnoError(ec.value(), "cannot copy " + from.string() + " into " + dir);
   DCR_RETURN_IF_ERROR(WriteBaseline(state_dir_, {run.run_id, 0}));
+  if (auto baseline = Checkpoint::Open(dir); baseline.ok()) WriteDigestCache(state_dir_, 0, *baseline, chunk_digests);
   report.version = 0;
   report.attempts = 1;
   report.total_seconds = Seconds(start);
@@ -221,13 +303,16 @@ Status PublishRun::LoadBaseline(uint64_t at, const CommitRecord& want, const Run
                                 ChunkDigestTable* digests) {
   DCR_ASSIGN_OR_RETURN(Checkpoint baseline, Checkpoint::Open(BaselineDir(state_dir_), OpenMode::kReadWrite));
   DCR_RETURN_IF_ERROR(CheckRunTensors(baseline, run));
-  *digests = ChunkDigests(baseline, layout);
+  if (auto cached = ReadDigestCache(state_dir_, at, baseline, layout)) *digests = std::move(*cached);
+  else *digests = ChunkDigests(baseline, layout);
+  DropDigestCache(state_dir_);  // the baseline may change from here on
   DCR_RETURN_IF_ERROR(CatchUpBaseline(baseline, at, want.version, digests));
   if (Total(*digests) != want.target_digest)
     return FailedPrecondition(fmt::format(
         "the publisher baseline {} is not committed version {} (digest {} != {}); remove {} and rebuild it",
         baseline.path(), want.version, Total(*digests).ToHex(), want.target_digest.ToHex(), state_dir_));
   if (at < want.version) DCR_RETURN_IF_ERROR(WriteBaseline(state_dir_, {run.run_id, want.version}));
+  WriteDigestCache(state_dir_, want.version, baseline, *digests);
   out->emplace(std::move(baseline));
   return Status::Ok();
 }
@@ -313,7 +398,8 @@ Result<PublishReport> PublishRun::PublishDelta(uint64_t v, const Checkpoint& nex
     const DeltaClass cls = seq == 0 ? DeltaClass::kXorClass : DeltaClass::kOverwrite;
     const std::string id = fmt::format("{:04}-{}", seq, RandomHex(8));
     DeltaManifest manifest;
-    auto result = RunAttempt(v, id, cls, baseline, next, layout, base_digests, &report, &manifest);
+    ChunkDigestTable target_digests;
+    auto result = RunAttempt(v, id, cls, baseline, next, layout, base_digests, &report, &manifest, &target_digests);
     ++report.attempts;
     if (!result.ok()) {
       // The store or this process failed mid-attempt; fence it (best effort) and retry.
@@ -333,8 +419,10 @@ Result<PublishReport> PublishRun::PublishDelta(uint64_t v, const Checkpoint& nex
     DCR_RETURN_IF_ERROR(Fault(o_, "committed"));
     // No msync: a killed process leaves the page cache intact, and after an OS
     // crash the baseline's digest check at the next publish rebuilds it.
+    DropDigestCache(state_dir_);
     CopyChunks(baseline, next, layout, manifest.frames);
     DCR_RETURN_IF_ERROR(WriteBaseline(state_dir_, {run.run_id, v}));
+    WriteDigestCache(state_dir_, v, baseline, target_digests);
     if (o_.snapshot_every > 0 && v % o_.snapshot_every == 0)
       DCR_RETURN_IF_ERROR(UploadSnapshot(store_, v, next, manifest.target_digest, nullptr));
     // Best effort: v is committed whatever GC meets, and the next publish collects again.
@@ -351,14 +439,27 @@ namespace {
 // A sender's frame stream cut into objects frames/s<K>-<NNNN>.bin of about
 // `segment_bytes` each, at frame boundaries. Each object is visible (and can
 // be downloaded) as soon as it is closed, while the next is being written.
+// Closing (the file store's fsyncs and rename, S3's last part and complete)
+// runs on a closer thread, so the encoder keeps streaming into the next
+// object meanwhile; at most kClosesInFlight objects wait to be closed. The
+// first error of any close is returned by the next Write or Close.
 class SegmentedFrameWriter {
  public:
   SegmentedFrameWriter(Store& store, std::string prefix, uint32_t sender, uint64_t segment_bytes)
       : store_(store), prefix_(std::move(prefix)), sender_(sender), segment_bytes_(std::max<uint64_t>(segment_bytes, 1)) {}
+  // Without Close (an attempt that failed): nothing more is published.
+  ~SegmentedFrameWriter() {
+    if (writer_) writer_->Abort();
+    std::unique_lock lock(mu_);
+    stopping_ = aborting_ = true;
+    cv_.notify_all();
+    lock.unlock();
+    if (closer_.joinable()) closer_.join();
+  }
 
   Status Write(std::string_view frame) {
     if (!writer_ || in_segment_ >= segment_bytes_) {
-      DCR_RETURN_IF_ERROR(Close());
+      DCR_RETURN_IF_ERROR(Rotate());
       names_.push_back(fmt::format("frames/s{}-{:04}.bin", sender_, names_.size()));
       starts_.push_back(written_);
       DCR_ASSIGN_OR_RETURN(writer_, store_.OpenWriter(prefix_ + names_.back(), WriteMode::kOverwrite));
@@ -370,10 +471,16 @@ class SegmentedFrameWriter {
     return Status::Ok();
   }
 
+  // Closes the current object and waits for every close to finish.
   Status Close() {
-    if (!writer_) return Status::Ok();
-    auto writer = std::move(writer_);
-    return writer->Close();
+    Status s = Rotate();
+    std::unique_lock lock(mu_);
+    stopping_ = true;
+    cv_.notify_all();
+    lock.unlock();
+    if (closer_.joinable()) closer_.join();
+    lock.lock();
+    return s.ok() ? failure_ : s;
   }
 
   // Turns an entry's offset in the whole stream (EncodeFrames' object 0)
@@ -387,6 +494,38 @@ class SegmentedFrameWriter {
   const std::vector<std::string>& names() const { return names_; }
 
  private:
+  static constexpr size_t kClosesInFlight = 4;
+
+  // Hands the current object (if any) to the closer thread.
+  Status Rotate() {
+    std::unique_lock lock(mu_);
+    if (!failure_.ok()) return failure_;
+    if (!writer_) return Status::Ok();
+    cv_.wait(lock, [&] { return pending_.size() < kClosesInFlight; });
+    pending_.push_back(std::move(writer_));
+    if (!closer_.joinable()) closer_ = std::thread([this] { CloseLoop(); });
+    cv_.notify_all();
+    return failure_;
+  }
+
+  void CloseLoop() {
+    std::unique_lock lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [&] { return !pending_.empty() || stopping_; });
+      if (pending_.empty()) return;
+      std::unique_ptr<ObjectWriter> w = std::move(pending_.front());
+      const bool abort = aborting_ || !failure_.ok();
+      lock.unlock();
+      Status s;
+      if (abort) w->Abort();
+      else s = w->Close();
+      lock.lock();
+      pending_.pop_front();
+      if (!s.ok() && failure_.ok()) failure_ = s;
+      cv_.notify_all();
+    }
+  }
+
   Store& store_;
   const std::string prefix_;
   const uint32_t sender_;
@@ -395,6 +534,13 @@ class SegmentedFrameWriter {
   std::vector<std::string> names_;
   std::vector<uint64_t> starts_;  // stream offset where each segment begins
   uint64_t in_segment_ = 0, written_ = 0;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<ObjectWriter>> pending_;  // front: being closed
+  bool stopping_ = false, aborting_ = false;
+  Status failure_;
+  std::thread closer_;
 };
 
 }  // namespace
@@ -402,7 +548,8 @@ class SegmentedFrameWriter {
 Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::string& id, DeltaClass cls,
                                                          const Checkpoint& baseline, const Checkpoint& next, const DeltaManifest& layout,
                                                          const ChunkDigestTable& base_digests, PublishReport* report,
-                                                         DeltaManifest* manifest_out) {
+                                                         DeltaManifest* manifest_out,
+                                                         ChunkDigestTable* target_digests_out) {
   const std::string prefix = run_keys::Attempt(v, id);
   nlohmann::json attempt_doc = {{"format", "dcr-attempt"},
                                 {"version", v},
@@ -443,6 +590,10 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
     all_target.insert(all_target.end(), encoded.target_digests.begin(), encoded.target_digests.end());
   }
   FinishDelta(m, all_base, all_target);
+  // The plan's runs are in (tensor, chunk) order, so all_target is too.
+  target_digests_out->assign(m.tensors.size(), {});
+  for (size_t t = 0, i = 0; t < m.tensors.size(); ++t)
+    for (uint64_t c = 0; c < m.ChunkCount(t); ++c) (*target_digests_out)[t].push_back(all_target.at(i++));
   report->encode_seconds += Seconds(encode_start);
   report->attempt = id;
   report->frame_bytes = m.frame_bytes;
