@@ -10,7 +10,12 @@ Prints bytes, times, the speedup and the ratio of full bytes to delta bytes (the
 speedup a purely transport-bound refit would reach), and the commit latency after
 the last ack (from the store's file times). Only the standard library is used.
 
-  bench/refit_bench.py --dcr build/tools/dcr/dcr [--size 64MB] [--mbps 10] [--receivers 3]
+  bench/refit_bench.py --dcr build/tools/dcr/dcr [--size 64MB] [--mbps 10] [--receivers 3] [--work DIR]
+
+Put --work on tmpfs (e.g. /dev/shm/rb) on a machine whose disk is shared: there the
+page cache drops checkpoint pages under other work's I/O, and the encode then waits on
+the disk, which is not what the shaped link is meant to measure. Weights of a trainer
+and of an inference engine live in memory too.
 """
 import argparse
 import json
