@@ -165,6 +165,7 @@ struct Scenario {
 };
 
 class DeploymentTest : public testing::TempDirTest, public ::testing::WithParamInterface<Scenario> {};
+class DeploymentOwnerTest : public testing::TempDirTest {};
 
 TEST_P(DeploymentTest, EveryEngineEqualsADenseLoad) {
   const Scenario& sc = GetParam();
@@ -301,6 +302,50 @@ TEST_P(DeploymentTest, EveryEngineEqualsADenseLoad) {
 using testshapes::DeepseekShape;
 using testshapes::LlamaShape;
 using testshapes::QwenShape;
+
+// The owner refuses a chunk whose contributions miss a sender or hold one twice.
+TEST_F(DeploymentOwnerTest, MergeRefusesIncompleteOrDoubleCoverage) {
+  GenOptions gen;
+  gen.shape = LlamaShape();
+  gen.versions = 1;
+  gen.update = UpdateModel::kStress;
+  gen.rate = 0.2;
+  ASSERT_TRUE(GenerateVersions(Path("gen"), gen).ok());
+  auto v0 = Checkpoint::Open(Path("gen/v0")), v1 = Checkpoint::Open(Path("gen/v1"));
+  ASSERT_TRUE(v0.ok() && v1.ok());
+  const TrainerParallel tp{2, 1, 1, false, 4};
+  std::vector<LayoutMap> maps;
+  for (const TrainerRank& r : TrainerRanks(tp)) maps.push_back(*MegatronLayout(LlamaShape(), tp, r));
+  const std::vector<CompiledLayout> senders = Compile(std::move(maps));
+  std::vector<Buffers> base = DenseLoad(senders, *v0), cur = DenseLoad(senders, *v1);
+  DeltaOptions opt;
+  opt.chunk_elements = 24;
+  DeltaManifest m = StartLayoutDelta(v1->tensors(), opt);
+  // o_proj is split by columns: every chunk has records from both senders.
+  const std::string name = "model.layers.0.self_attn.o_proj.weight";
+  uint32_t t = 0;
+  while (m.tensors[t].name != name) ++t;
+  std::vector<ChunkContribution> chunk0;
+  for (uint32_t s = 0; s < 2; ++s) {
+    auto c = ProjectSender({&senders[s], base[s].const_spans, cur[s].const_spans}, s, m);
+    ASSERT_TRUE(c.ok());
+    for (auto& x : *c)
+      if (x.tensor == t && x.chunk == 0) chunk0.push_back(x);
+  }
+  ASSERT_EQ(chunk0.size(), 2u);
+  EXPECT_TRUE(EncodeOwnedChunks(m, chunk0, opt.encode).ok());
+  auto missing = EncodeOwnedChunks(m, std::span<const ChunkContribution>(chunk0.data(), 1), opt.encode);
+  EXPECT_EQ(missing.status().code(), Code::kFailedPrecondition);
+  EXPECT_THAT(missing.status().message(), HasSubstr("chunk 0: the contributions cover 12 of its 24 elements"));
+  std::vector<ChunkContribution> twice = {chunk0[0], chunk0[1], chunk0[1]};
+  auto doubled = EncodeOwnedChunks(m, twice, opt.encode);
+  EXPECT_THAT(doubled.status().message(), HasSubstr("is contributed twice (sender 1 among them)"));
+  // Ownership: the sender holding the chunk's first element (column 0: tp rank 0).
+  const CompiledLayout* ptrs[] = {&senders[0], &senders[1]};
+  EXPECT_EQ(*ChunkOwner(ptrs, m, t, 0), 0u);
+  const CompiledLayout* only1[] = {&senders[1]};
+  EXPECT_EQ(ChunkOwner(only1, m, t, 0).status().code(), Code::kNotFound);
+}
 
 std::vector<Scenario> Scenarios() {
   std::vector<Scenario> out;

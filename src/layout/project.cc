@@ -14,6 +14,33 @@ namespace {
 
 uint64_t ElementBytesOf(DType dtype) { return BitsPerElement(dtype) / 8; }
 
+void AppendChange(const uint8_t* b, const uint8_t* x, uint64_t e, uint64_t eb, uint32_t at, ChunkContribution* cc) {
+  cc->positions.push_back(at + static_cast<uint32_t>(e));
+  cc->old_bits.insert(cc->old_bits.end(), b + e * eb, b + (e + 1) * eb);
+  cc->new_bits.insert(cc->new_bits.end(), x + e * eb, x + (e + 1) * eb);
+}
+
+// Appends the elements of a run whose bits differ (integer views: +-0 and
+// every NaN payload count), positions from `at`. Compares 8 bytes at a time
+// and looks inside only the words that differ.
+void FindChangedElements(const uint8_t* b, const uint8_t* x, uint64_t n, uint64_t eb, uint32_t at,
+                         ChunkContribution* cc) {
+  const uint64_t bytes = n * eb;
+  uint64_t i = 0;
+  if (eb <= 8 && 8 % eb == 0) {
+    for (; i + 8 <= bytes; i += 8) {
+      uint64_t u, v;
+      std::memcpy(&u, b + i, 8);
+      std::memcpy(&v, x + i, 8);
+      if (u == v) continue;
+      for (uint64_t e = i / eb; e < (i + 8) / eb; ++e)
+        if (std::memcmp(b + e * eb, x + e * eb, eb) != 0) AppendChange(b, x, e, eb, at, cc);
+    }
+  }
+  for (uint64_t e = i / eb; e < n; ++e)
+    if (std::memcmp(b + e * eb, x + e * eb, eb) != 0) AppendChange(b, x, e, eb, at, cc);
+}
+
 }  // namespace
 
 Result<uint32_t> ChunkOwner(std::span<const CompiledLayout* const> senders, const DeltaManifest& manifest,
@@ -85,12 +112,7 @@ Result<std::vector<ChunkContribution>> ProjectSender(const SenderRank& sender, u
           cc.base_digest += DigestBytes(key, r.canonical * eb, {b, bytes});
           if (overwrite) cc.covered_bits.insert(cc.covered_bits.end(), x, x + bytes);
           if (std::memcmp(b, x, bytes) == 0) continue;
-          for (uint64_t e = 0; e < r.length; ++e) {
-            if (std::memcmp(b + e * eb, x + e * eb, eb) == 0) continue;  // bits, not values: +-0 and NaNs count
-            cc.positions.push_back(static_cast<uint32_t>(r.canonical - first + e));
-            cc.old_bits.insert(cc.old_bits.end(), b + e * eb, b + (e + 1) * eb);
-            cc.new_bits.insert(cc.new_bits.end(), x + e * eb, x + (e + 1) * eb);
-          }
+          FindChangedElements(b, x, r.length, eb, static_cast<uint32_t>(r.canonical - first), &cc);
         }
       }
       if (!cc.covered.empty()) out.push_back(std::move(cc));
@@ -117,7 +139,11 @@ Result<OwnedFrames> EncodeOwnedChunks(const DeltaManifest& manifest, std::span<c
   OwnedFrames out;
   ChunkEncoder encoder;
   EncodedChunk encoded;
-  std::vector<uint8_t> base, next, seen;
+  struct Range {
+    uint32_t lo, len, from;
+  };
+  std::vector<Range> ranges;
+  std::vector<uint8_t> base, next;
   for (const auto& [id, parts] : by_chunk) {
     const DeltaTensor& tensor = manifest.tensors[id.tensor];
     const std::string where = fmt::format("tensor '{}' chunk {}", tensor.name, id.chunk);
@@ -126,7 +152,7 @@ Result<OwnedFrames> EncodeOwnedChunks(const DeltaManifest& manifest, std::span<c
     manifest.ChunkWords(id.tensor, id.chunk, &first_word, &words, &elements);
     const uint64_t eb = ElementBytesOf(tensor.dtype);
     next.assign(uint64_t{elements} * eb, 0);
-    seen.assign(elements, 0);
+    ranges.clear();
     Digest base_digest;
     for (const ChunkContribution* c : parts) {
       base_digest += c->base_digest;
@@ -134,12 +160,7 @@ Result<OwnedFrames> EncodeOwnedChunks(const DeltaManifest& manifest, std::span<c
       for (auto [lo, len] : c->covered) {
         if (uint64_t{lo} + len > elements)
           return InvalidArgument(fmt::format("{}: sender {} covers elements past the chunk's {}", where, c->from, elements));
-        for (uint32_t e = lo; e < lo + len; ++e) {
-          if (seen[e]) return FailedPrecondition(fmt::format("{}: element {} is contributed twice (sender {} among them); "
-                                                             "the trainer maps need exactly one primary copy",
-                                                             where, e, c->from));
-          seen[e] = 1;
-        }
+        ranges.push_back({lo, len, c->from});
         if (overwrite) {
           if (c->covered_bits.size() < (at + len) * eb)
             return InvalidArgument(fmt::format("{}: sender {}'s overwrite contribution lacks the new bits it covers",
@@ -149,11 +170,21 @@ Result<OwnedFrames> EncodeOwnedChunks(const DeltaManifest& manifest, std::span<c
         at += len;
       }
     }
-    const uint64_t missing = static_cast<uint64_t>(std::count(seen.begin(), seen.end(), 0));
-    if (missing != 0)
+    // Exactly once: sorted, the ranges must tile [0, elements).
+    std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.lo < b.lo; });
+    uint64_t next_lo = 0, covered = 0;
+    for (const Range& r : ranges) {
+      if (r.lo < next_lo)
+        return FailedPrecondition(fmt::format("{}: element {} is contributed twice (sender {} among them); the trainer "
+                                              "maps need exactly one primary copy",
+                                              where, r.lo, r.from));
+      next_lo = uint64_t{r.lo} + r.len;
+      covered += r.len;
+    }
+    if (covered != elements)
       return FailedPrecondition(fmt::format("{}: the contributions cover {} of its {} elements; every sender touching "
                                             "the chunk must hand its record to the owner",
-                                            where, elements - missing, elements));
+                                            where, covered, elements));
     base = next;
     for (const ChunkContribution* c : parts) {
       if (c->old_bits.size() != c->positions.size() * eb || c->new_bits.size() != c->positions.size() * eb)
