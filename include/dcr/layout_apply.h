@@ -73,8 +73,9 @@ TensorBytes CheckpointBytes(const Checkpoint& ckpt);
 Status LoadDense(const TensorBytes& source, PlacedRank& rank);
 
 // The digest of the canonical elements rank's primary copies hold, over all
-// its tensors (each with its own DigestKey).
-Digest RankDigest(const PlacedRank& rank);
+// its tensors (each with its own DigestKey), or over the tensors named in
+// `only` when it is not empty.
+Digest RankDigest(const PlacedRank& rank, std::span<const std::string> only = {});
 
 // Applies one frame of `manifest` to the engine formed by `ranks`; `scratch`
 // is reused between calls (one per thread). On error nothing was written.

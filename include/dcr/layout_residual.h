@@ -18,8 +18,16 @@
 //    anything is placed; then the chunk's elements are staged per block, and a
 //    block is quantized (FP8 bits and its F32 scale) once all its elements
 //    are in. Frames that are not full-chunk overwrites are refused.
-// Canonical receivers may apply a residual delta too (it is an ordinary
-// overwrite delta of those tensors).
+// Canonical receivers, and engines holding the tensor as copies, may apply a
+// residual delta too (it is an ordinary overwrite delta of those tensors).
+//
+// Sender-side conversions: a trainer may hold a tensor in a representation
+// with arithmetic between it and the checkpoint (a zero-centred norm stored
+// as weight - 1, an FP32 master cast to BF16). Such a tensor has no copy in
+// the trainer's map; its owner converts its baseline and current buffers to
+// canonical bits (ConvertToCanonical, the checkpoint export function) and
+// contributes them (ProjectConverted) to the residual delta, so it too goes
+// as full-chunk overwrites.
 #pragma once
 
 #include <cstdint>
@@ -53,6 +61,31 @@ struct Fp8BlockShape {
 // NaN, infinities saturate. Errors: kInvalidArgument (sizes, dtype).
 Status QuantizeFp8Blocks(DType dtype, std::span<const uint8_t> src, const Fp8BlockShape& shape,
                          std::span<uint8_t> fp8, std::span<uint8_t> scales);
+
+enum class ConversionKind {
+  kZeroCentred,  // the buffer holds weight - 1: canonical = round(float(b) + 1)
+  kCast,         // the buffer holds another float dtype: canonical = round(float(b))
+};
+// One tensor the sender holds whole in its own representation. Rounding to
+// the canonical dtype is to nearest even (BF16) or exact (F32 from BF16).
+struct SenderConversion {
+  std::string tensor;
+  ConversionKind kind = ConversionKind::kZeroCentred;
+  DType buffer_dtype = DType::kF32;  // BF16 or F32
+};
+
+// Canonical bits (dtype BF16 or F32) of `buffer` (same element count).
+// Errors: kInvalidArgument (dtypes, sizes).
+Status ConvertToCanonical(const SenderConversion& conversion, DType canonical, std::span<const uint8_t> buffer,
+                          std::span<uint8_t> out);
+
+// The contributions of a converted tensor, held whole by sender `index`:
+// its baseline and current buffers converted, covered whole, chunk by chunk
+// of `manifest` (which must hold the tensor), in the manifest's class.
+Result<std::vector<ChunkContribution>> ProjectConverted(const SenderConversion& conversion,
+                                                        std::span<const uint8_t> baseline,
+                                                        std::span<const uint8_t> current, uint32_t index,
+                                                        const DeltaManifest& manifest);
 
 // The sender half: merges whole-tensor contributions (from every sender,
 // for the tensors of `manifest`, an overwrite-class manifest of residual

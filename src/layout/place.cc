@@ -58,11 +58,15 @@ Status LoadDense(const TensorBytes& source, PlacedRank& rank) {
   return Status::Ok();
 }
 
-Digest RankDigest(const PlacedRank& rank) {
+Digest RankDigest(const PlacedRank& rank, std::span<const std::string> only) {
   const CompiledLayout& l = *rank.layout;
   Digest total;
   std::vector<CopyRun> runs;
+  std::vector<bool> wanted(l.map().tensors.size(), only.empty());
+  for (const std::string& name : only)
+    if (int64_t i = l.FindTensor(name); i >= 0) wanted[static_cast<size_t>(i)] = true;
   for (size_t t = 0; t < l.map().tensors.size(); ++t) {
+    if (!wanted[t]) continue;
     const LayoutTensor& tensor = l.map().tensors[t];
     const DigestKey key = MakeDigestKey(tensor.name);
     const uint64_t eb = l.ElementBytes(t);
@@ -182,10 +186,12 @@ Result<ApplyReport> ApplyEngineDelta(std::span<PlacedRank* const> ranks, const D
       ++report.frames_already_applied;
     }
   }
+  // The ranks' digests over the delta's tensors (a residual delta holds a few).
+  std::vector<std::string> checked;
   Digest total, expected;
-  for (PlacedRank* r : ranks) total += RankDigest(*r);
   for (size_t t = 0; t < m.tensors.size(); ++t)
-    if (!residual[t]) expected += m.tensors[t].target_digest;
+    if (!residual[t]) expected += m.tensors[t].target_digest, checked.push_back(m.tensors[t].name);
+  for (PlacedRank* r : ranks) total += RankDigest(*r, checked);
   if (total != expected)
     return DataLoss(fmt::format("after applying, the engine's ranks add up to digest {} but the delta's target is {}; "
                                 "a rank is corrupt or a tensor is unmapped (residual) here; resync from a snapshot",

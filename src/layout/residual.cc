@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstring>
 
+#include "dcr/synth.h"
+
 namespace dcr {
 namespace {
 
@@ -151,6 +153,71 @@ Result<OwnedFrames> EncodeFullChunkOverwrites(const DeltaManifest& manifest,
     encoded.header.base_digest = merged.base_digests[i];
     out.frame_of.push_back(static_cast<int64_t>(out.frames.size()));
     out.frames.push_back(EncodeFrame(encoded.header, encoded.payload));
+  }
+  return out;
+}
+
+Status ConvertToCanonical(const SenderConversion& c, DType canonical, std::span<const uint8_t> buffer,
+                          std::span<uint8_t> out) {
+  const std::string what = fmt::format("converted tensor '{}'", c.tensor);
+  if ((c.buffer_dtype != DType::kBF16 && c.buffer_dtype != DType::kF32) ||
+      (canonical != DType::kBF16 && canonical != DType::kF32))
+    return InvalidArgument(fmt::format("{}: conversions read and write BF16 or F32, not {} -> {}", what,
+                                       Name(c.buffer_dtype), Name(canonical)));
+  const uint64_t ib = BitsPerElement(c.buffer_dtype) / 8, ob = BitsPerElement(canonical) / 8;
+  if (buffer.size() % ib != 0 || out.size() != buffer.size() / ib * ob)
+    return InvalidArgument(fmt::format("{}: {} buffer bytes do not match {} canonical bytes", what, buffer.size(), out.size()));
+  const uint64_t n = buffer.size() / ib;
+  for (uint64_t i = 0; i < n; ++i) {
+    float f = LoadFloat(c.buffer_dtype, buffer.data() + i * ib);
+    if (c.kind == ConversionKind::kZeroCentred) f += 1.0f;
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    if (canonical == DType::kBF16) {
+      const uint16_t h = Fp32BitsToBf16Bits(bits);
+      std::memcpy(out.data() + 2 * i, &h, 2);
+    } else {
+      std::memcpy(out.data() + 4 * i, &bits, 4);
+    }
+  }
+  return Status::Ok();
+}
+
+Result<std::vector<ChunkContribution>> ProjectConverted(const SenderConversion& c, std::span<const uint8_t> baseline,
+                                                        std::span<const uint8_t> current, uint32_t index,
+                                                        const DeltaManifest& manifest) {
+  uint32_t t = 0;
+  while (t < manifest.tensors.size() && manifest.tensors[t].name != c.tensor) ++t;
+  if (t == manifest.tensors.size())
+    return NotFound(fmt::format("converted tensor '{}' is not in the delta; put it in the residual delta's manifest",
+                                c.tensor));
+  const DeltaTensor& tensor = manifest.tensors[t];
+  const uint64_t eb = BitsPerElement(tensor.dtype) / 8;
+  std::vector<uint8_t> old_bits(tensor.elements * eb), new_bits(tensor.elements * eb);
+  DCR_RETURN_IF_ERROR(ConvertToCanonical(c, tensor.dtype, baseline, old_bits));
+  DCR_RETURN_IF_ERROR(ConvertToCanonical(c, tensor.dtype, current, new_bits));
+  const DigestKey key = MakeDigestKey(tensor.name);
+  const bool overwrite = manifest.delta_class == DeltaClass::kOverwrite;
+  std::vector<ChunkContribution> out;
+  for (uint64_t chunk = 0, n = manifest.ChunkCount(t); chunk < n; ++chunk) {
+    const uint64_t first = chunk * manifest.chunk_elements;
+    const uint64_t count = std::min(manifest.chunk_elements, tensor.elements - first);
+    ChunkContribution cc;
+    cc.tensor = t;
+    cc.chunk = static_cast<uint32_t>(chunk);
+    cc.from = index;
+    cc.covered = {{0, static_cast<uint32_t>(count)}};
+    const uint8_t* b = old_bits.data() + first * eb;
+    const uint8_t* x = new_bits.data() + first * eb;
+    cc.base_digest = DigestBytes(key, first * eb, {b, count * eb});
+    if (overwrite) cc.covered_bits.assign(x, x + count * eb);
+    for (uint64_t e = 0; e < count; ++e)
+      if (std::memcmp(b + e * eb, x + e * eb, eb) != 0) {
+        cc.positions.push_back(static_cast<uint32_t>(e));
+        cc.old_bits.insert(cc.old_bits.end(), b + e * eb, b + (e + 1) * eb);
+        cc.new_bits.insert(cc.new_bits.end(), x + e * eb, x + (e + 1) * eb);
+      }
+    out.push_back(std::move(cc));
   }
   return out;
 }

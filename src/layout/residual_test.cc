@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -66,6 +67,24 @@ TEST(QuantizeFp8BlocksTest, ScalesByBlockAmax) {
   EXPECT_EQ(s[1], 1.0f);
   EXPECT_THAT(QuantizeFp8Blocks(DType::kF16, {}, {2, 3, 2}, fp8, scales).message(), HasSubstr("BF16 or F32"));
   EXPECT_THAT(QuantizeFp8Blocks(DType::kF32, {}, {2, 3, 2}, fp8, scales).message(), HasSubstr("sizes for [2, 3]"));
+}
+
+TEST(ConvertToCanonicalTest, ExportRoundsToNearestEven) {
+  const uint32_t in[] = {0x3F808000, 0x3F818000, 0xBF800000, 0xC0000000, 0x7FC00001, 0x80000000, 0x00000001};
+  const uint16_t cast[] = {0x3F80, 0x3F82, 0xBF80, 0xC000, 0x7FC0, 0x8000, 0x0000};
+  const uint16_t centred[] = {0x4000, 0x4001, 0x0000, 0xBF80, 0x7FC0, 0x3F80, 0x3F80};
+  const std::span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(in), sizeof(in));
+  std::vector<uint8_t> out(std::size(in) * 2);
+  ASSERT_TRUE(ConvertToCanonical({"t", ConversionKind::kCast, DType::kF32}, DType::kBF16, bytes, out).ok());
+  EXPECT_EQ(std::memcmp(out.data(), cast, out.size()), 0);
+  ASSERT_TRUE(ConvertToCanonical({"t", ConversionKind::kZeroCentred, DType::kF32}, DType::kBF16, bytes, out).ok());
+  for (size_t i = 0; i < std::size(in); ++i) {
+    uint16_t h;
+    std::memcpy(&h, out.data() + 2 * i, 2);
+    EXPECT_EQ(h, centred[i]) << i;
+  }
+  EXPECT_THAT(ConvertToCanonical({"t", ConversionKind::kCast, DType::kF16}, DType::kBF16, bytes, out).message(),
+              HasSubstr("converted tensor 't': conversions read and write BF16 or F32"));
 }
 
 struct Buffers {
@@ -244,6 +263,155 @@ TEST_F(ResidualTest, Fp8OnLoadEqualsADenseLoad) {
     ASSERT_TRUE(report.ok()) << report.status().ToString();
     EXPECT_TRUE(got.bytes == want.bytes);
   }
+}
+
+// Sender-side conversions: the trainer holds the final norm zero-centred
+// (F32, weight - 1) and lm_head as an FP32 master; both go through the
+// checkpoint's export function (ConvertToCanonical) into a residual delta of
+// full-chunk overwrites, everything else by projection in an xor delta. An
+// engine holding all of it as copies ends equal to a dense load.
+TEST_F(ResidualTest, SenderConversionsTravelAsOverwrites) {
+  const ModelShape shape = testshapes::LlamaShape();
+  GenOptions gen;
+  gen.shape = shape;
+  gen.versions = 1;
+  gen.rate = 0.1;
+  gen.seed = 5;
+  ASSERT_TRUE(GenerateVersions(Path("gen"), gen).ok());
+  auto v0 = Checkpoint::Open(Path("gen/v0"), OpenMode::kReadWrite);
+  auto v1 = Checkpoint::Open(Path("gen/v1"), OpenMode::kReadWrite);
+  ASSERT_TRUE(v0.ok() && v1.ok());
+  const std::vector<SenderConversion> conversions = {{"model.norm.weight", ConversionKind::kZeroCentred, DType::kF32},
+                                                     {"lm_head.weight", ConversionKind::kCast, DType::kF32}};
+  // The trainer's own representation: v0 exactly; v1 with small FP32 moves
+  // (many round away in BF16). The canonical v1 is by definition its export.
+  std::vector<std::vector<uint8_t>> s0, s1;
+  for (const SenderConversion& c : conversions) {
+    auto w0 = v0->Data(static_cast<size_t>(v0->Find(c.tensor)));
+    auto w1 = v1->MutableData(static_cast<size_t>(v1->Find(c.tensor)));
+    const size_t n = w0.size() / 2;
+    std::vector<float> a(n), b(n);
+    for (size_t i = 0; i < n; ++i) {
+      uint16_t h0, h1;
+      std::memcpy(&h0, w0.data() + 2 * i, 2);
+      std::memcpy(&h1, w1.data() + 2 * i, 2);
+      a[i] = Bits(uint32_t{h0} << 16);
+      b[i] = Bits(uint32_t{h1} << 16) * (1.0f + 1e-3f * static_cast<float>(static_cast<int>(i % 7) - 3));
+      if (c.kind == ConversionKind::kZeroCentred) a[i] -= 1.0f, b[i] -= 1.0f;
+    }
+    s0.emplace_back(reinterpret_cast<uint8_t*>(a.data()), reinterpret_cast<uint8_t*>(a.data() + n));
+    s1.emplace_back(reinterpret_cast<uint8_t*>(b.data()), reinterpret_cast<uint8_t*>(b.data() + n));
+    // v0's export is v0 (exact); v1 := export of the trainer's v1.
+    std::vector<uint8_t> back(w0.size());
+    ASSERT_TRUE(ConvertToCanonical(c, DType::kBF16, s0.back(), back).ok());
+    ASSERT_TRUE(std::equal(back.begin(), back.end(), w0.begin())) << c.tensor;
+    ASSERT_TRUE(ConvertToCanonical(c, DType::kBF16, s1.back(), w1).ok());
+  }
+  auto is_converted = [&](const std::string& name) {
+    return std::any_of(conversions.begin(), conversions.end(), [&](const SenderConversion& c) { return c.tensor == name; });
+  };
+  // Trainer tp 2: the converted tensors have no copies.
+  const TrainerParallel tp{2, 1, 1, false, 4};
+  std::vector<CompiledLayout> senders;
+  for (const TrainerRank& r : TrainerRanks(tp)) {
+    auto m = MegatronLayout(shape, tp, r);
+    ASSERT_TRUE(m.ok());
+    std::erase_if(m->copies, [&](const BoxCopy& c) { return is_converted(c.tensor); });
+    std::erase_if(m->tensors, [&](const LayoutTensor& t) { return is_converted(t.name); });
+    senders.push_back(std::move(*CompiledLayout::Compile(std::move(*m))));
+  }
+  std::vector<Buffers> base, cur;
+  for (const CompiledLayout& l : senders) {
+    base.emplace_back(l);
+    cur.emplace_back(l);
+    PlacedRank b{&l, base.back().spans}, c{&l, cur.back().spans};
+    ASSERT_TRUE(LoadDense(CheckpointBytes(*v0), b).ok());
+    ASSERT_TRUE(LoadDense(CheckpointBytes(*v1), c).ok());
+  }
+  std::vector<TensorInfo> main_tensors, residual_tensors;
+  for (const TensorInfo& t : v1->tensors()) (is_converted(t.name) ? residual_tensors : main_tensors).push_back(t);
+
+  auto finish = [](DeltaManifest& m, std::vector<OwnedFrames>& owned, const char* where) -> Result<DeltaReader> {
+    DCR_ASSIGN_OR_RETURN(std::string bytes, AssembleLayoutDelta(m, owned));
+    auto holder = std::make_shared<std::string>(std::move(bytes));
+    std::vector<std::span<const uint8_t>> objs = {{reinterpret_cast<const uint8_t*>(holder->data()), holder->size()}};
+    return DeltaReader::FromObjects(m, objs, holder, where);
+  };
+  // The main delta, by projection.
+  DeltaOptions main_opt;
+  main_opt.chunk_elements = 24;
+  main_opt.delta_id = 20;
+  DeltaManifest main_m = StartLayoutDelta(main_tensors, main_opt);
+  std::vector<const CompiledLayout*> maps;
+  for (const auto& l : senders) maps.push_back(&l);
+  std::map<uint32_t, std::vector<ChunkContribution>> to_owner;
+  for (uint32_t s = 0; s < senders.size(); ++s) {
+    auto c = ProjectSender({&senders[s], base[s].const_spans, cur[s].const_spans}, s, main_m);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    for (auto& x : *c) to_owner[*ChunkOwner(maps, main_m, x.tensor, x.chunk)].push_back(std::move(x));
+  }
+  std::vector<OwnedFrames> main_owned;
+  for (auto& [o, recs] : to_owner) {
+    auto f = EncodeOwnedChunks(main_m, recs, main_opt.encode);
+    ASSERT_TRUE(f.ok()) << f.status().ToString();
+    main_owned.push_back(std::move(*f));
+  }
+  auto main_reader = finish(main_m, main_owned, "main delta");
+  ASSERT_TRUE(main_reader.ok()) << main_reader.status().ToString();
+  // The residual delta, by conversion (rank 0 holds both tensors whole).
+  DeltaOptions res_opt;
+  res_opt.encode.delta_class = DeltaClass::kOverwrite;
+  res_opt.chunk_elements = 24;
+  res_opt.delta_id = 21;
+  DeltaManifest res_m = StartLayoutDelta(residual_tensors, res_opt);
+  std::vector<ChunkContribution> res_records;
+  for (size_t i = 0; i < conversions.size(); ++i) {
+    auto c = ProjectConverted(conversions[i], s0[i], s1[i], 0, res_m);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    for (auto& x : *c) res_records.push_back(std::move(x));
+  }
+  auto res_owned = EncodeFullChunkOverwrites(res_m, res_records, res_opt.encode);
+  ASSERT_TRUE(res_owned.ok()) << res_owned.status().ToString();
+  std::vector<OwnedFrames> res_list;
+  res_list.push_back(std::move(*res_owned));
+  auto res_reader = finish(res_m, res_list, "residual delta");
+  ASSERT_TRUE(res_reader.ok()) << res_reader.status().ToString();
+  EXPECT_GT(res_reader->manifest().frames.size(), 0u);
+  for (const DeltaFrameEntry& f : res_reader->manifest().frames) EXPECT_EQ(f.mode, Mode::kOverwrite);
+  // The two deltas together are the version: their digests add up to v1's.
+  Digest version;
+  for (size_t t = 0; t < v1->size(); ++t) version += DigestBytes(MakeDigestKey(v1->tensors()[t].name), 0, v1->Data(t));
+  EXPECT_EQ(main_reader->manifest().target_digest + res_reader->manifest().target_digest, version);
+
+  // An engine (vLLM tp 2) holding everything as copies applies both.
+  std::vector<CompiledLayout> engine;
+  for (uint32_t r = 0; r < 2; ++r) engine.push_back(std::move(*CompiledLayout::Compile(*VllmLayout(shape, {2, false, 4}, r))));
+  std::vector<Buffers> got, want;
+  std::vector<PlacedRank> placed;
+  for (const CompiledLayout& l : engine) {
+    got.emplace_back(l);
+    want.emplace_back(l);
+  }
+  for (size_t r = 0; r < engine.size(); ++r) {
+    placed.push_back({&engine[r], got[r].spans});
+    PlacedRank w{&engine[r], want[r].spans};
+    ASSERT_TRUE(LoadDense(CheckpointBytes(*v0), placed.back()).ok());
+    ASSERT_TRUE(LoadDense(CheckpointBytes(*v1), w).ok());
+  }
+  std::vector<PlacedRank*> ptrs = {&placed[0], &placed[1]};
+  auto a = ApplyEngineDelta(ptrs, *main_reader);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  auto b = ApplyEngineDelta(ptrs, *res_reader);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_EQ(b->frames_applied, res_reader->manifest().frames.size());
+  for (size_t r = 0; r < engine.size(); ++r) EXPECT_TRUE(got[r].bytes == want[r].bytes) << "rank " << r;
+  Digest sum;
+  for (auto* p : ptrs) sum += RankDigest(*p);
+  EXPECT_EQ(sum, version);
+  // A residual overwrite applied again is harmless.
+  auto again = ApplyEngineDelta(ptrs, *res_reader);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->frames_already_applied, res_reader->manifest().frames.size());
 }
 
 }  // namespace
