@@ -187,7 +187,7 @@ def store_config_seeds():
     return {name: text.encode() for name, text in seeds.items()}
 
 
-def layout_map_seeds():
+def layout_map_seeds(dcr=None):
     def doc(tensors, buffers, copies, **extra):
         d = {"format": "dcr-layout", "format_version": 1, "tensors": tensors, "buffers": buffers, "copies": copies}
         d.update(extra)
@@ -202,7 +202,7 @@ def layout_map_seeds():
          {"tensor": "n", "offset": [0], "extent": [3], "buffer": "n1", "buffer_offset": [0], "primary": False}]
     cols = [{"tensor": "w", "offset": [0, 2 * i], "extent": [4, 2], "buffer": "c", "buffer_offset": [0, 2 * i]}
             for i in range(3)]
-    return {
+    seeds = {
         "good": doc(t, b, c),
         "columns": doc(t[:1], [{"id": "c", "dtype": "BF16", "shape": [4, 6]}], cols),
         "scalar": doc([{"name": "s", "dtype": "F8_E4M3", "shape": []}], [{"id": "x", "dtype": "F8_E4M3", "shape": [2]}],
@@ -216,6 +216,14 @@ def layout_map_seeds():
         "empty": doc([], [], []),
         "bad_version": doc([], [], [], format_version=2),
     }
+    # Generated maps (dcr layout generate), when the binary is given.
+    for name, args in {"gen_megatron_deepseek": ["--side", "megatron", "--family", "deepseek-v3", "--tp", "2",
+                                                 "--ep", "2", "--expert-tp"],
+                       "gen_vllm_llama": ["--side", "vllm", "--family", "llama", "--tp", "2"]}.items():
+        if dcr:
+            seeds[name] = subprocess.run([dcr, "layout", "generate", "--size", "2MB"] + args, check=True,
+                                         capture_output=True).stdout
+    return seeds
 
 
 def write_all(out_dir, seeds):
@@ -252,7 +260,7 @@ def main():
     write_all(os.path.join(sys.argv[1], "s3_xml_fuzz"), S3_XML)
     write_all(os.path.join(sys.argv[1], "s3_response_fuzz"), s3_response_seeds())
     write_all(os.path.join(sys.argv[1], "store_config_fuzz"), store_config_seeds())
-    write_all(os.path.join(sys.argv[1], "layout_map_fuzz"), layout_map_seeds())
+    write_all(os.path.join(sys.argv[1], "layout_map_fuzz"), layout_map_seeds(sys.argv[2]))
 
 
 if __name__ == "__main__":
