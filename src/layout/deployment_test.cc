@@ -347,6 +347,93 @@ TEST_F(DeploymentOwnerTest, MergeRefusesIncompleteOrDoubleCoverage) {
   EXPECT_EQ(ChunkOwner(only1, m, t, 0).status().code(), Code::kNotFound);
 }
 
+// FP8 weights (E4M3, E5M2) and F32 scales through hand-written maps: rows
+// split over two senders, columns over two receivers, the scales replicated.
+// Special patterns: +-0, NaNs of both signs and payloads, subnormals, E5M2
+// infinities, max magnitudes.
+class Fp8MapTest : public testing::TempDirTest, public ::testing::WithParamInterface<DeltaClass> {};
+
+TEST_P(Fp8MapTest, BitExactThroughCopies) {
+  const std::vector<TensorInfo> tensors = {*MakeTensorInfo("w5", DType::kF8_E5M2, {6, 16}),
+                                           *MakeTensorInfo("w8", DType::kF8_E4M3, {6, 16}),
+                                           *MakeTensorInfo("w8.weight_scale_inv", DType::kF32, {2, 2})};
+  auto v0 = Checkpoint::Create(Path("v0"), tensors);
+  auto v1 = Checkpoint::Create(Path("v1"), tensors);
+  ASSERT_TRUE(v0.ok() && v1.ok());
+  uint64_t x = 12345;
+  auto next_random = [&x] {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    return x;
+  };
+  for (size_t t = 0; t < 2; ++t) {
+    auto a = v0->MutableData(t), b = v1->MutableData(t);
+    for (size_t i = 0; i < a.size(); ++i) {
+      a[i] = static_cast<uint8_t>(next_random());
+      b[i] = next_random() % 3 == 0 ? static_cast<uint8_t>(next_random()) : a[i];
+    }
+  }
+  const uint8_t e5[][2] = {{0x00, 0x80}, {0x7C, 0xFC}, {0x7D, 0x7E}, {0xFD, 0x7F}, {0x01, 0x03}, {0x7B, 0xFB}, {0x7E, 0x7E}};
+  const uint8_t e4[][2] = {{0x80, 0x00}, {0x7F, 0xFF}, {0x01, 0x02}, {0x07, 0x87}, {0x7E, 0xFE}, {0x7F, 0x7F}};
+  for (size_t k = 0; k < std::size(e5); ++k) v0->MutableData(0)[k] = e5[k][0], v1->MutableData(0)[k] = e5[k][1];
+  for (size_t k = 0; k < std::size(e4); ++k) v0->MutableData(1)[40 + k] = e4[k][0], v1->MutableData(1)[40 + k] = e4[k][1];
+  const uint32_t scales0[] = {0x7FC00001, 0x00000000, 0x00000001, 0x3C000000};
+  const uint32_t scales1[] = {0x7FC00002, 0x80000000, 0x00000002, 0x3C000000};
+  std::memcpy(v0->MutableData(2).data(), scales0, 16);
+  std::memcpy(v1->MutableData(2).data(), scales1, 16);
+
+  auto sender_map = [](uint64_t r) {
+    LayoutMap m;
+    m.tensors = {{"w5", DType::kF8_E5M2, {6, 16}}, {"w8", DType::kF8_E4M3, {6, 16}}, {"w8.weight_scale_inv", DType::kF32, {2, 2}}};
+    m.buffers = {{"fc.w5", DType::kF8_E5M2, {3, 16}}, {"fc.w8", DType::kF8_E4M3, {3, 16}}, {"fc.scale", DType::kF32, {2, 2}}};
+    m.copies = {{"w5", {3 * r, 0}, {3, 16}, "fc.w5", {0, 0}, true},
+                {"w8", {3 * r, 0}, {3, 16}, "fc.w8", {0, 0}, true},
+                {"w8.weight_scale_inv", {0, 0}, {2, 2}, "fc.scale", {0, 0}, r == 0}};
+    return m;
+  };
+  auto receiver_map = [](uint64_t r) {
+    LayoutMap m;
+    m.tensors = {{"w5", DType::kF8_E5M2, {6, 16}}, {"w8", DType::kF8_E4M3, {6, 16}}, {"w8.weight_scale_inv", DType::kF32, {2, 2}}};
+    // Both weights stacked in one [2, 6, 8] buffer; the scales twice on rank 1 (one replica).
+    m.buffers = {{"stack", DType::kF8_E5M2, {1, 6, 8}}, {"w8", DType::kF8_E4M3, {6, 8}}, {"scale", DType::kF32, {2, 2}},
+                 {"scale.copy", DType::kF32, {1, 4}}};
+    m.copies = {{"w5", {0, 8 * r}, {6, 8}, "stack", {0, 0, 0}, true},
+                {"w8", {0, 8 * r}, {6, 8}, "w8", {0, 0}, true},
+                {"w8.weight_scale_inv", {0, 0}, {2, 2}, "scale", {0, 0}, r == 0},
+                {"w8.weight_scale_inv", {1, 0}, {1, 2}, "scale.copy", {0, 1}, false}};
+    return m;
+  };
+  const std::vector<CompiledLayout> senders = Compile({sender_map(0), sender_map(1)});
+  const std::vector<CompiledLayout> receivers = Compile({receiver_map(0), receiver_map(1)});
+  ASSERT_EQ(senders.size(), 2u);
+  ASSERT_EQ(receivers.size(), 2u);
+  DeltaOptions opt;
+  opt.encode.delta_class = GetParam();
+  opt.chunk_elements = 16;
+  opt.delta_id = 77;
+  Projected projected = Project(senders, DenseLoad(senders, *v0), DenseLoad(senders, *v1), tensors, opt);
+  DeltaManifest canonical;
+  const std::string canonical_frames = CanonicalFrames(*v0, *v1, opt, &canonical);
+  EXPECT_TRUE(*projected.bytes == canonical_frames);
+  EXPECT_EQ(projected.manifest.ToJson(), canonical.ToJson());
+  auto reader = Reader(projected);
+  ASSERT_TRUE(reader.ok()) << reader.status().ToString();
+  std::vector<Buffers> engine = DenseLoad(receivers, *v0, 0xA5);  // padding-free here; fill shows stray writes
+  std::vector<PlacedRank> placed = {{&receivers[0], engine[0].spans}, {&receivers[1], engine[1].spans}};
+  std::vector<PlacedRank*> ptrs = {&placed[0], &placed[1]};
+  auto report = ApplyEngineDelta(ptrs, *reader);
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  EXPECT_GT(report->changed_words, 0u);
+  ExpectSameBuffers(receivers, engine, DenseLoad(receivers, *v1, 0xA5), "fp8");
+  // The special patterns landed: E5M2 +inf -> -inf at w5[0][1] (rank 0, stack [0, 0, 1]).
+  EXPECT_EQ(engine[0].bytes[0][1], 0xFC);
+  EXPECT_EQ(engine[0].bytes[0][0], 0x80);  // +0 -> -0
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, Fp8MapTest, ::testing::Values(DeltaClass::kXorClass, DeltaClass::kOverwrite),
+                         [](const auto& test_info) {
+                           return std::string(test_info.param == DeltaClass::kXorClass ? "xor" : "overwrite");
+                         });
+
 std::vector<Scenario> Scenarios() {
   std::vector<Scenario> out;
   for (DeltaClass cls : {DeltaClass::kXorClass, DeltaClass::kOverwrite}) {
