@@ -78,7 +78,8 @@ Status LoadDense(const TensorBytes& source, PlacedRank& rank);
 Digest RankDigest(const PlacedRank& rank, std::span<const std::string> only = {});
 
 // Applies one frame of `manifest` to the engine formed by `ranks`; `scratch`
-// is reused between calls (one per thread). On error nothing was written.
+// is reused between calls (one per thread; it grows to twice a chunk's
+// bytes). On error nothing was written.
 // Errors: those of ChunkApplier::Apply (kFailedPrecondition when the engine's
 // chunk is neither base nor target, kDataLoss for a corrupt payload), and
 // kFailedPrecondition when `ranks` hold only part of the chunk (apply it with

@@ -101,8 +101,11 @@ Result<ApplyOutcome> ApplyEngineFrame(std::span<PlacedRank* const> ranks, const 
   if (eb == 0 || BitsPerElement(tensor.dtype) % 8 != 0)
     return Unimplemented(fmt::format("{}: dtype {} is packed below a byte; it cannot be placed through a map", where,
                                      Name(tensor.dtype)));
-  scratch->resize(uint64_t{elements} * eb);
+  // The scratch holds the chunk and, after it, the chunk as gathered.
+  const uint64_t chunk_bytes = uint64_t{elements} * eb;
+  if (scratch->size() < 2 * chunk_bytes) scratch->resize(2 * chunk_bytes);
   uint8_t* chunk = scratch->data();
+  uint8_t* before = chunk + chunk_bytes;
 
   // Gather from the primary copies.
   std::vector<int64_t> local(ranks.size());
@@ -137,9 +140,8 @@ Result<ApplyOutcome> ApplyEngineFrame(std::span<PlacedRank* const> ranks, const 
                                           where, covered, elements));
   const DigestKey key = MakeDigestKey(tensor.name);
   const Digest current = DigestBytes(key, first * eb, {chunk, uint64_t{elements} * eb});
-  // The gathered chunk, kept to find what changed.
-  std::vector<uint8_t> before(chunk, chunk + uint64_t{elements} * eb);
-  ChunkApplier applier;
+  std::memcpy(before, chunk, chunk_bytes);  // to find what changed
+  thread_local ChunkApplier applier;  // its scratch is reused between frames
   Digest after;
   DCR_ASSIGN_OR_RETURN(ApplyOutcome outcome,
                        applier.Apply(frame, key, first_word, {chunk, uint64_t{elements} * eb}, current, &after));
@@ -154,7 +156,7 @@ Result<ApplyOutcome> ApplyEngineFrame(std::span<PlacedRank* const> ranks, const 
       uint8_t* dst = ranks[k]->buffers[l.BufferOf(c)].data();
       for (const CopyRun& r : runs) {
         const uint64_t at = (r.canonical - first) * eb, n = r.length * eb;
-        if (std::memcmp(before.data() + at, chunk + at, n) != 0 || std::memcmp(dst + r.buffer * eb, chunk + at, n) != 0)
+        if (std::memcmp(before + at, chunk + at, n) != 0 || std::memcmp(dst + r.buffer * eb, chunk + at, n) != 0)
           std::memcpy(dst + r.buffer * eb, chunk + at, n);
       }
     }
