@@ -294,6 +294,33 @@ TEST_P(DeploymentTest, EveryEngineEqualsADenseLoad) {
       EXPECT_EQ(again->frames_applied, 0u);
       EXPECT_EQ(again->frames_already_applied, reader->manifest().frames.size());
     }
+    if (sc.delta_class == DeltaClass::kXorClass) {
+      // A failed xor attempt leaves an engine half-applied; the overwrite
+      // retry (same baseline) repairs it (DESIGN section 5).
+      DeltaOptions retry = opt;
+      retry.encode.delta_class = DeltaClass::kOverwrite;
+      retry.delta_id = 200 + v;
+      Projected overwrite = Project(senders, baseline, current, tensors, retry);
+      auto retry_reader = Reader(overwrite);
+      ASSERT_TRUE(retry_reader.ok()) << retry_reader.status().ToString();
+      Engine& e = engines.back();
+      std::vector<Buffers> half = DenseLoad(e.ranks, versions[v - 1]);
+      std::vector<PlacedRank> placed;
+      for (size_t r = 0; r < e.ranks.size(); ++r) placed.push_back({&e.ranks[r], half[r].spans});
+      std::vector<PlacedRank*> ptrs;
+      for (auto& p : placed) ptrs.push_back(&p);
+      std::vector<uint8_t> scratch;
+      for (size_t f = 0; f < reader->manifest().frames.size(); f += 2) {
+        auto frame = reader->Frame(f);
+        ASSERT_TRUE(frame.ok());
+        ASSERT_TRUE(ApplyEngineFrame(ptrs, reader->manifest(), *frame, &scratch).ok());
+      }
+      // Chunks the xor attempt reached are found applied; the rest are overwritten.
+      auto report = ApplyEngineDelta(ptrs, *retry_reader);
+      ASSERT_TRUE(report.ok()) << what << ": " << report.status().ToString();
+      EXPECT_GT(report->frames_already_applied, 0u) << what;
+      ExpectSameBuffers(e.ranks, half, DenseLoad(e.ranks, versions[v]), what + " overwrite retry");
+    }
     // Commit: the trainer adopts its shards as the baseline.
     baseline = std::move(current);
   }
