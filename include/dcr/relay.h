@@ -148,7 +148,8 @@ Status WriteCurveKeyFiles(const std::string& stem, const CurveKeyPair& pair);
 Result<CurveKeyPair> ReadCurveKeyPair(const std::string& path);
 // A .pub file, or the public key of a .key file.
 Result<std::string> ReadCurvePublicKey(const std::string& path);
-// Public keys one per line ('#' comments, blank lines allowed): the peers
+// Public keys one per line (lines starting with '#' are comments; Z85 keys
+// may contain '#' themselves), blank lines allowed: the peers
 // a relay admits.
 Result<std::set<std::string>> ReadCurveAllowList(const std::string& path);
 

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <mutex>
 #include <thread>
 
@@ -263,6 +264,16 @@ TEST(Relay, KeyFilesRoundTrip) {
   ASSERT_TRUE(allow.ok());
   EXPECT_EQ(allow->count(pair->public_key), 1u);
   EXPECT_FALSE(ReadCurveKeyPair(stem + ".pub").ok());
+  // '#' is a Z85 character: only a line starting with it is a comment.
+  const std::string hashed = "0000#0000#0000#0000#0000#0000#0000#0000#";
+  {
+    std::FILE* f = std::fopen((stem + ".allow").c_str(), "w");
+    std::fprintf(f, "# peers\n\n  %s  \n%s\n", hashed.c_str(), pair->public_key.c_str());
+    std::fclose(f);
+  }
+  auto two = ReadCurveAllowList(stem + ".allow");
+  ASSERT_TRUE(two.ok()) << two.status().ToString();
+  EXPECT_EQ(*two, (std::set<std::string>{hashed, pair->public_key}));
   EXPECT_EQ(ReadCurveKeyPair(stem + ".missing").status().code(), Code::kNotFound);
 }
 

@@ -168,10 +168,10 @@ Result<std::set<std::string>> ReadCurveAllowList(const std::string& path) {
   std::istringstream in(text);
   std::string line;
   for (int n = 1; std::getline(in, line); ++n) {
-    if (size_t hash = line.find('#'); hash != std::string::npos) line.resize(hash);
+    // Z85 keys may contain '#': only a line that starts with it is a comment.
     while (!line.empty() && (line.back() == ' ' || line.back() == '\t' || line.back() == '\r')) line.pop_back();
     while (!line.empty() && (line.front() == ' ' || line.front() == '\t')) line.erase(0, 1);
-    if (line.empty()) continue;
+    if (line.empty() || line.front() == '#') continue;
     if (!Z85Key(line))
       return InvalidArgument(fmt::format("{}:{}: not a CURVE public key (40 Z85 characters)", path, n));
     keys.insert(line);
