@@ -218,7 +218,7 @@ struct FollowOptions {
   // the relay keeps delivering (at most `relay_quiet` without a new object),
   // then downloads from the store only what it still lacks.
   FrameObjectSource* relay = nullptr;
-  std::chrono::milliseconds relay_quiet{1500};
+  std::chrono::milliseconds relay_quiet{3000};  // above the relay clients' dead_after (1.5 s)
   // Fault injection for tests, as PublishOptions::fault ("applying", "applied", "acked").
   std::function<Status(std::string_view point)> fault;
   std::function<void(const std::string& line)> log;  // progress lines; default stderr

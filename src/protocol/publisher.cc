@@ -199,7 +199,11 @@ Status PublishRun::Fence(uint64_t v, const std::string& id, const Status& why) {
   // Never fence a committed attempt (its commit's response may have been lost).
   if (auto c = ReadCommit(store_, v); c.ok() && c->attempt == id) return Status::Ok();
   nlohmann::json doc = {{"format", "dcr-fence"}, {"reason", why.ToString()}, {"time", UnixNow()}};
-  return store_.Put(run_keys::Attempt(v, id) + "fence", doc.dump(1) + "\n");
+  DCR_RETURN_IF_ERROR(store_.Put(run_keys::Attempt(v, id) + "fence", doc.dump(1) + "\n"));
+  // The store's fence is the one receivers obey; the relays' copy only lets
+  // them drop the attempt's frames early.
+  if (o_.relay) o_.relay->Fence(run_keys::Attempt(v, id));
+  return Status::Ok();
 }
 
 Status PublishRun::CatchUpBaseline(Checkpoint& baseline, uint64_t from, uint64_t to, ChunkDigestTable* digests) {
@@ -353,8 +357,12 @@ namespace {
 // be downloaded) as soon as it is closed, while the next is being written.
 class SegmentedFrameWriter {
  public:
-  SegmentedFrameWriter(Store& store, std::string prefix, uint32_t sender, uint64_t segment_bytes)
-      : store_(store), prefix_(std::move(prefix)), sender_(sender), segment_bytes_(std::max<uint64_t>(segment_bytes, 1)) {}
+  // With `relay`, each object is also handed to it once it is in the store
+  // (the segment's bytes are kept in memory until then).
+  SegmentedFrameWriter(Store& store, std::string prefix, uint32_t sender, uint64_t segment_bytes,
+                       FrameObjectSink* relay)
+      : store_(store), prefix_(std::move(prefix)), sender_(sender), segment_bytes_(std::max<uint64_t>(segment_bytes, 1)),
+        relay_(relay) {}
 
   Status Write(std::string_view frame) {
     if (!writer_ || in_segment_ >= segment_bytes_) {
@@ -365,6 +373,7 @@ class SegmentedFrameWriter {
       in_segment_ = 0;
     }
     DCR_RETURN_IF_ERROR(writer_->Write(frame));
+    if (relay_) buffer_.append(frame);
     in_segment_ += frame.size();
     written_ += frame.size();
     return Status::Ok();
@@ -373,7 +382,12 @@ class SegmentedFrameWriter {
   Status Close() {
     if (!writer_) return Status::Ok();
     auto writer = std::move(writer_);
-    return writer->Close();
+    DCR_RETURN_IF_ERROR(writer->Close());
+    if (relay_) {
+      relay_->Object(prefix_ + names_.back(), buffer_);
+      buffer_.clear();
+    }
+    return Status::Ok();
   }
 
   // Turns an entry's offset in the whole stream (EncodeFrames' object 0)
@@ -391,6 +405,8 @@ class SegmentedFrameWriter {
   const std::string prefix_;
   const uint32_t sender_;
   const uint64_t segment_bytes_;
+  FrameObjectSink* const relay_;
+  std::string buffer_;  // the open segment's bytes, with a relay
   std::unique_ptr<ObjectWriter> writer_;
   std::vector<std::string> names_;
   std::vector<uint64_t> starts_;  // stream offset where each segment begins
@@ -426,7 +442,7 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
   for (uint32_t k = 0; k < plan.size(); ++k) {
     std::vector<Digest> tracked;
     for (const auto& c : plan[k]) tracked.push_back(base_digests[c.tensor][c.chunk]);
-    SegmentedFrameWriter segments(store_, prefix, k, segment_bytes);
+    SegmentedFrameWriter segments(store_, prefix, k, segment_bytes, o_.relay);
     DCR_ASSIGN_OR_RETURN(EncodedFrames encoded,
                          EncodeFrames(baseline, next, m, plan[k], options.encode,
                                       [&](std::string_view frame) { return segments.Write(frame); }, &tracked,
