@@ -41,7 +41,10 @@ from conftest import DCR_BIN, dcr_json, run_dcr
 SIZE = "4MB"
 CHUNK = "4096"
 PING = "0.1"
-DEAD_AFTER = "0.6"
+# Generous against stalls of a loaded 2-core CI machine: a relay or receiver
+# that wrongly thinks its parent dead would re-attach, which the byte
+# counting test would (rightly) see.
+DEAD_AFTER = "2"
 TIMEOUT_S = 60
 
 
@@ -148,7 +151,7 @@ class Tree:
             n = self.relays[relay]
             for addr in [n["address"], *n["upstream"]]:
                 args += ["--relay", addr]
-            args += ["--relay-quiet", "2.5"]
+            args += ["--relay-quiet", "3.5", "--relay-dead-after", DEAD_AFTER]
             if not no_keys:
                 args += ["--relay-key", str(key or self.client_key), "--relay-pub", str(self.relay_pub)]
         with open(log, "wb") as out:
@@ -165,6 +168,17 @@ class Tree:
                     break
                 assert r["proc"].poll() is None, f"receiver {rid} died:\n{tail(r['log'])}"
                 assert time.monotonic() < deadline, f"receiver {rid} did not register:\n{tail(r['log'])}"
+                time.sleep(0.05)
+
+    def wait_attached(self, peers: dict[str, str], timeout: float = 30) -> None:
+        """Until each "<kind> <id>" in `peers` (value: the relay it attaches
+        to) has said HELLO there: a receiver that is not attached yet when an
+        attempt streams rightly takes the store's copy."""
+        deadline = time.monotonic() + timeout
+        for who, relay in peers.items():
+            log = self.logs / f"relay-{relay}.log"
+            while f"{who} attached" not in (log.read_text() if log.exists() else ""):
+                assert time.monotonic() < deadline, f"{who} did not attach to {relay}:\n{tail(log)}"
                 time.sleep(0.05)
 
     def wait_receivers(self, timeout: float = TIMEOUT_S) -> None:
@@ -258,6 +272,8 @@ def start_tree(t: Tree, until: int) -> dict:
     for rid, relay in PLACEMENT.items():
         t.start_receiver(rid, relay, until)
     t.wait_registered()
+    t.wait_attached({**{f"relay {r}": t.relays[r]["parent"] for r in RELAYS[1:]},
+                     **{f"receiver {e}": r for e, r in PLACEMENT.items()}})
     return plan
 
 
@@ -288,6 +304,12 @@ def test_depth_two_tree_commits_and_the_payload_crosses_once(tree):
         for link in s["links"]:
             if link["kind"] in ("relay", "receiver"):
                 assert link["bytes_out"] == payload, (rid, link)
+    shown = run_dcr("relay", "status", *[t.stats_path(rid) for rid in RELAYS])
+    assert shown.returncode == 0, str(shown)
+    assert f"relay r3 at {t.relays['r3']['address']}, upstream r1 {t.relays['r1']['address']}" in shown.stdout, shown
+    assert "-> relay r3: " in shown.stdout and "-> receiver e4" in shown.stdout, shown.stdout
+    assert "<- sender publish-" in shown.stdout, shown.stdout
+    print(shown.stdout)
     print(f"relay tree: {len(PLACEMENT)} receivers, {payload} bytes of frames crossed into the cluster once; "
           f"the store served none")
 
@@ -332,6 +354,7 @@ def test_unauthenticated_clients_are_refused(tree):
     t.start_receiver("stranger", "r0", 1, key=t.stranger_key)
     t.start_receiver("keyless", "r0", 1, no_keys=True)
     t.wait_registered()
+    t.wait_attached({"receiver good": "r0"})
     t.publish_ok(1)
     t.wait_receivers()
     t.assert_exact(1)
@@ -360,6 +383,7 @@ def test_a_corrupt_frame_is_dropped_never_forwarded(tree):
     t.start_receiver("e0", "r1", 1)
     t.start_receiver("e1", "r2", 1)
     t.wait_registered()
+    t.wait_attached({"relay r1": "r0", "relay r2": "r1", "receiver e0": "r1", "receiver e1": "r2"})
     t.publish_ok(1)
     t.wait_receivers()
     t.assert_exact(1)

@@ -110,6 +110,8 @@ int RunPublish(const PublishArgs& a) {
     ::gethostname(host, sizeof host - 1);
     auto ro = RelayClient(fmt::format("publish-{}-{}", host, ::getpid()), a.relays, a.relay_key, a.relay_pub);
     if (!ro.ok()) return Fail("publish", ro.status());
+    // A root is written off only when it is really gone; a busy one is waited for.
+    ro->dead_after = std::chrono::seconds(5);
     auto started = RelaySender::Start(*ro);
     if (!started.ok()) return Fail("publish", started.status());
     relay = std::move(*started);
@@ -145,7 +147,7 @@ int RunPublish(const PublishArgs& a) {
 struct FollowArgs {
   std::string store, target, id;
   int64_t until = -1;
-  double poll = 0.1, stream_poll = 0.02, heartbeat = 1, relay_quiet = 3;
+  double poll = 0.1, stream_poll = 0.02, heartbeat = 1, relay_quiet = 3, relay_dead_after = 1.5;
   std::vector<std::string> relays;  // its relay, then ancestors
   std::string relay_key, relay_pub;
 };
@@ -166,6 +168,7 @@ int RunFollow(const FollowArgs& a) {
     // The relay knows the receiver by the id it has in the store (default host-pid).
     auto ro = RelayClient(a.id.empty() ? fmt::format("{}-{}", host, ::getpid()) : a.id, a.relays, a.relay_key, a.relay_pub);
     if (!ro.ok()) return Fail("follow", ro.status());
+    ro->dead_after = std::chrono::milliseconds(static_cast<int64_t>(a.relay_dead_after * 1000));
     auto started = RelayReceiver::Start(*ro);
     if (!started.ok()) return Fail("follow", started.status());
     relay = std::move(*started);
@@ -301,7 +304,10 @@ void AddRefitCommands(CLI::App& app) {
   fol->add_option("--relay-key", fa->relay_key, "CURVE key pair file for the relays (dcr relay keygen)");
   fol->add_option("--relay-pub", fa->relay_pub, "The relays' public key file");
   fol->add_option("--relay-quiet", fa->relay_quiet,
-                  "Seconds without a new object from the relay after which the missing ones come from the store");
+                  "Seconds without a new object from the relay after which the missing ones come from the store "
+                  "(keep it above --relay-dead-after)");
+  fol->add_option("--relay-dead-after", fa->relay_dead_after,
+                  "Seconds of silence after which the relay is left for the next --relay address");
   fol->callback([fa] { ExitCode() = RunFollow(*fa); });
 
   auto* st = app.add_subcommand("status", "Versions, attempts, acknowledgements, fences and receivers of a run");

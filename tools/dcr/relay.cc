@@ -7,6 +7,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "cli.h"
@@ -177,10 +178,54 @@ void AddRelayCommand(CLI::App& app) {
     ExitCode() = kExitOk;
   });
 
+  auto* status = relay->add_subcommand(
+      "status", "Show relays and per-link byte counters from their --stats files, the tree in upstream order");
+  auto files = std::make_shared<std::vector<std::string>>();
+  status->add_option("stats", *files, "Stats files written by dcr relay --stats")->required();
+  status->callback([files] {
+    // address -> (id, stats) so that each relay is shown under its upstream.
+    std::vector<nlohmann::json> docs;
+    for (const auto& f : *files) {
+      auto text = ReadWholeFile(f);
+      if (!text.ok()) {
+        ExitCode() = Fail("relay status", text.status());
+        return;
+      }
+      auto doc = nlohmann::json::parse(*text, nullptr, false);
+      if (doc.is_discarded() || !doc.is_object() || doc.value("format", "") != "dcr-relay-stats" ||
+          !doc["links"].is_array()) {
+        ExitCode() = Fail("relay status", InvalidArgument(f + ": not a relay stats file (dcr relay --stats FILE writes one)"));
+        return;
+      }
+      docs.push_back(std::move(doc));
+    }
+    std::map<std::string, std::string> id_of;  // listen address -> id
+    for (const auto& d : docs) id_of[d.value("listen", "")] = d.value("id", "");
+    for (const auto& d : docs) {
+      const std::string up = d["upstream"].is_string() ? d["upstream"].get<std::string>() : "";
+      fmt::print("relay {} at {}, upstream {}: {} objects ({}) accepted; dropped {} corrupt, {} fenced, {} duplicates; "
+                 "{} peers refused\n",
+                 d.value("id", "?"), d.value("listen", "?"),
+                 up.empty() ? "none (a root)" : (id_of.count(up) ? id_of[up] + " " + up : up), d.value("accepted", 0),
+                 FormatBytes(d.value("accepted_bytes", 0)), d.value("dropped_corrupt", 0), d.value("dropped_fenced", 0),
+                 d.value("duplicates", 0), d.value("refused_peers", 0));
+      for (const auto& l : d["links"]) {
+        const std::string kind = l.value("kind", "?");
+        const bool in = kind == "upstream" || kind == "sender";
+        fmt::print("  {} {} {}{}: {} in {} objects{}\n", in ? "<-" : "->", kind, l.value("peer", "?"),
+                   l.value("attached", false) ? "" : " (detached)",
+                   FormatBytes(in ? l.value("bytes_in", 0) : l.value("bytes_out", 0)),
+                   in ? l.value("objects_in", 0) : l.value("objects_out", 0),
+                   l.value("evicted", 0) ? fmt::format(", {} evicted before sending", l.value("evicted", 0)) : "");
+      }
+    }
+    ExitCode() = kExitOk;
+  });
+
   relay->callback([relay, ra] {
-    if (!relay->get_subcommands().empty()) return;  // keygen, plan or push ran
+    if (!relay->get_subcommands().empty()) return;  // keygen, plan, push or status ran
     if (ra->id.empty() || ra->listen.empty()) {
-      ExitCode() = Fail("relay", InvalidArgument("--id and --listen are needed to run a relay (or use keygen, plan, push)"));
+      ExitCode() = Fail("relay", InvalidArgument("--id and --listen are needed to run a relay (or use keygen, plan, push, status)"));
       return;
     }
     ExitCode() = RunRelayDaemon(*ra);
