@@ -205,7 +205,9 @@ struct RelayClientOptions {
   std::chrono::milliseconds ping_every{250};
   std::chrono::milliseconds dead_after{1500};
   uint64_t window_bytes = 64ull << 20;        // senders: uncredited bytes per root
-  uint64_t max_queue_bytes = 1ull << 30;      // senders: queued per root before dropping
+  // Senders: queued per root before the oldest are dropped. Receivers:
+  // verified objects kept until taken, the oldest dropped beyond it.
+  uint64_t max_queue_bytes = 1ull << 30;
   std::function<void(const std::string&)> log;
 };
 

@@ -174,6 +174,7 @@ Status FollowRun::Commit(uint64_t v) {
   *version_out_ = v;
   prefetched_.clear();
   from_relay_.clear();
+  if (o_.relay) o_.relay->Take(run_keys::Attempts(v));  // late copies of what it now holds
   journal_.version = v;
   journal_.attempt.clear();
   return WriteJournal(target_, journal_);

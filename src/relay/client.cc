@@ -47,6 +47,8 @@ struct RelayReceiver::State {
   Context ctx;
   std::mutex mu;
   std::map<std::string, std::string> ready;  // verified, not yet taken
+  std::deque<std::string> ready_order;        // arrival order, to evict the oldest beyond max_queue_bytes
+  uint64_t ready_bytes = 0;
   std::set<std::string> have;                 // every key received (HELLO on re-attach)
   std::deque<std::string> have_order;
   std::set<std::string> fenced;
@@ -97,7 +99,11 @@ void RelayReceiver::State::OnMessage(void* sock, std::vector<std::string> parts)
   attached = true;
   if (m->type == RelayMessageType::kFence) {
     fenced.insert(m->key);
-    std::erase_if(ready, [&](const auto& kv) { return kv.first.starts_with(m->key); });
+    std::erase_if(ready, [&](const auto& kv) {
+      if (!kv.first.starts_with(m->key)) return false;
+      ready_bytes -= kv.second.size();
+      return true;
+    });
     return;
   }
   if (m->type != RelayMessageType::kObject) return;
@@ -126,6 +132,18 @@ void RelayReceiver::State::OnMessage(void* sock, std::vector<std::string> parts)
   stats.bytes += m->size;
   last_delivery = Clock::now();
   ready.emplace(m->key, std::string(m->data));
+  ready_order.push_back(m->key);
+  ready_bytes += m->size;
+  // Objects nobody takes (a follower that applied from the store, a lost
+  // FENCE) must not pile up: the oldest go first.
+  while (ready_bytes > o.max_queue_bytes && !ready_order.empty()) {
+    auto it = ready.find(ready_order.front());
+    ready_order.pop_front();
+    if (it == ready.end()) continue;
+    ready_bytes -= it->second.size();
+    ready.erase(it);
+    ++stats.dropped;
+  }
 }
 
 void RelayReceiver::State::Loop() {
@@ -195,8 +213,10 @@ RelayReceiver::~RelayReceiver() {
 std::map<std::string, std::string> RelayReceiver::Take(std::string_view prefix) {
   std::lock_guard lock(state_->mu);
   std::map<std::string, std::string> out;
-  for (auto it = state_->ready.lower_bound(std::string(prefix)); it != state_->ready.end() && it->first.starts_with(prefix);)
+  for (auto it = state_->ready.lower_bound(std::string(prefix)); it != state_->ready.end() && it->first.starts_with(prefix);) {
+    state_->ready_bytes -= it->second.size();
     out.insert(state_->ready.extract(it++));
+  }
   return out;
 }
 
@@ -233,6 +253,7 @@ struct Root {
   uint64_t queued_bytes = 0, inflight = 0;
   Clock::time_point heard;
   bool warned = false;
+  bool hello_sent = false;  // sent once the connection is up (ZMQ_IMMEDIATE)
 };
 
 }  // namespace
@@ -288,6 +309,15 @@ void RelaySender::State::Loop() {
         r.inflight = 0;
         r.heard = now;
       }
+      if (!r.hello_sent) {
+        RelayMessage hello;
+        hello.type = RelayMessageType::kHello;
+        hello.role = RelayRole::kSender;
+        hello.id = o.id;
+        r.hello_sent = SendParts(r.sock.get(), "", EncodeMessage(hello)).ok();
+        if (!r.hello_sent) continue;  // not connected yet
+        r.heard = now;
+      }
       while (!r.queue.empty() && r.inflight < o.window_bytes) {
         Item& it = r.queue.front();
         RelayMessage m;
@@ -326,14 +356,14 @@ Result<std::unique_ptr<RelaySender>> RelaySender::Start(RelayClientOptions optio
     Root r;
     r.address = address;
     DCR_ASSIGN_OR_RETURN(r.sock, OpenSocket(state->ctx.ctx, ZMQ_DEALER));
+    // Queue only to a live connection and only a few messages in ZeroMQ: the
+    // bounded queue above is where objects wait for a slow or absent root.
+    const int one = 1, hwm = 64;
+    zmq_setsockopt(r.sock.get(), ZMQ_IMMEDIATE, &one, sizeof one);
+    zmq_setsockopt(r.sock.get(), ZMQ_SNDHWM, &hwm, sizeof hwm);
     DCR_RETURN_IF_ERROR(ConfigureCurveClient(r.sock.get(), state->o.security));
     if (zmq_connect(r.sock.get(), address.c_str()) != 0)
       return InvalidArgument(ZmqError("cannot connect to relay " + address));
-    RelayMessage hello;
-    hello.type = RelayMessageType::kHello;
-    hello.role = RelayRole::kSender;
-    hello.id = state->o.id;
-    SendParts(r.sock.get(), "", EncodeMessage(hello)).IgnoreError();
     r.heard = Clock::now();
     state->roots.push_back(std::move(r));
   }
