@@ -185,6 +185,9 @@ struct RelayOptions {
   std::chrono::milliseconds ping_every{250};
   std::chrono::milliseconds dead_after{1500};  // an upstream silent this long is left
   std::string stats_path;  // JSON rewritten about every second, and at exit
+  // Benchmarks: pace each child link to this many bytes per second (an
+  // in-process throttle standing in for a network link); 0: unlimited.
+  double link_bytes_per_second = 0;
   std::function<void(const std::string&)> log;  // default stderr
   // TEST ONLY: flips one payload byte of the Nth object received (1-based)
   // before verification, as a corrupting link would.
@@ -205,6 +208,7 @@ struct RelayClientOptions {
   std::chrono::milliseconds ping_every{250};
   std::chrono::milliseconds dead_after{1500};
   uint64_t window_bytes = 64ull << 20;        // senders: uncredited bytes per root
+  double link_bytes_per_second = 0;           // senders: pace each root link (benchmarks); 0: unlimited
   // Senders: queued per root before the oldest are dropped. Receivers:
   // verified objects kept until taken, the oldest dropped beyond it.
   uint64_t max_queue_bytes = 1ull << 30;

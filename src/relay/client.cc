@@ -254,6 +254,7 @@ struct Root {
   Clock::time_point heard;
   bool warned = false;
   bool hello_sent = false;  // sent once the connection is up (ZMQ_IMMEDIATE)
+  Clock::time_point next_send{};  // pacing (link_bytes_per_second)
 };
 
 }  // namespace
@@ -319,6 +320,7 @@ void RelaySender::State::Loop() {
         r.heard = now;
       }
       while (!r.queue.empty() && r.inflight < o.window_bytes) {
+        if (o.link_bytes_per_second > 0 && Clock::now() < r.next_send) break;  // the link is busy
         Item& it = r.queue.front();
         RelayMessage m;
         m.type = it.fence ? RelayMessageType::kFence : RelayMessageType::kObject;
@@ -332,6 +334,10 @@ void RelaySender::State::Loop() {
         if (!it.fence) {
           r.inflight += it.data->size();
           r.queued_bytes -= it.data->size();
+          if (o.link_bytes_per_second > 0)
+            r.next_send = std::max(Clock::now(), r.next_send) +
+                          std::chrono::duration_cast<Clock::duration>(
+                              std::chrono::duration<double>(it.data->size() / o.link_bytes_per_second));
         }
         r.queue.pop_front();
       }

@@ -35,6 +35,7 @@ struct Child {
   std::deque<ObjectPtr> queue;
   uint64_t inflight = 0;
   Clock::time_point heard;
+  Clock::time_point next_send{};  // pacing (link_bytes_per_second)
 };
 
 // Cumulative counters of one link (kept across re-attachments, by peer id).
@@ -372,6 +373,7 @@ void RelayServer::ApplyFence(const std::string& prefix) {
 
 bool RelayServer::Pump(Child& c) {
   while (!c.queue.empty() && c.inflight < o_.window_bytes) {
+    if (o_.link_bytes_per_second > 0 && Clock::now() < c.next_send) return true;  // the link is busy
     const ObjectPtr& p = c.queue.front();
     RelayMessage head;
     head.type = RelayMessageType::kObject;
@@ -388,6 +390,10 @@ bool RelayServer::Pump(Child& c) {
     zmq_msg_init_data(&data, const_cast<char*>(p->data.data()), p->data.size(), FreeObjectRef, ref);
     if (zmq_msg_send(&data, router_.get(), 0) < 0) zmq_msg_close(&data);
     c.inflight += p->data.size();
+    if (o_.link_bytes_per_second > 0)
+      c.next_send = std::max(Clock::now(), c.next_send) +
+                    std::chrono::duration_cast<Clock::duration>(
+                        std::chrono::duration<double>(p->data.size() / o_.link_bytes_per_second));
     Link& l = links_["child:" + c.id];
     l.bytes_out += p->data.size();
     ++l.objects_out;

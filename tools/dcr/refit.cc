@@ -70,6 +70,7 @@ struct PublishArgs {
   bool json = false;
   std::vector<std::string> relays;  // tree roots
   std::string relay_key, relay_pub;
+  double relay_mbps = 0;
 };
 
 // Relay client options from the CLI's flags (shared by publish and follow).
@@ -112,6 +113,7 @@ int RunPublish(const PublishArgs& a) {
     if (!ro.ok()) return Fail("publish", ro.status());
     // A root is written off only when it is really gone; a busy one is waited for.
     ro->dead_after = std::chrono::seconds(5);
+    ro->link_bytes_per_second = a.relay_mbps * 1e6;
     auto started = RelaySender::Start(*ro);
     if (!started.ok()) return Fail("publish", started.status());
     relay = std::move(*started);
@@ -286,6 +288,8 @@ void AddRefitCommands(CLI::App& app) {
                   "the store still gets them");
   pub->add_option("--relay-key", pa->relay_key, "CURVE key pair file for the relays (dcr relay keygen)");
   pub->add_option("--relay-pub", pa->relay_pub, "The relays' public key file");
+  pub->add_option("--relay-mbps", pa->relay_mbps,
+                  "Benchmarks: pace each link to a root to this many MB/s (an in-process throttle); 0: unlimited");
   pub->callback([pa] { ExitCode() = RunPublish(*pa); });
 
   auto* fol = app.add_subcommand("follow", "Receive every committed version into a checkpoint directory, in place");

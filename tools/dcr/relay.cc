@@ -31,7 +31,7 @@ Result<std::string> ReadWholeFile(const std::string& path) {
 struct RelayArgs {
   std::string id, listen, stats, key, relay_pub, allow, window = "64MiB", cache = "1GiB";
   std::vector<std::string> parents;
-  double ping = 0.25, dead_after = 1.5;
+  double ping = 0.25, dead_after = 1.5, link_mbps = 0;
 };
 
 int RunRelayDaemon(const RelayArgs& a) {
@@ -45,6 +45,7 @@ int RunRelayDaemon(const RelayArgs& a) {
   o.window_bytes = *window;
   o.cache_bytes = *cache;
   o.stats_path = a.stats;
+  o.link_bytes_per_second = a.link_mbps * 1e6;
   o.ping_every = std::chrono::milliseconds(static_cast<int64_t>(a.ping * 1000));
   o.dead_after = std::chrono::milliseconds(static_cast<int64_t>(a.dead_after * 1000));
   auto sec = LoadRelaySecurity(a.key, a.relay_pub, a.allow);
@@ -84,6 +85,8 @@ void AddRelayCommand(CLI::App& app) {
   relay->add_option("--allow", ra->allow, "File of admitted peers' public keys, one per line");
   relay->add_option("--ping", ra->ping, "Seconds between pings to peers");
   relay->add_option("--dead-after", ra->dead_after, "Seconds of silence after which the parent is left for the next");
+  relay->add_option("--link-mbps", ra->link_mbps,
+                    "Benchmarks: pace each child link to this many MB/s (an in-process throttle); 0: unlimited");
 
   auto* keygen = relay->add_subcommand("keygen", "Write a CURVE key pair: STEM.key (secret, 0600) and STEM.pub");
   auto stem = std::make_shared<std::string>();
