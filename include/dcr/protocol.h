@@ -21,6 +21,8 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <string_view>
 #include <optional>
 #include <string>
 #include <vector>
@@ -110,6 +112,39 @@ struct RunState {
 };
 Result<RunState> ReadRunState(Store& store);
 
+// ---- Other transports for frame objects (the relay tree, include/dcr/relay.h) --
+// The store stays the control plane (manifests, acks, fences, commits) and
+// the record of every frame object; these interfaces let a faster transport
+// carry the frame objects (attempts/v<N>/<attempt>/frames/...) beside it.
+
+// Where a publisher hands each frame object once it is in the store, and
+// each fence once written. Calls come from the publisher's threads and must
+// not block for long (queue and return); a transport that cannot keep up
+// drops objects, since receivers fetch what they lack from the store.
+class FrameObjectSink {
+ public:
+  virtual ~FrameObjectSink() = default;
+  virtual void Object(const std::string& key, std::string_view bytes) = 0;
+  // `attempt_prefix` is run_keys::Attempt(v, attempt).
+  virtual void Fence(const std::string& attempt_prefix) = 0;
+};
+
+// Where a follower takes frame objects from before it downloads them from
+// the store. Every object handed out has been verified (its checksum and
+// every frame's). Thread-safe.
+class FrameObjectSource {
+ public:
+  virtual ~FrameObjectSource() = default;
+  // Moves out every object received so far whose key starts with `prefix`
+  // (full key -> bytes).
+  virtual std::map<std::string, std::string> Take(std::string_view prefix) = 0;
+  // True while the source is attached to a peer that answers: objects may
+  // still be on their way.
+  virtual bool Attached() = 0;
+  // When the last object arrived (steady clock; epoch when none has).
+  virtual std::chrono::steady_clock::time_point LastDelivery() = 0;
+};
+
 // ---- Publisher (coordinator + senders) --------------------------------------
 
 struct PublishOptions {
@@ -126,6 +161,10 @@ struct PublishOptions {
   // within [256 KiB, 16 MiB] (a 3% delta then spans some 100 objects).
   uint64_t segment_bytes = 0;
   std::string coordinator_id;         // for records; default host:pid
+  // Also hand every frame object and fence to this transport (the relay
+  // tree's roots); not owned, must outlive Publish. The store still gets
+  // every object (the record, and the receivers' fallback).
+  FrameObjectSink* relay = nullptr;
   // Fault injection for tests: called at named points ("frames-written",
   // "manifest-written", "acked", "before-commit"; and "committed", after the
   // commit and before the baseline moves); a non-OK status fails the attempt
@@ -173,6 +212,13 @@ struct FollowOptions {
   // look for its next frame objects.
   std::chrono::milliseconds stream_poll{20};
   std::chrono::milliseconds heartbeat_every{1000};
+  // Frame objects from a relay (not owned, must outlive Run). While it is
+  // attached the follower downloads no frame objects from the store during
+  // streaming; once the manifest exists it waits for the missing ones while
+  // the relay keeps delivering (at most `relay_quiet` without a new object),
+  // then downloads from the store only what it still lacks.
+  FrameObjectSource* relay = nullptr;
+  std::chrono::milliseconds relay_quiet{3000};  // above the relay clients' dead_after (1.5 s)
   // Fault injection for tests, as PublishOptions::fault ("applying", "applied", "acked").
   std::function<Status(std::string_view point)> fault;
   std::function<void(const std::string& line)> log;  // progress lines; default stderr

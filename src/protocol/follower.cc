@@ -90,6 +90,10 @@ class FollowRun {
   Status Commit(uint64_t v);  // the target holds committed v
   Status SetState(const std::string& state);
   Status Step();
+  void TakeFromRelay(const std::string& prefix);
+  void AwaitRelay(const std::string& prefix, const std::vector<std::string>& objects);
+  // The objects (and bytes) under `prefix` in prefetched_ that the relay delivered.
+  std::pair<size_t, uint64_t> Relayed(const std::string& prefix) const;
   void StartHeartbeat();
   void StopHeartbeat();
 
@@ -107,6 +111,7 @@ class FollowRun {
   // Frame objects of version_ + 1's streaming attempts, downloaded before
   // their manifest (full key -> bytes); LoadAttempt takes them from here.
   std::map<std::string, std::string> prefetched_;
+  std::set<std::string> from_relay_;  // keys in prefetched_ that the relay delivered
 
   std::mutex mu_;
   std::string state_ = "joining";
@@ -168,6 +173,8 @@ Status FollowRun::Commit(uint64_t v) {
   }
   *version_out_ = v;
   prefetched_.clear();
+  from_relay_.clear();
+  if (o_.relay) o_.relay->Take(run_keys::Attempts(v));  // late copies of what it now holds
   journal_.version = v;
   journal_.attempt.clear();
   return WriteJournal(target_, journal_);
@@ -278,6 +285,45 @@ Status FollowRun::Run(std::optional<uint64_t> until, const std::function<bool()>
   return Status::Ok();
 }
 
+void FollowRun::TakeFromRelay(const std::string& prefix) {
+  if (!o_.relay) return;
+  for (auto& [key, bytes] : o_.relay->Take(prefix)) {
+    if (prefetched_.count(key)) continue;  // already downloaded from the store
+    from_relay_.insert(key);
+    prefetched_.emplace(key, std::move(bytes));
+  }
+}
+
+void FollowRun::AwaitRelay(const std::string& prefix, const std::vector<std::string>& objects) {
+  if (!o_.relay) return;
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    TakeFromRelay(prefix);
+    const bool complete =
+        std::all_of(objects.begin(), objects.end(), [&](const std::string& k) { return prefetched_.count(k) > 0; });
+    // Also while the relay is detached: its client re-attaches upstream
+    // within its dead_after, and the new parent sends what is missing.
+    if (complete) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (now - std::max(start, o_.relay->LastDelivery()) > o_.relay_quiet) {
+      Log(fmt::format("the relay delivered nothing for {} ms; downloading the missing frame objects of {} from the store",
+                      o_.relay_quiet.count(), prefix));
+      return;
+    }
+    std::this_thread::sleep_for(std::min(o_.stream_poll, o_.poll));
+  }
+}
+
+std::pair<size_t, uint64_t> FollowRun::Relayed(const std::string& prefix) const {
+  std::pair<size_t, uint64_t> r{0, 0};
+  for (const auto& [key, bytes] : prefetched_)
+    if (key.starts_with(prefix) && from_relay_.count(key)) {
+      ++r.first;
+      r.second += bytes.size();
+    }
+  return r;
+}
+
 // One step towards version_ + 1: apply its commit, or the open attempts.
 Status FollowRun::Step() {
   if (!ckpt_) {  // a join was interrupted by a store failure
@@ -294,6 +340,7 @@ Status FollowRun::Step() {
                       v));
     if (Total(digests_) != c.target_digest) {
       // Catch up through the committed attempt (a late or retired receiver).
+      TakeFromRelay(run_keys::Attempt(v, c.attempt));
       auto delta = LoadAttempt(store_, v, c.attempt, &prefetched_);
       Status s = delta.status();
       if (delta.ok()) {
@@ -327,12 +374,19 @@ Status FollowRun::Step() {
   for (const auto& a : attempts) {
     if (a.fenced || handled_.count(a.id) || std::find(a.acks.begin(), a.acks.end(), o_.id) != a.acks.end()) {
       std::erase_if(prefetched_, [&](const auto& kv) { return kv.first.starts_with(run_keys::Attempt(v, a.id)); });
+      if (o_.relay) o_.relay->Take(run_keys::Attempt(v, a.id));  // dropped
       continue;
     }
+    const std::string prefix = run_keys::Attempt(v, a.id);
     if (!a.has_manifest) {
-      // Streaming: download the frame objects written so far, so that only
-      // the last one or two remain when the manifest appears.
+      // Streaming: take what the relay delivered; without one attached,
+      // download the frame objects written so far, so that only the last
+      // one or two remain when the manifest appears.
       streaming = true;
+      const size_t before = prefetched_.size();
+      TakeFromRelay(prefix);
+      if (prefetched_.size() != before) progressed = true;
+      if (o_.relay && o_.relay->Attached()) continue;
       for (const auto& key : a.frame_objects) {
         if (prefetched_.count(key)) continue;
         auto blob = store_.Get(key);
@@ -345,8 +399,17 @@ Status FollowRun::Step() {
       }
       continue;
     }
+    AwaitRelay(prefix, a.frame_objects);
+    const auto [relayed, relayed_bytes] = Relayed(prefix);
     auto delta = LoadAttempt(store_, v, a.id, &prefetched_);
     if (Transient(delta.status())) return delta.status();
+    if (o_.relay && delta.ok()) {
+      const uint64_t frame_bytes = delta->manifest().frame_bytes;
+      Log(fmt::format("version {} attempt {}: frame objects {}/{} ({} bytes) from the relay, {} ({} bytes) from the store",
+                      v, a.id, relayed, a.frame_objects.size(), relayed_bytes,
+                      a.frame_objects.size() - std::min(a.frame_objects.size(), relayed),
+                      frame_bytes - std::min(frame_bytes, relayed_bytes)));
+    }
     journal_.attempt = a.id;
     DCR_RETURN_IF_ERROR(WriteJournal(target_, journal_));
     SetState("applying").IgnoreError();

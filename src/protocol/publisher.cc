@@ -281,7 +281,11 @@ Status PublishRun::Fence(uint64_t v, const std::string& id, const Status& why) {
   // Never fence a committed attempt (its commit's response may have been lost).
   if (auto c = ReadCommit(store_, v); c.ok() && c->attempt == id) return Status::Ok();
   nlohmann::json doc = {{"format", "dcr-fence"}, {"reason", why.ToString()}, {"time", UnixNow()}};
-  return store_.Put(run_keys::Attempt(v, id) + "fence", doc.dump(1) + "\n");
+  DCR_RETURN_IF_ERROR(store_.Put(run_keys::Attempt(v, id) + "fence", doc.dump(1) + "\n"));
+  // The store's fence is the one receivers obey; the relays' copy only lets
+  // them drop the attempt's frames early.
+  if (o_.relay) o_.relay->Fence(run_keys::Attempt(v, id));
+  return Status::Ok();
 }
 
 Status PublishRun::CatchUpBaseline(Checkpoint& baseline, uint64_t from, uint64_t to, ChunkDigestTable* digests) {
@@ -442,11 +446,15 @@ namespace {
 // Closing (the file store's fsyncs and rename, S3's last part and complete)
 // runs on a closer thread, so the encoder keeps streaming into the next
 // object meanwhile; at most kClosesInFlight objects wait to be closed. The
-// first error of any close is returned by the next Write or Close.
+// first error of any close is returned by the next Write or Close. With
+// `relay`, each object is also handed to it once it is in the store (the
+// segment's bytes are kept in memory until then).
 class SegmentedFrameWriter {
  public:
-  SegmentedFrameWriter(Store& store, std::string prefix, uint32_t sender, uint64_t segment_bytes)
-      : store_(store), prefix_(std::move(prefix)), sender_(sender), segment_bytes_(std::max<uint64_t>(segment_bytes, 1)) {}
+  SegmentedFrameWriter(Store& store, std::string prefix, uint32_t sender, uint64_t segment_bytes,
+                       FrameObjectSink* relay)
+      : store_(store), prefix_(std::move(prefix)), sender_(sender), segment_bytes_(std::max<uint64_t>(segment_bytes, 1)),
+        relay_(relay) {}
   // Without Close (an attempt that failed): nothing more is published.
   ~SegmentedFrameWriter() {
     if (writer_) writer_->Abort();
@@ -466,6 +474,7 @@ class SegmentedFrameWriter {
       in_segment_ = 0;
     }
     DCR_RETURN_IF_ERROR(writer_->Write(frame));
+    if (relay_) buffer_.append(frame);
     in_segment_ += frame.size();
     written_ += frame.size();
     return Status::Ok();
@@ -495,6 +504,10 @@ class SegmentedFrameWriter {
 
  private:
   static constexpr size_t kClosesInFlight = 4;
+  struct Pending {
+    std::unique_ptr<ObjectWriter> writer;
+    std::string key, bytes;  // bytes: only with a relay
+  };
 
   // Hands the current object (if any) to the closer thread.
   Status Rotate() {
@@ -502,7 +515,8 @@ class SegmentedFrameWriter {
     if (!failure_.ok()) return failure_;
     if (!writer_) return Status::Ok();
     cv_.wait(lock, [&] { return pending_.size() < kClosesInFlight; });
-    pending_.push_back(std::move(writer_));
+    pending_.push_back({std::move(writer_), prefix_ + names_.back(), std::move(buffer_)});
+    buffer_.clear();
     if (!closer_.joinable()) closer_ = std::thread([this] { CloseLoop(); });
     cv_.notify_all();
     return failure_;
@@ -513,12 +527,16 @@ class SegmentedFrameWriter {
     for (;;) {
       cv_.wait(lock, [&] { return !pending_.empty() || stopping_; });
       if (pending_.empty()) return;
-      std::unique_ptr<ObjectWriter> w = std::move(pending_.front());
+      Pending p = std::move(pending_.front());
       const bool abort = aborting_ || !failure_.ok();
       lock.unlock();
       Status s;
-      if (abort) w->Abort();
-      else s = w->Close();
+      if (abort) {
+        p.writer->Abort();
+      } else {
+        s = p.writer->Close();
+        if (s.ok() && relay_) relay_->Object(p.key, p.bytes);
+      }
       lock.lock();
       pending_.pop_front();
       if (!s.ok() && failure_.ok()) failure_ = s;
@@ -530,6 +548,8 @@ class SegmentedFrameWriter {
   const std::string prefix_;
   const uint32_t sender_;
   const uint64_t segment_bytes_;
+  FrameObjectSink* const relay_;
+  std::string buffer_;  // the open segment's bytes, with a relay
   std::unique_ptr<ObjectWriter> writer_;
   std::vector<std::string> names_;
   std::vector<uint64_t> starts_;  // stream offset where each segment begins
@@ -537,7 +557,7 @@ class SegmentedFrameWriter {
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::unique_ptr<ObjectWriter>> pending_;  // front: being closed
+  std::deque<Pending> pending_;  // front: being closed
   bool stopping_ = false, aborting_ = false;
   Status failure_;
   std::thread closer_;
@@ -573,7 +593,7 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
   for (uint32_t k = 0; k < plan.size(); ++k) {
     std::vector<Digest> tracked;
     for (const auto& c : plan[k]) tracked.push_back(base_digests[c.tensor][c.chunk]);
-    SegmentedFrameWriter segments(store_, prefix, k, segment_bytes);
+    SegmentedFrameWriter segments(store_, prefix, k, segment_bytes, o_.relay);
     DCR_ASSIGN_OR_RETURN(EncodedFrames encoded,
                          EncodeFrames(baseline, next, m, plan[k], options.encode,
                                       [&](std::string_view frame) { return segments.Write(frame); }, &tracked,

@@ -224,6 +224,37 @@ def layout_map_seeds(dcr=None):
             seeds[name] = subprocess.run([dcr, "layout", "generate", "--size", "2MB"] + args, check=True,
                                          capture_output=True).stdout
     return seeds
+def relay_message_seeds(frame_dir):
+    """Relay wire messages (docs/relay.md). The fuzz target's first byte
+    picks the split: even, one part; odd, two parts cut at the offset in the
+    next two bytes (little-endian)."""
+    import struct
+
+    def head(t):
+        return struct.pack("<IBBH", 0x4C524344, 1, t, 0)
+
+    def s16(b):
+        return struct.pack("<H", len(b)) + b
+
+    key = b"attempts/v0000000001/0000-0123abcd/frames/s0-0000.bin"
+    frame = b""
+    if os.path.isdir(frame_dir):
+        names = sorted(os.listdir(frame_dir))
+        if names:
+            with open(os.path.join(frame_dir, names[0]), "rb") as f:
+                frame = f.read()
+    one = b"\x00\x00\x00"
+    hello = (head(1) + bytes([2]) + s16(b"receiver-1") + struct.pack("<I", 2) + s16(key) +
+             s16(key.replace(b"0000.bin", b"0001.bin")))
+    # The object's CRC is left 0: mutations that fix it reach the frame checks.
+    obj = head(2) + s16(key) + struct.pack("<QI", len(frame), 0)
+    return {
+        "ping": one + head(5),
+        "credit": one + head(3) + struct.pack("<QI", 1 << 20, 1),
+        "fence": one + head(4) + s16(b"attempts/v0000000001/0000-0123abcd/"),
+        "hello": one + hello,
+        "object": b"\x01" + struct.pack("<H", len(obj)) + obj + frame,
+    }
 
 
 def write_all(out_dir, seeds):
@@ -261,6 +292,7 @@ def main():
     write_all(os.path.join(sys.argv[1], "s3_response_fuzz"), s3_response_seeds())
     write_all(os.path.join(sys.argv[1], "store_config_fuzz"), store_config_seeds())
     write_all(os.path.join(sys.argv[1], "layout_map_fuzz"), layout_map_seeds(sys.argv[2]))
+    write_all(os.path.join(sys.argv[1], "relay_message_fuzz"), relay_message_seeds(os.path.join(sys.argv[1], "frame_fuzz")))
 
 
 if __name__ == "__main__":

@@ -29,5 +29,6 @@ void AddDeltaCommand(CLI::App& app);
 void AddRefitCommands(CLI::App& app);  // publish, follow, status
 void AddStoreCommand(CLI::App& app);
 void AddLayoutCommand(CLI::App& app);  // generate, validate, show
+void AddRelayCommand(CLI::App& app);  // relay, relay keygen | plan | push
 
 }  // namespace dcr::cli

@@ -29,6 +29,7 @@ int main(int argc, char** argv) {
   dcr::cli::AddRefitCommands(app);
   dcr::cli::AddStoreCommand(app);
   dcr::cli::AddLayoutCommand(app);
+  dcr::cli::AddRelayCommand(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

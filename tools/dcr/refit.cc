@@ -1,6 +1,8 @@
 // dcr publish | follow | status: the refit protocol over a store.
 #include <fmt/format.h>
 
+#include <unistd.h>
+
 #include <atomic>
 #include <csignal>
 #include <cstdlib>
@@ -13,6 +15,7 @@
 #include "dcr/checkpoint.h"
 #include "dcr/progress.h"
 #include "dcr/protocol.h"
+#include "dcr/relay.h"
 
 namespace dcr::cli {
 namespace {
@@ -65,7 +68,20 @@ struct PublishArgs {
   double ack_timeout = 60, heartbeat_timeout = 10;
   uint64_t snapshot_every = 0;
   bool json = false;
+  std::vector<std::string> relays;  // tree roots
+  std::string relay_key, relay_pub;
+  double relay_mbps = 0;
 };
+
+// Relay client options from the CLI's flags (shared by publish and follow).
+Result<RelayClientOptions> RelayClient(const std::string& id, const std::vector<std::string>& addresses,
+                                       const std::string& key, const std::string& pub) {
+  RelayClientOptions o;
+  o.id = id;
+  o.addresses = addresses;
+  DCR_ASSIGN_OR_RETURN(o.security, LoadRelaySecurity(key, pub, ""));
+  return o;
+}
 
 int RunPublish(const PublishArgs& a) {
   auto store = OpenStore(a.store);
@@ -89,6 +105,20 @@ int RunPublish(const PublishArgs& a) {
   o.heartbeat_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.heartbeat_timeout * 1000));
   o.snapshot_every = a.snapshot_every;
   o.fault = TestCrashHook();
+  std::unique_ptr<RelaySender> relay;
+  if (!a.relays.empty()) {
+    char host[256] = {0};
+    ::gethostname(host, sizeof host - 1);
+    auto ro = RelayClient(fmt::format("publish-{}-{}", host, ::getpid()), a.relays, a.relay_key, a.relay_pub);
+    if (!ro.ok()) return Fail("publish", ro.status());
+    // A root is written off only when it is really gone; a busy one is waited for.
+    ro->dead_after = std::chrono::seconds(5);
+    ro->link_bytes_per_second = a.relay_mbps * 1e6;
+    auto started = RelaySender::Start(*ro);
+    if (!started.ok()) return Fail("publish", started.status());
+    relay = std::move(*started);
+    o.relay = relay.get();
+  }
   Publisher publisher(**store, a.state.empty() ? DefaultStateDir((*store)->url()) : a.state, o);
   Progress progress(fmt::format("publish v{}", a.version), ckpt->total_bytes());
   auto r = publisher.Publish(a.version, *ckpt, &progress);
@@ -119,7 +149,9 @@ int RunPublish(const PublishArgs& a) {
 struct FollowArgs {
   std::string store, target, id;
   int64_t until = -1;
-  double poll = 0.1, stream_poll = 0.02, heartbeat = 1;
+  double poll = 0.1, stream_poll = 0.02, heartbeat = 1, relay_quiet = 3, relay_dead_after = 1.5;
+  std::vector<std::string> relays;  // its relay, then ancestors
+  std::string relay_key, relay_pub;
 };
 
 int RunFollow(const FollowArgs& a) {
@@ -131,12 +163,33 @@ int RunFollow(const FollowArgs& a) {
   o.stream_poll = std::chrono::milliseconds(static_cast<int64_t>(a.stream_poll * 1000));
   o.heartbeat_every = std::chrono::milliseconds(static_cast<int64_t>(a.heartbeat * 1000));
   o.fault = TestCrashHook();
+  std::unique_ptr<RelayReceiver> relay;
+  if (!a.relays.empty()) {
+    char host[256] = {0};
+    ::gethostname(host, sizeof host - 1);
+    // The relay knows the receiver by the id it has in the store (default host-pid).
+    auto ro = RelayClient(a.id.empty() ? fmt::format("{}-{}", host, ::getpid()) : a.id, a.relays, a.relay_key, a.relay_pub);
+    if (!ro.ok()) return Fail("follow", ro.status());
+    ro->dead_after = std::chrono::milliseconds(static_cast<int64_t>(a.relay_dead_after * 1000));
+    auto started = RelayReceiver::Start(*ro);
+    if (!started.ok()) return Fail("follow", started.status());
+    relay = std::move(*started);
+    o.relay = relay.get();
+    o.relay_quiet = std::chrono::milliseconds(static_cast<int64_t>(a.relay_quiet * 1000));
+  }
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
-  Follower follower(**store, a.target, o);
-  Status s = follower.Run(a.until >= 0 ? std::optional<uint64_t>(a.until) : std::nullopt, [] { return g_stop.load(); });
+  Follower f(**store, a.target, o);
+  Status s = f.Run(a.until >= 0 ? std::optional<uint64_t>(a.until) : std::nullopt, [] { return g_stop.load(); });
+  if (relay) {
+    const RelayClientStats rs = relay->Stats();
+    std::cerr << fmt::format("dcr follow: relay: {} objects ({} bytes) received, {} corrupt, {} duplicates, {} fenced, "
+                             "{} re-attachments, last attached to {}",
+                             rs.objects, rs.bytes, rs.corrupt, rs.duplicates, rs.fenced, rs.reattached, rs.attached)
+              << std::endl;
+  }
   if (!s.ok()) return Fail("follow", s);
-  fmt::print("{} holds version {}\n", a.target, follower.version());
+  fmt::print("{} holds version {}\n", a.target, f.version());
   return kExitOk;
 }
 
@@ -230,6 +283,13 @@ void AddRefitCommands(CLI::App& app) {
   pub->add_option("--heartbeat-timeout", pa->heartbeat_timeout, "Receivers silent longer than this are not waited for");
   pub->add_option("--snapshot-every", pa->snapshot_every, "Also publish a snapshot every N versions");
   pub->add_flag("--json", pa->json, "Print the report as JSON");
+  pub->add_option("--relay", pa->relays,
+                  "Also push every frame object into this relay tree root (repeat: one root per destination cluster); "
+                  "the store still gets them");
+  pub->add_option("--relay-key", pa->relay_key, "CURVE key pair file for the relays (dcr relay keygen)");
+  pub->add_option("--relay-pub", pa->relay_pub, "The relays' public key file");
+  pub->add_option("--relay-mbps", pa->relay_mbps,
+                  "Benchmarks: pace each link to a root to this many MB/s (an in-process throttle); 0: unlimited");
   pub->callback([pa] { ExitCode() = RunPublish(*pa); });
 
   auto* fol = app.add_subcommand("follow", "Receive every committed version into a checkpoint directory, in place");
@@ -242,6 +302,16 @@ void AddRefitCommands(CLI::App& app) {
   fol->add_option("--stream-poll", fa->stream_poll,
                   "Seconds between looks for new frame objects while an attempt streams");
   fol->add_option("--heartbeat", fa->heartbeat, "Seconds between heartbeats");
+  fol->add_option("--relay", fa->relays,
+                  "Take frame objects from this relay (repeat: then its ancestors, used in order when it is silent); "
+                  "what no relay delivers comes from the store");
+  fol->add_option("--relay-key", fa->relay_key, "CURVE key pair file for the relays (dcr relay keygen)");
+  fol->add_option("--relay-pub", fa->relay_pub, "The relays' public key file");
+  fol->add_option("--relay-quiet", fa->relay_quiet,
+                  "Seconds without a new object from the relay after which the missing ones come from the store "
+                  "(keep it above --relay-dead-after)");
+  fol->add_option("--relay-dead-after", fa->relay_dead_after,
+                  "Seconds of silence after which the relay is left for the next --relay address");
   fol->callback([fa] { ExitCode() = RunFollow(*fa); });
 
   auto* st = app.add_subcommand("status", "Versions, attempts, acknowledgements, fences and receivers of a run");

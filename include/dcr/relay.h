@@ -1,0 +1,264 @@
+// The relay tree (DESIGN sections 3 and 5; docs/relay.md): daemons that carry
+// the frame objects of the protocol's attempts (attempts/v<N>/<attempt>/
+// frames/s<K>-<NNNN>.bin) from the senders into each destination cluster
+// once, then down a tree to the receivers, while the store stays the control
+// plane (manifests, acks, fences, commits) and the receivers' fallback.
+//
+//   PlanTree           the tree's shape as data (pure)
+//   EncodeMessage /
+//   DecodeMessage      the wire messages (pure; fuzzed by tests/fuzz/relay_message_fuzz.cc)
+//   VerifyFrameObject  what every hop checks before doing anything with an object
+//   RunRelay           the daemon (`dcr relay`)
+//   RelayReceiver      a follower's attachment to a relay (FrameObjectSource)
+//   RelaySender        a publisher's push into the tree's roots (FrameObjectSink)
+//
+// Transport: ZeroMQ (libzmq's C API, so that errors stay values) over TCP,
+// ROUTER at a relay, DEALER at its clients; CurveZMQ authenticates peers and
+// encrypts every message when keys are configured (RelaySecurity).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "dcr/protocol.h"
+#include "dcr/status.h"
+
+namespace dcr {
+
+// ---- Tree plans ---------------------------------------------------------------
+
+struct RelaySpec {
+  std::string id;       // unique, [A-Za-z0-9._-]{1,64}
+  std::string address;  // where it listens, e.g. tcp://10.0.0.7:7400
+  std::string cluster;  // the destination cluster it serves
+};
+
+struct TreePlan {
+  struct Node {
+    RelaySpec relay;
+    std::optional<size_t> parent;  // index into nodes; none at a cluster's root
+    std::vector<size_t> children;  // indices into nodes
+    uint32_t depth = 0;            // 0 at a root
+  };
+  uint32_t fanout = 0;
+  std::vector<Node> nodes;   // clusters in name order, each breadth first from its root
+  std::vector<size_t> roots; // one per cluster, in cluster order
+  uint32_t depth = 0;        // the deepest node's depth
+
+  // The node with this id, or nullptr.
+  const Node* Find(std::string_view id) const;
+  // The addresses `id` attaches to, in order: its parent, then each ancestor
+  // up to its root (empty at a root). A child whose parent dies attaches to
+  // the next; past the root it falls back to the store.
+  std::vector<std::string> Upstream(std::string_view id) const;
+  std::string ToJson() const;
+};
+
+// The tree: one root per cluster (the senders push each frame object once
+// into every root, so the payload crosses into each destination cluster
+// once), and within a cluster, in id order, node i's parent is node
+// (i - 1) / fanout (a complete fanout-ary tree, depth ceil(log_fanout)).
+// Pure: the same relays in any order and fanout give the same plan. To
+// replan after losing a node, plan again without it (PlanTreeWithout).
+// Errors: kInvalidArgument (fanout 0, an empty list, an id that is empty,
+// malformed or repeated, an empty address or cluster, a repeated address).
+Result<TreePlan> PlanTree(std::vector<RelaySpec> relays, uint32_t fanout);
+Result<TreePlan> PlanTreeWithout(const std::vector<RelaySpec>& relays, const std::set<std::string>& lost,
+                                 uint32_t fanout);
+// A relay list as JSON: [{"id", "address", "cluster"}, ...] (`dcr relay plan`).
+Result<std::vector<RelaySpec>> ParseRelayList(std::string_view json, const std::string& where);
+
+// ---- Wire messages (docs/relay.md, byte by byte) --------------------------------
+
+inline constexpr uint32_t kRelayMagic = 0x4C524344;  // "DCRL" little-endian
+inline constexpr uint8_t kRelayWireVersion = 1;
+inline constexpr size_t kRelayMaxIdBytes = 128;
+inline constexpr size_t kRelayMaxKeyBytes = 1024;
+inline constexpr uint32_t kRelayMaxHave = 1 << 16;
+inline constexpr uint64_t kRelayMaxObjectBytes = 1ull << 30;
+
+enum class RelayMessageType : uint8_t {
+  kHello = 1,   // client -> relay: who I am, which objects I already hold
+  kObject = 2,  // a frame object (parent -> child, sender -> root)
+  kCredit = 3,  // receiver of objects -> their sender: window returned
+  kFence = 4,   // an attempt is obsolete: drop its objects (sender -> root -> down)
+  kPing = 5,    // liveness, both ways
+};
+enum class RelayRole : uint8_t { kRelay = 1, kReceiver = 2, kSender = 3 };
+std::string_view RelayRoleName(RelayRole role);
+
+struct RelayMessage {
+  RelayMessageType type = RelayMessageType::kPing;
+  // kHello
+  RelayRole role = RelayRole::kReceiver;
+  std::string id;
+  std::vector<std::string> have;  // object keys
+  // kObject: key, and the data's size and CRC32C as the sender computed them
+  // (checked by VerifyFrameObject, not by DecodeMessage).
+  std::string key;
+  uint64_t size = 0;
+  uint32_t crc = 0;
+  std::string_view data;  // into the decoded parts
+  // kCredit
+  uint64_t credit_bytes = 0;
+  uint32_t credit_objects = 0;
+  // kFence: key holds the attempt prefix (attempts/v<N>/<attempt>/).
+};
+
+// The message's parts: [header] or, for kObject, [header, data].
+std::vector<std::string> EncodeMessage(const RelayMessage& m);
+// Parses parts received from a peer. Validates everything that needs no
+// other state: magic, version, type, lengths, limits, and that keys are
+// frame object keys (kObject, kHello's have) or attempt prefixes (kFence).
+// Errors: kInvalidArgument (malformed, naming the field), kUnimplemented
+// (a newer wire version).
+Result<RelayMessage> DecodeMessage(std::span<const std::string_view> parts);
+
+// "attempts/v<10 digits>/<4+ digits>-<hex>/frames/s<digits>-<digits>.bin":
+// the attempt prefix ("attempts/v.../<attempt>/"), or kInvalidArgument.
+Result<std::string> FrameObjectPrefix(std::string_view key);
+// "attempts/v<10 digits>/<4+ digits>-<hex>/", or kInvalidArgument.
+Status ValidateAttemptPrefix(std::string_view prefix);
+
+// What every hop checks before storing, forwarding or handing out an
+// object: the data has the size and CRC32C the message claims, and it is a
+// sequence of whole frames each of which parses with valid header and
+// payload checksums (ParseFrame). kDataLoss naming the key and the offset.
+Status VerifyFrameObject(const RelayMessage& object);
+
+// ---- Security -------------------------------------------------------------------
+
+struct CurveKeyPair {
+  std::string public_key, secret_key;  // Z85, 40 characters each
+};
+Result<CurveKeyPair> GenerateCurveKeyPair();
+// STEM.key (the pair, mode 0600) and STEM.pub (the public key).
+Status WriteCurveKeyFiles(const std::string& stem, const CurveKeyPair& pair);
+// A .key file written by WriteCurveKeyFiles.
+Result<CurveKeyPair> ReadCurveKeyPair(const std::string& path);
+// A .pub file, or the public key of a .key file.
+Result<std::string> ReadCurvePublicKey(const std::string& path);
+// Public keys one per line (lines starting with '#' are comments; Z85 keys
+// may contain '#' themselves), blank lines allowed: the peers
+// a relay admits.
+Result<std::set<std::string>> ReadCurveAllowList(const std::string& path);
+
+// No keys: plain TCP, anyone who can connect is served (trusted networks
+// only). With keys: every connection is CurveZMQ (authenticated, encrypted).
+struct RelaySecurity {
+  std::optional<CurveKeyPair> own;  // this process's keys
+  std::string server_public;        // the relays it connects to (clients)
+  std::set<std::string> allowed;    // client keys a relay admits (servers)
+  bool enabled() const { return own.has_value(); }
+};
+
+// From key files (empty names: not given): `key_file` this process's pair,
+// `server_public_file` the relays' public key (default: the pair's own, for
+// relays sharing one pair), `allow_file` the admitted peers (relays). No key
+// file: security off, and then neither other file may be given.
+Result<RelaySecurity> LoadRelaySecurity(const std::string& key_file, const std::string& server_public_file,
+                                        const std::string& allow_file);
+
+// ---- The daemon ----------------------------------------------------------------
+
+struct RelayOptions {
+  std::string id;                 // for logs, stats and HELLO
+  std::string listen;             // bind address (tcp://host:port)
+  std::vector<std::string> upstream;  // parent first, then ancestors; empty at a root
+  RelaySecurity security;
+  // Per child: bytes sent and not yet credited back (the in-memory window).
+  uint64_t window_bytes = 64ull << 20;
+  // Objects kept for re-attaching children and children whose window is
+  // full; the oldest are evicted beyond this. A child that had not got an
+  // evicted object fetches it from the store (drop and refetch).
+  uint64_t cache_bytes = 1ull << 30;
+  std::chrono::milliseconds ping_every{250};
+  std::chrono::milliseconds dead_after{1500};  // an upstream silent this long is left
+  std::string stats_path;  // JSON rewritten about every second, and at exit
+  // Benchmarks: pace each child link to this many bytes per second (an
+  // in-process throttle standing in for a network link); 0: unlimited.
+  double link_bytes_per_second = 0;
+  std::function<void(const std::string&)> log;  // default stderr
+  // TEST ONLY: flips one payload byte of the Nth object received (1-based)
+  // before verification, as a corrupting link would.
+  uint64_t test_corrupt_nth = 0;
+};
+
+// Runs the relay until `stop` returns true (checked every few ms). Errors:
+// kInvalidArgument (bad options), kUnavailable (cannot bind, naming the
+// address); once running, peers' failures are logged, never fatal.
+Status RunRelay(const RelayOptions& options, const std::function<bool()>& stop);
+
+// ---- Clients ---------------------------------------------------------------------
+
+struct RelayClientOptions {
+  std::string id;
+  std::vector<std::string> addresses;  // receivers: relay, then ancestors; senders: every root
+  RelaySecurity security;
+  std::chrono::milliseconds ping_every{250};
+  std::chrono::milliseconds dead_after{1500};
+  uint64_t window_bytes = 64ull << 20;        // senders: uncredited bytes per root
+  double link_bytes_per_second = 0;           // senders: pace each root link (benchmarks); 0: unlimited
+  // Senders: queued per root before the oldest are dropped. Receivers:
+  // verified objects kept until taken, the oldest dropped beyond it.
+  uint64_t max_queue_bytes = 1ull << 30;
+  std::function<void(const std::string&)> log;
+};
+
+struct RelayClientStats {
+  uint64_t objects = 0, bytes = 0;  // received (receivers) or credited (senders)
+  uint64_t corrupt = 0, duplicates = 0, fenced = 0, dropped = 0, reattached = 0;
+  std::string attached;  // the address in use (receivers)
+};
+
+// A follower's attachment: runs a thread that attaches to addresses[0]
+// (HELLO with the keys it holds), verifies every object, keeps it until the
+// follower takes it, and moves to the next address when the current one is
+// silent for dead_after (cycling, so a restarted relay is used again).
+class RelayReceiver final : public FrameObjectSource {
+ public:
+  static Result<std::unique_ptr<RelayReceiver>> Start(RelayClientOptions options);
+  ~RelayReceiver() override;
+  std::map<std::string, std::string> Take(std::string_view prefix) override;
+  bool Attached() override;
+  std::chrono::steady_clock::time_point LastDelivery() override;
+  RelayClientStats Stats();
+
+  struct State;
+
+ private:
+  explicit RelayReceiver(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+// A publisher's push: Object and Fence queue (copying) and return; a thread
+// sends to every root within its credit window. A root that stops answering
+// has its unanswered window written off (its receivers fetch from the store).
+class RelaySender final : public FrameObjectSink {
+ public:
+  static Result<std::unique_ptr<RelaySender>> Start(RelayClientOptions options);
+  ~RelaySender() override;  // waits up to 2 s for queued objects to be sent
+  void Object(const std::string& key, std::string_view bytes) override;
+  void Fence(const std::string& attempt_prefix) override;
+  // Waits until every queued object was credited by every live root, or `timeout`.
+  bool Flush(std::chrono::milliseconds timeout);
+  RelayClientStats Stats();
+
+  struct State;
+
+ private:
+  explicit RelaySender(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace dcr

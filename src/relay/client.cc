@@ -1,0 +1,435 @@
+// The relay's clients: a follower's attachment (RelayReceiver) and a
+// publisher's push into the roots (RelaySender).
+#include <fmt/format.h>
+
+#include <condition_variable>
+#include <deque>
+#include <iostream>
+#include <mutex>
+#include <thread>
+
+#include "dcr/hash.h"
+#include "zmq_io.h"
+
+namespace dcr {
+
+using namespace relay_internal;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+void DefaultLog(const std::string& who, const std::string& line) {
+  std::cerr << "dcr relay client [" << who << "] " << line << std::endl;
+}
+
+RelayMessage Credit(uint64_t bytes) {
+  RelayMessage c;
+  c.type = RelayMessageType::kCredit;
+  c.credit_bytes = bytes;
+  c.credit_objects = 1;
+  return c;
+}
+
+Status CheckClientOptions(const RelayClientOptions& o, std::string_view what) {
+  if (o.id.empty()) return InvalidArgument(fmt::format("{}: an id is needed", what));
+  if (o.addresses.empty()) return InvalidArgument(fmt::format("{}: no relay address (--relay tcp://HOST:PORT)", what));
+  if (o.security.enabled() && o.security.server_public.empty())
+    return InvalidArgument(fmt::format("{}: CURVE keys given but not the relays' public key", what));
+  return Status::Ok();
+}
+
+}  // namespace
+
+// ---- RelayReceiver --------------------------------------------------------------
+
+struct RelayReceiver::State {
+  RelayClientOptions o;
+  Context ctx;
+  std::mutex mu;
+  std::map<std::string, std::string> ready;  // verified, not yet taken
+  std::deque<std::string> ready_order;        // arrival order, to evict the oldest beyond max_queue_bytes
+  uint64_t ready_bytes = 0;
+  std::set<std::string> have;                 // every key received (HELLO on re-attach)
+  std::deque<std::string> have_order;
+  std::set<std::string> fenced;
+  RelayClientStats stats;
+  Clock::time_point last_delivery{}, heard{};
+  bool attached = false;
+  std::atomic<bool> stop{false};
+  std::thread thread;
+
+  void Log(const std::string& line) {
+    if (o.log) o.log(line);
+    else DefaultLog(o.id, line);
+  }
+  Result<Socket> Connect(size_t index);
+  void Loop();
+  void OnMessage(void* sock, std::vector<std::string> parts);
+};
+
+Result<Socket> RelayReceiver::State::Connect(size_t index) {
+  DCR_ASSIGN_OR_RETURN(Socket s, OpenSocket(ctx.ctx, ZMQ_DEALER));
+  DCR_RETURN_IF_ERROR(ConfigureCurveClient(s.get(), o.security));
+  if (zmq_connect(s.get(), o.addresses[index].c_str()) != 0)
+    return InvalidArgument(ZmqError("cannot connect to relay " + o.addresses[index]));
+  RelayMessage hello;
+  hello.type = RelayMessageType::kHello;
+  hello.role = RelayRole::kReceiver;
+  hello.id = o.id;
+  {
+    std::lock_guard lock(mu);
+    for (auto it = have_order.rbegin(); it != have_order.rend() && hello.have.size() < kRelayMaxHave; ++it)
+      hello.have.push_back(*it);
+    stats.attached = o.addresses[index];
+    attached = false;
+  }
+  SendParts(s.get(), "", EncodeMessage(hello)).IgnoreError();
+  return s;
+}
+
+void RelayReceiver::State::OnMessage(void* sock, std::vector<std::string> parts) {
+  std::vector<std::string_view> views(parts.begin(), parts.end());
+  auto m = DecodeMessage(views);
+  if (!m.ok()) {
+    Log("ignored a malformed message from the relay: " + m.status().ToString());
+    return;
+  }
+  std::lock_guard lock(mu);
+  heard = Clock::now();
+  attached = true;
+  if (m->type == RelayMessageType::kFence) {
+    fenced.insert(m->key);
+    std::erase_if(ready, [&](const auto& kv) {
+      if (!kv.first.starts_with(m->key)) return false;
+      ready_bytes -= kv.second.size();
+      return true;
+    });
+    return;
+  }
+  if (m->type != RelayMessageType::kObject) return;
+  SendParts(sock, "", EncodeMessage(Credit(m->size))).IgnoreError();
+  if (Status s = VerifyFrameObject(*m); !s.ok()) {
+    ++stats.corrupt;
+    Log(s.message());
+    return;
+  }
+  auto prefix = FrameObjectPrefix(m->key);
+  if (!prefix.ok() || fenced.count(*prefix)) {
+    ++stats.fenced;
+    return;
+  }
+  if (have.count(m->key)) {
+    ++stats.duplicates;
+    return;
+  }
+  have.insert(m->key);
+  have_order.push_back(m->key);
+  if (have_order.size() > kRelayMaxHave) {
+    have.erase(have_order.front());
+    have_order.pop_front();
+  }
+  ++stats.objects;
+  stats.bytes += m->size;
+  last_delivery = Clock::now();
+  ready.emplace(m->key, std::string(m->data));
+  ready_order.push_back(m->key);
+  ready_bytes += m->size;
+  // Objects nobody takes (a follower that applied from the store, a lost
+  // FENCE) must not pile up: the oldest go first.
+  while (ready_bytes > o.max_queue_bytes && !ready_order.empty()) {
+    auto it = ready.find(ready_order.front());
+    ready_order.pop_front();
+    if (it == ready.end()) continue;
+    ready_bytes -= it->second.size();
+    ready.erase(it);
+    ++stats.dropped;
+  }
+}
+
+void RelayReceiver::State::Loop() {
+  size_t index = 0;
+  auto sock = Connect(index);
+  if (!sock.ok()) Log(sock.status().ToString());
+  auto since = Clock::now(), last_ping = Clock::now();
+  while (!stop.load()) {
+    if (sock.ok()) {
+      zmq_pollitem_t item = {sock->get(), 0, ZMQ_POLLIN, 0};
+      zmq_poll(&item, 1, 10);
+      for (int i = 0; i < 256 && (item.revents & ZMQ_POLLIN); ++i) {
+        auto parts = RecvParts(sock->get());
+        if (!parts.ok() || parts->empty()) break;
+        OnMessage(sock->get(), std::move(*parts));
+      }
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    const auto now = Clock::now();
+    if (sock.ok() && now - last_ping >= o.ping_every) {
+      last_ping = now;
+      RelayMessage ping;
+      ping.type = RelayMessageType::kPing;
+      SendParts(sock->get(), "", EncodeMessage(ping)).IgnoreError();
+    }
+    Clock::time_point heard_at;
+    {
+      std::lock_guard lock(mu);
+      heard_at = std::max(heard, since);
+    }
+    if (now - heard_at > o.dead_after) {
+      const size_t next = (index + 1) % o.addresses.size();
+      Log(fmt::format("relay {} silent for {} ms; attaching to {} (the store serves what no relay delivers)",
+                      o.addresses[index], o.dead_after.count(), o.addresses[next]));
+      {
+        std::lock_guard lock(mu);
+        attached = false;
+        ++stats.reattached;
+      }
+      index = next;
+      sock = Socket();  // close before reconnecting
+      sock = Connect(index);
+      if (!sock.ok()) Log(sock.status().ToString());
+      since = Clock::now();
+    }
+  }
+}
+
+RelayReceiver::RelayReceiver(std::unique_ptr<State> state) : state_(std::move(state)) {}
+
+Result<std::unique_ptr<RelayReceiver>> RelayReceiver::Start(RelayClientOptions options) {
+  DCR_RETURN_IF_ERROR(CheckClientOptions(options, "relay receiver"));
+  auto state = std::make_unique<State>();
+  state->o = std::move(options);
+  State* raw = state.get();
+  std::unique_ptr<RelayReceiver> r(new RelayReceiver(std::move(state)));
+  raw->thread = std::thread([raw] { raw->Loop(); });
+  return r;
+}
+
+RelayReceiver::~RelayReceiver() {
+  state_->stop = true;
+  if (state_->thread.joinable()) state_->thread.join();
+}
+
+std::map<std::string, std::string> RelayReceiver::Take(std::string_view prefix) {
+  std::lock_guard lock(state_->mu);
+  std::map<std::string, std::string> out;
+  for (auto it = state_->ready.lower_bound(std::string(prefix)); it != state_->ready.end() && it->first.starts_with(prefix);) {
+    state_->ready_bytes -= it->second.size();
+    out.insert(state_->ready.extract(it++));
+  }
+  return out;
+}
+
+bool RelayReceiver::Attached() {
+  std::lock_guard lock(state_->mu);
+  return state_->attached && Clock::now() - state_->heard < state_->o.dead_after;
+}
+
+Clock::time_point RelayReceiver::LastDelivery() {
+  std::lock_guard lock(state_->mu);
+  return state_->last_delivery;
+}
+
+RelayClientStats RelayReceiver::Stats() {
+  std::lock_guard lock(state_->mu);
+  return state_->stats;
+}
+
+// ---- RelaySender ------------------------------------------------------------------
+
+namespace {
+
+struct Item {
+  bool fence = false;
+  std::string key;
+  std::shared_ptr<const std::string> data;
+  uint32_t crc = 0;
+};
+
+struct Root {
+  std::string address;
+  Socket sock;
+  std::deque<Item> queue;
+  uint64_t queued_bytes = 0, inflight = 0;
+  Clock::time_point heard;
+  bool warned = false;
+  bool hello_sent = false;  // sent once the connection is up (ZMQ_IMMEDIATE)
+  Clock::time_point next_send{};  // pacing (link_bytes_per_second)
+};
+
+}  // namespace
+
+struct RelaySender::State {
+  RelayClientOptions o;
+  Context ctx;
+  std::mutex mu;
+  std::condition_variable idle;
+  std::vector<Root> roots;
+  RelayClientStats stats;
+  std::atomic<bool> stop{false};
+  std::thread thread;
+
+  void Log(const std::string& line) {
+    if (o.log) o.log(line);
+    else DefaultLog(o.id, line);
+  }
+  void Loop();
+  bool Empty() {
+    for (const auto& r : roots)
+      if (!r.queue.empty() || r.inflight) return false;
+    return true;
+  }
+};
+
+void RelaySender::State::Loop() {
+  auto last_ping = Clock::now();
+  while (!stop.load()) {
+    std::vector<zmq_pollitem_t> items;
+    for (auto& r : roots) items.push_back({r.sock.get(), 0, ZMQ_POLLIN, 0});
+    zmq_poll(items.data(), static_cast<int>(items.size()), 5);
+    std::lock_guard lock(mu);
+    const auto now = Clock::now();
+    for (size_t i = 0; i < roots.size(); ++i) {
+      Root& r = roots[i];
+      for (int n = 0; n < 256 && (items[i].revents & ZMQ_POLLIN); ++n) {
+        auto parts = RecvParts(r.sock.get());
+        if (!parts.ok() || parts->empty()) break;
+        std::vector<std::string_view> views(parts->begin(), parts->end());
+        auto m = DecodeMessage(views);
+        if (!m.ok()) continue;
+        r.heard = now;
+        if (m->type == RelayMessageType::kCredit) {
+          r.inflight -= std::min(r.inflight, m->credit_bytes);
+          ++stats.objects;
+          stats.bytes += m->credit_bytes;
+        }
+      }
+      if (r.inflight && now - r.heard > o.dead_after) {
+        Log(fmt::format("root {} silent for {} ms: {} bytes written off (its receivers fetch them from the store)",
+                        r.address, o.dead_after.count(), r.inflight));
+        r.inflight = 0;
+        r.heard = now;
+      }
+      if (!r.hello_sent) {
+        RelayMessage hello;
+        hello.type = RelayMessageType::kHello;
+        hello.role = RelayRole::kSender;
+        hello.id = o.id;
+        r.hello_sent = SendParts(r.sock.get(), "", EncodeMessage(hello)).ok();
+        if (!r.hello_sent) continue;  // not connected yet
+        r.heard = now;
+      }
+      while (!r.queue.empty() && r.inflight < o.window_bytes) {
+        if (o.link_bytes_per_second > 0 && Clock::now() < r.next_send) break;  // the link is busy
+        Item& it = r.queue.front();
+        RelayMessage m;
+        m.type = it.fence ? RelayMessageType::kFence : RelayMessageType::kObject;
+        m.key = it.key;
+        if (!it.fence) {
+          m.size = it.data->size();
+          m.crc = it.crc;
+          m.data = *it.data;
+        }
+        if (!SendParts(r.sock.get(), "", EncodeMessage(m)).ok()) break;  // full: later
+        if (!it.fence) {
+          r.inflight += it.data->size();
+          r.queued_bytes -= it.data->size();
+          if (o.link_bytes_per_second > 0)
+            r.next_send = std::max(Clock::now(), r.next_send) +
+                          std::chrono::duration_cast<Clock::duration>(
+                              std::chrono::duration<double>(it.data->size() / o.link_bytes_per_second));
+        }
+        r.queue.pop_front();
+      }
+      if (now - last_ping >= o.ping_every) {
+        RelayMessage ping;
+        ping.type = RelayMessageType::kPing;
+        SendParts(r.sock.get(), "", EncodeMessage(ping)).IgnoreError();
+      }
+    }
+    if (now - last_ping >= o.ping_every) last_ping = now;
+    if (Empty()) idle.notify_all();
+  }
+}
+
+RelaySender::RelaySender(std::unique_ptr<State> state) : state_(std::move(state)) {}
+
+Result<std::unique_ptr<RelaySender>> RelaySender::Start(RelayClientOptions options) {
+  DCR_RETURN_IF_ERROR(CheckClientOptions(options, "relay sender"));
+  auto state = std::make_unique<State>();
+  state->o = std::move(options);
+  for (const auto& address : state->o.addresses) {
+    Root r;
+    r.address = address;
+    DCR_ASSIGN_OR_RETURN(r.sock, OpenSocket(state->ctx.ctx, ZMQ_DEALER));
+    // Queue only to a live connection and only a few messages in ZeroMQ: the
+    // bounded queue above is where objects wait for a slow or absent root.
+    const int one = 1, hwm = 64;
+    zmq_setsockopt(r.sock.get(), ZMQ_IMMEDIATE, &one, sizeof one);
+    zmq_setsockopt(r.sock.get(), ZMQ_SNDHWM, &hwm, sizeof hwm);
+    DCR_RETURN_IF_ERROR(ConfigureCurveClient(r.sock.get(), state->o.security));
+    if (zmq_connect(r.sock.get(), address.c_str()) != 0)
+      return InvalidArgument(ZmqError("cannot connect to relay " + address));
+    r.heard = Clock::now();
+    state->roots.push_back(std::move(r));
+  }
+  State* raw = state.get();
+  std::unique_ptr<RelaySender> s(new RelaySender(std::move(state)));
+  raw->thread = std::thread([raw] { raw->Loop(); });
+  return s;
+}
+
+RelaySender::~RelaySender() {
+  Flush(std::chrono::milliseconds(2000));
+  state_->stop = true;
+  if (state_->thread.joinable()) state_->thread.join();
+}
+
+void RelaySender::Object(const std::string& key, std::string_view bytes) {
+  Item it;
+  it.key = key;
+  it.data = std::make_shared<const std::string>(bytes);
+  it.crc = Crc32c(bytes.data(), bytes.size());
+  std::lock_guard lock(state_->mu);
+  for (Root& r : state_->roots) {
+    while (!r.queue.empty() && r.queued_bytes + bytes.size() > state_->o.max_queue_bytes) {
+      if (!r.queue.front().fence) r.queued_bytes -= r.queue.front().data->size();
+      r.queue.pop_front();
+      ++state_->stats.dropped;
+      if (!r.warned)
+        state_->Log(fmt::format("root {} is too slow: dropping its oldest queued objects (its receivers fetch them "
+                                "from the store)",
+                                r.address));
+      r.warned = true;
+    }
+    r.queue.push_back(it);
+    r.queued_bytes += bytes.size();
+  }
+}
+
+void RelaySender::Fence(const std::string& attempt_prefix) {
+  Item it;
+  it.fence = true;
+  it.key = attempt_prefix;
+  std::lock_guard lock(state_->mu);
+  for (Root& r : state_->roots) {
+    std::erase_if(r.queue, [&](const Item& q) {
+      if (q.fence || !q.key.starts_with(attempt_prefix)) return false;
+      r.queued_bytes -= q.data->size();
+      return true;
+    });
+    r.queue.push_back(it);
+  }
+}
+
+bool RelaySender::Flush(std::chrono::milliseconds timeout) {
+  std::unique_lock lock(state_->mu);
+  return state_->idle.wait_for(lock, timeout, [&] { return state_->Empty(); });
+}
+
+RelayClientStats RelaySender::Stats() {
+  std::lock_guard lock(state_->mu);
+  return state_->stats;
+}
+
+}  // namespace dcr

@@ -1,0 +1,488 @@
+// The relay daemon (docs/relay.md): one event loop thread, a ROUTER for its
+// children and senders, a DEALER to its upstream.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "dcr/frame.h"
+#include "dcr/mapped_file.h"
+#include "zmq_io.h"
+
+namespace dcr {
+
+using namespace relay_internal;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Object {
+  std::string key, prefix, data;
+  uint32_t crc = 0;
+};
+using ObjectPtr = std::shared_ptr<const Object>;
+
+// A peer that receives objects (a relay or a receiver), by its routing id.
+struct Child {
+  std::string route, id;
+  RelayRole role = RelayRole::kReceiver;
+  std::set<std::string> have;  // from its HELLO: never send these
+  std::deque<ObjectPtr> queue;
+  uint64_t inflight = 0;
+  Clock::time_point heard;
+  Clock::time_point next_send{};  // pacing (link_bytes_per_second)
+};
+
+// Cumulative counters of one link (kept across re-attachments, by peer id).
+struct Link {
+  std::string role;
+  bool attached = false;
+  uint64_t bytes_in = 0, objects_in = 0, bytes_out = 0, objects_out = 0, evicted = 0;
+};
+
+void FreeObjectRef(void*, void* hint) { delete static_cast<ObjectPtr*>(hint); }
+
+class RelayServer {
+ public:
+  explicit RelayServer(const RelayOptions& o) : o_(o) {}
+  Status Run(const std::function<bool()>& stop);
+
+ private:
+  void Log(const std::string& line) {
+    if (o_.log) o_.log(line);
+    else std::cerr << "dcr relay [" << o_.id << "] " << line << std::endl;
+  }
+  // A refused peer retries its handshake every few hundred ms: each distinct
+  // line is logged the 1st, 10th, 100th... time.
+  void Refused(const std::string& line) {
+    ++refused_;
+    const uint64_t n = ++refusals_[line];
+    for (uint64_t p = 1; p <= n; p *= 10)
+      if (p == n) Log(n == 1 ? line : fmt::format("{} ({} times)", line, n));
+  }
+  Status Attach(size_t index);
+  void OnRouter(std::vector<std::string> parts);
+  void OnUpstream(std::vector<std::string> parts);
+  void OnMonitor();
+  void Accept(RelayMessage m, const std::string& from, Link* link);
+  void ApplyFence(const std::string& prefix);
+  void Evict();
+  // Sends what the child's window allows; false when the child is gone.
+  bool Pump(Child& c);
+  void Detach(const std::string& route, const std::string& why);
+  void Timers();
+  void WriteStats();
+  std::string StatsJson();
+
+  const RelayOptions& o_;
+  Context ctx_;
+  Socket router_, upstream_, zap_, monitor_;
+  size_t upstream_index_ = 0;
+  Clock::time_point upstream_heard_, upstream_since_, last_ping_, last_stats_;
+
+  std::deque<ObjectPtr> cache_;
+  std::map<std::string, ObjectPtr> index_;
+  uint64_t cache_bytes_ = 0;
+  std::set<std::string> fenced_;
+  std::deque<std::string> fenced_order_;
+  std::map<std::string, Child> children_;       // by route
+  struct Sender {
+    std::string id = "unnamed";  // from its HELLO
+    Clock::time_point heard;
+  };
+  std::map<std::string, Sender> senders_;  // by route
+  std::map<std::string, Link> links_;           // "child:<id>", "sender:<id>", "upstream:<address>"
+  uint64_t received_ = 0, accepted_ = 0, accepted_bytes_ = 0, duplicates_ = 0, corrupt_ = 0, fenced_drops_ = 0,
+           malformed_ = 0, refused_ = 0;
+  std::map<std::string, uint64_t> refusals_;
+};
+
+Status RelayServer::Attach(size_t index) {
+  upstream_index_ = index;
+  const std::string& address = o_.upstream[index];
+  DCR_ASSIGN_OR_RETURN(upstream_, OpenSocket(ctx_.ctx, ZMQ_DEALER));
+  DCR_RETURN_IF_ERROR(ConfigureCurveClient(upstream_.get(), o_.security));
+  if (zmq_connect(upstream_.get(), address.c_str()) != 0)
+    return InvalidArgument(ZmqError("relay " + o_.id + ": cannot connect to upstream " + address));
+  RelayMessage hello;
+  hello.type = RelayMessageType::kHello;
+  hello.role = RelayRole::kRelay;
+  hello.id = o_.id;
+  for (auto it = cache_.rbegin(); it != cache_.rend() && hello.have.size() < kRelayMaxHave; ++it)
+    hello.have.push_back((*it)->key);
+  SendParts(upstream_.get(), "", EncodeMessage(hello)).IgnoreError();  // queued until connected
+  upstream_since_ = upstream_heard_ = Clock::now();
+  links_["upstream:" + address].role = "upstream";
+  links_["upstream:" + address].attached = true;
+  Log(fmt::format("attached to upstream {} (holding {} objects)", address, hello.have.size()));
+  return Status::Ok();
+}
+
+Status RelayServer::Run(const std::function<bool()>& stop) {
+  if (o_.id.empty()) return InvalidArgument("relay: an id is needed (--id)");
+  if (o_.listen.empty()) return InvalidArgument("relay " + o_.id + ": a listen address is needed (--listen tcp://HOST:PORT)");
+  if (o_.security.enabled()) {
+    DCR_ASSIGN_OR_RETURN(zap_, OpenSocket(ctx_.ctx, ZMQ_REP));
+    if (zmq_bind(zap_.get(), "inproc://zeromq.zap.01") != 0) return Internal(ZmqError("relay: ZAP handler"));
+  }
+  DCR_ASSIGN_OR_RETURN(router_, OpenSocket(ctx_.ctx, ZMQ_ROUTER));
+  const int one = 1;
+  zmq_setsockopt(router_.get(), ZMQ_ROUTER_MANDATORY, &one, sizeof one);
+  DCR_RETURN_IF_ERROR(ConfigureCurveServer(router_.get(), o_.security));
+  const std::string mon = fmt::format("inproc://dcr-relay-monitor-{}", static_cast<const void*>(this));
+  if (zmq_socket_monitor(router_.get(), mon.c_str(),
+                         ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                             ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) == 0) {
+    DCR_ASSIGN_OR_RETURN(monitor_, OpenSocket(ctx_.ctx, ZMQ_PAIR));
+    zmq_connect(monitor_.get(), mon.c_str());
+  }
+  if (zmq_bind(router_.get(), o_.listen.c_str()) != 0)
+    return Unavailable(ZmqError(fmt::format("relay {}: cannot listen on {} (in use, or not tcp://HOST:PORT?)", o_.id, o_.listen)));
+  Log(fmt::format("listening on {}{}", o_.listen,
+                  o_.security.enabled() ? fmt::format(" (CURVE, {} peers admitted)", o_.security.allowed.size())
+                                        : " (no authentication: trusted networks only)"));
+  if (!o_.upstream.empty()) DCR_RETURN_IF_ERROR(Attach(0));
+  last_stats_ = Clock::now();
+  while (!(stop && stop())) {
+    zmq_pollitem_t items[4];
+    int n = 0;
+    items[n++] = {router_.get(), 0, ZMQ_POLLIN, 0};
+    const int up = upstream_ ? n : -1;
+    if (upstream_) items[n++] = {upstream_.get(), 0, ZMQ_POLLIN, 0};
+    const int zap = zap_ ? n : -1;
+    if (zap_) items[n++] = {zap_.get(), 0, ZMQ_POLLIN, 0};
+    const int mo = monitor_ ? n : -1;
+    if (monitor_) items[n++] = {monitor_.get(), 0, ZMQ_POLLIN, 0};
+    if (zmq_poll(items, n, 10) < 0 && zmq_errno() != EINTR) return Internal(ZmqError("relay: poll"));
+    if (zap >= 0 && (items[zap].revents & ZMQ_POLLIN)) {
+      AnswerZap(zap_.get(), o_.security.allowed, [&](const std::string& l) { Refused(l); });
+    }
+    if (mo >= 0 && (items[mo].revents & ZMQ_POLLIN)) OnMonitor();
+    for (int i = 0; i < 512 && (items[0].revents & ZMQ_POLLIN); ++i) {
+      auto parts = RecvParts(router_.get());
+      if (!parts.ok() || parts->empty()) break;
+      OnRouter(std::move(*parts));
+    }
+    for (int i = 0; up >= 0 && upstream_ && i < 512 && (items[up].revents & ZMQ_POLLIN); ++i) {
+      auto parts = RecvParts(upstream_.get());
+      if (!parts.ok() || parts->empty()) break;
+      OnUpstream(std::move(*parts));
+    }
+    std::vector<std::string> gone;
+    for (auto& [route, c] : children_)
+      if (!Pump(c)) gone.push_back(route);
+    for (const auto& r : gone) Detach(r, "its connection is gone");
+    Timers();
+  }
+  WriteStats();
+  Log("stopped");
+  return Status::Ok();
+}
+
+void RelayServer::OnMonitor() {
+  auto ev = RecvParts(monitor_.get());
+  if (!ev.ok() || ev->size() < 2 || (*ev)[0].size() < 6) return;
+  uint16_t event = 0;
+  std::memcpy(&event, (*ev)[0].data(), 2);
+  Refused(fmt::format("refused a peer at {}: handshake failed ({}); peers need CURVE keys: the relays' public key and "
+                      "their own pair, listed in the relay's allow list (dcr relay keygen)",
+                      (*ev)[1], event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH ? "authentication" : "no or another security mechanism"));
+}
+
+void RelayServer::OnRouter(std::vector<std::string> parts) {
+  if (parts.size() < 2) return;
+  const std::string route = parts[0];
+  std::vector<std::string_view> views(parts.begin() + 1, parts.end());
+  auto m = DecodeMessage(views);
+  if (!m.ok()) {
+    if (++malformed_ <= 20) Log("ignored a malformed message from a peer: " + m.status().ToString());
+    return;
+  }
+  auto child = children_.find(route);
+  switch (m->type) {
+    case RelayMessageType::kHello: {
+      if (m->role == RelayRole::kSender) {
+        senders_[route] = Sender{m->id, Clock::now()};
+        links_["sender:" + m->id].role = "sender";
+        links_["sender:" + m->id].attached = true;
+        Log(fmt::format("sender {} attached", m->id));
+        return;
+      }
+      for (auto it = children_.begin(); it != children_.end();)
+        if (it->second.id == m->id && it->first != route) it = children_.erase(it);
+        else ++it;
+      Child& c = children_[route];
+      c = Child{};
+      c.route = route;
+      c.id = m->id;
+      c.role = m->role;
+      c.have.insert(m->have.begin(), m->have.end());
+      c.heard = Clock::now();
+      for (const auto& obj : cache_)
+        if (!c.have.count(obj->key)) c.queue.push_back(obj);
+      Link& l = links_["child:" + m->id];
+      l.role = std::string(RelayRoleName(m->role));
+      l.attached = true;
+      Log(fmt::format("{} {} attached: {} held objects sent now, {} it already holds", RelayRoleName(m->role), m->id,
+                      c.queue.size(), m->have.size()));
+      return;
+    }
+    case RelayMessageType::kObject: {
+      if (child != children_.end()) {
+        Log(fmt::format("{} {} sent an object; only senders and the upstream may: ignored", RelayRoleName(child->second.role),
+                        child->second.id));
+        return;
+      }
+      Sender& sender = senders_[route];
+      sender.heard = Clock::now();
+      RelayMessage credit;
+      credit.type = RelayMessageType::kCredit;
+      credit.credit_bytes = m->size;
+      credit.credit_objects = 1;
+      SendParts(router_.get(), route, EncodeMessage(credit)).IgnoreError();
+      Link* link = &links_["sender:" + sender.id];
+      link->role = "sender";
+      Accept(std::move(*m), "sender " + sender.id, link);
+      return;
+    }
+    case RelayMessageType::kCredit:
+      if (child != children_.end()) {
+        child->second.inflight -= std::min(child->second.inflight, m->credit_bytes);
+        child->second.heard = Clock::now();
+      }
+      return;
+    case RelayMessageType::kFence:
+      if (child == children_.end()) ApplyFence(m->key);
+      return;
+    case RelayMessageType::kPing:
+      if (child != children_.end()) child->second.heard = Clock::now();
+      else if (senders_.count(route)) senders_[route].heard = Clock::now();
+      return;
+  }
+}
+
+void RelayServer::OnUpstream(std::vector<std::string> parts) {
+  std::vector<std::string_view> views(parts.begin(), parts.end());
+  auto m = DecodeMessage(views);
+  if (!m.ok()) {
+    if (++malformed_ <= 20) Log("ignored a malformed message from upstream: " + m.status().ToString());
+    return;
+  }
+  upstream_heard_ = Clock::now();
+  const std::string address = o_.upstream[upstream_index_];
+  if (m->type == RelayMessageType::kObject) {
+    RelayMessage credit;
+    credit.type = RelayMessageType::kCredit;
+    credit.credit_bytes = m->size;
+    credit.credit_objects = 1;
+    SendParts(upstream_.get(), "", EncodeMessage(credit)).IgnoreError();
+    Accept(std::move(*m), "upstream " + address, &links_["upstream:" + address]);
+  } else if (m->type == RelayMessageType::kFence) {
+    ApplyFence(m->key);
+  }
+}
+
+void RelayServer::Accept(RelayMessage m, const std::string& from, Link* link) {
+  ++received_;
+  auto obj = std::make_shared<Object>();
+  obj->key = m.key;
+  obj->crc = m.crc;
+  obj->data.assign(m.data);
+  if (o_.test_corrupt_nth && received_ == o_.test_corrupt_nth && !obj->data.empty()) {
+    obj->data[obj->data.size() / 2] ^= 0x5a;
+    Log(fmt::format("TEST: corrupted object {} ({}) on arrival", received_, obj->key));
+  }
+  m.data = obj->data;
+  // Verified before anything else is done with it.
+  if (Status s = VerifyFrameObject(m); !s.ok()) {
+    ++corrupt_;
+    Log(fmt::format("dropped a corrupt object from {}: {}", from, s.message()));
+    return;
+  }
+  auto prefix = FrameObjectPrefix(obj->key);
+  obj->prefix = prefix.ok() ? *prefix : "";
+  if (fenced_.count(obj->prefix)) {
+    ++fenced_drops_;
+    return;
+  }
+  if (index_.count(obj->key)) {
+    ++duplicates_;
+    return;
+  }
+  ++accepted_;
+  accepted_bytes_ += obj->data.size();
+  link->bytes_in += obj->data.size();
+  ++link->objects_in;
+  ObjectPtr p = obj;
+  cache_.push_back(p);
+  index_[p->key] = p;
+  cache_bytes_ += p->data.size();
+  for (auto& [route, c] : children_)
+    if (!c.have.count(p->key)) c.queue.push_back(p);
+  Evict();
+}
+
+void RelayServer::Evict() {
+  while (cache_bytes_ > o_.cache_bytes && cache_.size() > 1) {
+    ObjectPtr old = cache_.front();
+    cache_.pop_front();
+    index_.erase(old->key);
+    cache_bytes_ -= old->data.size();
+    for (auto& [route, c] : children_) {
+      const size_t before = c.queue.size();
+      std::erase(c.queue, old);
+      if (c.queue.size() != before) {
+        ++links_["child:" + c.id].evicted;
+        Log(fmt::format("{} {} is too slow: object {} left the cache before it was sent; it fetches it from the store",
+                        RelayRoleName(c.role), c.id, old->key));
+      }
+    }
+  }
+}
+
+void RelayServer::ApplyFence(const std::string& prefix) {
+  if (!fenced_.insert(prefix).second) return;
+  fenced_order_.push_back(prefix);
+  if (fenced_order_.size() > 4096) {
+    fenced_.erase(fenced_order_.front());
+    fenced_order_.pop_front();
+  }
+  size_t dropped = 0;
+  std::erase_if(cache_, [&](const ObjectPtr& o) {
+    if (o->prefix != prefix) return false;
+    index_.erase(o->key);
+    cache_bytes_ -= o->data.size();
+    ++dropped;
+    return true;
+  });
+  RelayMessage fence;
+  fence.type = RelayMessageType::kFence;
+  fence.key = prefix;
+  const auto parts = EncodeMessage(fence);
+  for (auto& [route, c] : children_) {
+    std::erase_if(c.queue, [&](const ObjectPtr& o) { return o->prefix == prefix; });
+    SendParts(router_.get(), route, parts).IgnoreError();
+  }
+  Log(fmt::format("attempt {} fenced: {} cached objects dropped, later ones refused", prefix, dropped));
+}
+
+bool RelayServer::Pump(Child& c) {
+  while (!c.queue.empty() && c.inflight < o_.window_bytes) {
+    if (o_.link_bytes_per_second > 0 && Clock::now() < c.next_send) return true;  // the link is busy
+    const ObjectPtr& p = c.queue.front();
+    RelayMessage head;
+    head.type = RelayMessageType::kObject;
+    head.key = p->key;
+    head.size = p->data.size();
+    head.crc = p->crc;
+    const std::string header = EncodeMessage(head)[0];
+    if (zmq_send(router_.get(), c.route.data(), c.route.size(), ZMQ_DONTWAIT | ZMQ_SNDMORE) < 0) {
+      return zmq_errno() != EHOSTUNREACH;  // EAGAIN: its pipe is full; later
+    }
+    zmq_send(router_.get(), header.data(), header.size(), ZMQ_SNDMORE);
+    zmq_msg_t data;
+    auto* ref = new ObjectPtr(p);  // zero copy: the message holds the object
+    zmq_msg_init_data(&data, const_cast<char*>(p->data.data()), p->data.size(), FreeObjectRef, ref);
+    if (zmq_msg_send(&data, router_.get(), 0) < 0) zmq_msg_close(&data);
+    c.inflight += p->data.size();
+    if (o_.link_bytes_per_second > 0)
+      c.next_send = std::max(Clock::now(), c.next_send) +
+                    std::chrono::duration_cast<Clock::duration>(
+                        std::chrono::duration<double>(p->data.size() / o_.link_bytes_per_second));
+    Link& l = links_["child:" + c.id];
+    l.bytes_out += p->data.size();
+    ++l.objects_out;
+    c.queue.pop_front();
+  }
+  return true;
+}
+
+void RelayServer::Detach(const std::string& route, const std::string& why) {
+  auto it = children_.find(route);
+  if (it == children_.end()) return;
+  links_["child:" + it->second.id].attached = false;
+  Log(fmt::format("{} {} detached: {}", RelayRoleName(it->second.role), it->second.id, why));
+  children_.erase(it);
+}
+
+void RelayServer::Timers() {
+  const auto now = Clock::now();
+  if (now - last_ping_ >= o_.ping_every) {
+    last_ping_ = now;
+    RelayMessage ping;
+    ping.type = RelayMessageType::kPing;
+    const auto parts = EncodeMessage(ping);
+    std::vector<std::string> gone;
+    for (auto& [route, c] : children_) {
+      if (now - c.heard > 2 * o_.dead_after) gone.push_back(route);
+      else if (SendParts(router_.get(), route, parts).code() == Code::kNotFound) gone.push_back(route);
+    }
+    for (const auto& r : gone) Detach(r, "silent");
+    for (auto it = senders_.begin(); it != senders_.end();) {
+      if (now - it->second.heard > 10 * o_.dead_after) it = senders_.erase(it);
+      else SendParts(router_.get(), (it++)->first, parts).IgnoreError();
+    }
+    if (upstream_) SendParts(upstream_.get(), "", parts).IgnoreError();
+  }
+  if (upstream_ && now - upstream_heard_ > o_.dead_after) {
+    const std::string old = o_.upstream[upstream_index_];
+    links_["upstream:" + old].attached = false;
+    const size_t next = (upstream_index_ + 1) % o_.upstream.size();
+    Log(fmt::format("upstream {} silent for {} ms; attaching to {}", old, o_.dead_after.count(), o_.upstream[next]));
+    upstream_.reset();
+    if (Status s = Attach(next); !s.ok()) Log(s.ToString());
+  }
+  if (!o_.stats_path.empty() && now - last_stats_ >= std::chrono::seconds(1)) {
+    last_stats_ = now;
+    WriteStats();
+  }
+}
+
+std::string RelayServer::StatsJson() {
+  nlohmann::ordered_json doc = {{"format", "dcr-relay-stats"},
+                                {"id", o_.id},
+                                {"listen", o_.listen},
+                                {"upstream", upstream_ ? nlohmann::ordered_json(o_.upstream[upstream_index_]) : nullptr},
+                                {"received", received_},
+                                {"accepted", accepted_},
+                                {"accepted_bytes", accepted_bytes_},
+                                {"duplicates", duplicates_},
+                                {"dropped_corrupt", corrupt_},
+                                {"dropped_fenced", fenced_drops_},
+                                {"malformed", malformed_},
+                                {"refused_peers", refused_},
+                                {"cached_objects", cache_.size()},
+                                {"cached_bytes", cache_bytes_}};
+  auto& links = doc["links"] = nlohmann::ordered_json::array();
+  for (const auto& [name, l] : links_) {
+    const size_t colon = name.find(':');
+    links.push_back({{"peer", name.substr(colon + 1)},
+                     {"kind", l.role},
+                     {"attached", l.attached},
+                     {"bytes_in", l.bytes_in},
+                     {"objects_in", l.objects_in},
+                     {"bytes_out", l.bytes_out},
+                     {"objects_out", l.objects_out},
+                     {"evicted", l.evicted}});
+  }
+  return doc.dump(1) + "\n";
+}
+
+void RelayServer::WriteStats() {
+  if (o_.stats_path.empty()) return;
+  if (Status s = WriteFileAtomically(o_.stats_path, StatsJson()); !s.ok()) Log("stats: " + s.ToString());
+}
+
+}  // namespace
+
+Status RunRelay(const RelayOptions& options, const std::function<bool()>& stop) {
+  RelayServer server(options);
+  return server.Run(stop);
+}
+
+}  // namespace dcr

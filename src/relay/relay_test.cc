@@ -1,0 +1,288 @@
+// The relay, its receivers and senders in one process over loopback TCP.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <mutex>
+#include <thread>
+
+#include "dcr/relay.h"
+#include "test_frames.h"
+
+namespace dcr {
+namespace {
+
+using namespace relay_testing;
+using namespace std::chrono_literals;
+
+std::string FreeAddress() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t n = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n);
+  ::close(fd);
+  return "tcp://127.0.0.1:" + std::to_string(ntohs(a.sin_port));
+}
+
+// Collects log lines (thread-safe).
+struct Lines {
+  std::mutex mu;
+  std::vector<std::string> lines;
+  std::function<void(const std::string&)> Sink() {
+    return [this](const std::string& l) {
+      std::lock_guard lock(mu);
+      lines.push_back(l);
+    };
+  }
+  bool Has(std::string_view s) {
+    std::lock_guard lock(mu);
+    for (const auto& l : lines)
+      if (l.find(s) != std::string::npos) return true;
+    return false;
+  }
+};
+
+class RunningRelay {
+ public:
+  explicit RunningRelay(RelayOptions o) : o_(std::move(o)) {
+    o_.log = lines.Sink();
+    thread_ = std::thread([this] { status_ = RunRelay(o_, [this] { return stop_.load(); }); });
+  }
+  ~RunningRelay() { Stop(); }
+  void Stop() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+  Status status() const { return status_; }
+  Lines lines;
+
+ private:
+  RelayOptions o_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+  Status status_;
+};
+
+RelayOptions Options(std::string id, std::string listen, std::vector<std::string> upstream = {}) {
+  RelayOptions o;
+  o.id = std::move(id);
+  o.listen = std::move(listen);
+  o.upstream = std::move(upstream);
+  o.ping_every = 50ms;
+  o.dead_after = 400ms;
+  return o;
+}
+
+RelayClientOptions Client(std::string id, std::vector<std::string> addresses, Lines* lines) {
+  RelayClientOptions o;
+  o.id = std::move(id);
+  o.addresses = std::move(addresses);
+  o.ping_every = 50ms;
+  o.dead_after = 400ms;
+  o.log = lines->Sink();
+  return o;
+}
+
+// Takes objects under `prefix` until `want` are there or 5 s pass.
+std::map<std::string, std::string> TakeAll(RelayReceiver& r, const std::string& prefix, size_t want) {
+  std::map<std::string, std::string> got;
+  for (auto deadline = std::chrono::steady_clock::now() + 5s; std::chrono::steady_clock::now() < deadline;) {
+    got.merge(r.Take(prefix));
+    if (got.size() >= want) break;
+    std::this_thread::sleep_for(10ms);
+  }
+  return got;
+}
+
+bool WaitFor(const std::function<bool()>& cond, std::chrono::milliseconds limit = 5000ms) {
+  for (auto deadline = std::chrono::steady_clock::now() + limit; std::chrono::steady_clock::now() < deadline;) {
+    if (cond()) return true;
+    std::this_thread::sleep_for(10ms);
+  }
+  return cond();
+}
+
+TEST(Relay, ADepthTwoTreeDeliversEveryObjectOnceAndDropsDuplicates) {
+  const std::string root_addr = FreeAddress(), mid_addr = FreeAddress();
+  RunningRelay root(Options("root", root_addr));
+  RunningRelay mid(Options("mid", mid_addr, {root_addr}));
+  Lines log;
+  auto near = RelayReceiver::Start(Client("near", {root_addr}, &log));
+  auto far = RelayReceiver::Start(Client("far", {mid_addr, root_addr}, &log));
+  ASSERT_TRUE(near.ok() && far.ok());
+  ASSERT_TRUE(WaitFor([&] { return (*near)->Attached() && (*far)->Attached(); }));
+  auto sender = RelaySender::Start(Client("pub", {root_addr}, &log));
+  ASSERT_TRUE(sender.ok());
+  std::map<std::string, std::string> sent;
+  for (uint32_t s = 0; s < 20; ++s) {
+    const std::string key = ObjectKey(1, s), data = MakeFrame(s, static_cast<uint8_t>(s)) + MakeFrame(s + 100, 1);
+    (*sender)->Object(key, data);
+    sent[key] = data;
+  }
+  (*sender)->Object(ObjectKey(1, 3), sent[ObjectKey(1, 3)]);  // a second sender's copy
+  EXPECT_TRUE((*sender)->Flush(5s));
+  EXPECT_EQ(TakeAll(**near, AttemptPrefix(1), 20), sent);
+  EXPECT_EQ(TakeAll(**far, AttemptPrefix(1), 20), sent);
+  std::this_thread::sleep_for(100ms);
+  EXPECT_TRUE((*far)->Take("").empty()) << "a duplicate was delivered";
+  EXPECT_EQ((*far)->Stats().duplicates, 0u);  // the root dropped it
+}
+
+TEST(Relay, ACorruptObjectIsNeverForwarded) {
+  const std::string root_addr = FreeAddress(), mid_addr = FreeAddress();
+  RelayOptions ro = Options("root", root_addr);
+  ro.test_corrupt_nth = 2;  // the second object is damaged on arrival at the root
+  RunningRelay root(ro);
+  RunningRelay mid(Options("mid", mid_addr, {root_addr}));
+  Lines log;
+  auto far = RelayReceiver::Start(Client("far", {mid_addr}, &log));
+  ASSERT_TRUE(far.ok());
+  ASSERT_TRUE(WaitFor([&] { return (*far)->Attached(); }));
+  auto sender = RelaySender::Start(Client("pub", {root_addr}, &log));
+  ASSERT_TRUE(sender.ok());
+  for (uint32_t s = 0; s < 3; ++s) (*sender)->Object(ObjectKey(1, s), MakeFrame(s, 5));
+  // A frame damaged before its envelope CRC was computed: only the frame's own checksum tells.
+  std::string bad = MakeFrame(9, 5);
+  bad[120] ^= 0x10;
+  (*sender)->Object(ObjectKey(1, 9), bad);
+  EXPECT_TRUE((*sender)->Flush(5s));
+  auto got = TakeAll(**far, AttemptPrefix(1), 2);
+  std::this_thread::sleep_for(200ms);
+  got.merge((*far)->Take(""));
+  EXPECT_EQ(got.size(), 2u);
+  EXPECT_TRUE(got.count(ObjectKey(1, 0)) && got.count(ObjectKey(1, 2)));
+  EXPECT_FALSE(got.count(ObjectKey(1, 1)));  // corrupted at the root
+  EXPECT_FALSE(got.count(ObjectKey(1, 9)));
+  EXPECT_TRUE(root.lines.Has("dropped a corrupt object from sender pub: frame object " + ObjectKey(1, 1) + ": CRC32C"));
+  EXPECT_TRUE(root.lines.Has("frame object " + ObjectKey(1, 9) + ": the frame at offset 0 fails its checks"));
+  EXPECT_EQ((*far)->Stats().corrupt, 0u);  // nothing damaged reached it
+}
+
+TEST(Relay, AFencedAttemptIsDroppedEverywhere) {
+  const std::string root_addr = FreeAddress();
+  RunningRelay root(Options("root", root_addr));
+  Lines log;
+  auto r = RelayReceiver::Start(Client("r", {root_addr}, &log));
+  ASSERT_TRUE(r.ok());
+  ASSERT_TRUE(WaitFor([&] { return (*r)->Attached(); }));
+  auto sender = RelaySender::Start(Client("pub", {root_addr}, &log));
+  ASSERT_TRUE(sender.ok());
+  (*sender)->Object(ObjectKey(1, 0, "0000-aaaa"), MakeFrame(0, 1));
+  EXPECT_TRUE((*sender)->Flush(5s));
+  ASSERT_TRUE(WaitFor([&] { return (*r)->Stats().objects == 1; }));
+  (*sender)->Fence(AttemptPrefix(1, "0000-aaaa"));
+  (*sender)->Object(ObjectKey(1, 1, "0000-aaaa"), MakeFrame(1, 1));  // late, after the fence
+  (*sender)->Object(ObjectKey(1, 0, "0001-bbbb"), MakeFrame(0, 2));  // the retry
+  EXPECT_TRUE((*sender)->Flush(5s));
+  auto retry = TakeAll(**r, AttemptPrefix(1, "0001-bbbb"), 1);
+  EXPECT_EQ(retry.size(), 1u);
+  std::this_thread::sleep_for(100ms);
+  EXPECT_TRUE((*r)->Take(AttemptPrefix(1, "0000-aaaa")).empty()) << "objects of the fenced attempt were handed out";
+  EXPECT_TRUE(root.lines.Has("fenced"));
+}
+
+TEST(Relay, AReceiverWhoseRelayDiesReattachesUpstreamAndGetsOnlyWhatItLacks) {
+  const std::string root_addr = FreeAddress(), mid_addr = FreeAddress();
+  RunningRelay root(Options("root", root_addr));
+  auto mid = std::make_unique<RunningRelay>(Options("mid", mid_addr, {root_addr}));
+  Lines log;
+  auto far = RelayReceiver::Start(Client("far", {mid_addr, root_addr}, &log));
+  ASSERT_TRUE(far.ok());
+  ASSERT_TRUE(WaitFor([&] { return (*far)->Attached(); }));
+  auto sender = RelaySender::Start(Client("pub", {root_addr}, &log));
+  ASSERT_TRUE(sender.ok());
+  for (uint32_t s = 0; s < 5; ++s) (*sender)->Object(ObjectKey(1, s), MakeFrame(s, 3));
+  EXPECT_TRUE((*sender)->Flush(5s));
+  EXPECT_EQ(TakeAll(**far, AttemptPrefix(1), 5).size(), 5u);
+  mid->Stop();
+  mid.reset();
+  for (uint32_t s = 5; s < 8; ++s) (*sender)->Object(ObjectKey(1, s), MakeFrame(s, 3));
+  EXPECT_TRUE((*sender)->Flush(5s));
+  auto rest = TakeAll(**far, AttemptPrefix(1), 3);
+  EXPECT_EQ(rest.size(), 3u);
+  EXPECT_TRUE(rest.count(ObjectKey(1, 5)) && rest.count(ObjectKey(1, 7)));
+  EXPECT_EQ((*far)->Stats().duplicates, 0u) << "the root re-sent what the receiver had";
+  EXPECT_GE((*far)->Stats().reattached, 1u);
+  EXPECT_EQ((*far)->Stats().attached, root_addr);
+}
+
+TEST(Relay, CurveAdmitsListedPeersAndRefusesOthers) {
+  auto relay_keys = GenerateCurveKeyPair(), good = GenerateCurveKeyPair(), stranger = GenerateCurveKeyPair();
+  ASSERT_TRUE(relay_keys.ok() && good.ok() && stranger.ok());
+  const std::string addr = FreeAddress();
+  RelayOptions ro = Options("root", addr);
+  ro.security.own = *relay_keys;
+  ro.security.allowed = {good->public_key};
+  RunningRelay root(ro);
+  Lines log;
+  auto make = [&](const std::string& id, std::optional<CurveKeyPair> keys) {
+    RelayClientOptions o = Client(id, {addr}, &log);
+    if (keys) {
+      o.security.own = keys;
+      o.security.server_public = relay_keys->public_key;
+    }
+    return o;
+  };
+  auto ok = RelayReceiver::Start(make("ok", *good));
+  auto unknown = RelayReceiver::Start(make("unknown", *stranger));
+  auto plain = RelayReceiver::Start(make("plain", std::nullopt));
+  ASSERT_TRUE(ok.ok() && unknown.ok() && plain.ok());
+  RelayClientOptions so = make("pub", *good);
+  auto sender = RelaySender::Start(so);
+  ASSERT_TRUE(sender.ok());
+  ASSERT_TRUE(WaitFor([&] { return (*ok)->Attached(); }));
+  (*sender)->Object(ObjectKey(1, 0), MakeFrame(0, 4));
+  EXPECT_TRUE((*sender)->Flush(5s));
+  EXPECT_EQ(TakeAll(**ok, AttemptPrefix(1), 1).size(), 1u);
+  std::this_thread::sleep_for(300ms);
+  EXPECT_FALSE((*unknown)->Attached());
+  EXPECT_FALSE((*plain)->Attached());
+  EXPECT_TRUE((*unknown)->Take("").empty());
+  EXPECT_TRUE((*plain)->Take("").empty());
+  EXPECT_TRUE(root.lines.Has("refused peer 127.0.0.1 (CURVE key " + stranger->public_key + ")"));
+  EXPECT_TRUE(root.lines.Has("handshake failed"));  // the one without keys
+}
+
+TEST(Relay, KeyFilesRoundTrip) {
+  auto pair = GenerateCurveKeyPair();
+  ASSERT_TRUE(pair.ok());
+  const std::string stem = ::testing::TempDir() + "/dcr-relay-key-test";
+  ASSERT_TRUE(WriteCurveKeyFiles(stem, *pair).ok());
+  auto back = ReadCurveKeyPair(stem + ".key");
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->secret_key, pair->secret_key);
+  EXPECT_EQ(*ReadCurvePublicKey(stem + ".pub"), pair->public_key);
+  EXPECT_EQ(*ReadCurvePublicKey(stem + ".key"), pair->public_key);
+  auto allow = ReadCurveAllowList(stem + ".pub");
+  ASSERT_TRUE(allow.ok());
+  EXPECT_EQ(allow->count(pair->public_key), 1u);
+  EXPECT_FALSE(ReadCurveKeyPair(stem + ".pub").ok());
+  // '#' is a Z85 character: only a line starting with it is a comment.
+  const std::string hashed = "0000#0000#0000#0000#0000#0000#0000#0000#";
+  {
+    std::FILE* f = std::fopen((stem + ".allow").c_str(), "w");
+    std::fprintf(f, "# peers\n\n  %s  \n%s\n", hashed.c_str(), pair->public_key.c_str());
+    std::fclose(f);
+  }
+  auto two = ReadCurveAllowList(stem + ".allow");
+  ASSERT_TRUE(two.ok()) << two.status().ToString();
+  EXPECT_EQ(*two, (std::set<std::string>{hashed, pair->public_key}));
+  EXPECT_EQ(ReadCurveKeyPair(stem + ".missing").status().code(), Code::kNotFound);
+}
+
+TEST(Relay, RefusesBadOptions) {
+  EXPECT_EQ(RunRelay(Options("", FreeAddress()), [] { return true; }).code(), Code::kInvalidArgument);
+  EXPECT_EQ(RunRelay(Options("r", "nonsense://x"), [] { return true; }).code(), Code::kUnavailable);
+  Lines log;
+  EXPECT_FALSE(RelayReceiver::Start(Client("r", {}, &log)).ok());
+}
+
+}  // namespace
+}  // namespace dcr

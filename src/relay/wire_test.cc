@@ -1,0 +1,168 @@
+#include <gtest/gtest.h>
+
+#include "dcr/hash.h"
+#include "dcr/relay.h"
+#include "test_frames.h"
+
+namespace dcr {
+namespace {
+
+using namespace relay_testing;
+
+Result<RelayMessage> RoundTrip(const RelayMessage& m, std::vector<std::string>* storage) {
+  *storage = EncodeMessage(m);
+  std::vector<std::string_view> views(storage->begin(), storage->end());
+  return DecodeMessage(views);
+}
+
+TEST(RelayWire, EveryMessageRoundTrips) {
+  std::vector<std::string> storage;
+  RelayMessage hello;
+  hello.type = RelayMessageType::kHello;
+  hello.role = RelayRole::kRelay;
+  hello.id = "relay-3";
+  hello.have = {ObjectKey(1, 0), ObjectKey(1, 1)};
+  auto h = RoundTrip(hello, &storage);
+  ASSERT_TRUE(h.ok()) << h.status().ToString();
+  EXPECT_EQ(h->role, RelayRole::kRelay);
+  EXPECT_EQ(h->id, "relay-3");
+  EXPECT_EQ(h->have, hello.have);
+
+  const std::string data = MakeFrame(0, 7) + MakeFrame(1, 9);
+  RelayMessage obj;
+  obj.type = RelayMessageType::kObject;
+  obj.key = ObjectKey(2, 5);
+  obj.size = data.size();
+  obj.crc = Crc32c(data.data(), data.size());
+  obj.data = data;
+  auto o = RoundTrip(obj, &storage);
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(storage.size(), 2u);
+  EXPECT_EQ(o->key, obj.key);
+  EXPECT_EQ(o->data, data);
+  EXPECT_TRUE(VerifyFrameObject(*o).ok());
+
+  RelayMessage credit;
+  credit.type = RelayMessageType::kCredit;
+  credit.credit_bytes = 123456789012;
+  credit.credit_objects = 3;
+  auto c = RoundTrip(credit, &storage);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->credit_bytes, 123456789012u);
+  EXPECT_EQ(c->credit_objects, 3u);
+
+  RelayMessage fence;
+  fence.type = RelayMessageType::kFence;
+  fence.key = AttemptPrefix(2);
+  auto f = RoundTrip(fence, &storage);
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ(f->key, fence.key);
+
+  RelayMessage ping;
+  auto p = RoundTrip(ping, &storage);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(storage[0].size(), 8u);  // the header alone
+}
+
+TEST(RelayWire, RefusesMalformedMessages) {
+  RelayMessage fence;
+  fence.type = RelayMessageType::kFence;
+  fence.key = AttemptPrefix(2);
+  const std::string good = EncodeMessage(fence)[0];
+  struct Bad {
+    std::string name;
+    std::vector<std::string> parts;
+    Code code;
+  };
+  std::string bad_magic = good, newer = good, reserved = good, unknown = good, trailing = good + "x";
+  bad_magic[0] ^= 1;
+  newer[4] = 2;
+  reserved[6] = 1;
+  unknown[5] = 42;
+  std::vector<Bad> cases = {
+      {"no parts", {}, Code::kInvalidArgument},
+      {"short header", {good.substr(0, 7)}, Code::kInvalidArgument},
+      {"bad magic", {bad_magic}, Code::kInvalidArgument},
+      {"newer version", {newer}, Code::kUnimplemented},
+      {"reserved bytes", {reserved}, Code::kInvalidArgument},
+      {"unknown type", {unknown}, Code::kInvalidArgument},
+      {"trailing bytes", {trailing}, Code::kInvalidArgument},
+      {"truncated", {good.substr(0, good.size() - 1)}, Code::kInvalidArgument},
+      {"extra part", {good, "x"}, Code::kInvalidArgument},
+  };
+  RelayMessage f2 = fence;
+  f2.key = "attempts/v0000000002/../";
+  cases.push_back({"fence of no attempt", EncodeMessage(f2), Code::kInvalidArgument});
+  RelayMessage obj;
+  obj.type = RelayMessageType::kObject;
+  obj.key = "snapshots/v0000000000/files/model.safetensors";
+  obj.data = "x";
+  obj.size = 1;
+  cases.push_back({"object that is no frame object", EncodeMessage(obj), Code::kInvalidArgument});
+  obj.key = ObjectKey(1, 0);
+  obj.size = 2;
+  cases.push_back({"object size mismatch", EncodeMessage(obj), Code::kInvalidArgument});
+  auto obj_parts = EncodeMessage(obj);
+  obj_parts.pop_back();
+  cases.push_back({"object without data", obj_parts, Code::kInvalidArgument});
+  for (const auto& c : cases) {
+    std::vector<std::string_view> views(c.parts.begin(), c.parts.end());
+    auto m = DecodeMessage(views);
+    ASSERT_FALSE(m.ok()) << c.name;
+    EXPECT_EQ(m.status().code(), c.code) << c.name << ": " << m.status().ToString();
+  }
+}
+
+TEST(RelayWire, FrameObjectKeys) {
+  EXPECT_EQ(*FrameObjectPrefix(ObjectKey(3, 12)), AttemptPrefix(3));
+  for (const std::string bad :
+       {"attempts/v3/0000-ab/frames/s0-0000.bin", "attempts/v0000000003/0000-AB/frames/s0-0000.bin",
+        "attempts/v0000000003/0000-ab/frames/s0-00.bin", "attempts/v0000000003/0000-ab/manifest.json",
+        "attempts/v0000000003/0000-ab/frames/s0-0000.bin/x", "attempts/v0000000003/x-ab/frames/s0-0000.bin", ""})
+    EXPECT_FALSE(FrameObjectPrefix(bad).ok()) << bad;
+  EXPECT_TRUE(ValidateAttemptPrefix(AttemptPrefix(1)).ok());
+  EXPECT_FALSE(ValidateAttemptPrefix("attempts/v0000000001/").ok());
+}
+
+TEST(RelayWire, VerificationCatchesEveryKindOfDamage) {
+  const std::string data = MakeFrame(0, 1) + MakeFrame(1, 2);
+  RelayMessage m;
+  m.type = RelayMessageType::kObject;
+  m.key = ObjectKey(1, 0);
+  m.size = data.size();
+  m.crc = Crc32c(data.data(), data.size());
+  m.data = data;
+  ASSERT_TRUE(VerifyFrameObject(m).ok());
+
+  // Damaged after the sender computed its CRC: the envelope catches it.
+  std::string flipped = data;
+  flipped[100] ^= 1;
+  RelayMessage d = m;
+  d.data = flipped;
+  EXPECT_EQ(VerifyFrameObject(d).code(), Code::kDataLoss);
+  EXPECT_NE(VerifyFrameObject(d).message().find(m.key), std::string::npos);
+
+  // Damaged before (the CRC covers the damage): the frame's own checksum catches it.
+  d.crc = Crc32c(flipped.data(), flipped.size());
+  Status s = VerifyFrameObject(d);
+  EXPECT_EQ(s.code(), Code::kDataLoss);
+  EXPECT_NE(s.message().find("offset 0"), std::string::npos) << s.message();
+
+  // A second frame cut short.
+  std::string cut = data.substr(0, data.size() - 5);
+  d.data = cut;
+  d.size = cut.size();
+  d.crc = Crc32c(cut.data(), cut.size());
+  s = VerifyFrameObject(d);
+  EXPECT_EQ(s.code(), Code::kDataLoss);
+  EXPECT_NE(s.message().find("offset 160"), std::string::npos) << s.message();
+
+  // Empty.
+  d.data = {};
+  d.size = 0;
+  d.crc = 0;
+  EXPECT_EQ(VerifyFrameObject(d).code(), Code::kDataLoss);
+}
+
+}  // namespace
+}  // namespace dcr

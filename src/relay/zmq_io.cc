@@ -1,0 +1,203 @@
+// libzmq with errors as values, CurveZMQ keys and the ZAP handler.
+#include "zmq_io.h"
+
+#include <fmt/format.h>
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <fstream>
+#include <sstream>
+
+#include "dcr/mapped_file.h"
+
+namespace dcr {
+namespace relay_internal {
+
+std::string ZmqError(std::string_view what) { return fmt::format("{}: {}", what, zmq_strerror(zmq_errno())); }
+
+Result<Socket> OpenSocket(void* ctx, int type) {
+  Socket s(zmq_socket(ctx, type));
+  if (!s) return Internal(ZmqError("cannot create a ZeroMQ socket"));
+  const int zero = 0, hwm = 100000;
+  zmq_setsockopt(s.get(), ZMQ_LINGER, &zero, sizeof zero);
+  zmq_setsockopt(s.get(), ZMQ_SNDHWM, &hwm, sizeof hwm);
+  zmq_setsockopt(s.get(), ZMQ_RCVHWM, &hwm, sizeof hwm);
+  return s;
+}
+
+Status ConfigureCurveClient(void* socket, const RelaySecurity& sec) {
+  if (!sec.enabled()) return Status::Ok();
+  if (sec.server_public.size() != 40)
+    return InvalidArgument("CURVE: the relay's public key is missing (pass the relays' .pub file)");
+  if (zmq_setsockopt(socket, ZMQ_CURVE_SERVERKEY, sec.server_public.c_str(), 41) != 0 ||
+      zmq_setsockopt(socket, ZMQ_CURVE_PUBLICKEY, sec.own->public_key.c_str(), 41) != 0 ||
+      zmq_setsockopt(socket, ZMQ_CURVE_SECRETKEY, sec.own->secret_key.c_str(), 41) != 0)
+    return InvalidArgument(ZmqError("CURVE: a key is not a valid Z85 key (regenerate with dcr relay keygen)"));
+  return Status::Ok();
+}
+
+Status ConfigureCurveServer(void* socket, const RelaySecurity& sec) {
+  if (!sec.enabled()) return Status::Ok();
+  const int one = 1;
+  if (zmq_setsockopt(socket, ZMQ_CURVE_SERVER, &one, sizeof one) != 0 ||
+      zmq_setsockopt(socket, ZMQ_CURVE_SECRETKEY, sec.own->secret_key.c_str(), 41) != 0 ||
+      zmq_setsockopt(socket, ZMQ_ZAP_DOMAIN, "dcr", 3) != 0)
+    return InvalidArgument(ZmqError("CURVE: the relay's secret key is not a valid Z85 key (regenerate with dcr relay keygen)"));
+  return Status::Ok();
+}
+
+Status SendParts(void* socket, std::string_view route, const std::vector<std::string>& parts) {
+  std::vector<std::string_view> all;
+  if (!route.empty()) all.push_back(route);
+  for (const auto& p : parts) all.push_back(p);
+  for (size_t i = 0; i < all.size(); ++i) {
+    const int flags = ZMQ_DONTWAIT | (i + 1 < all.size() ? ZMQ_SNDMORE : 0);
+    if (zmq_send(socket, all[i].data(), all[i].size(), flags) < 0) {
+      const int err = zmq_errno();
+      if (i == 0 && err == EAGAIN) return Unavailable("full");
+      if (err == EHOSTUNREACH) return NotFound("peer gone");
+      return Unavailable(ZmqError("send"));
+    }
+  }
+  return Status::Ok();
+}
+
+Result<std::vector<std::string>> RecvParts(void* socket) {
+  std::vector<std::string> parts;
+  for (;;) {
+    zmq_msg_t msg;
+    zmq_msg_init(&msg);
+    if (zmq_msg_recv(&msg, socket, parts.empty() ? ZMQ_DONTWAIT : 0) < 0) {
+      const int err = zmq_errno();
+      zmq_msg_close(&msg);
+      if (err == EAGAIN && parts.empty()) return parts;
+      return Unavailable(ZmqError("receive"));
+    }
+    parts.emplace_back(static_cast<const char*>(zmq_msg_data(&msg)), zmq_msg_size(&msg));
+    const bool more = zmq_msg_more(&msg);
+    zmq_msg_close(&msg);
+    if (!more) return parts;
+  }
+}
+
+void AnswerZap(void* zap, const std::set<std::string>& allowed, const std::function<void(const std::string&)>& log) {
+  auto req = RecvParts(zap);
+  if (!req.ok() || req->empty()) return;
+  const auto& p = *req;
+  std::string key, status = "400", text = "unknown peer";
+  const std::string address = p.size() > 3 ? p[3] : "?", mechanism = p.size() > 5 ? p[5] : "?";
+  if (mechanism == "CURVE" && p.size() > 6 && p[6].size() == 32) {
+    char z85[41] = {0};
+    zmq_z85_encode(z85, reinterpret_cast<const uint8_t*>(p[6].data()), 32);
+    key = z85;
+    if (allowed.count(key)) status = "200", text = "OK";
+  }
+  if (status != "200")
+    log(fmt::format("refused peer {} ({} key {}): not in the allow list; add its public key there to admit it", address,
+                    mechanism, key.empty() ? "none" : key));
+  std::vector<std::string> reply = {"1.0", p.size() > 1 ? p[1] : "", status, text, key, ""};
+  for (size_t i = 0; i < reply.size(); ++i)
+    zmq_send(zap, reply[i].data(), reply[i].size(), i + 1 < reply.size() ? ZMQ_SNDMORE : 0);
+}
+
+}  // namespace relay_internal
+
+Result<CurveKeyPair> GenerateCurveKeyPair() {
+  char pub[41] = {0}, sec[41] = {0};
+  if (zmq_curve_keypair(pub, sec) != 0)
+    return Unimplemented(relay_internal::ZmqError("CURVE key generation (is libzmq built with libsodium?)"));
+  return CurveKeyPair{pub, sec};
+}
+
+namespace {
+
+Result<std::string> ReadText(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return NotFound(fmt::format("cannot read key file {} (make one with dcr relay keygen)", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+bool Z85Key(const std::string& s) {
+  if (s.size() != 40) return false;
+  uint8_t bin[32];
+  return zmq_z85_decode(bin, s.c_str()) != nullptr;
+}
+
+}  // namespace
+
+Status WriteCurveKeyFiles(const std::string& stem, const CurveKeyPair& pair) {
+  DCR_RETURN_IF_ERROR(WriteFileAtomically(stem + ".key", fmt::format("# dcr relay CURVE key pair: keep secret\npublic {}\nsecret {}\n",
+                                                                     pair.public_key, pair.secret_key)));
+  if (::chmod((stem + ".key").c_str(), 0600) != 0) return ErrnoError(errno, "chmod 0600 " + stem + ".key");
+  return WriteFileAtomically(stem + ".pub", pair.public_key + "\n");
+}
+
+Result<CurveKeyPair> ReadCurveKeyPair(const std::string& path) {
+  DCR_ASSIGN_OR_RETURN(std::string text, ReadText(path));
+  CurveKeyPair pair;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.starts_with("public ")) pair.public_key = line.substr(7);
+    if (line.starts_with("secret ")) pair.secret_key = line.substr(7);
+  }
+  if (!Z85Key(pair.public_key) || !Z85Key(pair.secret_key))
+    return InvalidArgument(fmt::format("{}: not a CURVE key pair (lines 'public <z85>' and 'secret <z85>'); make one "
+                                       "with dcr relay keygen",
+                                       path));
+  return pair;
+}
+
+Result<std::string> ReadCurvePublicKey(const std::string& path) {
+  DCR_ASSIGN_OR_RETURN(std::string text, ReadText(path));
+  if (text.find("secret ") != std::string::npos) {
+    DCR_ASSIGN_OR_RETURN(CurveKeyPair pair, ReadCurveKeyPair(path));
+    return pair.public_key;
+  }
+  while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
+  if (!Z85Key(text))
+    return InvalidArgument(fmt::format("{}: not a CURVE public key (40 Z85 characters); make one with dcr relay keygen", path));
+  return text;
+}
+
+Result<std::set<std::string>> ReadCurveAllowList(const std::string& path) {
+  DCR_ASSIGN_OR_RETURN(std::string text, ReadText(path));
+  std::set<std::string> keys;
+  std::istringstream in(text);
+  std::string line;
+  for (int n = 1; std::getline(in, line); ++n) {
+    // Z85 keys may contain '#': only a line that starts with it is a comment.
+    while (!line.empty() && (line.back() == ' ' || line.back() == '\t' || line.back() == '\r')) line.pop_back();
+    while (!line.empty() && (line.front() == ' ' || line.front() == '\t')) line.erase(0, 1);
+    if (line.empty() || line.front() == '#') continue;
+    if (!Z85Key(line))
+      return InvalidArgument(fmt::format("{}:{}: not a CURVE public key (40 Z85 characters)", path, n));
+    keys.insert(line);
+  }
+  return keys;
+}
+
+Result<RelaySecurity> LoadRelaySecurity(const std::string& key_file, const std::string& server_public_file,
+                                        const std::string& allow_file) {
+  RelaySecurity sec;
+  if (key_file.empty()) {
+    if (!server_public_file.empty() || !allow_file.empty())
+      return InvalidArgument("relay keys: a public key or allow list without this process's own key pair (--relay-key / --key)");
+    return sec;
+  }
+  DCR_ASSIGN_OR_RETURN(CurveKeyPair own, ReadCurveKeyPair(key_file));
+  sec.own = own;
+  if (!server_public_file.empty()) {
+    DCR_ASSIGN_OR_RETURN(sec.server_public, ReadCurvePublicKey(server_public_file));
+  } else {
+    sec.server_public = own.public_key;
+  }
+  if (!allow_file.empty()) {
+    DCR_ASSIGN_OR_RETURN(sec.allowed, ReadCurveAllowList(allow_file));
+  }
+  return sec;
+}
+
+}  // namespace dcr

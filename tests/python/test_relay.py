@@ -1,0 +1,417 @@
+"""The relay tree as real processes on loopback (issue 6): `dcr relay`
+daemons planned by `dcr relay plan`, `dcr follow --relay` receivers and
+`dcr publish --relay`, all authenticated with CURVE keys from
+`dcr relay keygen`, over a file:// store that stays the control plane.
+
+test_depth_two_tree_commits_and_the_payload_crosses_once
+    5 relays (fanout 2, depth 2), 8 receivers: two versions commit, every
+    receiver equals the checkpoint byte for byte, no receiver downloads a
+    frame object from the store, and the per-link byte counters show the
+    frames entering the cluster once (sender -> root) and each link of the
+    tree carrying them once.
+test_killing_a_middle_relay_mid_stream
+    kill -9 of a depth-1 relay at a random moment (seed printed,
+    DCR_RELAY_SEED replays it) while a version streams: the version commits,
+    every receiver is exact, and the next version reaches everyone through
+    the ancestors they re-attached to, with nothing from the store.
+test_unauthenticated_clients_are_refused
+    a receiver with an unknown key and one without keys get nothing from the
+    relay (the relay logs the refusals) and still end exact from the store.
+test_a_corrupt_frame_is_dropped_never_forwarded
+    an object damaged on arrival at the root (test hook) and a damaged real
+    frame object pushed into a middle relay are dropped there: the links below
+    never carry them, receivers fetch the missing object from the store and
+    end exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import DCR_BIN, dcr_json, run_dcr
+
+SIZE = "4MB"
+CHUNK = "4096"
+PING = "0.1"
+# Generous against stalls of a loaded 2-core CI machine: a relay or receiver
+# that wrongly thinks its parent dead would re-attach, which the byte
+# counting test would (rightly) see.
+DEAD_AFTER = "2"
+TIMEOUT_S = 60
+
+
+def free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def tail(path: Path, n: int = 25) -> str:
+    try:
+        return "\n".join("    " + line for line in path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return f"    ({path} unreadable)"
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e["DCR_PROGRESS"] = "0"
+    for k in ("DCR_STORE_FAULTS", "DCR_TEST_CRASH_AT", "DCR_STATE_DIR", "DCR_TEST_CORRUPT_NTH"):
+        e.pop(k, None)
+    return e
+
+
+class Tree:
+    """A run: generated versions, a store, keys, relays and receivers."""
+
+    def __init__(self, root: Path, versions: int = 2):
+        self.root = root
+        self.gen = root / "gen"
+        dcr_json("gen", "-o", self.gen, "--family", "qwen3-moe", "--size", SIZE, "--versions", versions, "--update",
+                 "stress", "--rate", "0.03", "--seed", 11, "--json")
+        self.store = root / "store"
+        self.url = f"file://{self.store}"
+        self.logs = root / "logs"
+        self.logs.mkdir()
+        keys = root / "keys"
+        keys.mkdir()
+        for name in ("relays", "clients", "stranger"):
+            res = run_dcr("relay", "keygen", keys / name)
+            assert res.returncode == 0, str(res)
+        self.relay_key, self.relay_pub = keys / "relays.key", keys / "relays.pub"
+        self.client_key, self.stranger_key = keys / "clients.key", keys / "stranger.key"
+        self.allow = keys / "allow"
+        self.allow.write_text("# relays and trusted clients\n" + (keys / "relays.pub").read_text() +
+                              (keys / "clients.pub").read_text())
+        self.relays: dict[str, dict] = {}  # id -> plan node
+        self.relay_procs: dict[str, subprocess.Popen] = {}
+        self.receivers: dict[str, dict] = {}
+        self.procs: list[subprocess.Popen] = []
+
+    # ---------------------------------------------------------------- plan
+
+    def plan(self, ids: list[str], fanout: int) -> dict:
+        listing = [{"id": i, "address": free_address(), "cluster": "rollout"} for i in ids]
+        path = self.root / "relays.json"
+        path.write_text(json.dumps(listing))
+        plan = dcr_json("relay", "plan", "--relays", path, "--fanout", fanout)
+        self.relays = {n["id"]: n for n in plan["relays"]}
+        return plan
+
+    def start_relay(self, rid: str, extra_env: dict | None = None) -> None:
+        n = self.relays[rid]
+        args = [str(DCR_BIN), "relay", "--id", rid, "--listen", n["address"], "--key", str(self.relay_key), "--allow",
+                str(self.allow), "--stats", str(self.stats_path(rid)), "--ping", PING, "--dead-after", DEAD_AFTER]
+        for up in n["upstream"]:
+            args += ["--parent", up]
+        e = env()
+        e.update(extra_env or {})
+        log = self.logs / f"relay-{rid}.log"
+        with open(log, "ab") as out:
+            p = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=e)
+        self.relay_procs[rid] = p
+        self.procs.append(p)
+
+    def stats_path(self, rid: str) -> Path:
+        return self.root / f"stats-{rid}.json"
+
+    def stop_relays(self) -> dict[str, dict]:
+        """SIGTERM every live relay (each writes its stats at exit); their stats by id."""
+        for p in self.relay_procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for rid, p in self.relay_procs.items():
+            p.wait(timeout=20)
+        return {rid: read_json(self.stats_path(rid)) for rid in self.relay_procs}
+
+    # ---------------------------------------------------------------- receivers
+
+    def start_receiver(self, rid: str, relay: str | None, until: int, key: Path | None = None,
+                       no_keys: bool = False) -> None:
+        target = self.root / f"target-{rid}"
+        log = self.logs / f"follow-{rid}.log"
+        args = [str(DCR_BIN), "follow", "--store", self.url, "--id", rid, "--poll", "0.05", "--heartbeat", "0.2",
+                "--until", str(until), str(target)]
+        if relay:
+            n = self.relays[relay]
+            for addr in [n["address"], *n["upstream"]]:
+                args += ["--relay", addr]
+            args += ["--relay-quiet", "3.5", "--relay-dead-after", DEAD_AFTER]
+            if not no_keys:
+                args += ["--relay-key", str(key or self.client_key), "--relay-pub", str(self.relay_pub)]
+        with open(log, "wb") as out:
+            p = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env())
+        self.receivers[rid] = {"proc": p, "target": target, "log": log}
+        self.procs.append(p)
+
+    def wait_registered(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        for rid, r in self.receivers.items():
+            while True:
+                rec = read_json(self.store / "receivers" / f"{rid}.json")
+                if rec and rec.get("state") == "following" and time.time() - rec["heartbeat"] < 1.0:
+                    break
+                assert r["proc"].poll() is None, f"receiver {rid} died:\n{tail(r['log'])}"
+                assert time.monotonic() < deadline, f"receiver {rid} did not register:\n{tail(r['log'])}"
+                time.sleep(0.05)
+
+    def wait_attached(self, peers: dict[str, str], timeout: float = 30) -> None:
+        """Until each "<kind> <id>" in `peers` (value: the relay it attaches
+        to) has said HELLO there: a receiver that is not attached yet when an
+        attempt streams rightly takes the store's copy."""
+        deadline = time.monotonic() + timeout
+        for who, relay in peers.items():
+            log = self.logs / f"relay-{relay}.log"
+            while f"{who} attached" not in (log.read_text() if log.exists() else ""):
+                assert time.monotonic() < deadline, f"{who} did not attach to {relay}:\n{tail(log)}"
+                time.sleep(0.05)
+
+    def wait_receivers(self, timeout: float = TIMEOUT_S) -> None:
+        for rid, r in self.receivers.items():
+            try:
+                rc = r["proc"].wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"receiver {rid} did not finish:\n{tail(r['log'])}")
+            assert rc == 0, f"receiver {rid} failed (rc {rc}):\n{tail(r['log'])}"
+
+    def carried(self, rid: str) -> list[dict]:
+        """Per applied attempt: frame objects from the relay / the store, from the follower's log."""
+        out = []
+        for line in self.receivers[rid]["log"].read_text().splitlines():
+            if ": frame objects " in line and " from the relay, " in line:
+                rest = line.split(": frame objects ", 1)[1]
+                relayed, total = rest.split(" ", 1)[0].split("/")
+                store_part = rest.split(" from the relay, ", 1)[1]
+                out.append({"version": int(line.split("version ", 1)[1].split(" ", 1)[0]), "relayed": int(relayed),
+                            "total": int(total), "store_objects": int(store_part.split(" ", 1)[0]),
+                            "store_bytes": int(store_part.split("(", 1)[1].split(" ", 1)[0])})
+        return out
+
+    def assert_exact(self, v: int) -> None:
+        for rid, r in self.receivers.items():
+            res = run_dcr("diff", "--json", "--summary", self.gen / f"v{v}", r["target"])
+            assert res.returncode == 0, f"receiver {rid} differs from v{v}: {res}\n{tail(r['log'])}"
+
+    # ---------------------------------------------------------------- publish
+
+    def publish(self, v: int, relay: bool = True, segment: str = "64KiB", extra_env: dict | None = None
+                ) -> subprocess.Popen:
+        args = [str(DCR_BIN), "publish", "--store", self.url, "--version", str(v), "--state", str(self.root / "state"),
+                "--senders", "2", "--chunk", CHUNK, "--segment", segment, "--ack-timeout", "30",
+                "--heartbeat-timeout", "3", "--json", str(self.gen / f"v{v}")]
+        if relay:
+            root = next(n for n in self.relays.values() if n["parent"] is None)
+            args[2:2] = ["--relay", root["address"], "--relay-key", str(self.client_key), "--relay-pub",
+                         str(self.relay_pub)]
+        log = self.logs / f"publish-v{v}.log"
+        e = env()
+        e.update(extra_env or {})
+        with open(log, "wb") as out:
+            p = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=e)
+        p.log = log  # type: ignore[attr-defined]
+        self.procs.append(p)
+        return p
+
+    def publish_ok(self, v: int, relay: bool = True) -> None:
+        p = self.publish(v, relay)
+        rc = p.wait(timeout=TIMEOUT_S)
+        assert rc == 0, f"publish v{v} failed:\n{tail(p.log)}"
+
+    def committed_frame_bytes(self, v: int) -> int:
+        commit = read_json(self.store / "commits" / f"v{v:010}.json")
+        frames = self.store / "attempts" / f"v{v:010}" / commit["attempt"] / "frames"
+        return sum(p.stat().st_size for p in frames.iterdir())
+
+    def kill_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture
+def tree(tmp):
+    made = []
+
+    def make(**kw) -> Tree:
+        t = Tree(tmp / f"tree{len(made)}", **kw)
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.kill_all()
+
+
+RELAYS = ["r0", "r1", "r2", "r3", "r4"]  # fanout 2: r0 <- r1, r2; r1 <- r3, r4
+PLACEMENT = {"e0": "r0", "e1": "r1", "e2": "r2", "e3": "r2", "e4": "r3", "e5": "r3", "e6": "r4", "e7": "r4"}
+
+
+def start_tree(t: Tree, until: int) -> dict:
+    plan = t.plan(RELAYS, 2)
+    assert plan["depth"] == 2 and plan["roots"] == ["r0"]
+    assert t.relays["r3"]["upstream"] == [t.relays["r1"]["address"], t.relays["r0"]["address"]]
+    t.publish_ok(0, relay=False)  # the run and its snapshot (receivers join from the store)
+    for rid in RELAYS:
+        t.start_relay(rid)
+    for rid, relay in PLACEMENT.items():
+        t.start_receiver(rid, relay, until)
+    t.wait_registered()
+    t.wait_attached({**{f"relay {r}": t.relays[r]["parent"] for r in RELAYS[1:]},
+                     **{f"receiver {e}": r for e, r in PLACEMENT.items()}})
+    return plan
+
+
+def test_depth_two_tree_commits_and_the_payload_crosses_once(tree):
+    t = tree()
+    start_tree(t, until=2)
+    t.publish_ok(1)
+    t.publish_ok(2)
+    t.wait_receivers()
+    t.assert_exact(2)
+    payload = t.committed_frame_bytes(1) + t.committed_frame_bytes(2)
+    for rid in PLACEMENT:
+        carried = t.carried(rid)
+        assert [c["version"] for c in carried] == [1, 2], (rid, carried)
+        assert all(c["store_objects"] == 0 and c["store_bytes"] == 0 and c["relayed"] == c["total"] for c in carried), (
+            f"receiver {rid} downloaded frame objects from the store: {carried}")
+    stats = t.stop_relays()
+    # Into the cluster: only the sender -> root link, carrying each frame object once.
+    root_in = [link for link in stats["r0"]["links"] if link["kind"] == "sender"]
+    assert sum(link["bytes_in"] for link in root_in) == payload, (root_in, payload)
+    assert stats["r0"]["accepted_bytes"] == payload
+    # Inside it, every link of the tree carries them once (nothing is sent twice).
+    for rid in RELAYS[1:]:
+        up = [link for link in stats[rid]["links"] if link["kind"] == "upstream"]
+        assert sum(link["bytes_in"] for link in up) == payload, (rid, up)
+        assert stats[rid]["duplicates"] == 0 and stats[rid]["dropped_corrupt"] == 0
+    for rid, s in stats.items():
+        for link in s["links"]:
+            if link["kind"] in ("relay", "receiver"):
+                assert link["bytes_out"] == payload, (rid, link)
+    shown = run_dcr("relay", "status", *[t.stats_path(rid) for rid in RELAYS])
+    assert shown.returncode == 0, str(shown)
+    assert f"relay r3 at {t.relays['r3']['address']}, upstream r1 {t.relays['r1']['address']}" in shown.stdout, shown
+    assert "-> relay r3: " in shown.stdout and "-> receiver e4" in shown.stdout, shown.stdout
+    assert "<- sender publish-" in shown.stdout, shown.stdout
+    print(shown.stdout)
+    print(f"relay tree: {len(PLACEMENT)} receivers, {payload} bytes of frames crossed into the cluster once; "
+          f"the store served none")
+
+
+def test_killing_a_middle_relay_mid_stream(tree):
+    seed = int(os.environ.get("DCR_RELAY_SEED", random.randrange(1 << 30)))
+    rng = random.Random(seed)
+    print(f"relay kill: seed {seed} (DCR_RELAY_SEED={seed} replays it)")
+    t = tree(versions=2)
+    start_tree(t, until=2)
+    # Small segments and a slow store (each operation sleeps up to 40 ms) make
+    # the attempt stream for a second or so, and the kill lands inside it.
+    p = t.publish(1, segment="8KiB", extra_env={"DCR_STORE_FAULTS": f"seed={seed},delay_ms=40"})
+    time.sleep(rng.uniform(0.1, 0.9))
+    t.relay_procs["r1"].kill()  # SIGKILL
+    t.relay_procs["r1"].wait()
+    print(f"relay kill: r1 killed {'during' if p.poll() is None else 'after'} publish v1")
+    rc = p.wait(timeout=TIMEOUT_S)
+    assert rc == 0, f"publish v1 failed after r1 died:\n{tail(p.log)}"
+    # Everyone under r1 re-attached to its ancestor r0; the next version comes through the tree alone.
+    t.publish_ok(2)
+    t.wait_receivers()
+    t.assert_exact(2)
+    # e1 was r1's own receiver; the receivers of r3 and r4 kept their relays.
+    assert "attaching to " + t.relays["r0"]["address"] in t.receivers["e1"]["log"].read_text(), \
+        tail(t.receivers["e1"]["log"])
+    for rid in PLACEMENT:
+        v2 = [c for c in t.carried(rid) if c["version"] == 2]
+        assert v2 and v2[0]["store_objects"] == 0, f"{rid} needed the store for v2: {v2}\n{tail(t.receivers[rid]['log'])}"
+    stats = t.stop_relays()
+    # r3 and r4 left their dead parent for r0.
+    for rid in ("r3", "r4"):
+        assert stats[rid]["upstream"] == t.relays["r0"]["address"], (rid, stats[rid])
+
+
+def test_unauthenticated_clients_are_refused(tree):
+    t = tree(versions=1)
+    t.plan(["r0"], 2)
+    t.publish_ok(0, relay=False)
+    t.start_relay("r0")
+    t.start_receiver("good", "r0", 1)
+    t.start_receiver("stranger", "r0", 1, key=t.stranger_key)
+    t.start_receiver("keyless", "r0", 1, no_keys=True)
+    t.wait_registered()
+    t.wait_attached({"receiver good": "r0"})
+    t.publish_ok(1)
+    t.wait_receivers()
+    t.assert_exact(1)
+    good = t.carried("good")
+    assert good and good[0]["store_objects"] == 0, good
+    for rid in ("stranger", "keyless"):
+        c = t.carried(rid)
+        assert c and c[0]["relayed"] == 0 and c[0]["store_objects"] == c[0]["total"] > 0, (rid, c)
+        assert "relay: 0 objects (0 bytes) received" in t.receivers[rid]["log"].read_text()
+    log = (t.logs / "relay-r0.log").read_text()
+    stranger_pub = (t.stranger_key.with_suffix(".pub")).read_text().strip()
+    assert f"(CURVE key {stranger_pub}): not in the allow list" in log, log
+    assert "handshake failed" in log, log
+    stats = t.stop_relays()
+    assert stats["r0"]["refused_peers"] >= 2
+    assert [link["peer"] for link in stats["r0"]["links"] if link["kind"] == "receiver"] == ["good"]
+
+
+def test_a_corrupt_frame_is_dropped_never_forwarded(tree):
+    t = tree(versions=1)
+    t.plan(["r0", "r1", "r2"], 1)  # a chain: r0 <- r1 <- r2
+    t.publish_ok(0, relay=False)
+    t.start_relay("r0", {"DCR_TEST_CORRUPT_NTH": "2"})  # the second object is damaged on arrival
+    t.start_relay("r1")
+    t.start_relay("r2")
+    t.start_receiver("e0", "r1", 1)
+    t.start_receiver("e1", "r2", 1)
+    t.wait_registered()
+    t.wait_attached({"relay r1": "r0", "relay r2": "r1", "receiver e0": "r1", "receiver e1": "r2"})
+    t.publish_ok(1)
+    t.wait_receivers()
+    t.assert_exact(1)
+    payload = t.committed_frame_bytes(1)
+    for rid in ("e0", "e1"):
+        c = t.carried(rid)
+        assert c and c[0]["store_objects"] == 1 and c[0]["relayed"] == c[0]["total"] - 1, (rid, c)
+    assert "dropped a corrupt object from sender" in (t.logs / "relay-r0.log").read_text()
+
+    # A real frame object, damaged inside a frame (its envelope CRC is right),
+    # pushed into the middle relay by an authenticated peer.
+    commit = read_json(t.store / "commits" / f"v{1:010}.json")
+    frames = sorted((t.store / "attempts" / f"v{1:010}" / commit["attempt"] / "frames").iterdir())
+    damaged = bytearray(frames[0].read_bytes())
+    damaged[len(damaged) // 2] ^= 0x40
+    bad = t.root / "damaged.bin"
+    bad.write_bytes(bytes(damaged))
+    key = f"attempts/v{1:010}/{commit['attempt']}/frames/s9-0000.bin"
+    res = run_dcr("relay", "push", "--to", t.relays["r1"]["address"], "--object-key", key, "--key", t.client_key,
+                  "--relay-pub", t.relay_pub, bad)
+    assert res.returncode == 0, str(res)
+    time.sleep(0.5)
+    stats = t.stop_relays()
+    assert stats["r0"]["dropped_corrupt"] == 1
+    assert stats["r1"]["dropped_corrupt"] == 1
+    r0_out = sum(link["bytes_out"] for link in stats["r0"]["links"] if link["kind"] == "relay")
+    assert r0_out == stats["r0"]["accepted_bytes"] < payload  # the damaged object never left r0
+    assert sum(link["bytes_in"] for link in stats["r2"]["links"] if link["kind"] == "upstream") == \
+        stats["r1"]["accepted_bytes"] == r0_out  # nor r1
+    assert stats["r2"]["dropped_corrupt"] == 0
+    assert f"frame object {key}: the frame at offset" in (t.logs / "relay-r1.log").read_text()

@@ -1,0 +1,238 @@
+// dcr relay: the relay daemon, and its keys, plans and a manual push.
+#include <fmt/format.h>
+
+#include <atomic>
+#include <csignal>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "cli.h"
+#include "dcr/progress.h"
+#include "dcr/relay.h"
+
+namespace dcr::cli {
+namespace {
+
+std::atomic<bool> g_relay_stop{false};
+void OnRelaySignal(int) { g_relay_stop = true; }
+
+Result<std::string> ReadWholeFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return NotFound("cannot read " + path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+struct RelayArgs {
+  std::string id, listen, stats, key, relay_pub, allow, window = "64MiB", cache = "1GiB";
+  std::vector<std::string> parents;
+  double ping = 0.25, dead_after = 1.5, link_mbps = 0;
+};
+
+int RunRelayDaemon(const RelayArgs& a) {
+  RelayOptions o;
+  o.id = a.id;
+  o.listen = a.listen;
+  o.upstream = a.parents;
+  auto window = ParseBytes(a.window), cache = ParseBytes(a.cache);
+  if (!window.ok()) return Fail("relay", window.status().WithContext("--window"));
+  if (!cache.ok()) return Fail("relay", cache.status().WithContext("--cache"));
+  o.window_bytes = *window;
+  o.cache_bytes = *cache;
+  o.stats_path = a.stats;
+  o.link_bytes_per_second = a.link_mbps * 1e6;
+  o.ping_every = std::chrono::milliseconds(static_cast<int64_t>(a.ping * 1000));
+  o.dead_after = std::chrono::milliseconds(static_cast<int64_t>(a.dead_after * 1000));
+  auto sec = LoadRelaySecurity(a.key, a.relay_pub, a.allow);
+  if (!sec.ok()) return Fail("relay", sec.status());
+  if (sec->enabled() && sec->allowed.empty())
+    return Fail("relay", InvalidArgument("--key without --allow: no peer could attach; list their public keys in a file"));
+  o.security = *sec;
+  // TEST ONLY: DCR_TEST_CORRUPT_NTH=N damages the Nth object received
+  // (tests/python/test_relay.py); nothing else reads it.
+  if (const char* n = std::getenv("DCR_TEST_CORRUPT_NTH"); n && *n) o.test_corrupt_nth = std::strtoull(n, nullptr, 10);
+  std::signal(SIGINT, OnRelaySignal);
+  std::signal(SIGTERM, OnRelaySignal);
+  Status s = RunRelay(o, [] { return g_relay_stop.load(); });
+  if (!s.ok()) return Fail("relay", s);
+  return kExitOk;
+}
+
+}  // namespace
+
+void AddRelayCommand(CLI::App& app) {
+  auto* relay = app.add_subcommand(
+      "relay", "Run a relay of the relay tree (frames in from the parent or senders, out to children and receivers)");
+  relay->require_subcommand(0, 1);
+  auto ra = std::make_shared<RelayArgs>();
+  relay->add_option("--id", ra->id, "This relay's id (logs, stats, the plan)");
+  relay->add_option("--listen", ra->listen, "Address to listen on, e.g. tcp://0.0.0.0:7400");
+  relay->add_option("--parent", ra->parents,
+                    "Parent relay address; repeat for its ancestors, in order (used when the parent is silent). "
+                    "None: a root, which senders push into");
+  relay->add_option("--window", ra->window, "Per child: bytes sent and not yet acknowledged (the in-memory window)");
+  relay->add_option("--cache", ra->cache,
+                    "Bytes of objects kept for slow and re-attaching children; a child that misses an evicted object "
+                    "fetches it from the store");
+  relay->add_option("--stats", ra->stats, "Write per-link byte counters as JSON to this file (every second and at exit)");
+  relay->add_option("--key", ra->key, "CURVE key pair file (dcr relay keygen); enables authentication and encryption");
+  relay->add_option("--relay-pub", ra->relay_pub, "Public key of the parent relays (default: this relay's own)");
+  relay->add_option("--allow", ra->allow, "File of admitted peers' public keys, one per line");
+  relay->add_option("--ping", ra->ping, "Seconds between pings to peers");
+  relay->add_option("--dead-after", ra->dead_after, "Seconds of silence after which the parent is left for the next");
+  relay->add_option("--link-mbps", ra->link_mbps,
+                    "Benchmarks: pace each child link to this many MB/s (an in-process throttle); 0: unlimited");
+
+  auto* keygen = relay->add_subcommand("keygen", "Write a CURVE key pair: STEM.key (secret, 0600) and STEM.pub");
+  auto stem = std::make_shared<std::string>();
+  keygen->add_option("stem", *stem, "Path without extension")->required();
+  keygen->callback([stem] {
+    auto pair = GenerateCurveKeyPair();
+    if (!pair.ok()) {
+      ExitCode() = Fail("relay keygen", pair.status());
+      return;
+    }
+    if (Status s = WriteCurveKeyFiles(*stem, *pair); !s.ok()) {
+      ExitCode() = Fail("relay keygen", s);
+      return;
+    }
+    fmt::print("{}\n", pair->public_key);
+    ExitCode() = kExitOk;
+  });
+
+  auto* plan = relay->add_subcommand("plan", "Print the tree for a relay list (JSON [{id, address, cluster}])");
+  struct PlanArgs {
+    std::string relays;
+    uint32_t fanout = 2;
+    std::vector<std::string> lost;
+  };
+  auto pa = std::make_shared<PlanArgs>();
+  plan->add_option("--relays", pa->relays, "The relay list (JSON file)")->required();
+  plan->add_option("--fanout", pa->fanout, "Children per relay")->check(CLI::Range(1, 1024));
+  plan->add_option("--lost", pa->lost, "Relays to plan without (lost nodes)");
+  plan->callback([pa] {
+    auto text = ReadWholeFile(pa->relays);
+    if (!text.ok()) {
+      ExitCode() = Fail("relay plan", text.status());
+      return;
+    }
+    auto relays = ParseRelayList(*text, pa->relays);
+    if (!relays.ok()) {
+      ExitCode() = Fail("relay plan", relays.status());
+      return;
+    }
+    auto p = PlanTreeWithout(*relays, std::set<std::string>(pa->lost.begin(), pa->lost.end()), pa->fanout);
+    if (!p.ok()) {
+      ExitCode() = Fail("relay plan", p.status());
+      return;
+    }
+    std::cout << p->ToJson();
+    ExitCode() = kExitOk;
+  });
+
+  auto* push = relay->add_subcommand("push", "Push one frame object from a file into a relay, as a sender does");
+  struct PushArgs {
+    std::string to, key, relay_pub, object_key, file;
+  };
+  auto ua = std::make_shared<PushArgs>();
+  push->add_option("--to", ua->to, "Relay address")->required();
+  push->add_option("--object-key", ua->object_key, "The object's key, attempts/v<N>/<attempt>/frames/s<K>-<NNNN>.bin")
+      ->required();
+  push->add_option("--key", ua->key, "CURVE key pair file");
+  push->add_option("--relay-pub", ua->relay_pub, "The relay's public key");
+  push->add_option("file", ua->file, "The object's bytes")->required();
+  push->callback([ua] {
+    auto data = ReadWholeFile(ua->file);
+    if (!data.ok()) {
+      ExitCode() = Fail("relay push", data.status());
+      return;
+    }
+    if (auto p = FrameObjectPrefix(ua->object_key); !p.ok()) {
+      ExitCode() = Fail("relay push", p.status());
+      return;
+    }
+    auto sec = LoadRelaySecurity(ua->key, ua->relay_pub, "");
+    if (!sec.ok()) {
+      ExitCode() = Fail("relay push", sec.status());
+      return;
+    }
+    RelayClientOptions o;
+    o.id = "push";
+    o.addresses = {ua->to};
+    o.security = *sec;
+    auto sender = RelaySender::Start(o);
+    if (!sender.ok()) {
+      ExitCode() = Fail("relay push", sender.status());
+      return;
+    }
+    (*sender)->Object(ua->object_key, *data);
+    if (!(*sender)->Flush(std::chrono::seconds(10))) {
+      ExitCode() = Fail("relay push", Unavailable(fmt::format("{} did not acknowledge {} within 10 s (is it running, "
+                                                              "and are the keys right?)",
+                                                              ua->to, ua->object_key)));
+      return;
+    }
+    fmt::print("pushed {} ({} bytes) to {}\n", ua->object_key, data->size(), ua->to);
+    ExitCode() = kExitOk;
+  });
+
+  auto* status = relay->add_subcommand(
+      "status", "Show relays and per-link byte counters from their --stats files, the tree in upstream order");
+  auto files = std::make_shared<std::vector<std::string>>();
+  status->add_option("stats", *files, "Stats files written by dcr relay --stats")->required();
+  status->callback([files] {
+    // address -> (id, stats) so that each relay is shown under its upstream.
+    std::vector<nlohmann::json> docs;
+    for (const auto& f : *files) {
+      auto text = ReadWholeFile(f);
+      if (!text.ok()) {
+        ExitCode() = Fail("relay status", text.status());
+        return;
+      }
+      auto doc = nlohmann::json::parse(*text, nullptr, false);
+      if (doc.is_discarded() || !doc.is_object() || doc.value("format", "") != "dcr-relay-stats" ||
+          !doc["links"].is_array()) {
+        ExitCode() = Fail("relay status", InvalidArgument(f + ": not a relay stats file (dcr relay --stats FILE writes one)"));
+        return;
+      }
+      docs.push_back(std::move(doc));
+    }
+    std::map<std::string, std::string> id_of;  // listen address -> id
+    for (const auto& d : docs) id_of[d.value("listen", "")] = d.value("id", "");
+    for (const auto& d : docs) {
+      const std::string up = d["upstream"].is_string() ? d["upstream"].get<std::string>() : "";
+      fmt::print("relay {} at {}, upstream {}: {} objects ({}) accepted; dropped {} corrupt, {} fenced, {} duplicates; "
+                 "{} peers refused\n",
+                 d.value("id", "?"), d.value("listen", "?"),
+                 up.empty() ? "none (a root)" : (id_of.count(up) ? id_of[up] + " " + up : up), d.value("accepted", 0),
+                 FormatBytes(d.value("accepted_bytes", 0)), d.value("dropped_corrupt", 0), d.value("dropped_fenced", 0),
+                 d.value("duplicates", 0), d.value("refused_peers", 0));
+      for (const auto& l : d["links"]) {
+        const std::string kind = l.value("kind", "?");
+        const bool in = kind == "upstream" || kind == "sender";
+        fmt::print("  {} {} {}{}: {} in {} objects{}\n", in ? "<-" : "->", kind, l.value("peer", "?"),
+                   l.value("attached", false) ? "" : " (detached)",
+                   FormatBytes(in ? l.value("bytes_in", 0) : l.value("bytes_out", 0)),
+                   in ? l.value("objects_in", 0) : l.value("objects_out", 0),
+                   l.value("evicted", 0) ? fmt::format(", {} evicted before sending", l.value("evicted", 0)) : "");
+      }
+    }
+    ExitCode() = kExitOk;
+  });
+
+  relay->callback([relay, ra] {
+    if (!relay->get_subcommands().empty()) return;  // keygen, plan, push or status ran
+    if (ra->id.empty() || ra->listen.empty()) {
+      ExitCode() = Fail("relay", InvalidArgument("--id and --listen are needed to run a relay (or use keygen, plan, push, status)"));
+      return;
+    }
+    ExitCode() = RunRelayDaemon(*ra);
+  });
+}
+
+}  // namespace dcr::cli
