@@ -270,7 +270,12 @@ std::pair<uint32_t, uint64_t> ChooseExpGolomb(size_t n, size_t stride, Get get, 
   size_t m = 0;
   for (size_t i = 0; i < n; i += stride, ++m) {
     const uint64_t v = get(i);
-    for (uint32_t k = 0; k <= kMaxExpGolombK; ++k) bits[k] += ExpGolombBits(v, k, escape_bits);
+    if (v < (1ull << 31)) [[likely]] {
+      // No escape (u has at most 32 bits): ExpGolombBits is 2 L - k - 1.
+      for (uint32_t k = 0; k <= kMaxExpGolombK; ++k) bits[k] += 2 * BitLength(v + (1ull << k)) - k - 1;
+    } else {
+      for (uint32_t k = 0; k <= kMaxExpGolombK; ++k) bits[k] += ExpGolombBits(v, k, escape_bits);
+    }
   }
   uint32_t best = 0;
   for (uint32_t k = 1; k <= kMaxExpGolombK; ++k)
@@ -637,7 +642,16 @@ template <typename U, ValueCoding coding, WordImage image>
       // Batches of changes get their old and new words while the target
       // lines the decoder prefetched are in L1.
       constexpr uint32_t kApplyBatch = 512;
-      while (i + 4 <= changed) {
+      for (uint32_t batch_end = 0; i + 4 <= changed;) {
+        if constexpr (std::is_same_v<U, uint16_t>) {
+          if (i >= batch_end) {
+            if (add_apply16 != nullptr && i > applied) {
+              add_apply16(changes + applied, i - applied, target, static_cast<uint32_t>(words), KernelImage(image));
+              applied = i;
+            }
+            batch_end = i + kApplyBatch;
+          }
+        }
         if (r.exhausted()) [[unlikely]]
           return DataLoss(where + ": sparse payload ends early");
         uint64_t w = r.Peek();  // 56 bits or more: four table entries' worth
@@ -654,9 +668,11 @@ template <typename U, ValueCoding coding, WordImage image>
           __builtin_prefetch(target + pos * sizeof(U), 1);
           if constexpr (std::is_same_v<U, uint16_t>) {
             // One store: the position, and the value in the new word's place
-            // (the top 16 bits).
+            // (the top 16 bits of the entry); the old word's place gets the
+            // entry's low bits, which the next pass overwrites. (pos < 2^32:
+            // a position past the chunk is refused below, a few steps on.)
             static_assert(sizeof(Change<U>) == 8 && offsetof(Change<U>, new_word) == 6);
-            const uint64_t record = (pos & 0xFFFFFFFFu) | (static_cast<uint64_t>(e & 0xFFFF0000u) << 32);
+            const uint64_t record = pos | (static_cast<uint64_t>(e) << 32);
             std::memcpy(changes + i, &record, 8);
           } else {
             changes[i] = {static_cast<uint32_t>(pos), 0, static_cast<U>(static_cast<int32_t>(e) >> 16)};
@@ -677,12 +693,6 @@ template <typename U, ValueCoding coding, WordImage image>
           if (!decode_one(i)) [[unlikely]]
             return fail(i);
           ++i;
-        }
-        if constexpr (std::is_same_v<U, uint16_t>) {
-          if (add_apply16 != nullptr && i - applied >= kApplyBatch) {
-            add_apply16(changes + applied, i - applied, target, static_cast<uint32_t>(words), KernelImage(image));
-            applied = i;
-          }
         }
       }
     }
@@ -1018,7 +1028,15 @@ Result<ApplyOutcome> ChunkApplier::Apply(const FrameView& frame, const DigestKey
   WithWordType(wb, [&](auto word) {
     using U = decltype(word);
     const auto* c = reinterpret_cast<const Change<U>*>(changes);
-    for (uint32_t i = 0; i < n; ++i) Store<U>(target.data() + size_t{c[i].position} * sizeof(U), c[i].new_word);
+    if constexpr (std::is_same_v<U, uint16_t>) {
+      // Each record in one load: the position, and the new word on top.
+      for (uint32_t i = 0; i < n; ++i) {
+        const uint64_t record = Load<uint64_t>(reinterpret_cast<const uint8_t*>(c + i));
+        Store<uint16_t>(target.data() + (record & 0xFFFFFFFFu) * 2, static_cast<uint16_t>(record >> 48));
+      }
+    } else {
+      for (uint32_t i = 0; i < n; ++i) Store<U>(target.data() + size_t{c[i].position} * sizeof(U), c[i].new_word);
+    }
   });
   *after = d;
   return ApplyOutcome::kApplied;
