@@ -20,10 +20,13 @@
 // a loop instantiated per word type, value coding and image writes each
 // change's gap and value codes with one Put (for 16-bit add frames a vector
 // kernel computes the codes); a vector kernel sums the digest terms. Apply:
-// a loop decodes the changes into the same list, a second pass reads the
-// old words (prefetched) and computes the new ones, the digest kernel sums
-// their terms, and only when the digest matches are the new words written.
-// Each loop is a pass of its own: fused, they ran out of registers.
+// a loop decodes the changes into the same list (add frames through a table
+// of whole changes, four per window) and prefetches their target lines;
+// every 512 changes a vector kernel reads those old words and computes the
+// new ones (other frames: a second pass, with its own prefetch); the digest
+// kernel sums their terms, and only when the digest matches are the new
+// words written. The decoder and the digest are passes of their own:
+// fused, they ran out of registers.
 
 namespace dcr {
 namespace {
