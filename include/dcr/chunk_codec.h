@@ -98,6 +98,10 @@ class ChunkApplier {
   size_t changes_capacity_ = 0;  // bytes
   std::vector<uint8_t> payload_;  // a sparse payload's bit stream, zero-padded
   std::vector<uint8_t> dense_;    // a zstd payload, decompressed
+  // The sparse decoder's table for the last add frame's code parameters
+  // (decode_table_key_: word bytes, gap and value parameters; 0: none).
+  std::unique_ptr<uint32_t[]> decode_table_;
+  uint32_t decode_table_key_ = 0;
 };
 
 }  // namespace dcr

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <memory>
 #include <type_traits>
@@ -19,10 +20,13 @@
 // a loop instantiated per word type, value coding and image writes each
 // change's gap and value codes with one Put (for 16-bit add frames a vector
 // kernel computes the codes); a vector kernel sums the digest terms. Apply:
-// a loop decodes the changes into the same list, a second pass reads the
-// old words (prefetched) and computes the new ones, the digest kernel sums
-// their terms, and only when the digest matches are the new words written.
-// Each loop is a pass of its own: fused, they ran out of registers.
+// a loop decodes the changes into the same list (add frames through a table
+// of whole changes, four per window) and prefetches their target lines;
+// every 512 changes a vector kernel reads those old words and computes the
+// new ones (other frames: a second pass, with its own prefetch); the digest
+// kernel sums their terms, and only when the digest matches are the new
+// words written. The decoder and the digest are passes of their own:
+// fused, they ran out of registers.
 
 namespace dcr {
 namespace {
@@ -269,7 +273,12 @@ std::pair<uint32_t, uint64_t> ChooseExpGolomb(size_t n, size_t stride, Get get, 
   size_t m = 0;
   for (size_t i = 0; i < n; i += stride, ++m) {
     const uint64_t v = get(i);
-    for (uint32_t k = 0; k <= kMaxExpGolombK; ++k) bits[k] += ExpGolombBits(v, k, escape_bits);
+    if (v < (1ull << 31)) [[likely]] {
+      // No escape (u has at most 32 bits): ExpGolombBits is 2 L - k - 1.
+      for (uint32_t k = 0; k <= kMaxExpGolombK; ++k) bits[k] += 2 * BitLength(v + (1ull << k)) - k - 1;
+    } else {
+      for (uint32_t k = 0; k <= kMaxExpGolombK; ++k) bits[k] += ExpGolombBits(v, k, escape_bits);
+    }
   }
   uint32_t best = 0;
   for (uint32_t k = 1; k <= kMaxExpGolombK; ++k)
@@ -472,18 +481,63 @@ template <typename U, ValueCoding coding>
   return c;
 }
 
+// The decode table of add-mode (sign + Exp-Golomb) changes: entry x, for
+// the next kDecodeTableBits bits x of the stream, describes the change
+// whose gap and value codes lie within them: its bits in all (4 bits; 0:
+// the change is longer, or malformed, and takes the per-change path), its
+// gap (12 bits) and its value as a signed number (16 bits). Most changes
+// of RL weight updates fit (8-10 bits at 1-5% changed), so they decode
+// with one load and a few shifts, and four of them from one window.
+constexpr uint32_t kDecodeTableBits = 12;
+constexpr uint32_t kDecodeTableSize = 1u << kDecodeTableBits;
+
+void BuildAddDecodeTable(uint32_t word_bits, uint32_t gap_k, uint32_t value_k, uint32_t* table) {
+  // Every code that fits, entered at each index whose low bits it is:
+  // about one store per entry.
+  constexpr uint32_t kB = kDecodeTableBits;
+  const uint64_t max_magnitude_minus_1 = Mask(word_bits) >> 1;
+  std::memset(table, 0, kDecodeTableSize * sizeof(uint32_t));
+  for (uint32_t q = 0; q + 1 + gap_k + 2 <= kB; ++q) {
+    const uint32_t gap_bits = q + 1 + gap_k;
+    for (uint32_t gap_low = 0; gap_low < (1u << gap_k); ++gap_low) {
+      const uint32_t g = (q << gap_k) | gap_low;
+      const uint32_t gap_code = (1u << q) | (gap_low << (q + 1));  // q zeros, a one, the low bits
+      for (uint32_t zeros = 0;; ++zeros) {
+        const uint32_t low = zeros + value_k;  // bits of u below its top one
+        const uint32_t bits = gap_bits + 2 + zeros + low;
+        if (bits > kB) break;
+        for (uint32_t u_low = 0; u_low < (1u << low); ++u_low) {
+          const uint64_t magnitude_minus_1 = ((1ull << low) | u_low) - (1ull << value_k);
+          if (magnitude_minus_1 > max_magnitude_minus_1) continue;  // malformed: the per-change path says so
+          const int32_t magnitude = static_cast<int32_t>(magnitude_minus_1 + 1);
+          for (uint32_t negative = 0; negative < 2; ++negative) {
+            // The sign bit, zeros zeros, a one, the low bits of u.
+            const uint32_t code = gap_code | (negative << gap_bits) | (1u << (gap_bits + 1 + zeros)) |
+                                  (u_low << (gap_bits + 2 + zeros));
+            const int32_t v = negative ? -magnitude : magnitude;
+            const uint32_t e = bits | (g << 4) | (static_cast<uint32_t>(v) << 16);
+            for (uint32_t x = code; x < kDecodeTableSize; x += 1u << bits) table[x] = e;
+          }
+        }
+      }
+    }
+  }
+}
+
 // Decodes a sparse payload's changes into `changes`, with the target's old
-// words and the new words they give; writes nothing to the target. The
-// common case, a gap and a value within one 56-bit window, is parsed from
-// one Peek() with no branch but the range checks; the rest take
-// GeneralDecode. The decoding loop is bound by its chain of dependent steps
-// (window, gap length, value length, window), so that chain is kept short,
-// and it leaves the target alone: the old words are read in a second pass,
-// which knows the positions ahead and prefetches them (sparse changes in a
-// large chunk miss the caches).
+// words and the new words they give; writes nothing to the target. Add-mode
+// changes that fit the decode table (`table`, or null) are decoded from it,
+// up to four per window; otherwise the common case, a gap and a value
+// within one 56-bit window, is parsed from one Peek() with no branch but
+// the range checks; the rest take GeneralDecode. The decoding loop is bound
+// by its chain of dependent steps (window, code length, window), so that
+// chain is kept short, and it leaves the target alone: the old words are
+// read in a second pass, which knows the positions ahead and prefetches
+// them (sparse changes in a large chunk miss the caches).
 template <typename U, ValueCoding coding, WordImage image>
 [[gnu::always_inline]] inline Status DecodeSparseLoop(uint32_t gap_k, uint32_t value_k, const FrameHeader& h, const std::string& where,
-                                      const uint8_t* target, BitReader* reader, Change<U>* changes) {
+                                      const uint8_t* target, BitReader* reader, Change<U>* changes,
+                                      const uint32_t* table) {
   constexpr uint32_t kBits = kWordBits<U>;
   constexpr Mode mode = kModeOf<coding>;
   constexpr uint64_t kMaxMagnitudeMinus1 = Mask(kBits) >> 1;
@@ -491,8 +545,12 @@ template <typename U, ValueCoding coding, WordImage image>
   const uint32_t changed = h.changed;
   const uint64_t words = h.words;
   uint64_t next = 0;  // the first word the next change may be at
-  for (uint32_t i = 0; i < changed; ++i) {
-    if (r.exhausted()) return DataLoss(where + ": sparse payload ends early");
+  // What is malformed, if anything: a message and the word a change was at.
+  const char* error = nullptr;
+  bool past = false;  // a change past the chunk, at error_word
+  uint64_t error_word = 0;
+  // One change by the general fast path or GeneralDecode; false on an error.
+  auto decode_one = [&](uint32_t i) -> bool {
     uint64_t g = 0;
     U v = 0;
     bool fast = false;
@@ -518,8 +576,10 @@ template <typename U, ValueCoding coding, WordImage image>
         if (q + gap_k <= 52 && gap_bits + value_bits <= 56) [[likely]] {
           const uint64_t u = (1ull << low) | LowBits(rest >> (zeros + 2), low);
           const uint64_t magnitude_minus_1 = u - (1ull << value_k);
-          if (magnitude_minus_1 > kMaxMagnitudeMinus1)
-            return DataLoss(fmt::format("{}: malformed value at change {}", where, i));
+          if (magnitude_minus_1 > kMaxMagnitudeMinus1) {
+            error = "malformed value";
+            return false;
+          }
           const U magnitude = static_cast<U>(magnitude_minus_1 + 1);
           v = (rest & 1) ? static_cast<U>(0 - magnitude) : magnitude;
           fast = true;
@@ -530,8 +590,10 @@ template <typename U, ValueCoding coding, WordImage image>
         const uint32_t length_bits = zeros + 1 + low;
         if (zeros < kEscape && gap_bits + length_bits <= 56) [[likely]] {
           const uint64_t length_minus_1 = ((1ull << low) | LowBits(rest >> (zeros + 1), low)) - (1ull << value_k);
-          if (length_minus_1 >= kBits)
-            return DataLoss(fmt::format("{}: malformed xor length at change {}", where, i));
+          if (length_minus_1 >= kBits) {
+            error = "malformed xor length";
+            return false;
+          }
           value_bits = length_bits + static_cast<uint32_t>(length_minus_1);
           if (gap_bits + value_bits <= 56) [[likely]] {
             v = static_cast<U>((1ull << length_minus_1) | LowBits(rest >> length_bits, static_cast<uint32_t>(length_minus_1)));
@@ -546,28 +608,116 @@ template <typename U, ValueCoding coding, WordImage image>
     }
     if (!fast) {
       const GeneralChange c = GeneralDecode<U, coding>(r, gap_k, value_k);
-      if (c.error) return DataLoss(fmt::format("{}: {} at change {}", where, c.error, i));
+      if (c.error) {
+        error = c.error;
+        return false;
+      }
       g = c.g;
       v = static_cast<U>(c.v);
       r = c.r;
     }
     const uint64_t pos = next + g;
-    if (pos >= words)
-      return DataLoss(fmt::format("{}: change {} at word {} is past the chunk's {} words", where, i, pos, words));
+    if (pos >= words) {
+      past = true;
+      error_word = pos;
+      return false;
+    }
     next = pos + 1;
     // The line will be read and written once the digest checks out: start
     // fetching it now, while this loop computes (10-20% faster apply on a
     // target in DRAM).
     __builtin_prefetch(target + pos * sizeof(U), 1);
     changes[i] = {static_cast<uint32_t>(pos), 0, v};  // the value, for now
+    return true;
+  };
+  auto fail = [&](uint32_t i) {
+    if (past)
+      return DataLoss(fmt::format("{}: change {} at word {} is past the chunk's {} words", where, i, error_word, words));
+    return DataLoss(fmt::format("{}: {} at change {}", where, error, i));
+  };
+  uint32_t i = 0;
+  [[maybe_unused]] uint32_t applied = 0;  // changes whose old and new words are filled in
+  [[maybe_unused]] const auto add_apply16 =
+      std::is_same_v<U, uint16_t> && coding == ValueCoding::kSignExpGolomb ? kernels::Kernels().add_apply16 : nullptr;
+  if constexpr (coding == ValueCoding::kSignExpGolomb) {
+    if (table != nullptr) {
+      constexpr uint64_t kTableMask = kDecodeTableSize - 1;
+      // Batches of changes get their old and new words while the target
+      // lines the decoder prefetched are in L1.
+      constexpr uint32_t kApplyBatch = 512;
+      for (uint32_t batch_end = 0; i + 4 <= changed;) {
+        if constexpr (std::is_same_v<U, uint16_t>) {
+          if (i >= batch_end) {
+            if (add_apply16 != nullptr && i > applied) {
+              add_apply16(changes + applied, i - applied, target, static_cast<uint32_t>(words), KernelImage(image));
+              applied = i;
+            }
+            batch_end = i + kApplyBatch;
+          }
+        }
+        if (r.exhausted()) [[unlikely]]
+          return DataLoss(where + ": sparse payload ends early");
+        uint64_t w = r.Peek();  // 56 bits or more: four table entries' worth
+        uint32_t used = 0;
+        uint64_t pos = 0;
+        // One change from the table; false when it does not fit there.
+        auto step = [&]() __attribute__((always_inline)) {
+          const uint32_t e = table[w & kTableMask];
+          if ((e & 15) == 0) return false;
+          w >>= e & 15;
+          used += e & 15;
+          pos = next + ((e >> 4) & 0xFFF);
+          next = pos + 1;
+          __builtin_prefetch(target + pos * sizeof(U), 1);
+          if constexpr (std::is_same_v<U, uint16_t>) {
+            // One store: the position, and the value in the new word's place
+            // (the top 16 bits of the entry); the old word's place gets the
+            // entry's low bits, which the next pass overwrites. (pos < 2^32:
+            // a position past the chunk is refused below, a few steps on.)
+            static_assert(sizeof(Change<U>) == 8 && offsetof(Change<U>, new_word) == 6);
+            const uint64_t record = pos | (static_cast<uint64_t>(e) << 32);
+            std::memcpy(changes + i, &record, 8);
+          } else {
+            changes[i] = {static_cast<uint32_t>(pos), 0, static_cast<U>(static_cast<int32_t>(e) >> 16)};
+          }
+          ++i;
+          return true;
+        };
+        const bool all = step() && step() && step() && step();
+        r.Skip(used);
+        // Positions increase: the last one checks them all (a gap from the
+        // table is below 2^12, so none has wrapped).
+        if (pos >= words) [[unlikely]] {
+          past = true;
+          error_word = pos;
+          return fail(i - 1);
+        }
+        if (!all) {
+          if (!decode_one(i)) [[unlikely]]
+            return fail(i);
+          ++i;
+        }
+      }
+    }
+  }
+  for (; i < changed; ++i) {
+    if (r.exhausted()) return DataLoss(where + ": sparse payload ends early");
+    if (!decode_one(i)) [[unlikely]]
+      return fail(i);
   }
   *reader = r;
+  if constexpr (std::is_same_v<U, uint16_t> && coding == ValueCoding::kSignExpGolomb) {
+    if (add_apply16 != nullptr) {
+      add_apply16(changes + applied, changed - applied, target, static_cast<uint32_t>(words), KernelImage(image));
+      return Status::Ok();
+    }
+  }
   constexpr uint32_t kAhead = 16;  // changes ahead, for lines the prefetch above missed
-  for (uint32_t i = 0; i < changed; ++i) {
-    if (i + kAhead < changed) __builtin_prefetch(target + size_t{changes[i + kAhead].position} * sizeof(U));
-    const U old = Load<U>(target + size_t{changes[i].position} * sizeof(U));
-    changes[i].old_word = old;
-    changes[i].new_word = NewWord<mode, image>(old, changes[i].new_word);
+  for (uint32_t i2 = 0; i2 < changed; ++i2) {
+    if (i2 + kAhead < changed) __builtin_prefetch(target + size_t{changes[i2 + kAhead].position} * sizeof(U));
+    const U old = Load<U>(target + size_t{changes[i2].position} * sizeof(U));
+    changes[i2].old_word = old;
+    changes[i2].new_word = NewWord<mode, image>(old, changes[i2].new_word);
   }
   return Status::Ok();
 }
@@ -794,13 +944,25 @@ Result<ApplyOutcome> ChunkApplier::Apply(const FrameView& frame, const DigestKey
     std::memcpy(payload_.data(), frame.payload.data() + kSparsePrefix, stream_bytes);
     std::memset(payload_.data() + stream_bytes, 0, BitReader::kPadding);
     BitReader r(payload_.data(), stream_bytes);
+    // The decode table for these parameters (add frames; kept while they
+    // repeat, which they do across the chunks of a tensor).
+    const uint32_t* table = nullptr;
+    if (coding == ValueCoding::kSignExpGolomb && gap_k + 3 <= kDecodeTableBits) {
+      const uint32_t table_key = (wb << 16) | (gap_k << 8) | value_k;
+      if (!decode_table_) decode_table_ = std::make_unique_for_overwrite<uint32_t[]>(kDecodeTableSize);
+      if (decode_table_key_ != table_key) {
+        BuildAddDecodeTable(8 * wb, gap_k, value_k, decode_table_.get());
+        decode_table_key_ = table_key;
+      }
+      table = decode_table_.get();
+    }
     WithWordType(wb, [&](auto word) {
       using U = decltype(word);
       WithCoding(coding, [&](auto coding_constant) {
         constexpr ValueCoding kCoding = decltype(coding_constant)::value;
         auto run = [&](auto image_constant) {
           error = Run<&DecodeSparseLoop<U, kCoding, decltype(image_constant)::value>>(
-              gap_k, value_k, h, where, target.data(), &r, reinterpret_cast<Change<U>*>(changes));
+              gap_k, value_k, h, where, target.data(), &r, reinterpret_cast<Change<U>*>(changes), table);
         };
         if constexpr (kCoding == ValueCoding::kSignExpGolomb) WithImage(image, run);
         else run(std::integral_constant<WordImage, WordImage::kPlain>{});
@@ -869,7 +1031,15 @@ Result<ApplyOutcome> ChunkApplier::Apply(const FrameView& frame, const DigestKey
   WithWordType(wb, [&](auto word) {
     using U = decltype(word);
     const auto* c = reinterpret_cast<const Change<U>*>(changes);
-    for (uint32_t i = 0; i < n; ++i) Store<U>(target.data() + size_t{c[i].position} * sizeof(U), c[i].new_word);
+    if constexpr (std::is_same_v<U, uint16_t>) {
+      // Each record in one load: the position, and the new word on top.
+      for (uint32_t i = 0; i < n; ++i) {
+        const uint64_t record = Load<uint64_t>(reinterpret_cast<const uint8_t*>(c + i));
+        Store<uint16_t>(target.data() + (record & 0xFFFFFFFFu) * 2, static_cast<uint16_t>(record >> 48));
+      }
+    } else {
+      for (uint32_t i = 0; i < n; ++i) Store<U>(target.data() + size_t{c[i].position} * sizeof(U), c[i].new_word);
+    }
   });
   *after = d;
   return ApplyOutcome::kApplied;

@@ -28,12 +28,13 @@ bool BaselineIsa() {
 const KernelSet& Kernels() {
   static const KernelSet set = [] {
 #if defined(__x86_64__)
-    if (!BaselineIsa() && __builtin_cpu_supports("avx2"))
+    if (!BaselineIsa() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi") &&
+        __builtin_cpu_supports("bmi2"))
       return KernelSet{avx2::CompareWholeBytes, avx2::DigestLimbs, avx2::FindChanges, avx2::DigestChanges,
-                       avx2::AddCodes16};
+                       avx2::AddCodes16, avx2::AddApply16};
 #endif
     return KernelSet{generic::CompareWholeBytes, generic::DigestLimbs, generic::FindChanges, generic::DigestChanges,
-                    nullptr};
+                    nullptr, nullptr};
   }();
   return set;
 }

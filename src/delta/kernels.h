@@ -91,12 +91,22 @@ using DigestChangesFn = void (*)(uint32_t word_bytes, const uint64_t seed[2], ui
 using AddCodes16Fn = void (*)(const Change<uint16_t>* changes, uint32_t n, uint32_t next, uint32_t gap_k,
                               uint32_t value_k, Image image, uint64_t* codes);
 
+// For n add-mode changes of 16-bit words of a chunk of `words` words at
+// `target` (positions increasing, below `words`), whose new_word holds the
+// frame's value: reads each old word from the target into old_word and
+// sets new_word to the word the value gives (docs/format.md, mode add).
+// Reads the target without prefetching: call it on changes whose lines
+// were just prefetched (the sparse decoder runs it per batch).
+using AddApply16Fn = void (*)(Change<uint16_t>* changes, uint32_t n, const uint8_t* target, uint32_t words,
+                              Image image);
+
 struct KernelSet {
   CompareWholeBytesFn compare;
   DigestLimbsFn digest;
   FindChangesFn find_changes;
   DigestChangesFn digest_changes;
   AddCodes16Fn add_codes16;  // null where no vector version is built
+  AddApply16Fn add_apply16;  // null where no vector version is built
 };
 
 #define DCR_DECLARE_KERNELS                                                                                     \
@@ -112,10 +122,11 @@ namespace generic {
 DCR_DECLARE_KERNELS
 }
 #if defined(__x86_64__)
-namespace avx2 {  // built with -mavx2; call only where the CPU has AVX2
+namespace avx2 {  // built with -mavx2 -mbmi -mbmi2; call only where the CPU has them
 DCR_DECLARE_KERNELS
 void AddCodes16(const Change<uint16_t>* changes, uint32_t n, uint32_t next, uint32_t gap_k, uint32_t value_k,
                 Image image, uint64_t* codes);
+void AddApply16(Change<uint16_t>* changes, uint32_t n, const uint8_t* target, uint32_t words, Image image);
 }
 #endif
 #undef DCR_DECLARE_KERNELS

@@ -188,6 +188,69 @@ TEST(KernelsTest, AddCodes16MatchesTheFormat) {
   }
 }
 
+TEST(KernelsTest, AddApply16MatchesTheFormat) {
+  if (!HaveAvx2()) GTEST_SKIP() << "no AVX2 here";
+  std::mt19937_64 rng(4);
+  auto image_of = [](Image image, uint16_t x) -> uint16_t {
+    if (image == Image::kFloat) return static_cast<uint16_t>(x & 0x8000 ? ~x : x | 0x8000);
+    if (image == Image::kSigned) return static_cast<uint16_t>(x ^ 0x8000);
+    return x;
+  };
+  for (Image image : {Image::kFloat, Image::kSigned, Image::kUnsigned}) {
+    for (uint32_t words : {1u, 7u, 8u, 9u, 64u, 1000u, 4099u}) {
+      for (double rate : {0.05, 0.5, 1.0}) {
+        SCOPED_TRACE(testing::Message() << "image " << static_cast<int>(image) << ", words " << words << ", rate "
+                                        << rate);
+        const auto target = RandomWords<uint16_t>(rng, words);
+        std::vector<Change<uint16_t>> c, want;
+        for (uint32_t p = 0; p < words; ++p) {
+          // Always the chunk's last word when it is reached: the gather
+          // must not read past it.
+          if (p + 1 != words && static_cast<double>(rng() % 1000) >= rate * 1000) continue;
+          uint16_t old;
+          std::memcpy(&old, &target[size_t{p} * 2], 2);
+          const uint16_t v = static_cast<uint16_t>(rng() % 3 == 0 ? rng() : 1 + rng() % 4);
+          const uint16_t y = static_cast<uint16_t>(image_of(image, old) + v);
+          // The word whose image is y.
+          const uint16_t nw = image == Image::kFloat    ? static_cast<uint16_t>(y & 0x8000 ? y ^ 0x8000 : ~y)
+                              : image == Image::kSigned ? static_cast<uint16_t>(y ^ 0x8000)
+                                                        : y;
+          ASSERT_EQ(image_of(image, nw), y);
+          c.push_back({p, 0xDEAD, v});
+          want.push_back({p, old, nw});
+        }
+        avx2::AddApply16(c.data(), static_cast<uint32_t>(c.size()), target.data(), words, image);
+        for (size_t i = 0; i < c.size(); ++i) {
+          ASSERT_EQ(c[i].position, want[i].position) << i;
+          ASSERT_EQ(c[i].old_word, want[i].old_word) << i;
+          ASSERT_EQ(c[i].new_word, want[i].new_word) << i;
+        }
+      }
+    }
+  }
+}
+
+TEST(KernelsTest, DigestChanges16OfManyLargeChangesMatchesTheBaselineBuild) {
+  if (!HaveAvx2()) GTEST_SKIP() << "no AVX2 here";
+  // Every word of a long chunk changed by the largest steps: the vector
+  // sums run longest between reductions with the largest products.
+  std::mt19937_64 rng(5);
+  const DigestKey key = MakeDigestKey("many-changes");
+  const uint32_t n = 300000;
+  std::vector<Change<uint16_t>> c(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    const bool up = rng() % 2;
+    c[i] = {i, static_cast<uint16_t>(up ? 0 : 0xFFFF), static_cast<uint16_t>(up ? 0xFFFF : 0)};
+  }
+  for (uint64_t first_word : {uint64_t{0}, uint64_t{1} << 21}) {
+    uint64_t dv[2], dg[2];
+    avx2::DigestChanges(2, key.seed, first_word, c.data(), n, dv);
+    generic::DigestChanges(2, key.seed, first_word, c.data(), n, dg);
+    EXPECT_EQ(dv[0], dg[0]);
+    EXPECT_EQ(dv[1], dg[1]);
+  }
+}
+
 #endif  // __x86_64__
 
 }  // namespace
