@@ -5,8 +5,9 @@ given as argv[2], OUT/frame_fuzz (single frames of real deltas in every mode)
 and OUT/manifest_fuzz (their manifests); for the object stores,
 OUT/s3_xml_fuzz (S3 XML replies as AWS and radosgw send them),
 OUT/s3_response_fuzz (scripted S3 exchanges) and OUT/store_config_fuzz
-(store URLs, AWS environment and profile files, fault specs). Standard
-library only.
+(store URLs, AWS environment and profile files, fault specs); for layout
+maps, OUT/layout_map_fuzz (valid and subtly broken maps). Standard library
+only.
 
 usage: seeds.py OUT DCR_BINARY
 """
@@ -186,6 +187,37 @@ def store_config_seeds():
     return {name: text.encode() for name, text in seeds.items()}
 
 
+def layout_map_seeds():
+    def doc(tensors, buffers, copies, **extra):
+        d = {"format": "dcr-layout", "format_version": 1, "tensors": tensors, "buffers": buffers, "copies": copies}
+        d.update(extra)
+        return json.dumps(d)
+
+    t = [{"name": "w", "dtype": "BF16", "shape": [4, 6]}, {"name": "n", "dtype": "F32", "shape": [3]}]
+    b = [{"id": "a", "dtype": "BF16", "shape": [2, 6]}, {"id": "s", "dtype": "BF16", "shape": [2, 2, 6]},
+         {"id": "n0", "dtype": "F32", "shape": [3]}, {"id": "n1", "dtype": "F32", "shape": [3]}]
+    c = [{"tensor": "w", "offset": [0, 0], "extent": [2, 6], "buffer": "a", "buffer_offset": [0, 0]},
+         {"tensor": "w", "offset": [2, 0], "extent": [2, 6], "buffer": "s", "buffer_offset": [1, 0, 0]},
+         {"tensor": "n", "offset": [0], "extent": [3], "buffer": "n0", "buffer_offset": [0]},
+         {"tensor": "n", "offset": [0], "extent": [3], "buffer": "n1", "buffer_offset": [0], "primary": False}]
+    cols = [{"tensor": "w", "offset": [0, 2 * i], "extent": [4, 2], "buffer": "c", "buffer_offset": [0, 2 * i]}
+            for i in range(3)]
+    return {
+        "good": doc(t, b, c),
+        "columns": doc(t[:1], [{"id": "c", "dtype": "BF16", "shape": [4, 6]}], cols),
+        "scalar": doc([{"name": "s", "dtype": "F8_E4M3", "shape": []}], [{"id": "x", "dtype": "F8_E4M3", "shape": [2]}],
+                      [{"tensor": "s", "offset": [], "extent": [], "buffer": "x", "buffer_offset": [1]}]),
+        "overlap": doc(t, b, c[:1] + [dict(c[1], buffer="a", buffer_offset=[0, 0])]),
+        "two_primaries": doc(t, b, c[:3] + [dict(c[3], primary=True)]),
+        "outside": doc(t, b, [dict(c[0], offset=[3, 0])]),
+        "dtype_mismatch": doc(t, [dict(b[0], dtype="F16")] + b[1:], c),
+        "sub_byte": doc([{"name": "f", "dtype": "F4", "shape": [4]}], [], []),
+        "huge": doc([{"name": "h", "dtype": "U8", "shape": [2**63, 4]}], [{"id": "h", "dtype": "U8", "shape": [2**40]}], []),
+        "empty": doc([], [], []),
+        "bad_version": doc([], [], [], format_version=2),
+    }
+
+
 def write_all(out_dir, seeds):
     os.makedirs(out_dir, exist_ok=True)
     for name, blob in seeds.items():
@@ -220,6 +252,7 @@ def main():
     write_all(os.path.join(sys.argv[1], "s3_xml_fuzz"), S3_XML)
     write_all(os.path.join(sys.argv[1], "s3_response_fuzz"), s3_response_seeds())
     write_all(os.path.join(sys.argv[1], "store_config_fuzz"), store_config_seeds())
+    write_all(os.path.join(sys.argv[1], "layout_map_fuzz"), layout_map_seeds())
 
 
 if __name__ == "__main__":

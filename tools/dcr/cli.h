@@ -28,5 +28,6 @@ void AddGenCommand(CLI::App& app);
 void AddDeltaCommand(CLI::App& app);
 void AddRefitCommands(CLI::App& app);  // publish, follow, status
 void AddStoreCommand(CLI::App& app);
+void AddLayoutCommand(CLI::App& app);  // generate, validate, show
 
 }  // namespace dcr::cli

@@ -28,6 +28,7 @@ int main(int argc, char** argv) {
   dcr::cli::AddDeltaCommand(app);
   dcr::cli::AddRefitCommands(app);
   dcr::cli::AddStoreCommand(app);
+  dcr::cli::AddLayoutCommand(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

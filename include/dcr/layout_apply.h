@@ -1,0 +1,163 @@
+// Moving deltas through layout maps (DESIGN sections 3 and 6).
+//
+// Receiver side (placement): an engine is a set of ranks, each a compiled
+// map plus its local buffers. Frames (xor, add, overwrite) are applied
+// through the maps in place: for one chunk, the elements the engine holds
+// are gathered from their primary copies into a chunk-sized scratch, the
+// frame is applied there by ChunkApplier (with all its checks: the chunk is
+// the frame's base, the decode reaches the frame's target digest), and only
+// the runs whose bytes changed are written back, to every copy (primary and
+// replicas). No canonical tensor is ever materialised.
+//
+// The partial-chunk rule: a frame's digests cover its whole chunk, and a
+// rank that holds only part of a chunk cannot check them alone (an xor or
+// add value needs the old bits of every changed element to be verified).
+// So a chunk is applied by the ranks that together hold all of its
+// elements, exactly once per engine: in one process, ApplyEngineFrame gets
+// every rank; a rank that holds a whole chunk may apply it alone (its
+// `ranks` span is just itself). A rank holding part of a chunk never
+// applies it on its own: ApplyEngineFrame refuses (kFailedPrecondition).
+// Digests are per rank over the canonical elements its primary copies hold
+// (RankDigest); the ranks' digests of one engine add up to the checkpoint's
+// (ValidateEngine guarantees each element is counted once), which is how an
+// engine proves it holds the version's bits.
+//
+// Sender side (projection): each sender keeps its shard buffers as its
+// baseline (not canonical copies). ProjectSender diffs its current shards
+// against that baseline through its map and returns, per canonical chunk
+// its primary copies touch, a contribution record: what it covers, the
+// digest of its baseline elements there, and its changed elements (old and
+// new bits; in overwrite class, the new bits of everything it covers). The
+// chunk's owner (ChunkOwner, a pure function of the maps) merges the
+// contributions of every sender touching the chunk and encodes the chunk's
+// one complete frame (EncodeOwnedChunks), exactly as a canonical encoder
+// would from assembled tensors.
+//
+// Thread-safety: the functions are reentrant; a ChunkApplier/ChunkEncoder
+// inside is per call. Buffers passed as mutable are written only by the call.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "dcr/checkpoint.h"
+#include "dcr/chunk_codec.h"
+#include "dcr/delta.h"
+#include "dcr/digest.h"
+#include "dcr/frame.h"
+#include "dcr/layout.h"
+#include "dcr/status.h"
+
+namespace dcr {
+
+// One receiver rank: a compiled map and its buffers (buffers[i] holds
+// map().buffers[i], BufferBytes(i) bytes). Not owned.
+struct PlacedRank {
+  const CompiledLayout* layout = nullptr;
+  std::vector<std::span<uint8_t>> buffers;
+};
+
+// Checks that `rank`'s buffers have the sizes its map declares.
+Status CheckRankBuffers(const CompiledLayout& layout, std::span<const std::span<uint8_t>> buffers);
+
+// Source of canonical tensor bytes by name (for dense loads); null when the
+// tensor is unknown.
+using TensorBytes = std::function<const uint8_t*(const std::string& name, uint64_t* bytes)>;
+TensorBytes CheckpointBytes(const Checkpoint& ckpt);
+
+// A dense load: every copy of the rank's map, from `source`. Buffer bytes no
+// copy writes (padding) are left as they are. Errors: kNotFound (a mapped
+// tensor missing from the source), kInvalidArgument (its size differs).
+Status LoadDense(const TensorBytes& source, PlacedRank& rank);
+
+// The digest of the canonical elements rank's primary copies hold, over all
+// its tensors (each with its own DigestKey).
+Digest RankDigest(const PlacedRank& rank);
+
+// Applies one frame of `manifest` to the engine formed by `ranks`; `scratch`
+// is reused between calls (one per thread). On error nothing was written.
+// Errors: those of ChunkApplier::Apply (kFailedPrecondition when the engine's
+// chunk is neither base nor target, kDataLoss for a corrupt payload), and
+// kFailedPrecondition when `ranks` hold only part of the chunk (apply it with
+// all ranks of the engine), or none of it.
+Result<ApplyOutcome> ApplyEngineFrame(std::span<PlacedRank* const> ranks, const DeltaManifest& manifest,
+                                      const FrameView& frame, std::vector<uint8_t>* scratch);
+
+// Every frame of `delta`, in order, through ApplyEngineFrame; then checks
+// that the ranks' digests add up to the manifest's target digest over its
+// tensors (kDataLoss otherwise). Frames already applied are counted, not
+// re-applied. Frames of `residuals` (tensors this engine converts on load,
+// see layout_residual.h) are skipped, and those tensors left out of the
+// digest check. A chunk is checked before it is written, so an error leaves
+// earlier chunks applied: an overwrite attempt repairs them (DESIGN section 5).
+Result<ApplyReport> ApplyEngineDelta(std::span<PlacedRank* const> ranks, const DeltaReader& delta,
+                                     std::span<const std::string> residuals = {});
+
+// --- Sender side -----------------------------------------------------------
+
+// One sender: a compiled trainer map, its baseline shards (the committed
+// version) and its current shards, both indexed like map().buffers.
+struct SenderRank {
+  const CompiledLayout* layout = nullptr;
+  std::vector<std::span<const uint8_t>> baseline, current;
+};
+
+// What one sender knows about one canonical chunk.
+struct ChunkContribution {
+  uint32_t tensor = 0, chunk = 0;  // manifest tensor index and chunk
+  uint32_t from = 0;               // sender index
+  // The chunk-relative element ranges [first, first + length) its primary
+  // copies cover, and the digest of those elements in its baseline.
+  std::vector<std::pair<uint32_t, uint32_t>> covered;
+  Digest base_digest;
+  // Changed elements (chunk-relative), with old and new bits (element bytes each).
+  std::vector<uint32_t> positions;
+  std::vector<uint8_t> old_bits, new_bits;
+  // Overwrite class only: the new bits of every covered element, range by range.
+  std::vector<uint8_t> covered_bits;
+};
+
+// The sender owning chunk `chunk` of manifest tensor `tensor`: the one whose
+// primary copy holds the chunk's first element. kNotFound when no sender maps it.
+Result<uint32_t> ChunkOwner(std::span<const CompiledLayout* const> senders, const DeltaManifest& manifest,
+                            uint32_t tensor, uint32_t chunk);
+
+// Sender `index`'s contributions to every chunk of the manifest's tensors
+// its primary copies touch, in (tensor, chunk) order; mapped tensors the
+// manifest does not hold are skipped (a residual delta holds a few tensors;
+// ValidateEngine checks maps against the checkpoint). Errors:
+// kInvalidArgument (buffer sizes differ from the map, or a tensor's dtype or
+// shape differs from the manifest's).
+Result<std::vector<ChunkContribution>> ProjectSender(const SenderRank& sender, uint32_t index,
+                                                     const DeltaManifest& manifest);
+
+struct OwnedFrames {
+  std::vector<ChunkId> chunks;                 // the chunks merged, in order
+  std::vector<Digest> base_digests, target_digests;  // per chunk
+  std::vector<int64_t> frame_of;               // per chunk: index into frames, -1 when it did not change
+  std::vector<std::string> frames;             // encoded frames of the chunks that changed
+};
+
+// Merges `contributions` (from every sender, for the chunks one owner
+// owns; any order) into each chunk's frame, encoded in the manifest's
+// class and delta id. Refuses (kFailedPrecondition, naming tensor and
+// chunk) unless each chunk's contributions cover its elements exactly once.
+Result<OwnedFrames> EncodeOwnedChunks(const DeltaManifest& manifest, std::span<const ChunkContribution> contributions,
+                                      const EncodeOptions& options);
+
+// A delta's manifest for `tensors` (the checkpoint's, as every sender knows
+// them from the model), without frames: what StartDelta builds from two
+// canonical checkpoints, for senders that hold only shards. delta_id 0 in
+// the options: a random id.
+DeltaManifest StartLayoutDelta(std::span<const TensorInfo> tensors, const DeltaOptions& options);
+
+// Completes `manifest` from every owner's frames (each chunk of the manifest
+// merged by exactly one owner): the frame list (one object, frames back to
+// back in (tensor, chunk) order), chunk digests and totals. Returns the frame
+// object's bytes. kFailedPrecondition, naming the chunk, when a chunk is
+// missing or merged twice.
+Result<std::string> AssembleLayoutDelta(DeltaManifest& manifest, std::span<const OwnedFrames> owners);
+
+}  // namespace dcr

@@ -1,0 +1,100 @@
+// Residual tensors: tensors a receiver does not hold as box copies of the
+// canonical bits, because it converts them on load (here: block FP8
+// quantization, as FP8 serving runtimes do with BF16 checkpoints). The
+// receiver cannot use xor/add frames for them (it does not hold the old
+// canonical bits), and it needs the new bits of whole quantization blocks.
+//
+// The rule:
+//  - A delta's frames all have its class (docs/format.md), so residual
+//    tensors travel in a companion *residual delta* of overwrite class, built
+//    from the same sender contributions (ProjectSender on a manifest of the
+//    residual tensors only): every chunk of every residual tensor that
+//    changed anywhere is sent as a *full-chunk overwrite* (every word of the
+//    chunk in the frame), so every quantization block of a changed tensor
+//    arrives complete, whichever chunks it spans.
+//  - The receiver decodes each full-chunk overwrite onto a zeroed scratch:
+//    starting from digest 0, the decode must reach the frame's own target
+//    digest, so each frame is verified on its full decoded change list before
+//    anything is placed; then the chunk's elements are staged per block, and a
+//    block is quantized (FP8 bits and its F32 scale) once all its elements
+//    are in. Frames that are not full-chunk overwrites are refused.
+// Canonical receivers may apply a residual delta too (it is an ordinary
+// overwrite delta of those tensors).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "dcr/chunk_codec.h"
+#include "dcr/delta.h"
+#include "dcr/layout_apply.h"
+#include "dcr/status.h"
+
+namespace dcr {
+
+// FP32 -> F8_E4M3 (E4M3FN: bias 7, no infinities, max 448, NaN S.1111.111):
+// round to nearest even, subnormals kept, magnitudes above 448 saturate to
+// 448, infinities saturate, NaN -> NaN with the sign kept.
+uint8_t Fp32ToE4m3(float x);
+
+struct Fp8BlockShape {
+  uint64_t rows = 0, cols = 0, block = 128;
+  uint64_t scale_rows() const { return (rows + block - 1) / block; }
+  uint64_t scale_cols() const { return (cols + block - 1) / block; }
+};
+
+// Quantizes a dense row-major 2-D tensor (BF16 or F32 bits in `src`) by
+// blocks of block x block (edge blocks smaller): scale = amax / 448 over the
+// block's finite magnitudes (1 when amax is 0), stored as F32 in `scales`
+// [scale_rows, scale_cols]; each element -> Fp32ToE4m3(x / scale), NaN stays
+// NaN, infinities saturate. Errors: kInvalidArgument (sizes, dtype).
+Status QuantizeFp8Blocks(DType dtype, std::span<const uint8_t> src, const Fp8BlockShape& shape,
+                         std::span<uint8_t> fp8, std::span<uint8_t> scales);
+
+// The sender half: merges whole-tensor contributions (from every sender,
+// for the tensors of `manifest`, an overwrite-class manifest of residual
+// tensors) into full-chunk overwrite frames of every chunk of each tensor
+// that changed anywhere. Digests are the real ones (base and target).
+// Errors as EncodeOwnedChunks.
+Result<OwnedFrames> EncodeFullChunkOverwrites(const DeltaManifest& manifest,
+                                              std::span<const ChunkContribution> contributions,
+                                              const EncodeOptions& options);
+
+// The receiver half for one tensor held as block FP8 (fp8: rows x cols
+// bytes, scales: scale_rows x scale_cols F32). Not thread-safe.
+class Fp8BlockPlacer {
+ public:
+  Fp8BlockPlacer(std::string tensor, DType source_dtype, Fp8BlockShape shape, std::span<uint8_t> fp8,
+                 std::span<uint8_t> scales);
+  const std::string& tensor() const { return tensor_; }
+  // Places one frame of the tensor. Refuses (kFailedPrecondition) frames
+  // that are not full-chunk overwrites; kDataLoss when the decode misses the
+  // frame's digest. Blocks complete after this frame are quantized.
+  Status Overwrite(const DeltaManifest& manifest, const FrameView& frame);
+  // kFailedPrecondition, naming a block, when a block received only part of
+  // its elements (a chunk of a changed tensor is missing).
+  Status Finish() const;
+  uint64_t blocks_quantized() const { return blocks_quantized_; }
+
+ private:
+  struct Staged {
+    std::vector<float> values;
+    std::vector<bool> have;
+    uint64_t count = 0;
+  };
+  void QuantizeBlock(uint64_t block, const Staged& staged);
+
+  std::string tensor_;
+  DType dtype_;
+  Fp8BlockShape shape_;
+  std::span<uint8_t> fp8_, scales_;
+  std::map<uint64_t, Staged> staged_;
+  std::vector<uint8_t> scratch_;
+  ChunkApplier applier_;
+  uint64_t blocks_quantized_ = 0;
+};
+
+}  // namespace dcr

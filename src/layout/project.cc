@@ -1,0 +1,278 @@
+// Projection: senders diff their own shards and contribute to canonical
+// chunks; each chunk's owner merges the contributions into its one frame.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <random>
+
+#include "dcr/layout_apply.h"
+
+namespace dcr {
+namespace {
+
+uint64_t ElementBytesOf(DType dtype) { return BitsPerElement(dtype) / 8; }
+
+void AppendChange(const uint8_t* b, const uint8_t* x, uint64_t e, uint64_t eb, uint32_t at, ChunkContribution* cc) {
+  cc->positions.push_back(at + static_cast<uint32_t>(e));
+  cc->old_bits.insert(cc->old_bits.end(), b + e * eb, b + (e + 1) * eb);
+  cc->new_bits.insert(cc->new_bits.end(), x + e * eb, x + (e + 1) * eb);
+}
+
+// Appends the elements of a run whose bits differ (integer views: +-0 and
+// every NaN payload count), positions from `at`. Compares 8 bytes at a time
+// and looks inside only the words that differ.
+void FindChangedElements(const uint8_t* b, const uint8_t* x, uint64_t n, uint64_t eb, uint32_t at,
+                         ChunkContribution* cc) {
+  const uint64_t bytes = n * eb;
+  uint64_t i = 0;
+  if (eb <= 8 && 8 % eb == 0) {
+    for (; i + 8 <= bytes; i += 8) {
+      uint64_t u, v;
+      std::memcpy(&u, b + i, 8);
+      std::memcpy(&v, x + i, 8);
+      if (u == v) continue;
+      for (uint64_t e = i / eb; e < (i + 8) / eb; ++e)
+        if (std::memcmp(b + e * eb, x + e * eb, eb) != 0) AppendChange(b, x, e, eb, at, cc);
+    }
+  }
+  for (uint64_t e = i / eb; e < n; ++e)
+    if (std::memcmp(b + e * eb, x + e * eb, eb) != 0) AppendChange(b, x, e, eb, at, cc);
+}
+
+}  // namespace
+
+Result<uint32_t> ChunkOwner(std::span<const CompiledLayout* const> senders, const DeltaManifest& manifest,
+                            uint32_t tensor, uint32_t chunk) {
+  const DeltaTensor& t = manifest.tensors.at(tensor);
+  const uint64_t first = uint64_t{chunk} * manifest.chunk_elements;
+  std::vector<CopyRun> runs;
+  for (size_t s = 0; s < senders.size(); ++s) {
+    const int64_t lt = senders[s]->FindTensor(t.name);
+    if (lt < 0) continue;
+    for (uint32_t c : senders[s]->CopiesOf(static_cast<size_t>(lt))) {
+      if (!senders[s]->map().copies[c].primary) continue;
+      runs.clear();
+      senders[s]->RunsInRange(c, first, 1, &runs);
+      if (!runs.empty()) return static_cast<uint32_t>(s);
+    }
+  }
+  return NotFound(fmt::format("tensor '{}' chunk {}: no sender's primary copy holds its first element; the trainer "
+                              "maps leave it unmapped (declare it a residual)",
+                              t.name, chunk));
+}
+
+Result<std::vector<ChunkContribution>> ProjectSender(const SenderRank& sender, uint32_t index,
+                                                     const DeltaManifest& manifest) {
+  const CompiledLayout& l = *sender.layout;
+  const auto& buffers = l.map().buffers;
+  if (sender.baseline.size() != buffers.size() || sender.current.size() != buffers.size())
+    return InvalidArgument(fmt::format("sender {}: {} baseline and {} current buffers, its map declares {}", index,
+                                       sender.baseline.size(), sender.current.size(), buffers.size()));
+  for (size_t b = 0; b < buffers.size(); ++b)
+    if (sender.baseline[b].size() != l.BufferBytes(b) || sender.current[b].size() != l.BufferBytes(b))
+      return InvalidArgument(fmt::format("sender {}: buffer '{}' must have {} bytes (baseline and current)", index,
+                                         buffers[b].id, l.BufferBytes(b)));
+  std::map<std::string_view, uint32_t> by_name;
+  for (size_t t = 0; t < manifest.tensors.size(); ++t) by_name.emplace(manifest.tensors[t].name, static_cast<uint32_t>(t));
+  const bool overwrite = manifest.delta_class == DeltaClass::kOverwrite;
+
+  std::vector<ChunkContribution> out;
+  std::vector<CopyRun> runs;
+  for (size_t lt = 0; lt < l.map().tensors.size(); ++lt) {
+    const LayoutTensor& lt_info = l.map().tensors[lt];
+    auto it = by_name.find(lt_info.name);
+    if (it == by_name.end()) continue;  // not in this delta (a residual delta holds some tensors only)
+    const uint32_t t = it->second;
+    const DeltaTensor& tensor = manifest.tensors[t];
+    if (tensor.shape != lt_info.shape || tensor.dtype != lt_info.dtype)
+      return InvalidArgument(fmt::format("sender {}: tensor '{}' differs in dtype or shape from the delta's", index,
+                                         tensor.name));
+    const DigestKey key = MakeDigestKey(tensor.name);
+    const uint64_t eb = ElementBytesOf(tensor.dtype);
+    for (uint64_t c = 0, n = manifest.ChunkCount(t); c < n; ++c) {
+      const uint64_t first = c * manifest.chunk_elements;
+      const uint64_t count = std::min(manifest.chunk_elements, tensor.elements - first);
+      ChunkContribution cc;
+      cc.tensor = t;
+      cc.chunk = static_cast<uint32_t>(c);
+      cc.from = index;
+      for (uint32_t copy : l.CopiesOf(lt)) {
+        if (!l.map().copies[copy].primary) continue;
+        runs.clear();
+        l.RunsInRange(copy, first, count, &runs);
+        const uint8_t* base = sender.baseline[l.BufferOf(copy)].data();
+        const uint8_t* cur = sender.current[l.BufferOf(copy)].data();
+        for (const CopyRun& r : runs) {
+          const uint8_t* b = base + r.buffer * eb;
+          const uint8_t* x = cur + r.buffer * eb;
+          const uint64_t bytes = r.length * eb;
+          cc.covered.emplace_back(static_cast<uint32_t>(r.canonical - first), static_cast<uint32_t>(r.length));
+          cc.base_digest += DigestBytes(key, r.canonical * eb, {b, bytes});
+          if (overwrite) cc.covered_bits.insert(cc.covered_bits.end(), x, x + bytes);
+          if (std::memcmp(b, x, bytes) == 0) continue;
+          FindChangedElements(b, x, r.length, eb, static_cast<uint32_t>(r.canonical - first), &cc);
+        }
+      }
+      if (!cc.covered.empty()) out.push_back(std::move(cc));
+    }
+  }
+  std::sort(out.begin(), out.end(), [](const ChunkContribution& a, const ChunkContribution& b) {
+    return std::pair(a.tensor, a.chunk) < std::pair(b.tensor, b.chunk);
+  });
+  return out;
+}
+
+Result<OwnedFrames> EncodeOwnedChunks(const DeltaManifest& manifest, std::span<const ChunkContribution> contributions,
+                                      const EncodeOptions& options) {
+  std::map<ChunkId, std::vector<const ChunkContribution*>> by_chunk;
+  for (const ChunkContribution& c : contributions) {
+    if (c.tensor >= manifest.tensors.size() || c.chunk >= manifest.ChunkCount(c.tensor))
+      return InvalidArgument(fmt::format("a contribution from sender {} names tensor {} chunk {}, outside the delta",
+                                         c.from, c.tensor, c.chunk));
+    by_chunk[ChunkId{c.tensor, c.chunk}].push_back(&c);
+  }
+  const bool overwrite = manifest.delta_class == DeltaClass::kOverwrite;
+  EncodeOptions opt = options;
+  opt.delta_class = manifest.delta_class;
+  OwnedFrames out;
+  ChunkEncoder encoder;
+  EncodedChunk encoded;
+  struct Range {
+    uint32_t lo, len, from;
+  };
+  std::vector<Range> ranges;
+  std::vector<uint8_t> base, next;
+  for (const auto& [id, parts] : by_chunk) {
+    const DeltaTensor& tensor = manifest.tensors[id.tensor];
+    const std::string where = fmt::format("tensor '{}' chunk {}", tensor.name, id.chunk);
+    uint64_t first_word, words;
+    uint32_t elements;
+    manifest.ChunkWords(id.tensor, id.chunk, &first_word, &words, &elements);
+    const uint64_t eb = ElementBytesOf(tensor.dtype);
+    next.assign(uint64_t{elements} * eb, 0);
+    ranges.clear();
+    Digest base_digest;
+    for (const ChunkContribution* c : parts) {
+      base_digest += c->base_digest;
+      uint64_t at = 0;
+      for (auto [lo, len] : c->covered) {
+        if (uint64_t{lo} + len > elements)
+          return InvalidArgument(fmt::format("{}: sender {} covers elements past the chunk's {}", where, c->from, elements));
+        ranges.push_back({lo, len, c->from});
+        if (overwrite) {
+          if (c->covered_bits.size() < (at + len) * eb)
+            return InvalidArgument(fmt::format("{}: sender {}'s overwrite contribution lacks the new bits it covers",
+                                               where, c->from));
+          std::memcpy(next.data() + uint64_t{lo} * eb, c->covered_bits.data() + at * eb, uint64_t{len} * eb);
+        }
+        at += len;
+      }
+    }
+    // Exactly once: sorted, the ranges must tile [0, elements).
+    std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.lo < b.lo; });
+    uint64_t next_lo = 0, covered = 0;
+    for (const Range& r : ranges) {
+      if (r.lo < next_lo)
+        return FailedPrecondition(fmt::format("{}: element {} is contributed twice (sender {} among them); the trainer "
+                                              "maps need exactly one primary copy",
+                                              where, r.lo, r.from));
+      next_lo = uint64_t{r.lo} + r.len;
+      covered += r.len;
+    }
+    if (covered != elements)
+      return FailedPrecondition(fmt::format("{}: the contributions cover {} of its {} elements; every sender touching "
+                                            "the chunk must hand its record to the owner",
+                                            where, covered, elements));
+    base = next;
+    for (const ChunkContribution* c : parts) {
+      if (c->old_bits.size() != c->positions.size() * eb || c->new_bits.size() != c->positions.size() * eb)
+        return InvalidArgument(fmt::format("{}: sender {}'s change lists disagree in length", where, c->from));
+      for (size_t i = 0; i < c->positions.size(); ++i) {
+        const uint64_t p = c->positions[i];
+        if (p >= elements) return InvalidArgument(fmt::format("{}: sender {} changes element {} past the chunk", where, c->from, p));
+        std::memcpy(base.data() + p * eb, c->old_bits.data() + i * eb, eb);
+        std::memcpy(next.data() + p * eb, c->new_bits.data() + i * eb, eb);
+      }
+    }
+    ChunkInput in{tensor.dtype, MakeDigestKey(tensor.name), first_word, elements, base, next, &base_digest};
+    DCR_ASSIGN_OR_RETURN(bool changed, encoder.Encode(in, opt, &encoded));
+    out.chunks.push_back(id);
+    out.base_digests.push_back(base_digest);
+    if (!changed) {
+      out.frame_of.push_back(-1);
+      out.target_digests.push_back(base_digest);
+      continue;
+    }
+    encoded.header.tensor = id.tensor;
+    encoded.header.chunk = id.chunk;
+    encoded.header.first_element = uint64_t{id.chunk} * manifest.chunk_elements;
+    encoded.header.delta_id = manifest.delta_id;
+    out.target_digests.push_back(encoded.header.target_digest);
+    out.frame_of.push_back(static_cast<int64_t>(out.frames.size()));
+    out.frames.push_back(EncodeFrame(encoded.header, encoded.payload));
+  }
+  return out;
+}
+
+DeltaManifest StartLayoutDelta(std::span<const TensorInfo> tensors, const DeltaOptions& options) {
+  DeltaManifest m;
+  m.delta_id = options.delta_id;
+  if (m.delta_id == 0) {
+    std::random_device rd;
+    m.delta_id = (uint64_t{rd()} << 32) ^ rd();
+    if (m.delta_id == 0) m.delta_id = 1;
+  }
+  m.delta_class = options.encode.delta_class;
+  m.chunk_elements = options.chunk_elements;
+  std::vector<TensorInfo> sorted(tensors.begin(), tensors.end());
+  std::sort(sorted.begin(), sorted.end(), [](const TensorInfo& a, const TensorInfo& b) { return a.name < b.name; });
+  for (const TensorInfo& t : sorted) {
+    m.tensors.push_back({t.name, t.dtype, t.shape, t.numel, {}, {}});
+    m.total_elements += t.numel;
+    m.total_bytes += t.nbytes;
+  }
+  return m;
+}
+
+Result<std::string> AssembleLayoutDelta(DeltaManifest& m, std::span<const OwnedFrames> owners) {
+  struct Slot {
+    const OwnedFrames* owner = nullptr;
+    size_t index = 0;
+  };
+  std::map<ChunkId, Slot> slots;
+  for (const OwnedFrames& o : owners)
+    for (size_t i = 0; i < o.chunks.size(); ++i)
+      if (!slots.emplace(o.chunks[i], Slot{&o, i}).second)
+        return FailedPrecondition(fmt::format("tensor '{}' chunk {} was merged by two owners; ownership must be a "
+                                              "function of the chunk",
+                                              m.tensors.at(o.chunks[i].tensor).name, o.chunks[i].chunk));
+  std::map<ChunkId, const std::string*> frames;
+  for (const OwnedFrames& o : owners)
+    for (size_t i = 0; i < o.chunks.size(); ++i)
+      if (o.frame_of[i] >= 0) frames[o.chunks[i]] = &o.frames.at(static_cast<size_t>(o.frame_of[i]));
+  std::vector<Digest> base, target;
+  std::string bytes;
+  m.frames.clear();
+  for (const ChunkId& id : AllChunks(m)) {
+    auto it = slots.find(id);
+    if (it == slots.end())
+      return FailedPrecondition(fmt::format("tensor '{}' chunk {} was merged by no owner; every chunk needs its "
+                                            "senders' contributions",
+                                            m.tensors[id.tensor].name, id.chunk));
+    base.push_back(it->second.owner->base_digests[it->second.index]);
+    target.push_back(it->second.owner->target_digests[it->second.index]);
+    auto f = frames.find(id);
+    if (f == frames.end()) continue;
+    DCR_ASSIGN_OR_RETURN(FrameView v, ParseFrame({reinterpret_cast<const uint8_t*>(f->second->data()), f->second->size()}));
+    m.frames.push_back({id.tensor, id.chunk, 0, bytes.size(), f->second->size(), v.header.mode, v.header.codec,
+                        v.header.changed});
+    bytes += *f->second;
+  }
+  m.objects = {std::string(kFramesFileName)};
+  FinishDelta(m, base, target);
+  return bytes;
+}
+
+}  // namespace dcr

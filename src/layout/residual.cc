@@ -1,0 +1,232 @@
+// Residual tensors: full-chunk overwrites, and block FP8 quantization on load.
+#include "dcr/layout_residual.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+namespace dcr {
+namespace {
+
+float LoadFloat(DType dtype, const uint8_t* p) {
+  uint32_t bits = 0;
+  if (dtype == DType::kBF16) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    bits = uint32_t{h} << 16;
+  } else {
+    std::memcpy(&bits, p, 4);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+Status CheckSourceDType(DType dtype) {
+  if (dtype != DType::kBF16 && dtype != DType::kF32)
+    return InvalidArgument(fmt::format("block FP8 quantization reads BF16 or F32, not {}", Name(dtype)));
+  return Status::Ok();
+}
+
+// Quantizes `n` values of one block (already divided into rows of `cols`
+// values each) and returns its scale.
+float QuantizeValues(const float* x, uint64_t n, uint8_t* q) {
+  float amax = 0;
+  for (uint64_t i = 0; i < n; ++i)
+    if (std::isfinite(x[i])) amax = std::max(amax, std::fabs(x[i]));
+  const float scale = amax > 0 ? amax / 448.0f : 1.0f;
+  for (uint64_t i = 0; i < n; ++i) q[i] = Fp32ToE4m3(std::isfinite(x[i]) ? x[i] / scale : x[i]);
+  return scale;
+}
+
+}  // namespace
+
+uint8_t Fp32ToE4m3(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  const uint8_t sign = static_cast<uint8_t>((bits >> 31) << 7);
+  if (std::isnan(x)) return sign | 0x7F;
+  const float a = std::fabs(x);
+  if (!(a <= 448.0f)) return sign | 0x7E;  // saturate (infinities included)
+  if (a < 0.015625f) {                       // below 2^-6: subnormal steps of 2^-9
+    const auto m = static_cast<uint8_t>(std::nearbyint(a * 512.0f));  // 8 is the smallest normal, 0x08
+    return sign | m;
+  }
+  int e;
+  const float m = std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
+  int exponent = e - 1 + 7;
+  int mantissa = static_cast<int>(std::nearbyint((m * 2.0f - 1.0f) * 8.0f));
+  if (mantissa == 8) mantissa = 0, ++exponent;
+  const int code = std::min((exponent << 3) | mantissa, 0x7E);
+  return sign | static_cast<uint8_t>(code);
+}
+
+Status QuantizeFp8Blocks(DType dtype, std::span<const uint8_t> src, const Fp8BlockShape& s, std::span<uint8_t> fp8,
+                         std::span<uint8_t> scales) {
+  DCR_RETURN_IF_ERROR(CheckSourceDType(dtype));
+  const uint64_t eb = BitsPerElement(dtype) / 8, n = s.rows * s.cols;
+  if (s.block == 0) return InvalidArgument("block FP8: block size 0");
+  if (src.size() != n * eb || fp8.size() != n || scales.size() != s.scale_rows() * s.scale_cols() * 4)
+    return InvalidArgument(fmt::format("block FP8: sizes for [{}, {}] blocks of {}: source {} (want {}), fp8 {} (want {}), "
+                                       "scales {} (want {})",
+                                       s.rows, s.cols, s.block, src.size(), n * eb, fp8.size(), n, scales.size(),
+                                       s.scale_rows() * s.scale_cols() * 4));
+  std::vector<float> x;
+  std::vector<uint8_t> q;
+  for (uint64_t br = 0; br < s.scale_rows(); ++br)
+    for (uint64_t bc = 0; bc < s.scale_cols(); ++bc) {
+      const uint64_t r0 = br * s.block, c0 = bc * s.block;
+      const uint64_t nr = std::min(s.block, s.rows - r0), nc = std::min(s.block, s.cols - c0);
+      x.resize(nr * nc);
+      q.resize(nr * nc);
+      for (uint64_t r = 0; r < nr; ++r)
+        for (uint64_t c = 0; c < nc; ++c) x[r * nc + c] = LoadFloat(dtype, src.data() + ((r0 + r) * s.cols + c0 + c) * eb);
+      const float scale = QuantizeValues(x.data(), x.size(), q.data());
+      std::memcpy(scales.data() + (br * s.scale_cols() + bc) * 4, &scale, 4);
+      for (uint64_t r = 0; r < nr; ++r) std::memcpy(fp8.data() + (r0 + r) * s.cols + c0, q.data() + r * nc, nc);
+    }
+  return Status::Ok();
+}
+
+Result<OwnedFrames> EncodeFullChunkOverwrites(const DeltaManifest& manifest,
+                                              std::span<const ChunkContribution> contributions,
+                                              const EncodeOptions& options) {
+  if (manifest.delta_class != DeltaClass::kOverwrite)
+    return InvalidArgument("a residual delta is of overwrite class; start it with DeltaClass::kOverwrite");
+  // Merge as usual (coverage checks, base digests, the new bits) ...
+  DCR_ASSIGN_OR_RETURN(OwnedFrames merged, EncodeOwnedChunks(manifest, contributions, options));
+  // ... and re-encode every chunk of each changed tensor with every word in
+  // its frame: against a base that differs in every word (each byte
+  // inverted), whose digest makes the encoder's target the real one.
+  std::vector<bool> tensor_changed(manifest.tensors.size(), false);
+  for (const ChunkContribution& c : contributions)
+    if (!c.positions.empty()) tensor_changed[c.tensor] = true;
+  std::map<ChunkId, std::vector<const ChunkContribution*>> by_chunk;
+  for (const ChunkContribution& c : contributions) by_chunk[ChunkId{c.tensor, c.chunk}].push_back(&c);
+  EncodeOptions opt = options;
+  opt.delta_class = DeltaClass::kOverwrite;
+  OwnedFrames out;
+  ChunkEncoder encoder;
+  EncodedChunk encoded;
+  std::vector<uint8_t> next, base;
+  for (size_t i = 0; i < merged.chunks.size(); ++i) {
+    const ChunkId id = merged.chunks[i];
+    out.chunks.push_back(id);
+    out.base_digests.push_back(merged.base_digests[i]);
+    out.target_digests.push_back(merged.target_digests[i]);
+    if (!tensor_changed[id.tensor]) {
+      out.frame_of.push_back(-1);
+      continue;
+    }
+    const DeltaTensor& tensor = manifest.tensors[id.tensor];
+    uint64_t first_word, words;
+    uint32_t elements;
+    manifest.ChunkWords(id.tensor, id.chunk, &first_word, &words, &elements);
+    const uint64_t eb = BitsPerElement(tensor.dtype) / 8;
+    next.assign(uint64_t{elements} * eb, 0);
+    for (const ChunkContribution* c : by_chunk[id]) {
+      uint64_t at = 0;
+      for (auto [lo, len] : c->covered) {
+        std::memcpy(next.data() + uint64_t{lo} * eb, c->covered_bits.data() + at * eb, uint64_t{len} * eb);
+        at += len;
+      }
+    }
+    base.resize(next.size());
+    for (size_t k = 0; k < next.size(); ++k) base[k] = static_cast<uint8_t>(~next[k]);
+    const DigestKey key = MakeDigestKey(tensor.name);
+    const uint64_t first = uint64_t{id.chunk} * manifest.chunk_elements;
+    const Digest fake = DigestBytes(key, first * eb, base);
+    ChunkInput in{tensor.dtype, key, first_word, elements, base, next, &fake};
+    DCR_ASSIGN_OR_RETURN(bool changed, encoder.Encode(in, opt, &encoded));
+    if (!changed || encoded.header.target_digest != merged.target_digests[i] || encoded.header.changed != words)
+      return Internal(fmt::format("tensor '{}' chunk {}: the full-chunk overwrite does not reach the chunk's digest",
+                                  tensor.name, id.chunk));
+    encoded.header.tensor = id.tensor;
+    encoded.header.chunk = id.chunk;
+    encoded.header.first_element = first;
+    encoded.header.delta_id = manifest.delta_id;
+    encoded.header.base_digest = merged.base_digests[i];
+    out.frame_of.push_back(static_cast<int64_t>(out.frames.size()));
+    out.frames.push_back(EncodeFrame(encoded.header, encoded.payload));
+  }
+  return out;
+}
+
+Fp8BlockPlacer::Fp8BlockPlacer(std::string tensor, DType source_dtype, Fp8BlockShape shape, std::span<uint8_t> fp8,
+                               std::span<uint8_t> scales)
+    : tensor_(std::move(tensor)), dtype_(source_dtype), shape_(shape), fp8_(fp8), scales_(scales) {}
+
+Status Fp8BlockPlacer::Overwrite(const DeltaManifest& manifest, const FrameView& frame) {
+  const FrameHeader& h = frame.header;
+  if (h.tensor >= manifest.tensors.size() || manifest.tensors[h.tensor].name != tensor_)
+    return InvalidArgument(fmt::format("a frame of another tensor was handed to the block FP8 placer of '{}'", tensor_));
+  const DeltaTensor& t = manifest.tensors[h.tensor];
+  const std::string where = fmt::format("tensor '{}' chunk {}", t.name, h.chunk);
+  DCR_RETURN_IF_ERROR(CheckSourceDType(t.dtype));
+  if (t.shape != std::vector<uint64_t>{shape_.rows, shape_.cols} || t.dtype != dtype_)
+    return InvalidArgument(fmt::format("{}: the delta's tensor is {} [{}], the placer expects {} [{}, {}]", where,
+                                       Name(t.dtype), fmt::join(t.shape, ", "), Name(dtype_), shape_.rows, shape_.cols));
+  if (fp8_.size() != shape_.rows * shape_.cols || scales_.size() != shape_.scale_rows() * shape_.scale_cols() * 4)
+    return InvalidArgument(fmt::format("{}: the FP8 or scale buffer has the wrong size", where));
+  if (h.mode != Mode::kOverwrite || h.changed != h.words)
+    return FailedPrecondition(fmt::format("{}: a {} frame with {} of {} words; a tensor quantized on load needs "
+                                          "full-chunk overwrites (a residual delta, EncodeFullChunkOverwrites)",
+                                          where, ModeName(h.mode), h.changed, h.words));
+  uint64_t first_word, words;
+  uint32_t elements;
+  manifest.ChunkWords(h.tensor, h.chunk, &first_word, &words, &elements);
+  const uint64_t eb = BitsPerElement(t.dtype) / 8, first = uint64_t{h.chunk} * manifest.chunk_elements;
+  scratch_.assign(uint64_t{elements} * eb, 0);
+  // From all-zero bits (digest 0), the decode must reach the frame's target.
+  Digest after;
+  // Every word is in the frame, so a miss can only be a corrupt payload
+  // (ChunkApplier cannot tell that from a stale chunk; here the scratch is exact).
+  Result<ApplyOutcome> outcome = applier_.Apply(frame, MakeDigestKey(t.name), first_word, scratch_, Digest{}, &after);
+  if (!outcome.ok()) {
+    if (outcome.status().code() == Code::kFailedPrecondition)
+      return DataLoss(fmt::format("{}: the full-chunk overwrite decodes to the wrong digest (a corrupt payload); "
+                                  "re-fetch the frame",
+                                  where));
+    return outcome.status();
+  }
+  // kAlreadyApplied: the chunk's bits are all zero, as the scratch is.
+  const uint64_t b = shape_.block;
+  for (uint64_t i = 0; i < elements; ++i) {
+    const uint64_t g = first + i, row = g / shape_.cols, col = g % shape_.cols;
+    const uint64_t block = (row / b) * shape_.scale_cols() + col / b;
+    const uint64_t nr = std::min(b, shape_.rows - (row / b) * b), nc = std::min(b, shape_.cols - (col / b) * b);
+    Staged& s = staged_[block];
+    if (s.values.empty()) s.values.assign(nr * nc, 0.0f), s.have.assign(nr * nc, false);
+    const uint64_t at = (row % b) * nc + col % b;
+    s.values[at] = LoadFloat(t.dtype, scratch_.data() + i * eb);
+    if (!s.have[at]) s.have[at] = true, ++s.count;
+    if (s.count == nr * nc) {
+      QuantizeBlock(block, s);
+      staged_.erase(block);
+    }
+  }
+  return Status::Ok();
+}
+
+void Fp8BlockPlacer::QuantizeBlock(uint64_t block, const Staged& s) {
+  const uint64_t b = shape_.block, br = block / shape_.scale_cols(), bc = block % shape_.scale_cols();
+  const uint64_t r0 = br * b, c0 = bc * b, nc = std::min(b, shape_.cols - c0), nr = s.values.size() / nc;
+  std::vector<uint8_t> q(s.values.size());
+  const float scale = QuantizeValues(s.values.data(), s.values.size(), q.data());
+  std::memcpy(scales_.data() + block * 4, &scale, 4);
+  for (uint64_t r = 0; r < nr; ++r) std::memcpy(fp8_.data() + (r0 + r) * shape_.cols + c0, q.data() + r * nc, nc);
+  ++blocks_quantized_;
+}
+
+Status Fp8BlockPlacer::Finish() const {
+  if (staged_.empty()) return Status::Ok();
+  const auto& [block, s] = *staged_.begin();
+  return FailedPrecondition(fmt::format("tensor '{}': block {} received {} of its {} elements; every chunk of a changed "
+                                        "tensor must arrive (re-fetch the residual delta)",
+                                        tensor_, block, s.count, s.values.size()));
+}
+
+}  // namespace dcr

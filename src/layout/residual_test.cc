@@ -1,0 +1,250 @@
+// Residual tensors: a receiver that quantizes a tensor to block FP8 on load
+// gets it as full-chunk overwrites of a residual delta, and ends with the FP8
+// bits and scales a dense load gives.
+#include <fmt/format.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "dcr/checkpoint.h"
+#include "dcr/layout_apply.h"
+#include "dcr/layout_families.h"
+#include "dcr/layout_residual.h"
+#include "layout/test_shapes.h"
+#include "testing/temp_dir.h"
+
+namespace dcr {
+namespace {
+
+using ::testing::HasSubstr;
+
+float Bits(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+TEST(Fp32ToE4m3Test, RoundsToNearestEvenAndSaturates) {
+  struct Case {
+    float x;
+    uint8_t want;
+  };
+  const Case cases[] = {
+      {0.0f, 0x00},          {-0.0f, 0x80},         {1.0f, 0x38},        {-1.0f, 0xB8},
+      {448.0f, 0x7E},        {-448.0f, 0xFE},       {500.0f, 0x7E},      {1e30f, 0x7E},
+      {240.0f, 0x77},        {1.0625f, 0x38},       // halfway 1 / 1.125: to even (1)
+      {1.1875f, 0x3A},       // halfway 1.125 / 1.25: to even (1.25)
+      {0.015625f, 0x08},     // 2^-6, the smallest normal
+      {0.001953125f, 0x01},  // 2^-9, the smallest subnormal
+      {0.0009765625f, 0x00}, // half of it: to even (0)
+      {0.0029296875f, 0x02}, // 1.5 x 2^-9: to even (2)
+      {0.013671875f, 0x07},  // 7 x 2^-9, the largest subnormal
+      {0.0152587890625f, 0x08},  // rounds up from the subnormal range into the smallest normal
+      {std::numeric_limits<float>::infinity(), 0x7E},
+      {-std::numeric_limits<float>::infinity(), 0xFE},
+      {Bits(0x7FC00001), 0x7F},  // NaN (any payload) -> NaN
+      {Bits(0xFFC00000), 0xFF},  // negative NaN keeps its sign
+      {Bits(0x00000001), 0x00},  // an FP32 subnormal underflows to +0
+      {Bits(0x80000001), 0x80},  // ... and to -0
+  };
+  for (const Case& c : cases) EXPECT_EQ(Fp32ToE4m3(c.x), c.want) << c.x;
+}
+
+TEST(QuantizeFp8BlocksTest, ScalesByBlockAmax) {
+  // [2, 3] F32 in blocks of 2: block (0,0) = {1, 2; -4, 0} (amax 4), block (0,1) = {NaN; inf} (no finite: scale 1).
+  const float src[] = {1.0f, 2.0f, Bits(0x7FC00000), -4.0f, 0.0f, std::numeric_limits<float>::infinity()};
+  std::vector<uint8_t> fp8(6), scales(8);
+  ASSERT_TRUE(QuantizeFp8Blocks(DType::kF32, {reinterpret_cast<const uint8_t*>(src), sizeof(src)}, {2, 3, 2}, fp8, scales).ok());
+  // 1, 2, -4, 0 over 4/448: 112, 224, -448, 0.
+  EXPECT_EQ(fp8, (std::vector<uint8_t>{0x6E, 0x76, 0x7F, 0xFE, 0x00, 0x7E}));
+  float s[2];
+  std::memcpy(s, scales.data(), 8);
+  EXPECT_EQ(s[0], 4.0f / 448.0f);
+  EXPECT_EQ(s[1], 1.0f);
+  EXPECT_THAT(QuantizeFp8Blocks(DType::kF16, {}, {2, 3, 2}, fp8, scales).message(), HasSubstr("BF16 or F32"));
+  EXPECT_THAT(QuantizeFp8Blocks(DType::kF32, {}, {2, 3, 2}, fp8, scales).message(), HasSubstr("sizes for [2, 3]"));
+}
+
+struct Buffers {
+  std::vector<std::vector<uint8_t>> bytes;
+  std::vector<std::span<uint8_t>> spans;
+  std::vector<std::span<const uint8_t>> const_spans;
+  explicit Buffers(const CompiledLayout& l) {
+    for (size_t b = 0; b < l.map().buffers.size(); ++b) bytes.emplace_back(l.BufferBytes(b), 0);
+    for (auto& v : bytes) spans.emplace_back(v), const_spans.emplace_back(v);
+  }
+};
+
+class ResidualTest : public testing::TempDirTest {};
+
+// The trainer (tp 2 x pp 2) projects as usual; one engine (vLLM tp 1) holds
+// the embedding as block FP8 instead of a copy.
+TEST_F(ResidualTest, Fp8OnLoadEqualsADenseLoad) {
+  const ModelShape shape = testshapes::LlamaShape();
+  const std::string kTensor = "model.embed_tokens.weight";  // [10, 8]: blocks of 4 leave edge blocks
+  GenOptions gen;
+  gen.shape = shape;
+  gen.versions = 1;
+  gen.update = UpdateModel::kStress;
+  gen.rate = 0.1;
+  gen.seed = 3;
+  ASSERT_TRUE(GenerateVersions(Path("gen"), gen).ok());
+  auto v0 = Checkpoint::Open(Path("gen/v0"), OpenMode::kReadWrite);
+  auto v1 = Checkpoint::Open(Path("gen/v1"), OpenMode::kReadWrite);
+  ASSERT_TRUE(v0.ok() && v1.ok());
+  {
+    // Special values in the new version: -0, NaNs, infinities, BF16 subnormals.
+    auto d = v1->MutableData(static_cast<size_t>(v1->Find(kTensor)));
+    const uint16_t specials[] = {0x8000, 0x7FC1, 0xFF80, 0x7F80, 0x0001, 0x8003, 0xFFC5, 0x0000};
+    std::memcpy(d.data() + 2 * 20, specials, sizeof(specials));
+  }
+  const TensorInfo& info = v1->tensors()[static_cast<size_t>(v1->Find(kTensor))];
+  const Fp8BlockShape block{info.shape[0], info.shape[1], 4};
+
+  // Trainer shards.
+  const TrainerParallel tp{2, 2, 1, false, 4};
+  std::vector<CompiledLayout> senders;
+  for (const TrainerRank& r : TrainerRanks(tp)) {
+    auto m = MegatronLayout(shape, tp, r);
+    ASSERT_TRUE(m.ok());
+    senders.push_back(std::move(*CompiledLayout::Compile(std::move(*m))));
+  }
+  std::vector<Buffers> base, cur;
+  for (const CompiledLayout& l : senders) {
+    base.emplace_back(l);
+    cur.emplace_back(l);
+    PlacedRank b{&l, base.back().spans}, c{&l, cur.back().spans};
+    ASSERT_TRUE(LoadDense(CheckpointBytes(*v0), b).ok());
+    ASSERT_TRUE(LoadDense(CheckpointBytes(*v1), c).ok());
+  }
+
+  // The residual delta: overwrite class, the embedding only, one owner.
+  DeltaOptions opt;
+  opt.encode.delta_class = DeltaClass::kOverwrite;
+  opt.chunk_elements = 24;  // chunks straddle the 4-row blocks (32 elements per block row)
+  opt.delta_id = 9;
+  DeltaManifest manifest = StartLayoutDelta(std::vector<TensorInfo>{info}, opt);
+  std::vector<ChunkContribution> all;
+  for (uint32_t s = 0; s < senders.size(); ++s) {
+    auto c = ProjectSender({&senders[s], base[s].const_spans, cur[s].const_spans}, s, manifest);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    for (auto& x : *c) all.push_back(std::move(x));
+  }
+  auto owned = EncodeFullChunkOverwrites(manifest, all, opt.encode);
+  ASSERT_TRUE(owned.ok()) << owned.status().ToString();
+  EXPECT_EQ(owned->frames.size(), manifest.ChunkCount(0));  // the tensor changed: every chunk goes
+  auto bytes = AssembleLayoutDelta(manifest, std::span<const OwnedFrames>(&*owned, 1));
+  ASSERT_TRUE(bytes.ok()) << bytes.status().ToString();
+  auto holder = std::make_shared<std::string>(std::move(*bytes));
+  std::vector<std::span<const uint8_t>> objects = {{reinterpret_cast<const uint8_t*>(holder->data()), holder->size()}};
+  auto reader = DeltaReader::FromObjects(manifest, objects, holder, "residual delta");
+  ASSERT_TRUE(reader.ok()) << reader.status().ToString();
+  EXPECT_EQ(reader->manifest().target_digest, DigestBytes(MakeDigestKey(kTensor), 0, v1->Data(v1->Find(kTensor))));
+
+  // The receiver: FP8 bits and scales loaded from v0, then the residual delta.
+  std::vector<uint8_t> fp8(block.rows * block.cols), scales(block.scale_rows() * block.scale_cols() * 4);
+  ASSERT_TRUE(QuantizeFp8Blocks(info.dtype, v0->Data(v0->Find(kTensor)), block, fp8, scales).ok());
+  std::vector<uint8_t> want_fp8(fp8.size()), want_scales(scales.size());
+  ASSERT_TRUE(QuantizeFp8Blocks(info.dtype, v1->Data(v1->Find(kTensor)), block, want_fp8, want_scales).ok());
+  ASSERT_NE(fp8, want_fp8);  // the update reaches the FP8 bits
+  {
+    // A missing frame leaves blocks incomplete: refused at Finish, never quantized from partial data.
+    std::vector<uint8_t> f = fp8, s = scales;
+    Fp8BlockPlacer partial(kTensor, info.dtype, block, f, s);
+    for (size_t i = 1; i < reader->manifest().frames.size(); ++i) ASSERT_TRUE(partial.Overwrite(reader->manifest(), *reader->Frame(i)).ok());
+    EXPECT_THAT(partial.Finish().message(), HasSubstr("block 0 received 4 of its 16 elements"));
+  }
+  Fp8BlockPlacer placer(kTensor, info.dtype, block, fp8, scales);
+  // Frames in reverse order: blocks complete whenever their last element arrives.
+  for (size_t i = reader->manifest().frames.size(); i-- > 0;) {
+    auto frame = reader->Frame(i);
+    ASSERT_TRUE(frame.ok());
+    Status s = placer.Overwrite(reader->manifest(), *frame);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+  }
+  ASSERT_TRUE(placer.Finish().ok());
+  EXPECT_EQ(placer.blocks_quantized(), block.scale_rows() * block.scale_cols());
+  EXPECT_EQ(fp8, want_fp8);
+  EXPECT_EQ(scales, want_scales);
+
+  // A corrupt payload is caught by the frame's own digest before anything is placed.
+  {
+    auto frame = reader->Frame(0);
+    std::vector<uint8_t> payload(frame->payload.begin(), frame->payload.end());
+    payload[payload.size() / 2] ^= 0x10;
+    FrameView bad{frame->header, payload};
+    std::vector<uint8_t> f = fp8, s = scales;
+    Fp8BlockPlacer p(kTensor, info.dtype, block, f, s);
+    Status st = p.Overwrite(reader->manifest(), bad);
+    EXPECT_EQ(st.code(), Code::kDataLoss) << st.ToString();
+    EXPECT_EQ(f, fp8);
+  }
+
+  // The main delta (xor class) goes to the engine's copies; its embedding frames are skipped there.
+  {
+    DeltaOptions main_opt;
+    main_opt.chunk_elements = 24;
+    main_opt.delta_id = 10;
+    std::vector<TensorInfo> tensors = v1->tensors();
+    DeltaManifest m = StartLayoutDelta(tensors, main_opt);
+    std::vector<const CompiledLayout*> maps;
+    for (const auto& l : senders) maps.push_back(&l);
+    std::map<uint32_t, std::vector<ChunkContribution>> to_owner;
+    for (uint32_t s = 0; s < senders.size(); ++s) {
+      auto c = ProjectSender({&senders[s], base[s].const_spans, cur[s].const_spans}, s, m);
+      ASSERT_TRUE(c.ok());
+      for (auto& x : *c) to_owner[*ChunkOwner(maps, m, x.tensor, x.chunk)].push_back(std::move(x));
+    }
+    std::vector<OwnedFrames> frames;
+    for (auto& [o, recs] : to_owner) frames.push_back(std::move(*EncodeOwnedChunks(m, recs, main_opt.encode)));
+    auto main_bytes = AssembleLayoutDelta(m, frames);
+    ASSERT_TRUE(main_bytes.ok());
+    auto main_holder = std::make_shared<std::string>(std::move(*main_bytes));
+    std::vector<std::span<const uint8_t>> objs = {{reinterpret_cast<const uint8_t*>(main_holder->data()), main_holder->size()}};
+    auto main_reader = DeltaReader::FromObjects(m, objs, main_holder, "main delta");
+    ASSERT_TRUE(main_reader.ok());
+    // A sparse xor frame of the embedding is refused by the FP8 placer.
+    for (size_t i = 0; i < m.frames.size(); ++i)
+      if (m.tensors[m.frames[i].tensor].name == kTensor) {
+        std::vector<uint8_t> f = fp8, s = scales;
+        Fp8BlockPlacer p(kTensor, info.dtype, block, f, s);
+        EXPECT_THAT(p.Overwrite(m, *main_reader->Frame(i)).message(), HasSubstr("needs full-chunk overwrites"));
+        break;
+      }
+    // The engine: vLLM tp 1 without a copy of the embedding.
+    auto rm = VllmLayout(shape, {1, false, 4}, 0);
+    ASSERT_TRUE(rm.ok());
+    std::erase_if(rm->copies, [&](const BoxCopy& c) { return c.tensor == kTensor; });
+    std::erase_if(rm->tensors, [&](const LayoutTensor& t) { return t.name == kTensor; });
+    auto engine = CompiledLayout::Compile(std::move(*rm));
+    ASSERT_TRUE(engine.ok());
+    const CompiledLayout* one[] = {&*engine};
+    std::vector<std::string> unmapped;
+    ASSERT_TRUE(ValidateEngine(one, tensors, &unmapped).ok());
+    EXPECT_EQ(unmapped, std::vector<std::string>{kTensor});
+    Buffers got(*engine), want(*engine);
+    PlacedRank g{&*engine, got.spans}, w{&*engine, want.spans};
+    ASSERT_TRUE(LoadDense(CheckpointBytes(*v0), g).ok());
+    ASSERT_TRUE(LoadDense(CheckpointBytes(*v1), w).ok());
+    PlacedRank* ranks[] = {&g};
+    // Without declaring the residual, the engine refuses its frames.
+    {
+      Buffers tmp(*engine);
+      PlacedRank t{&*engine, tmp.spans};
+      ASSERT_TRUE(LoadDense(CheckpointBytes(*v0), t).ok());
+      PlacedRank* tr[] = {&t};
+      auto r = ApplyEngineDelta(tr, *main_reader);
+      EXPECT_THAT(r.status().message(), HasSubstr("no rank given holds it"));
+    }
+    const std::string residuals[] = {kTensor};
+    auto report = ApplyEngineDelta(ranks, *main_reader, residuals);
+    ASSERT_TRUE(report.ok()) << report.status().ToString();
+    EXPECT_TRUE(got.bytes == want.bytes);
+  }
+}
+
+}  // namespace
+}  // namespace dcr
