@@ -3,7 +3,7 @@
 # Idempotent: installs only what is missing, rebuilds incrementally.
 #
 #   scripts/setup.sh            system packages + build (build/)
-#   scripts/setup.sh --python   also the Python test environment (.venv/)
+#   scripts/setup.sh --python   also the Python test environment and the dcr package (.venv/)
 #   scripts/setup.sh --fuzz     also the libFuzzer build (build-fuzz/, clang)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -56,4 +56,12 @@ if [ "$want_python" = 1 ]; then
     .venv/bin/python -c "import torch, transformers, safetensors, numpy, pytest, xxhash"
     echo "$sum" > "$stamp"
   fi
+  # The dcr package (python/, pyproject.toml): scikit-build-core builds the
+  # libraries and the extension only, into build-python/, which is kept so
+  # that a rebuild compiles only what changed. Build requirements (nanobind,
+  # scikit-build-core) come from requirements-dev.txt, hence no isolation.
+  echo "setup: installing the dcr Python package into .venv"
+  .venv/bin/pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
+    -Cbuild-dir=build-python -Ccmake.define.DCR_WERROR=ON ./ 2>&1 | { grep -v "^WARNING: Location" || true; }
+  .venv/bin/python -c "import dcr._dcr"
 fi
