@@ -9,10 +9,13 @@ the same loader. No downloads: models are built from configs.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 import dcr
+from dcr.trace import record_layout
 
 transformers = pytest.importorskip("transformers")
 
@@ -83,16 +86,58 @@ def bits(t):
     return t.detach().view(torch.int16)
 
 
-@pytest.mark.parametrize("mode", ["xor", "overwrite"])
-def test_llama_refit_into_fused_layout_equals_a_dense_load(mode):
+def canonical_copies(layout):
+    return sorted(json.dumps(c, sort_keys=True) for c in json.loads(dcr.validate_layout(layout))["copies"])
+
+
+def test_traced_loader_records_the_fused_layout_and_flags_conversions():
     model, cfg = tiny_llama()
     live = {n: p.data for n, p in model.named_parameters()}
     engine = FusedLlamaParams(cfg)
-    engine.load_weights(live.items())  # version 0, dense
+    layout, residuals = record_layout(engine.params, engine.load_weights, live)
+    assert residuals == []
+    assert canonical_copies(layout) == canonical_copies(engine.layout(live))
+    # The loader really ran: the parameters hold the weights.
+    dense = FusedLlamaParams(cfg)
+    dense.load_weights(live.items())
+    assert all(torch.equal(bits(engine.params[n]), bits(p)) for n, p in dense.params.items())
+
+    # A loader that converts some tensors: those are residuals, the rest still boxes.
+    def converting_loader(weights):
+        for name, w in weights:
+            pname, row = engine.target(name)
+            dst = engine.params[pname].narrow(0, row, w.shape[0])
+            if name.endswith("norm.weight"):
+                dst.copy_(w.float() + 1)  # arithmetic (a Gemma-style norm offset)
+            elif name == "lm_head.weight":
+                dst.copy_(w)
+                dst.mul_(2)  # touched after the copy
+            else:
+                dst.copy_(w)
+
+    layout2, residuals2 = record_layout(engine.params, converting_loader, live)
+    want = sorted(n for n in live if n.endswith("norm.weight")) + ["lm_head.weight"]
+    assert residuals2 == sorted(want)
+    assert {c["tensor"] for c in layout2["copies"]} == set(live) - set(want)
+    dcr.validate_layout(layout2)
+
+
+@pytest.mark.parametrize("layout_from", ["handwritten", "traced"])
+@pytest.mark.parametrize("mode", ["xor", "overwrite"])
+def test_llama_refit_into_fused_layout_equals_a_dense_load(mode, layout_from):
+    model, cfg = tiny_llama()
+    live = {n: p.data for n, p in model.named_parameters()}
+    engine = FusedLlamaParams(cfg)
+    if layout_from == "traced":  # the loader loads version 0 while it is recorded
+        layout, residuals = record_layout(engine.params, engine.load_weights, live)
+        assert residuals == []
+    else:
+        layout = engine.layout(live)
+        engine.load_weights(live.items())  # version 0, dense
     ptrs = {n: p.data_ptr() for n, p in engine.params.items()}
 
     sender = dcr.Sender(live)
-    receiver = dcr.Receiver(engine.params, engine.layout(live))
+    receiver = dcr.Receiver(engine.params, layout)
     assert receiver.digest() == sender.baseline_digest()
 
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
