@@ -3,7 +3,7 @@
 # Idempotent: installs only what is missing, rebuilds incrementally.
 #
 #   scripts/setup.sh            system packages + build (build/)
-#   scripts/setup.sh --python   also the Python test environment (.venv/)
+#   scripts/setup.sh --python   also the Python test environment and the dcr package (.venv/)
 #   scripts/setup.sh --fuzz     also the libFuzzer build (build-fuzz/, clang)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +20,8 @@ done
 
 # C++ dependencies come from Debian's -dev packages (DESIGN.md, house rule 10).
 packages=(g++ cmake ninja-build pkg-config libzstd-dev libxxhash-dev nlohmann-json3-dev libcli11-dev
-          libfmt-dev libzmq3-dev cppzmq-dev libgtest-dev libgmock-dev libbenchmark-dev python3-venv libcurl4-openssl-dev libssl-dev libexpat1-dev)
+          libfmt-dev libzmq3-dev cppzmq-dev libgtest-dev libgmock-dev libbenchmark-dev python3-venv python3-dev libcurl4-openssl-dev
+          libssl-dev libexpat1-dev)
 if [ "$want_fuzz" = 1 ]; then packages+=(clang libclang-rt-14-dev); fi
 missing=()
 for p in "${packages[@]}"; do
@@ -56,4 +57,12 @@ if [ "$want_python" = 1 ]; then
     .venv/bin/python -c "import torch, transformers, safetensors, numpy, pytest, xxhash"
     echo "$sum" > "$stamp"
   fi
+  # The dcr package (python/, pyproject.toml): scikit-build-core builds the
+  # libraries and the extension only, into build-python/, which is kept so
+  # that a rebuild compiles only what changed. Build requirements (nanobind,
+  # scikit-build-core) come from requirements-dev.txt, hence no isolation.
+  echo "setup: installing the dcr Python package into .venv"
+  .venv/bin/pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
+    -Cbuild-dir=build-python -Ccmake.define.DCR_WERROR=ON ./ 2>&1 | { grep -v "^WARNING: Location" || true; }
+  .venv/bin/python -c "import dcr._dcr"
 fi

@@ -1,0 +1,292 @@
+"""dcr: bit-exact delta-compressed refit of policy weights.
+
+A thin layer over the C++ core (the extension ``dcr._dcr``): checkpoints as
+zero-copy numpy/torch views, file deltas, stores, the refit protocol
+(:class:`Publisher`, :class:`Follower`), and in-memory deltas over live
+tensors through layout maps (:class:`Sender`, :class:`Receiver`). Every
+failure is a :class:`DcrError` subclass named after its status code
+(:mod:`dcr.errors`). See docs/python.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterable, Mapping, NamedTuple, Optional, Union
+
+from . import _dcr, errors
+from ._tensors import as_torch, byte_view, dtype_name, torch_dtype
+from .errors import (AbortedError, AlreadyExistsError, CorruptFrameError, DataLossError, DcrError,
+                     DeadlineExceededError, FailedPreconditionError, FencedAttemptError, InternalError,
+                     InvalidArgumentError, NotFoundError, OutOfRangeError, PermissionDeniedError,
+                     StoreUnavailableError, UnavailableError, UnimplementedError, WrongBaseError)
+
+Delta = _dcr.Delta
+Store = _dcr.Store
+
+DEFAULT_CHUNK_ELEMENTS = 1 << 20
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+class TensorInfo(NamedTuple):
+    name: str
+    dtype: str  # safetensors name: "BF16", "F32", "F8_E4M3", ...
+    shape: tuple
+    nbytes: int
+
+
+class Checkpoint:
+    """A safetensors checkpoint (a file, or a directory of shards), memory-mapped.
+
+    :meth:`array` and :meth:`tensor` are views of the mapped bytes: no copy,
+    and, for a checkpoint opened ``writable=True``, writes through them (or
+    through :func:`apply_delta`) land in the files."""
+
+    def __init__(self, impl: "_dcr.Checkpoint"):
+        self._c = impl
+        self._infos = {t[0]: TensorInfo(t[0], t[1], tuple(t[2]), t[3]) for t in impl.tensors()}
+
+    @classmethod
+    def open(cls, path: PathLike, writable: bool = False) -> "Checkpoint":
+        return cls(_dcr.Checkpoint.open(os.fspath(path), writable))
+
+    @classmethod
+    def create(cls, path: PathLike, tensors: Mapping[str, tuple], max_shard_bytes: int = 0) -> "Checkpoint":
+        """Creates a zero-filled checkpoint of ``{name: (dtype, shape)}`` and opens it writable."""
+        specs = [(name, dtype, [int(d) for d in shape]) for name, (dtype, shape) in tensors.items()]
+        return cls(_dcr.Checkpoint.create(os.fspath(path), specs, max_shard_bytes))
+
+    @property
+    def path(self) -> str:
+        return self._c.path
+
+    @property
+    def writable(self) -> bool:
+        return self._c.writable
+
+    @property
+    def total_bytes(self) -> int:
+        return self._c.total_bytes
+
+    @property
+    def files(self) -> list:
+        return self._c.files
+
+    def tensors(self) -> list:
+        """Every tensor (sorted by name) as :class:`TensorInfo`."""
+        return list(self._infos.values())
+
+    def names(self) -> list:
+        return list(self._infos)
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self._infos[name]
+        except KeyError:
+            raise NotFoundError(f"{self.path}: no tensor '{name}'") from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._infos
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def array(self, name: str):
+        """A numpy view of the tensor (read-only unless writable). Dtypes numpy
+        lacks come as unsigned integers of their width (BF16: uint16, FP8: uint8)."""
+        return self._c.array(name)
+
+    def tensor(self, name: str):
+        """A torch view of the tensor with its real dtype (torch.bfloat16, torch.float8_e4m3fn, ...)."""
+        return as_torch(self._c.array(name), self.info(name).dtype)
+
+    def sync(self) -> None:
+        """Flushes writes to the files."""
+        self._c.sync()
+
+
+def _ckpt(c: Union[Checkpoint, PathLike], writable: bool = False) -> "_dcr.Checkpoint":
+    if isinstance(c, Checkpoint):
+        return c._c
+    return _dcr.Checkpoint.open(os.fspath(c), writable)
+
+
+class VerifyResult(NamedTuple):
+    matches: bool
+    differing: list
+
+
+def make_delta(base: Union[Checkpoint, PathLike], next: Union[Checkpoint, PathLike], out_dir: PathLike,
+               mode: str = "xor", chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, delta_id: int = 0) -> dict:
+    """Writes the delta base -> next into directory ``out_dir``; returns its manifest.
+    ``mode``: "xor" (xor/add frames, need the base bits) or "overwrite"."""
+    return json.loads(_dcr.make_delta(_ckpt(base), _ckpt(next), os.fspath(out_dir), mode, chunk_elements, delta_id))
+
+
+def apply_delta(target: Union[Checkpoint, PathLike], delta_dir: PathLike) -> dict:
+    """Applies a delta directory in place. :class:`WrongBaseError` unless the
+    target is the delta's base (or partly applied); :class:`CorruptFrameError`
+    for a corrupt frame."""
+    return _dcr.apply_delta(_ckpt(target, writable=True), os.fspath(delta_dir))
+
+
+def verify_delta(checkpoint: Union[Checkpoint, PathLike], delta_dir: PathLike, against_base: bool = False) -> VerifyResult:
+    """Is the checkpoint the delta's target (or base)? A full digest pass."""
+    return VerifyResult(*_dcr.verify_delta(_ckpt(checkpoint), os.fspath(delta_dir), against_base))
+
+
+def inspect_delta(delta_dir: PathLike) -> dict:
+    """The manifest of a delta directory, after checking every frame."""
+    return json.loads(_dcr.inspect_delta(os.fspath(delta_dir)))
+
+
+def read_delta(delta_dir: PathLike) -> Delta:
+    """Loads a delta directory (one frame object) into memory."""
+    d = os.fspath(delta_dir)
+    with open(os.path.join(d, "manifest.json"), "rb") as f:
+        manifest = f.read().decode()
+    objects = json.loads(manifest).get("objects", [])
+    if len(objects) != 1:
+        raise InvalidArgumentError(f"{d}: an in-memory delta has one frame object, this one has {len(objects)}")
+    with open(os.path.join(d, objects[0]), "rb") as f:
+        return Delta.from_parts(manifest, f.read())
+
+
+def open_store(url: str, create_root: bool = True) -> Store:
+    """``file:///abs/path``, a plain directory, ``s3://bucket/prefix?...`` or ``mem://name``."""
+    return _dcr.open_store(url, create_root)
+
+
+class Publisher:
+    """Publishes checkpoints as versions of a run in a store (C++ dcr::Publisher);
+    :meth:`publish` returns once the version is committed. ``state_dir`` holds
+    the baseline, owned by the publisher."""
+
+    def __init__(self, store: Store, state_dir: PathLike, senders: int = 1, max_attempts: int = 3,
+                 ack_timeout_s: float = 60.0, heartbeat_timeout_s: float = 10.0, snapshot_every: int = 0,
+                 chunk_elements: int = DEFAULT_CHUNK_ELEMENTS):
+        self.store = store
+        self._p = _dcr.Publisher(store, os.fspath(state_dir), senders, max_attempts, ack_timeout_s,
+                                 heartbeat_timeout_s, snapshot_every, chunk_elements)
+
+    def publish(self, version: int, checkpoint: Union[Checkpoint, PathLike]) -> dict:
+        return self._p.publish(version, _ckpt(checkpoint))
+
+
+class Follower:
+    """A receiver keeping checkpoint directory ``target`` at the newest committed
+    version, in place (C++ dcr::Follower); an empty directory joins from a snapshot."""
+
+    def __init__(self, store: Store, target: PathLike, id: str = "", poll_s: float = 0.1, quiet: bool = True):
+        self.store = store
+        self._f = _dcr.Follower(store, os.fspath(target), id, poll_s, quiet)
+
+    def run(self, until: Optional[int] = None, timeout_s: Optional[float] = None) -> int:
+        """Follows until version ``until`` is applied (forever when None);
+        :class:`DeadlineExceededError` after ``timeout_s``. Returns the version held."""
+        return self._f.run(until, timeout_s)
+
+    @property
+    def version(self) -> int:
+        return self._f.version
+
+
+# ---- Layout maps over live tensors ---------------------------------------------
+
+def _layout_json(layout: Union[str, Mapping[str, Any]]) -> str:
+    return layout if isinstance(layout, str) else json.dumps(layout)
+
+
+def identity_layout(tensors: Mapping[str, Any]) -> str:
+    """The layout map of buffers that are the canonical tensors themselves
+    (same names, dtypes and shapes), as JSON."""
+    ts, bufs, copies = [], [], []
+    for name, t in tensors.items():
+        shape = [int(d) for d in t.shape]
+        ts.append({"name": name, "dtype": dtype_name(t), "shape": shape})
+        bufs.append({"id": name, "dtype": dtype_name(t), "shape": shape})
+        copies.append({"tensor": name, "offset": [0] * len(shape), "extent": shape, "buffer": name,
+                       "buffer_offset": [0] * len(shape)})
+    return json.dumps({"format": "dcr-layout", "format_version": 1, "tensors": ts, "buffers": bufs, "copies": copies})
+
+
+def _buffers_for(layout_json: str, tensors: Mapping[str, Any], who: str) -> list:
+    """The byte views of ``tensors`` in the layout's buffer order, each checked
+    against its declared dtype and shape."""
+    doc = json.loads(layout_json)
+    views = []
+    for b in doc.get("buffers", []):
+        bid = b["id"]
+        if bid not in tensors:
+            raise InvalidArgumentError(f"{who}: the layout declares buffer '{bid}', which is not among the tensors given")
+        t = tensors[bid]
+        got = dtype_name(t)
+        if got != b["dtype"]:
+            raise InvalidArgumentError(f"{who}: buffer '{bid}' is {got}, the layout declares {b['dtype']}")
+        if [int(d) for d in t.shape] != [int(d) for d in b["shape"]]:
+            raise InvalidArgumentError(f"{who}: buffer '{bid}' has shape {list(t.shape)}, the layout declares {b['shape']}")
+        views.append(byte_view(t, f"{who}: buffer '{bid}'"))
+    return views
+
+
+class Sender:
+    """The trainer side over live tensors: ``tensors`` maps names to the
+    trainer's tensors (canonical names, or shard buffers with a sender
+    ``layout`` map, JSON or dict). The current values are copied once as the
+    baseline; :meth:`make_delta` diffs the live tensors against it (no
+    assembly: shards are projected through the map) and :meth:`commit` moves
+    the baseline to a committed delta's target (touching only its changes)."""
+
+    def __init__(self, tensors: Mapping[str, Any], layout: Union[str, Mapping[str, Any], None] = None):
+        self.layout_json = identity_layout(tensors) if layout is None else _layout_json(layout)
+        self._tensors = dict(tensors)
+        self._views = _buffers_for(self.layout_json, self._tensors, "Sender")
+        self._s = _dcr.Sender(self.layout_json, self._views)
+
+    def make_delta(self, mode: str = "xor", chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, delta_id: int = 0) -> Delta:
+        """The delta from the baseline to the tensors' current bits."""
+        return self._s.make_delta(self._views, mode, chunk_elements, delta_id)
+
+    def commit(self, delta: Delta) -> dict:
+        """Adopts ``delta``'s target as the baseline (after the version is committed)."""
+        return self._s.commit(delta)
+
+    def baseline_digest(self) -> str:
+        return self._s.baseline_digest()
+
+
+class Receiver:
+    """The receiver side over live tensors (e.g. a model's parameters, by
+    name): applies deltas in place through a receiver ``layout`` map (JSON or
+    dict; None for canonical tensors) and verifies the digest. ``residuals``:
+    canonical tensors this receiver converts on load instead of mapping."""
+
+    def __init__(self, tensors: Mapping[str, Any], layout: Union[str, Mapping[str, Any], None] = None,
+                 residuals: Iterable[str] = ()):
+        self.layout_json = identity_layout(tensors) if layout is None else _layout_json(layout)
+        self._tensors = dict(tensors)
+        self._r = _dcr.Receiver(self.layout_json, _buffers_for(self.layout_json, self._tensors, "Receiver"),
+                                list(residuals))
+
+    def apply(self, delta: Delta) -> dict:
+        """Applies every frame in place (verified before writing); then checks
+        the digest against the delta's target (:class:`CorruptFrameError`)."""
+        return self._r.apply(delta)
+
+    def digest(self) -> str:
+        """The digest of the canonical elements this receiver holds."""
+        return self._r.digest()
+
+
+def validate_layout(layout: Union[str, Mapping[str, Any]]) -> str:
+    """Validates a layout map; returns its canonical JSON (InvalidArgumentError otherwise)."""
+    return _dcr.validate_layout(_layout_json(layout))
+
+
+__all__ = [
+    "Checkpoint", "TensorInfo", "Delta", "Store", "Publisher", "Follower", "Sender", "Receiver", "VerifyResult",
+    "make_delta", "apply_delta", "verify_delta", "inspect_delta", "read_delta", "open_store", "identity_layout",
+    "validate_layout", "torch_dtype", "dtype_name", "byte_view", "errors", "DEFAULT_CHUNK_ELEMENTS",
+    *errors.__all__,
+]

@@ -1,0 +1,87 @@
+"""Conversions between torch / numpy arrays and the flat byte views the
+extension takes (no copies), and between torch dtypes and safetensors names."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+
+from .errors import InvalidArgumentError
+
+try:  # torch is optional: numpy arrays work without it
+    import torch
+except ImportError:  # pragma: no cover - exercised only without torch
+    torch = None
+
+# safetensors dtype name -> torch dtype attribute name (those this torch has).
+_TORCH_NAMES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "F16": "float16",
+    "BF16": "bfloat16", "I32": "int32", "U32": "uint32", "F32": "float32", "F64": "float64", "I64": "int64",
+    "U64": "uint64", "C64": "complex64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu", "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+}
+_NUMPY = {
+    "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "I16": np.int16, "U16": np.uint16, "F16": np.float16,
+    "I32": np.int32, "U32": np.uint32, "F32": np.float32, "F64": np.float64, "I64": np.int64, "U64": np.uint64,
+    "C64": np.complex64,
+}
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a safetensors dtype name (e.g. "BF16" -> torch.bfloat16)."""
+    attr = _TORCH_NAMES.get(name)
+    dt = getattr(torch, attr, None) if (torch is not None and attr) else None
+    if dt is None:
+        raise InvalidArgumentError(f"dtype {name} has no torch dtype here")
+    return dt
+
+
+def dtype_name(x: Any) -> str:
+    """The safetensors dtype name of a torch tensor or numpy array."""
+    if torch is not None and isinstance(x, torch.Tensor):
+        for name, attr in _TORCH_NAMES.items():
+            if getattr(torch, attr, None) == x.dtype:
+                return name
+        raise InvalidArgumentError(f"torch dtype {x.dtype} has no safetensors name")
+    if isinstance(x, np.ndarray):
+        for name, t in _NUMPY.items():
+            if x.dtype == np.dtype(t):
+                return name
+        raise InvalidArgumentError(f"numpy dtype {x.dtype} has no safetensors name (BF16/FP8: use torch tensors)")
+    raise InvalidArgumentError(f"expected a torch tensor or a numpy array, got {type(x).__name__}")
+
+
+def byte_view(x: Any, what: str):
+    """A flat uint8 view of the bytes of a CPU, C-contiguous torch tensor or
+    numpy array: the same memory, never a copy. Refuses anything else."""
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise InvalidArgumentError(f"{what}: on {x.device}; dcr takes CPU tensors (copy to the host first)")
+        if not x.is_contiguous():
+            raise InvalidArgumentError(f"{what}: not contiguous (strides {tuple(x.stride())}); pass .contiguous() "
+                                       "storage, which dcr reads and writes in place")
+        flat = x.detach().reshape(-1)
+        return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+    if isinstance(x, np.ndarray):
+        if not x.flags.c_contiguous:
+            raise InvalidArgumentError(f"{what}: numpy array is not C-contiguous")
+        return x.reshape(-1).view(np.uint8)
+    raise InvalidArgumentError(f"{what}: expected a torch tensor or a numpy array, got {type(x).__name__}")
+
+
+def as_torch(array: np.ndarray, name: str):
+    """A torch tensor over a checkpoint's numpy view (same memory), with the
+    tensor's real dtype (uint16 -> bfloat16, uint8 -> float8_*)."""
+    if torch is None:  # pragma: no cover
+        raise InvalidArgumentError("torch is not installed")
+    with warnings.catch_warnings():
+        # A read-only mapping gives a read-only array; torch warns that it
+        # cannot enforce that. The tensor is the same memory either way.
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(array)
+    if name in ("F4", "F6_E2M3", "F6_E3M2"):
+        return t  # packed bytes
+    want = torch_dtype(name)
+    return t if t.dtype == want else t.view(want)

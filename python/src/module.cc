@@ -1,0 +1,609 @@
+// dcr._dcr: nanobind bindings over the public C++ API (include/dcr/).
+//
+// Thin by rule (DESIGN house rule 9): every function here parses its
+// arguments, converts them to the C++ types, calls one C++ entry point with
+// the GIL released, and converts the result back. Protocol, delta and layout
+// logic stays in C++.
+//
+// Errors: a non-OK dcr::Status becomes a Python exception in exactly one
+// place, Raise() below, which asks dcr.errors for the class of its code.
+//
+// Memory: checkpoint tensors are returned as numpy arrays over the mapped
+// files (no copy; the array keeps the Checkpoint alive). Buffers passed in
+// (torch tensors, numpy arrays) are read through DLPack / the buffer protocol
+// without copying; they must be CPU, C-contiguous, flat uint8 views (the
+// pure-Python layer, dcr._tensors, makes those views and checks dtypes).
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/filesystem.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dcr/checkpoint.h"
+#include "dcr/delta.h"
+#include "dcr/digest.h"
+#include "dcr/layout.h"
+#include "dcr/layout_apply.h"
+#include "dcr/mapped_file.h"
+#include "dcr/protocol.h"
+#include "dcr/status.h"
+#include "dcr/store.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+// ---- Errors: the one place a Status becomes an exception --------------------
+
+[[noreturn]] void Raise(const dcr::Status& status) {
+  nb::object errors = nb::module_::import_("dcr.errors");
+  nb::object exc = errors.attr("_from_status")(std::string(dcr::CodeName(status.code())), status.message());
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+  throw nb::python_error();
+}
+
+void Check(const dcr::Status& status) {
+  if (!status.ok()) Raise(status);
+}
+
+template <typename T>
+T Take(dcr::Result<T>&& result) {
+  if (!result.ok()) Raise(result.status());
+  return std::move(result).value();
+}
+
+// ---- Conversions ------------------------------------------------------------
+
+dcr::DType ParseDTypeOrRaise(const std::string& name) {
+  auto d = dcr::ParseDType(name);
+  if (!d) Raise(dcr::InvalidArgument("unknown dtype '" + name + "' (use safetensors names: BF16, F32, F8_E4M3, ...)"));
+  return *d;
+}
+
+dcr::DeltaClass ParseMode(const std::string& mode) {
+  if (mode == "xor") return dcr::DeltaClass::kXorClass;
+  if (mode == "overwrite") return dcr::DeltaClass::kOverwrite;
+  Raise(dcr::InvalidArgument("mode '" + mode + "': use 'xor' (needs the base bits) or 'overwrite'"));
+}
+
+dcr::DeltaOptions MakeDeltaOptions(const std::string& mode, uint64_t chunk_elements, uint64_t delta_id) {
+  dcr::DeltaOptions o;
+  o.encode.delta_class = ParseMode(mode);
+  if (chunk_elements == 0 || chunk_elements % 8 != 0)
+    Raise(dcr::InvalidArgument("chunk_elements " + std::to_string(chunk_elements) + ": use a positive multiple of 8"));
+  o.chunk_elements = chunk_elements;
+  o.delta_id = delta_id;
+  return o;
+}
+
+// A flat, CPU, contiguous uint8 array (numpy or torch through DLPack), as bytes.
+std::span<uint8_t> BytesOf(const nb::ndarray<>& a, const std::string& what) {
+  if (a.device_type() != nb::device::cpu::value)
+    Raise(dcr::InvalidArgument(what + ": not a CPU buffer (copy CUDA tensors to the host first)"));
+  if (a.dtype() != nb::dtype<uint8_t>() || a.ndim() != 1)
+    Raise(dcr::InvalidArgument(what + ": expected a flat uint8 view of the buffer's bytes (dcr._tensors.byte_view)"));
+  if (a.shape(0) > 1 && a.stride(0) != 1) Raise(dcr::InvalidArgument(what + ": not contiguous"));
+  return {static_cast<uint8_t*>(a.data()), a.shape(0)};
+}
+
+nb::dict ApplyReportDict(const dcr::ApplyReport& r) {
+  nb::dict d;
+  d["frames_applied"] = r.frames_applied;
+  d["frames_already_applied"] = r.frames_already_applied;
+  d["payload_bytes"] = r.payload_bytes;
+  d["changed_words"] = r.changed_words;
+  return d;
+}
+
+nb::tuple TensorTuple(const dcr::TensorInfo& t) {
+  return nb::make_tuple(t.name, std::string(dcr::Name(t.dtype)), t.shape, t.nbytes);
+}
+
+// ---- Checkpoint --------------------------------------------------------------
+
+struct PyCheckpoint {
+  dcr::Checkpoint ckpt;
+};
+
+// The numpy view of a tensor's bytes: native dtypes where numpy has them,
+// otherwise unsigned integers of the element's width (BF16 -> uint16, FP8 ->
+// uint8) that torch views as the real dtype. Packed sub-byte types: uint8 bytes.
+nb::dlpack::dtype ViewDType(dcr::DType d) {
+  using dcr::DType;
+  switch (d) {
+    case DType::kBool: return nb::dtype<bool>();
+    case DType::kI8: return nb::dtype<int8_t>();
+    case DType::kI16: return nb::dtype<int16_t>();
+    case DType::kI32: return nb::dtype<int32_t>();
+    case DType::kI64: return nb::dtype<int64_t>();
+    case DType::kU16: case DType::kBF16: return nb::dtype<uint16_t>();
+    case DType::kU32: return nb::dtype<uint32_t>();
+    case DType::kU64: return nb::dtype<uint64_t>();
+    case DType::kF16: return {static_cast<uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
+    case DType::kF32: return nb::dtype<float>();
+    case DType::kF64: return nb::dtype<double>();
+    case DType::kC64: return {static_cast<uint8_t>(nb::dlpack::dtype_code::Complex), 64, 1};
+    default: return nb::dtype<uint8_t>();  // U8, FP8 formats, packed F4/F6
+  }
+}
+
+nb::object TensorArray(nb::handle self_py, PyCheckpoint& self, const std::string& name) {
+  const int64_t i = self.ckpt.Find(name);
+  if (i < 0) Raise(dcr::NotFound(self.ckpt.path() + ": no tensor '" + name + "'"));
+  const dcr::TensorInfo& t = self.ckpt.tensors()[static_cast<size_t>(i)];
+  std::vector<size_t> shape(t.shape.begin(), t.shape.end());
+  if (dcr::BitsPerElement(t.dtype) < 8) shape = {static_cast<size_t>(t.nbytes)};
+  const bool writable = self.ckpt.mode() == dcr::OpenMode::kReadWrite;
+  void* data = writable ? static_cast<void*>(self.ckpt.MutableData(static_cast<size_t>(i)).data())
+                        : const_cast<uint8_t*>(self.ckpt.Data(static_cast<size_t>(i)).data());
+  const nb::dlpack::dtype dt = ViewDType(t.dtype);
+  if (writable) {
+    nb::ndarray<nb::numpy> a(data, shape.size(), shape.data(), self_py, nullptr, dt);
+    return nb::cast(a, nb::rv_policy::reference);
+  }
+  nb::ndarray<nb::numpy, nb::ro> a(data, shape.size(), shape.data(), self_py, nullptr, dt);
+  return nb::cast(a, nb::rv_policy::reference);
+}
+
+// ---- Deltas in memory ----------------------------------------------------------
+
+struct PyDelta {
+  dcr::DeltaManifest manifest;
+  std::shared_ptr<std::string> frames;  // the one frame object (manifest.objects == {"frames.bin"})
+
+  dcr::DeltaReader Reader() const {
+    std::vector<std::span<const uint8_t>> objects = {
+        {reinterpret_cast<const uint8_t*>(frames->data()), frames->size()}};
+    return Take(dcr::DeltaReader::FromObjects(manifest, objects, frames, "in-memory delta"));
+  }
+};
+
+PyDelta DeltaFromParts(const std::string& manifest_json, nb::bytes frames) {
+  PyDelta d;
+  d.manifest = Take(dcr::DeltaManifest::FromJson(manifest_json, "manifest"));
+  if (d.manifest.objects.size() != 1)
+    Raise(dcr::InvalidArgument("an in-memory delta has one frame object; this manifest names " +
+                               std::to_string(d.manifest.objects.size())));
+  d.frames = std::make_shared<std::string>(frames.c_str(), frames.size());
+  return d;
+}
+
+void WriteDelta(const PyDelta& d, const std::filesystem::path& path) {
+  const std::string dir = path.string();
+  dcr::Status s;
+  {
+    nb::gil_scoped_release release;
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (ec) {
+      s = dcr::ErrnoError(ec.value(), dir);
+    } else if (std::filesystem::exists(std::filesystem::path(dir) / dcr::kManifestFileName)) {
+      s = dcr::AlreadyExists(dir + ": holds a delta already");
+    } else {
+      // Frames first, manifest last: a directory with a manifest is complete.
+      s = dcr::WriteFileAtomically((std::filesystem::path(dir) / d.manifest.objects[0]).string(), *d.frames);
+      if (s.ok()) s = dcr::WriteFileAtomically((std::filesystem::path(dir) / dcr::kManifestFileName).string(),
+                                               d.manifest.ToJson());
+    }
+  }
+  Check(s);
+}
+
+// ---- Layouts: senders and receivers over live buffers ------------------------
+
+dcr::CompiledLayout CompileJson(const std::string& json, const std::string& where) {
+  dcr::LayoutMap map = Take(dcr::LayoutMapFromJson(json, where));
+  return Take(dcr::CompiledLayout::Compile(std::move(map)));
+}
+
+std::vector<std::span<uint8_t>> RankBuffers(const dcr::CompiledLayout& layout, const std::vector<nb::ndarray<>>& arrays,
+                                            const std::string& who) {
+  const auto& buffers = layout.map().buffers;
+  if (arrays.size() != buffers.size())
+    Raise(dcr::InvalidArgument(who + ": " + std::to_string(arrays.size()) + " buffers given, the layout declares " +
+                               std::to_string(buffers.size())));
+  std::vector<std::span<uint8_t>> spans;
+  for (size_t b = 0; b < arrays.size(); ++b) spans.push_back(BytesOf(arrays[b], who + ": buffer '" + buffers[b].id + "'"));
+  Check(dcr::CheckRankBuffers(layout, spans));
+  return spans;
+}
+
+// The trainer side: one sender holding every canonical element its map
+// names, its baseline (the committed version) as owned copies of its buffers.
+struct PySender {
+  dcr::CompiledLayout layout;
+  std::vector<dcr::TensorInfo> tensors;
+  std::vector<std::vector<uint8_t>> baseline;
+
+  PySender(dcr::CompiledLayout l, const std::vector<nb::ndarray<>>& initial) : layout(std::move(l)) {
+    for (const dcr::LayoutTensor& t : layout.map().tensors)
+      tensors.push_back(Take(dcr::MakeTensorInfo(t.name, t.dtype, t.shape)));
+    std::vector<std::span<uint8_t>> spans = RankBuffers(layout, initial, "Sender");
+    for (auto s : spans) baseline.emplace_back(s.begin(), s.end());
+  }
+
+  PyDelta MakeDelta(const std::vector<nb::ndarray<>>& current, const std::string& mode, uint64_t chunk_elements,
+                    uint64_t delta_id) {
+    const dcr::DeltaOptions opt = MakeDeltaOptions(mode, chunk_elements, delta_id);
+    std::vector<std::span<uint8_t>> spans = RankBuffers(layout, current, "Sender.make_delta");
+    PyDelta out;
+    dcr::Status s;
+    {
+      nb::gil_scoped_release release;
+      s = Encode(spans, opt, &out);
+    }
+    Check(s);
+    return out;
+  }
+
+  dcr::Status Encode(const std::vector<std::span<uint8_t>>& current, const dcr::DeltaOptions& opt, PyDelta* out) const {
+    dcr::SenderRank rank{&layout, {}, {}};
+    for (const auto& b : baseline) rank.baseline.emplace_back(b);
+    for (const auto& c : current) rank.current.emplace_back(c);
+    out->manifest = dcr::StartLayoutDelta(tensors, opt);
+    DCR_ASSIGN_OR_RETURN(std::vector<dcr::ChunkContribution> contributions, dcr::ProjectSender(rank, 0, out->manifest));
+    DCR_ASSIGN_OR_RETURN(dcr::OwnedFrames owned, dcr::EncodeOwnedChunks(out->manifest, contributions, opt.encode));
+    std::vector<dcr::OwnedFrames> owners;
+    owners.push_back(std::move(owned));
+    DCR_ASSIGN_OR_RETURN(std::string bytes, dcr::AssembleLayoutDelta(out->manifest, owners));
+    out->frames = std::make_shared<std::string>(std::move(bytes));
+    return dcr::Status::Ok();
+  }
+
+  // The delta was committed: the baseline moves to its target, by applying
+  // it to the baseline shards (only changed chunks are touched, each verified).
+  nb::dict Commit(const PyDelta& delta) {
+    dcr::DeltaReader reader = delta.Reader();
+    dcr::Result<dcr::ApplyReport> r = dcr::Internal("not run");
+    {
+      nb::gil_scoped_release release;
+      dcr::PlacedRank placed{&layout, {}};
+      for (auto& b : baseline) placed.buffers.emplace_back(b);
+      dcr::PlacedRank* ranks[] = {&placed};
+      r = dcr::ApplyEngineDelta(ranks, reader);
+    }
+    return ApplyReportDict(Take(std::move(r)));
+  }
+
+  std::string BaselineDigest() const {
+    dcr::PlacedRank placed{&layout, {}};
+    for (const auto& b : baseline) placed.buffers.emplace_back(const_cast<uint8_t*>(b.data()), b.size());
+    return dcr::RankDigest(placed).ToHex();
+  }
+};
+
+// The receiver side: one rank (or a whole engine in one process) over live
+// buffers, applied in place. The arrays are kept, so the buffers outlive it.
+struct PyReceiver {
+  dcr::CompiledLayout layout;
+  std::vector<nb::ndarray<>> arrays;
+  std::vector<std::span<uint8_t>> spans;
+  std::vector<std::string> residuals;
+
+  PyReceiver(dcr::CompiledLayout l, std::vector<nb::ndarray<>> a, std::vector<std::string> r)
+      : layout(std::move(l)), arrays(std::move(a)), residuals(std::move(r)) {
+    spans = RankBuffers(layout, arrays, "Receiver");
+  }
+
+  nb::dict Apply(const PyDelta& delta) {
+    dcr::DeltaReader reader = delta.Reader();
+    dcr::Result<dcr::ApplyReport> r = dcr::Internal("not run");
+    {
+      nb::gil_scoped_release release;
+      dcr::PlacedRank placed{&layout, spans};
+      dcr::PlacedRank* ranks[] = {&placed};
+      r = dcr::ApplyEngineDelta(ranks, reader, residuals);
+    }
+    return ApplyReportDict(Take(std::move(r)));
+  }
+
+  std::string Digest() {
+    nb::gil_scoped_release release;
+    dcr::PlacedRank placed{&layout, spans};
+    return dcr::RankDigest(placed).ToHex();
+  }
+};
+
+// ---- Stores and the protocol -------------------------------------------------
+
+struct PyStore {
+  std::unique_ptr<dcr::Store> store;
+};
+
+nb::dict PublishReportDict(const dcr::PublishReport& r) {
+  nb::dict d;
+  d["version"] = r.version;
+  d["attempt"] = r.attempt;
+  d["attempts"] = r.attempts;
+  d["frame_bytes"] = r.frame_bytes;
+  d["payload_bytes"] = r.payload_bytes;
+  d["changed_words"] = r.changed_words;
+  d["total_bytes"] = r.total_bytes;
+  d["acked"] = r.acked;
+  d["retired"] = r.retired;
+  d["encode_seconds"] = r.encode_seconds;
+  d["wait_seconds"] = r.wait_seconds;
+  d["total_seconds"] = r.total_seconds;
+  d["already_committed"] = r.already_committed;
+  return d;
+}
+
+struct PyPublisher {
+  dcr::Publisher publisher;
+};
+
+struct PyFollower {
+  dcr::Follower follower;
+};
+
+}  // namespace
+
+NB_MODULE(_dcr, m) {
+  m.doc() = "dcr's C++ core (private: use the dcr package)";
+
+  m.def("_raise_status", [](const std::string& code, const std::string& message) {
+    for (int c = 1; c <= static_cast<int>(dcr::Code::kInternal); ++c)
+      if (dcr::CodeName(static_cast<dcr::Code>(c)) == code) Raise(dcr::Status(static_cast<dcr::Code>(c), message));
+    Raise(dcr::InvalidArgument("unknown code " + code));
+  }, "code"_a, "message"_a, "Raises the exception a C++ Status of this code becomes (for tests).");
+
+  // Checkpoint
+  nb::class_<PyCheckpoint>(m, "Checkpoint")
+      .def_static("open", [](const std::string& path, bool writable) {
+        dcr::Result<dcr::Checkpoint> r = dcr::Internal("not run");
+        {
+          nb::gil_scoped_release release;
+          r = dcr::Checkpoint::Open(path, writable ? dcr::OpenMode::kReadWrite : dcr::OpenMode::kReadOnly);
+        }
+        return PyCheckpoint{Take(std::move(r))};
+      }, "path"_a, "writable"_a = false)
+      .def_static("create", [](const std::string& path, const std::vector<std::tuple<std::string, std::string,
+                                                                                      std::vector<uint64_t>>>& specs,
+                               uint64_t max_shard_bytes) {
+        std::vector<dcr::TensorInfo> tensors;
+        for (const auto& [name, dtype, shape] : specs)
+          tensors.push_back(Take(dcr::MakeTensorInfo(name, ParseDTypeOrRaise(dtype), shape)));
+        dcr::CreateOptions o;
+        o.max_shard_bytes = max_shard_bytes;
+        dcr::Result<dcr::Checkpoint> r = dcr::Internal("not run");
+        {
+          nb::gil_scoped_release release;
+          r = dcr::Checkpoint::Create(path, tensors, o);
+        }
+        return PyCheckpoint{Take(std::move(r))};
+      }, "path"_a, "tensors"_a, "max_shard_bytes"_a = 0)
+      .def_prop_ro("path", [](const PyCheckpoint& c) { return c.ckpt.path(); })
+      .def_prop_ro("writable", [](const PyCheckpoint& c) { return c.ckpt.mode() == dcr::OpenMode::kReadWrite; })
+      .def_prop_ro("total_bytes", [](const PyCheckpoint& c) { return c.ckpt.total_bytes(); })
+      .def_prop_ro("files", [](const PyCheckpoint& c) { return c.ckpt.files(); })
+      .def("tensors", [](const PyCheckpoint& c) {
+        std::vector<nb::tuple> out;
+        for (const auto& t : c.ckpt.tensors()) out.push_back(TensorTuple(t));
+        return out;
+      })
+      .def("array", [](nb::handle self, const std::string& name) {
+        return TensorArray(self, nb::cast<PyCheckpoint&>(self), name);
+      }, "name"_a)
+      .def("sync", [](PyCheckpoint& c) {
+        dcr::Status s;
+        {
+          nb::gil_scoped_release release;
+          s = c.ckpt.Sync();
+        }
+        Check(s);
+      });
+
+  // File deltas
+  m.def("make_delta", [](const PyCheckpoint& base, const PyCheckpoint& next, const std::string& out_dir,
+                         const std::string& mode, uint64_t chunk_elements, uint64_t delta_id) {
+    const dcr::DeltaOptions opt = MakeDeltaOptions(mode, chunk_elements, delta_id);
+    dcr::Result<dcr::DeltaManifest> r = dcr::Internal("not run");
+    {
+      nb::gil_scoped_release release;
+      r = dcr::MakeDelta(base.ckpt, next.ckpt, opt, out_dir);
+    }
+    return Take(std::move(r)).ToJson();
+  }, "base"_a, "next"_a, "out_dir"_a, "mode"_a, "chunk_elements"_a, "delta_id"_a);
+
+  m.def("apply_delta", [](PyCheckpoint& target, const std::string& delta_dir) {
+    if (target.ckpt.mode() != dcr::OpenMode::kReadWrite)
+      Raise(dcr::InvalidArgument(target.ckpt.path() + ": opened read-only; open it with writable=True to apply"));
+    dcr::Result<dcr::ApplyReport> r = dcr::Internal("not run");
+    {
+      nb::gil_scoped_release release;
+      auto reader = dcr::DeltaReader::Open(delta_dir);
+      r = reader.ok() ? dcr::ApplyDelta(target.ckpt, *reader) : dcr::Result<dcr::ApplyReport>(reader.status());
+    }
+    return ApplyReportDict(Take(std::move(r)));
+  }, "target"_a, "delta_dir"_a);
+
+  m.def("verify_delta", [](const PyCheckpoint& ckpt, const std::string& delta_dir, bool against_base) {
+    dcr::Result<dcr::VerifyReport> r = dcr::Internal("not run");
+    {
+      nb::gil_scoped_release release;
+      auto reader = dcr::DeltaReader::Open(delta_dir);
+      r = reader.ok() ? dcr::VerifyDelta(ckpt.ckpt, reader->manifest(), against_base)
+                      : dcr::Result<dcr::VerifyReport>(reader.status());
+    }
+    dcr::VerifyReport v = Take(std::move(r));
+    return std::make_pair(v.matches, v.differing);
+  }, "checkpoint"_a, "delta_dir"_a, "against_base"_a = false);
+
+  // The manifest, after checking every frame (checksums, headers): DATA_LOSS otherwise.
+  m.def("inspect_delta", [](const std::string& delta_dir) {
+    dcr::Result<std::string> r = dcr::Internal("not run");
+    {
+      nb::gil_scoped_release release;
+      r = [&]() -> dcr::Result<std::string> {
+        DCR_ASSIGN_OR_RETURN(dcr::DeltaReader reader, dcr::DeltaReader::Open(delta_dir));
+        for (size_t i = 0; i < reader.manifest().frames.size(); ++i) DCR_RETURN_IF_ERROR(reader.Frame(i));
+        return reader.manifest().ToJson();
+      }();
+    }
+    return Take(std::move(r));
+  }, "delta_dir"_a);
+
+  // In-memory deltas
+  nb::class_<PyDelta>(m, "Delta")
+      .def_static("from_parts", &DeltaFromParts, "manifest_json"_a, "frames"_a)
+      .def_prop_ro("manifest_json", [](const PyDelta& d) { return d.manifest.ToJson(); })
+      .def_prop_ro("frames", [](const PyDelta& d) { return nb::bytes(d.frames->data(), d.frames->size()); })
+      .def_prop_ro("frame_count", [](const PyDelta& d) { return d.manifest.frames.size(); })
+      .def_prop_ro("frame_bytes", [](const PyDelta& d) { return d.manifest.frame_bytes; })
+      .def_prop_ro("changed_words", [](const PyDelta& d) { return d.manifest.changed_words; })
+      .def_prop_ro("delta_id", [](const PyDelta& d) { return d.manifest.delta_id; })
+      .def_prop_ro("mode", [](const PyDelta& d) {
+        return std::string(d.manifest.delta_class == dcr::DeltaClass::kXorClass ? "xor" : "overwrite");
+      })
+      .def_prop_ro("target_digest", [](const PyDelta& d) { return d.manifest.target_digest.ToHex(); })
+      .def_prop_ro("base_digest", [](const PyDelta& d) { return d.manifest.base_digest.ToHex(); })
+      .def("write", &WriteDelta, "dir"_a);
+
+  // Layouts
+  m.def("validate_layout", [](const std::string& json) {
+    return dcr::LayoutMapToJson(Take(dcr::LayoutMapFromJson(json, "layout")));
+  }, "json"_a, "Validates a layout map; returns its canonical JSON.");
+
+  nb::class_<PySender>(m, "Sender")
+      .def("__init__", [](PySender* self, const std::string& layout_json, const std::vector<nb::ndarray<>>& buffers) {
+        new (self) PySender(CompileJson(layout_json, "sender layout"), buffers);
+      }, "layout_json"_a, "buffers"_a)
+      .def("make_delta", &PySender::MakeDelta, "buffers"_a, "mode"_a, "chunk_elements"_a, "delta_id"_a)
+      .def("commit", &PySender::Commit, "delta"_a)
+      .def("baseline_digest", &PySender::BaselineDigest);
+
+  nb::class_<PyReceiver>(m, "Receiver")
+      .def("__init__", [](PyReceiver* self, const std::string& layout_json, std::vector<nb::ndarray<>> buffers,
+                          std::vector<std::string> residuals) {
+        new (self) PyReceiver(CompileJson(layout_json, "receiver layout"), std::move(buffers), std::move(residuals));
+      }, "layout_json"_a, "buffers"_a, "residuals"_a)
+      .def("apply", &PyReceiver::Apply, "delta"_a)
+      .def("digest", &PyReceiver::Digest);
+
+  // Stores
+  nb::class_<PyStore>(m, "Store")
+      .def_prop_ro("url", [](const PyStore& s) { return s.store->url(); })
+      .def("put", [](PyStore& s, const std::string& key, nb::bytes data, bool create_if_absent) {
+        dcr::Status st;
+        {
+          nb::gil_scoped_release release;
+          st = s.store->Put(key, std::string_view(data.c_str(), data.size()),
+                            create_if_absent ? dcr::WriteMode::kCreateIfAbsent : dcr::WriteMode::kOverwrite);
+        }
+        Check(st);
+      }, "key"_a, "data"_a, "create_if_absent"_a = false)
+      .def("get", [](PyStore& s, const std::string& key) {
+        dcr::Result<std::string> r = dcr::Internal("not run");
+        {
+          nb::gil_scoped_release release;
+          r = s.store->Get(key);
+        }
+        std::string v = Take(std::move(r));
+        return nb::bytes(v.data(), v.size());
+      }, "key"_a)
+      .def("head", [](PyStore& s, const std::string& key) {
+        dcr::Result<dcr::ObjectInfo> r = dcr::Internal("not run");
+        {
+          nb::gil_scoped_release release;
+          r = s.store->Head(key);
+        }
+        dcr::ObjectInfo i = Take(std::move(r));
+        return nb::make_tuple(i.key, i.size, i.etag);
+      }, "key"_a)
+      .def("list", [](PyStore& s, const std::string& prefix) {
+        dcr::Result<std::vector<dcr::ObjectInfo>> r = dcr::Internal("not run");
+        {
+          nb::gil_scoped_release release;
+          r = s.store->List(prefix);
+        }
+        std::vector<nb::tuple> out;
+        for (const auto& i : Take(std::move(r))) out.push_back(nb::make_tuple(i.key, i.size, i.etag));
+        return out;
+      }, "prefix"_a = "")
+      .def("delete", [](PyStore& s, const std::string& key) {
+        dcr::Status st;
+        {
+          nb::gil_scoped_release release;
+          st = s.store->Delete(key);
+        }
+        Check(st);
+      }, "key"_a);
+
+  m.def("open_store", [](const std::string& url, bool create_root) {
+    dcr::OpenStoreOptions o;
+    o.create_root = create_root;
+    dcr::Result<std::unique_ptr<dcr::Store>> r = dcr::Internal("not run");
+    {
+      nb::gil_scoped_release release;
+      r = dcr::OpenStore(url, o);
+    }
+    return new PyStore{Take(std::move(r))};
+  }, "url"_a, "create_root"_a = true, nb::rv_policy::take_ownership);
+
+  // The protocol
+  nb::class_<PyPublisher>(m, "Publisher")
+      .def("__init__", [](PyPublisher* self, PyStore& store, const std::string& state_dir, uint32_t senders,
+                          uint32_t max_attempts, double ack_timeout_s, double heartbeat_timeout_s,
+                          uint64_t snapshot_every, uint64_t chunk_elements) {
+        dcr::PublishOptions o;
+        o.senders = senders;
+        o.max_attempts = max_attempts;
+        o.ack_timeout = std::chrono::milliseconds(static_cast<int64_t>(ack_timeout_s * 1000));
+        o.heartbeat_timeout = std::chrono::milliseconds(static_cast<int64_t>(heartbeat_timeout_s * 1000));
+        o.snapshot_every = snapshot_every;
+        o.delta = MakeDeltaOptions("xor", chunk_elements, 0);
+        new (self) PyPublisher{dcr::Publisher(*store.store, state_dir, std::move(o))};
+      }, "store"_a, "state_dir"_a, "senders"_a, "max_attempts"_a, "ack_timeout_s"_a, "heartbeat_timeout_s"_a,
+           "snapshot_every"_a, "chunk_elements"_a, nb::keep_alive<1, 2>())
+      .def("publish", [](PyPublisher& p, uint64_t version, const PyCheckpoint& next) {
+        dcr::Result<dcr::PublishReport> r = dcr::Internal("not run");
+        {
+          nb::gil_scoped_release release;
+          r = p.publisher.Publish(version, next.ckpt);
+        }
+        return PublishReportDict(Take(std::move(r)));
+      }, "version"_a, "checkpoint"_a);
+
+  nb::class_<PyFollower>(m, "Follower")
+      .def("__init__", [](PyFollower* self, PyStore& store, const std::string& target, const std::string& id,
+                          double poll_s, bool quiet) {
+        dcr::FollowOptions o;
+        o.id = id;
+        o.poll = std::chrono::milliseconds(static_cast<int64_t>(poll_s * 1000));
+        if (quiet) o.log = [](const std::string&) {};
+        new (self) PyFollower{dcr::Follower(*store.store, target, std::move(o))};
+      }, "store"_a, "target"_a, "id"_a, "poll_s"_a, "quiet"_a, nb::keep_alive<1, 2>())
+      .def("run", [](PyFollower& f, std::optional<uint64_t> until, std::optional<double> timeout_s) {
+        dcr::Status s;
+        bool timed_out = false;
+        {
+          nb::gil_scoped_release release;
+          const auto deadline = std::chrono::steady_clock::now() +
+                                std::chrono::milliseconds(static_cast<int64_t>(timeout_s.value_or(0) * 1000));
+          s = f.follower.Run(until, [&] {
+            if (!timeout_s || std::chrono::steady_clock::now() < deadline) return false;
+            timed_out = true;
+            return true;
+          });
+        }
+        if (timed_out)  // the stop callback makes Run return ABORTED; say why instead
+          Raise(dcr::DeadlineExceeded("Follower.run: " + std::to_string(*timeout_s) + " s passed at version " +
+                                      std::to_string(f.follower.version())));
+        Check(s);
+        return f.follower.version();
+      }, "until"_a = nb::none(), "timeout_s"_a = nb::none())
+      .def_prop_ro("version", [](const PyFollower& f) { return f.follower.version(); });
+}
