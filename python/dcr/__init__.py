@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterable, Mapping, NamedTuple, Optional, Union
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Union
 
 from . import _dcr, errors
 from ._tensors import as_torch, byte_view, dtype_name, torch_dtype
@@ -182,10 +182,18 @@ class Follower:
         self.store = store
         self._f = _dcr.Follower(store, os.fspath(target), id, poll_s, quiet)
 
-    def run(self, until: Optional[int] = None, timeout_s: Optional[float] = None) -> int:
+    def run(self, until: Optional[int] = None, timeout_s: Optional[float] = None,
+            on_version: Optional[Callable[[int], Any]] = None) -> int:
         """Follows until version ``until`` is applied (forever when None);
-        :class:`DeadlineExceededError` after ``timeout_s``. Returns the version held."""
-        return self._f.run(until, timeout_s)
+        :class:`DeadlineExceededError` after ``timeout_s``. Returns the version held.
+
+        ``on_version(version)``, the post-update hook, is called (with the
+        GIL, from the loop) after each version the target reaches, e.g. to
+        re-derive state from the new weights. Ctrl-C (KeyboardInterrupt)
+        and an exception from the hook stop the loop cleanly (the receiver
+        records its stop, the target stays a consistent version) and are
+        re-raised."""
+        return self._f.run(until, timeout_s, on_version)
 
     @property
     def version(self) -> int:
