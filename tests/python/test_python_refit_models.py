@@ -422,3 +422,90 @@ def test_a_killed_receiver_process_rejoins_and_loads_like_a_dense_load(tmp_path)
     assert sorted(ck.names()) == sorted(boxes)
     for n, p in engine.params.items():
         assert torch.equal(bits(p), bits(dense.params[n])), f"{n}: the rejoined receiver differs from a dense load"
+
+
+# ---------------------------------------------------------------- residuals
+
+class ConvertingLlamaParams(FusedLlamaParams):
+    """A vLLM-style engine that converts on load: norms held zero-centred
+    (weight - 1, as Gemma-style kernels take them) and lm_head requantized to
+    FP8 with a per-tensor scale. Plus derived state a post-update hook keeps:
+    per layer, the product o_proj @ v-part of qkv_proj (an "absorbed" weight,
+    as MLA runtimes precompute)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.params["lm_head.weight"] = torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=torch.float8_e4m3fn)
+        self.scale = torch.zeros((), dtype=torch.float32)
+        self.layers = cfg.num_hidden_layers
+        self.absorbed = {}
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            pname, row = self.target(name)
+            dst = self.params[pname].narrow(0, row, w.shape[0])
+            if name.endswith("norm.weight"):
+                dst.copy_(w.float() - 1)
+            elif name == "lm_head.weight":
+                self.scale.copy_(w.float().abs().max() / 448)
+                dst.copy_((w.float() / self.scale).to(torch.float8_e4m3fn))
+            else:
+                dst.copy_(w)
+
+    def rederive(self, report=None):
+        """o_proj's first kv columns times the v rows of qkv_proj, per layer."""
+        for layer in range(self.layers):
+            pre = f"model.layers.{layer}.self_attn."
+            v = self.params[pre + "qkv_proj.weight"][self.q + self.kv:]
+            o = self.params[pre + "o_proj.weight"]
+            self.absorbed[layer] = o.float()[:, : self.kv] @ v.float()
+
+
+def raw(t):
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("mode", ["xor", "overwrite"])
+def test_residuals_go_through_the_real_loader_and_the_hook_rederives(mode):
+    model, cfg = tiny_llama()
+    live = {n: p.data for n, p in model.named_parameters()}
+    engine = ConvertingLlamaParams(cfg)
+    layout, residuals = record_layout(engine.params, engine.load_weights, live)
+    want = sorted(n for n in live if n.endswith("norm.weight")) + ["lm_head.weight"]
+    assert residuals == sorted(want)
+    engine.rederive()
+
+    hooked = []
+
+    def post_update(report):
+        engine.rederive(report)
+        hooked.append(report["residuals_loaded"])
+
+    with pytest.raises(dcr.InvalidArgumentError, match="residuals maps"):
+        dcr.Receiver(engine.params, layout, residuals=residuals, loader=engine.load_weights)
+    sender = dcr.Sender(live)
+    receiver = dcr.Receiver(engine.params, layout, residuals={n: live[n] for n in residuals},
+                            loader=engine.load_weights, post_update=post_update)
+    assert receiver.digest() == sender.baseline_digest()  # residuals included, from their copies
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(4)
+    for step in range(3):
+        ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=gen)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        delta = sender.make_delta(mode=mode, chunk_elements=256)
+        report = receiver.apply(delta)
+        assert receiver.digest() == delta.target_digest
+        assert "lm_head.weight" in report["residuals_loaded"] and set(report["residuals_loaded"]) <= set(residuals)
+        assert hooked[-1] == report["residuals_loaded"] and len(hooked) == step + 1
+
+        dense = ConvertingLlamaParams(cfg)
+        dense.load_weights((n, p.detach()) for n, p in model.named_parameters())
+        dense.rederive()
+        for n, p in engine.params.items():
+            assert torch.equal(raw(p), raw(dense.params[n])), f"step {step}: {n} differs from a dense load"
+        assert torch.equal(raw(engine.scale), raw(dense.scale)), f"step {step}: the FP8 scale differs"
+        for layer, a in dense.absorbed.items():
+            assert torch.equal(engine.absorbed[layer], a), f"step {step}: absorbed weight of layer {layer} is stale"
+        sender.commit(delta)
