@@ -430,6 +430,8 @@ Status FollowRun::Step() {
     Log(s.ok() ? fmt::format("applied version {} attempt {}", v, a.id)
                : fmt::format("cannot apply version {} attempt {}: {}", v, a.id, s.ToString()));
     DCR_RETURN_IF_ERROR(store_.Put(run_keys::Attempt(v, a.id) + "acks/" + o_.id + ".json", ack.ToJson()));
+    // In the store first (the record), then up the relay tree (the fast path to the coordinator).
+    if (o_.relay) o_.relay->Ack(prefix, ack);
     DCR_RETURN_IF_ERROR(Fault("acked"));
     handled_.insert(a.id);
     progressed = true;

@@ -20,6 +20,8 @@ using namespace relay_internal;
 namespace {
 
 using Clock = std::chrono::steady_clock;
+// Acks that arrive together (siblings finishing within a few ms) go up in one message.
+constexpr auto kAckLinger = std::chrono::milliseconds(2);
 
 struct Object {
   std::string key, prefix, data;
@@ -71,6 +73,11 @@ class RelayServer {
   void OnMonitor();
   void Accept(RelayMessage m, const std::string& from, Link* link);
   void ApplyFence(const std::string& prefix);
+  void OnAck(RelayMessage m, const Child& from);
+  // Sends the acks received since the last flush up (to the upstream, or at
+  // a root to every sender), one message per attempt.
+  void FlushAcks(bool force);
+  void SendAcks(void* socket, const std::string& route, const std::string& prefix, std::vector<AckRecord> acks);
   void Evict();
   // Sends what the child's window allows; false when the child is gone.
   bool Pump(Child& c);
@@ -82,6 +89,7 @@ class RelayServer {
   const RelayOptions& o_;
   Context ctx_;
   Socket router_, upstream_, zap_, monitor_;
+  std::unique_ptr<Probe> probe_;  // while attached past the parent: is the parent back?
   size_t upstream_index_ = 0;
   Clock::time_point upstream_heard_, upstream_since_, last_ping_, last_stats_;
 
@@ -97,6 +105,13 @@ class RelayServer {
   };
   std::map<std::string, Sender> senders_;  // by route
   std::map<std::string, Link> links_;           // "child:<id>", "sender:<id>", "upstream:<address>"
+  // Acks of the subtree by attempt prefix (the last 64 attempts), and those
+  // not yet sent up since they arrived (aggregated for kAckLinger).
+  std::map<std::string, std::map<std::string, AckRecord>> acks_;
+  std::deque<std::string> ack_order_;
+  std::map<std::string, std::set<std::string>> ack_pending_;
+  Clock::time_point ack_pending_since_{};
+  uint64_t acks_in_ = 0, ack_messages_in_ = 0, acks_out_ = 0, ack_messages_out_ = 0;
   uint64_t received_ = 0, accepted_ = 0, accepted_bytes_ = 0, duplicates_ = 0, corrupt_ = 0, fenced_drops_ = 0,
            malformed_ = 0, refused_ = 0;
   std::map<std::string, uint64_t> refusals_;
@@ -120,6 +135,13 @@ Status RelayServer::Attach(size_t index) {
   links_["upstream:" + address].role = "upstream";
   links_["upstream:" + address].attached = true;
   Log(fmt::format("attached to upstream {} (holding {} objects)", address, hello.have.size()));
+  // The acks it holds go up again: the old upstream may have died with them.
+  for (const auto& [prefix, by_receiver] : acks_) {
+    std::vector<AckRecord> all;
+    for (const auto& [id, ack] : by_receiver) all.push_back(ack);
+    SendAcks(upstream_.get(), "", prefix, std::move(all));
+  }
+  ack_pending_.clear();
   return Status::Ok();
 }
 
@@ -158,7 +180,9 @@ Status RelayServer::Run(const std::function<bool()>& stop) {
     if (zap_) items[n++] = {zap_.get(), 0, ZMQ_POLLIN, 0};
     const int mo = monitor_ ? n : -1;
     if (monitor_) items[n++] = {monitor_.get(), 0, ZMQ_POLLIN, 0};
-    if (zmq_poll(items, n, 10) < 0 && zmq_errno() != EINTR) return Internal(ZmqError("relay: poll"));
+    // Acks waiting to go up leave after kAckLinger, not after the poll's usual 10 ms.
+    const long timeout = ack_pending_.empty() ? 10 : 1;
+    if (zmq_poll(items, n, timeout) < 0 && zmq_errno() != EINTR) return Internal(ZmqError("relay: poll"));
     if (zap >= 0 && (items[zap].revents & ZMQ_POLLIN)) {
       AnswerZap(zap_.get(), o_.security.allowed, [&](const std::string& l) { Refused(l); });
     }
@@ -177,8 +201,10 @@ Status RelayServer::Run(const std::function<bool()>& stop) {
     for (auto& [route, c] : children_)
       if (!Pump(c)) gone.push_back(route);
     for (const auto& r : gone) Detach(r, "its connection is gone");
+    FlushAcks(false);
     Timers();
   }
+  FlushAcks(true);
   WriteStats();
   Log("stopped");
   return Status::Ok();
@@ -211,6 +237,12 @@ void RelayServer::OnRouter(std::vector<std::string> parts) {
         links_["sender:" + m->id].role = "sender";
         links_["sender:" + m->id].attached = true;
         Log(fmt::format("sender {} attached", m->id));
+        if (o_.upstream.empty())  // a root: the acks it holds, for a coordinator that restarted
+          for (const auto& [prefix, by_receiver] : acks_) {
+            std::vector<AckRecord> all;
+            for (const auto& [id, ack] : by_receiver) all.push_back(ack);
+            SendAcks(router_.get(), route, prefix, std::move(all));
+          }
         return;
       }
       for (auto it = children_.begin(); it != children_.end();)
@@ -263,7 +295,67 @@ void RelayServer::OnRouter(std::vector<std::string> parts) {
       if (child != children_.end()) child->second.heard = Clock::now();
       else if (senders_.count(route)) senders_[route].heard = Clock::now();
       return;
+    case RelayMessageType::kAck:
+      if (child == children_.end()) {
+        Log("a peer that is not a child (no HELLO) sent acks: ignored");
+        return;
+      }
+      child->second.heard = Clock::now();
+      OnAck(std::move(*m), child->second);
+      return;
   }
+}
+
+void RelayServer::OnAck(RelayMessage m, const Child& from) {
+  ++ack_messages_in_;
+  acks_in_ += m.acks.size();
+  if (fenced_.count(m.key)) return;
+  if (!acks_.count(m.key)) {
+    ack_order_.push_back(m.key);
+    if (ack_order_.size() > 64) {
+      acks_.erase(ack_order_.front());
+      ack_pending_.erase(ack_order_.front());
+      ack_order_.pop_front();
+    }
+  }
+  auto& by_receiver = acks_[m.key];
+  for (auto& a : m.acks) {
+    auto it = by_receiver.find(a.receiver);
+    if (it != by_receiver.end() && it->second.ok == a.ok && it->second.digest == a.digest) continue;  // a re-send
+    if (!a.ok) Log(fmt::format("receiver {} (via {} {}) failed attempt {}: {}", a.receiver, RelayRoleName(from.role),
+                               from.id, m.key, a.error));
+    if (ack_pending_.empty()) ack_pending_since_ = Clock::now();
+    ack_pending_[m.key].insert(a.receiver);
+    by_receiver.insert_or_assign(a.receiver, std::move(a));
+  }
+}
+
+void RelayServer::SendAcks(void* socket, const std::string& route, const std::string& prefix,
+                           std::vector<AckRecord> acks) {
+  if (acks.empty()) return;
+  RelayMessage m;
+  m.type = RelayMessageType::kAck;
+  m.key = prefix;
+  const size_t n = acks.size();
+  m.acks = std::move(acks);
+  if (SendParts(socket, route, EncodeMessage(m)).ok()) {
+    ++ack_messages_out_;
+    acks_out_ += n;
+  }
+}
+
+void RelayServer::FlushAcks(bool force) {
+  if (ack_pending_.empty() || (!force && Clock::now() - ack_pending_since_ < kAckLinger)) return;
+  for (auto& [prefix, receivers] : ack_pending_) {
+    std::vector<AckRecord> batch;
+    for (const auto& id : receivers) batch.push_back(acks_[prefix].at(id));
+    if (upstream_) {
+      SendAcks(upstream_.get(), "", prefix, std::move(batch));
+    } else {
+      for (const auto& [route, sender] : senders_) SendAcks(router_.get(), route, prefix, batch);
+    }
+  }
+  ack_pending_.clear();
 }
 
 void RelayServer::OnUpstream(std::vector<std::string> parts) {
@@ -368,6 +460,8 @@ void RelayServer::ApplyFence(const std::string& prefix) {
     std::erase_if(c.queue, [&](const ObjectPtr& o) { return o->prefix == prefix; });
     SendParts(router_.get(), route, parts).IgnoreError();
   }
+  acks_.erase(prefix);
+  ack_pending_.erase(prefix);
   Log(fmt::format("attempt {} fenced: {} cached objects dropped, later ones refused", prefix, dropped));
 }
 
@@ -429,6 +523,14 @@ void RelayServer::Timers() {
     }
     if (upstream_) SendParts(upstream_.get(), "", parts).IgnoreError();
   }
+  // Attached to an ancestor: back to the parent (a restarted relay) once it
+  // answers a handshake again.
+  if (!o_.upstream.empty() && FirstIsBack(probe_, ctx_.ctx, upstream_index_, o_.upstream[0], o_.security)) {
+    links_["upstream:" + o_.upstream[upstream_index_]].attached = false;
+    Log(fmt::format("parent {} is back; attaching to it again", o_.upstream[0]));
+    upstream_.reset();
+    if (Status s = Attach(0); !s.ok()) Log(s.ToString());
+  }
   if (upstream_ && now - upstream_heard_ > o_.dead_after) {
     const std::string old = o_.upstream[upstream_index_];
     links_["upstream:" + old].attached = false;
@@ -457,7 +559,11 @@ std::string RelayServer::StatsJson() {
                                 {"malformed", malformed_},
                                 {"refused_peers", refused_},
                                 {"cached_objects", cache_.size()},
-                                {"cached_bytes", cache_bytes_}};
+                                {"cached_bytes", cache_bytes_},
+                                {"acks_in", acks_in_},
+                                {"ack_messages_in", ack_messages_in_},
+                                {"acks_out", acks_out_},
+                                {"ack_messages_out", ack_messages_out_}};
   auto& links = doc["links"] = nlohmann::ordered_json::array();
   for (const auto& [name, l] : links_) {
     const size_t colon = name.find(':');

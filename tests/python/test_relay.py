@@ -9,11 +9,25 @@ test_depth_two_tree_commits_and_the_payload_crosses_once
     frame object from the store, and the per-link byte counters show the
     frames entering the cluster once (sender -> root) and each link of the
     tree carrying them once.
+    The receivers' acks come up the tree: the coordinator takes all of
+    them from its relay client (`relay_acks`), they are in the store too, and
+    each relay sends its subtree's acks up; then one version without tree
+    acks (`--no-relay-acks`); the commit latency after the last ack of both
+    is printed (store mtimes).
 test_killing_a_middle_relay_mid_stream
     kill -9 of a depth-1 relay at a random moment (seed printed,
     DCR_RELAY_SEED replays it) while a version streams: the version commits,
     every receiver is exact, and the next version reaches everyone through
     the ancestors they re-attached to, with nothing from the store.
+test_a_restarted_relay_is_rejoined
+    kill -9 of a depth-1 relay, restarted later on its address: its children
+    (relays and a receiver) go back to it, and the next version flows
+    through it to every receiver below it, nothing from the store.
+test_frames_of_a_fenced_attempt_are_dropped_by_every_relay
+    an attempt that fails after its frames streamed (DCR_TEST_FAIL_AT) is
+    fenced: every relay logs the fence and drops its cached objects, a frame
+    object of it pushed later into a middle relay is refused and never
+    forwarded, and the retry commits exact everywhere.
 test_unauthenticated_clients_are_refused
     a receiver with an unknown key and one without keys get nothing from the
     relay (the relay logs the refusals) and still end exact from the store.
@@ -209,11 +223,11 @@ class Tree:
 
     # ---------------------------------------------------------------- publish
 
-    def publish(self, v: int, relay: bool = True, segment: str = "64KiB", extra_env: dict | None = None
-                ) -> subprocess.Popen:
+    def publish(self, v: int, relay: bool = True, segment: str = "64KiB", extra_env: dict | None = None,
+                extra: tuple = ()) -> subprocess.Popen:
         args = [str(DCR_BIN), "publish", "--store", self.url, "--version", str(v), "--state", str(self.root / "state"),
                 "--senders", "2", "--chunk", CHUNK, "--segment", segment, "--ack-timeout", "30",
-                "--heartbeat-timeout", "3", "--json", str(self.gen / f"v{v}")]
+                "--heartbeat-timeout", "3", "--json", *extra, str(self.gen / f"v{v}")]
         if relay:
             root = next(n for n in self.relays.values() if n["parent"] is None)
             args[2:2] = ["--relay", root["address"], "--relay-key", str(self.client_key), "--relay-pub",
@@ -227,10 +241,20 @@ class Tree:
         self.procs.append(p)
         return p
 
-    def publish_ok(self, v: int, relay: bool = True) -> None:
-        p = self.publish(v, relay)
+    def publish_ok(self, v: int, relay: bool = True, extra: tuple = (), extra_env: dict | None = None) -> dict:
+        """Publishes version v; its JSON report."""
+        p = self.publish(v, relay, extra=extra, extra_env=extra_env)
         rc = p.wait(timeout=TIMEOUT_S)
         assert rc == 0, f"publish v{v} failed:\n{tail(p.log)}"
+        lines = p.log.read_text().splitlines()
+        start, end = lines.index("{"), len(lines) - lines[::-1].index("}")
+        return json.loads("\n".join(lines[start:end]))
+
+    def commit_latency(self, v: int) -> float:
+        """Seconds from the last ack's arrival in the store to the commit record (file mtimes)."""
+        commit = self.store / "commits" / f"v{v:010}.json"
+        acks = (self.store / "attempts" / f"v{v:010}" / read_json(commit)["attempt"] / "acks").iterdir()
+        return commit.stat().st_mtime - max(a.stat().st_mtime for a in acks)
 
     def committed_frame_bytes(self, v: int) -> int:
         commit = read_json(self.store / "commits" / f"v{v:010}.json")
@@ -280,10 +304,19 @@ def start_tree(t: Tree, until: int) -> dict:
 def test_depth_two_tree_commits_and_the_payload_crosses_once(tree):
     t = tree()
     start_tree(t, until=2)
-    t.publish_ok(1)
-    t.publish_ok(2)
+    r1 = t.publish_ok(1)
+    r2 = t.publish_ok(2, extra=("--no-relay-acks",))
     t.wait_receivers()
     t.assert_exact(2)
+    # v1: every ack came up the tree (and is in the store as well); v2: from the store alone.
+    assert r1["relay_acks"] == len(PLACEMENT) and sorted(r1["acked"]) == sorted(PLACEMENT), r1
+    assert r2["relay_acks"] == 0 and sorted(r2["acked"]) == sorted(PLACEMENT), r2
+    for v in (1, 2):
+        commit = read_json(t.store / "commits" / f"v{v:010}.json")
+        acks = t.store / "attempts" / f"v{v:010}" / commit["attempt"] / "acks"
+        assert sorted(p.stem for p in acks.iterdir()) == sorted(PLACEMENT), v
+    print(f"commit after the last ack: {1000 * t.commit_latency(1):.1f} ms with acks up the tree, "
+          f"{1000 * t.commit_latency(2):.1f} ms polling the store")
     payload = t.committed_frame_bytes(1) + t.committed_frame_bytes(2)
     for rid in PLACEMENT:
         carried = t.carried(rid)
@@ -304,6 +337,13 @@ def test_depth_two_tree_commits_and_the_payload_crosses_once(tree):
         for link in s["links"]:
             if link["kind"] in ("relay", "receiver"):
                 assert link["bytes_out"] == payload, (rid, link)
+    # Acks: each relay got its subtree's (2 versions x receivers below it, each once) and sent them all up;
+    # the root sends them to each sender attached (and what it holds to a sender when it attaches).
+    below = {"r0": 8, "r1": 5, "r2": 2, "r3": 2, "r4": 2}
+    for rid, n in below.items():
+        assert stats[rid]["acks_in"] == 2 * n, (rid, stats[rid])
+        assert stats[rid]["acks_out"] == 2 * n if rid != "r0" else stats[rid]["acks_out"] >= 2 * n, (rid, stats[rid])
+        assert stats[rid]["ack_messages_out"] <= stats[rid]["ack_messages_in"] or rid == "r0", (rid, stats[rid])
     shown = run_dcr("relay", "status", *[t.stats_path(rid) for rid in RELAYS])
     assert shown.returncode == 0, str(shown)
     assert f"relay r3 at {t.relays['r3']['address']}, upstream r1 {t.relays['r1']['address']}" in shown.stdout, shown
@@ -343,6 +383,81 @@ def test_killing_a_middle_relay_mid_stream(tree):
     # r3 and r4 left their dead parent for r0.
     for rid in ("r3", "r4"):
         assert stats[rid]["upstream"] == t.relays["r0"]["address"], (rid, stats[rid])
+
+
+def test_a_restarted_relay_is_rejoined(tree):
+    t = tree(versions=2)
+    start_tree(t, until=2)
+    t.relay_procs["r1"].kill()  # SIGKILL
+    t.relay_procs["r1"].wait()
+    t.publish_ok(1)  # through r0 to everyone (r3, r4, e1 re-attached to it)
+    t.start_relay("r1")  # the same address; its log is appended to
+    t.wait_attached({"relay r1": "r0"})
+    log = t.logs / "relay-r1.log"
+    deadline = time.monotonic() + 30
+    for who in ("relay r3", "relay r4", "receiver e1"):
+        # Attached twice to r1: before the kill and after the restart.
+        while log.read_text().count(f"{who} attached") < 2:
+            assert time.monotonic() < deadline, f"{who} did not come back to r1:\n{tail(log)}"
+            time.sleep(0.05)
+    assert "is back; attaching to it again" in (t.logs / "relay-r3.log").read_text()
+    # A client counts as attached once it heard from the relay (a PING every 0.1 s); until then a
+    # receiver rightly takes a streaming attempt's objects from the store.
+    time.sleep(0.5)
+    t.publish_ok(2)
+    t.wait_receivers()
+    t.assert_exact(2)
+    for rid in PLACEMENT:
+        v2 = [c for c in t.carried(rid) if c["version"] == 2]
+        assert v2 and v2[0]["store_objects"] == 0, f"{rid} needed the store for v2: {v2}\n{tail(t.receivers[rid]['log'])}"
+    v2_bytes = t.committed_frame_bytes(2)
+    stats = t.stop_relays()
+    # The restarted r1 carried v2 to its children (its counters start at the restart).
+    out = {link["peer"]: link["bytes_out"] for link in stats["r1"]["links"] if link["kind"] in ("relay", "receiver")}
+    for peer in ("r3", "r4", "e1"):
+        assert out.get(peer, 0) >= v2_bytes, (peer, out, v2_bytes)
+    for rid in ("r3", "r4"):
+        assert stats[rid]["upstream"] == t.relays["r1"]["address"], (rid, stats[rid])
+
+
+def test_frames_of_a_fenced_attempt_are_dropped_by_every_relay(tree):
+    t = tree(versions=1)
+    start_tree(t, until=1)
+    # The first attempt fails once its frames are out (before its manifest): fenced, retried.
+    report = t.publish_ok(1, extra_env={"DCR_TEST_FAIL_AT": "frames-written"})
+    assert report["attempts"] == 2, report
+    t.wait_receivers()
+    t.assert_exact(1)
+    # The store's GC removed the fenced attempt once v1 committed; the relays' logs name it.
+    root_log = (t.logs / "relay-r0.log").read_text()
+    fenced = sorted({line.split("attempt ", 1)[1].split(" ", 1)[0] for line in root_log.splitlines()
+                     if " fenced: " in line})
+    assert len(fenced) == 1 and fenced[0].startswith(f"attempts/v{1:010}/0000-"), (fenced, report)
+    assert report["attempt"].startswith("0001-"), report
+    prefix = fenced[0]
+    for rid in RELAYS:
+        log = (t.logs / f"relay-{rid}.log").read_text()
+        assert f"attempt {prefix} fenced: " in log, f"{rid} did not drop the fenced attempt:\n{log}"
+        dropped = int(log.split(f"attempt {prefix} fenced: ", 1)[1].split(" ", 1)[0])
+        assert dropped > 0, f"{rid} held none of the fenced attempt's objects:\n{log}"
+    # A frame object of the fenced attempt (real frames, under its key), pushed into r1 afterwards:
+    # refused, never forwarded.
+    commit = read_json(t.store / "commits" / f"v{1:010}.json")
+    frames = sorted((t.store / "attempts" / f"v{1:010}" / commit["attempt"] / "frames").iterdir())
+    assert frames
+    time.sleep(1.2)  # the stats files are rewritten every second
+    before = {rid: read_json(t.stats_path(rid)) for rid in ("r3", "r4")}
+    res = run_dcr("relay", "push", "--to", t.relays["r1"]["address"], "--object-key", prefix + "frames/" + frames[0].name,
+                  "--key", t.client_key, "--relay-pub", t.relay_pub, frames[0])
+    assert res.returncode == 0, str(res)
+    time.sleep(0.5)
+    stats = t.stop_relays()
+    assert stats["r1"]["dropped_fenced"] == 1, stats["r1"]
+    for rid in ("r3", "r4"):
+        assert stats[rid]["accepted_bytes"] == before[rid]["accepted_bytes"], (rid, stats[rid], before[rid])
+        assert stats[rid]["cached_objects"] == before[rid]["cached_objects"]
+    for rid in PLACEMENT:  # nobody applied the fenced attempt: one applied attempt each, the retry
+        assert [c["version"] for c in t.carried(rid)] == [1], (rid, t.carried(rid))
 
 
 def test_unauthenticated_clients_are_refused(tree):

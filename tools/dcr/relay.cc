@@ -212,6 +212,8 @@ void AddRelayCommand(CLI::App& app) {
                  up.empty() ? "none (a root)" : (id_of.count(up) ? id_of[up] + " " + up : up), d.value("accepted", 0),
                  FormatBytes(d.value("accepted_bytes", 0)), d.value("dropped_corrupt", 0), d.value("dropped_fenced", 0),
                  d.value("duplicates", 0), d.value("refused_peers", 0));
+      fmt::print("  acks: {} in {} messages from below, {} in {} messages up\n", d.value("acks_in", 0),
+                 d.value("ack_messages_in", 0), d.value("acks_out", 0), d.value("ack_messages_out", 0));
       for (const auto& l : d["links"]) {
         const std::string kind = l.value("kind", "?");
         const bool in = kind == "upstream" || kind == "sender";
