@@ -190,6 +190,13 @@ struct RelayOptions {
   // full; the oldest are evicted beyond this. A child that had not got an
   // evicted object fetches it from the store (drop and refetch).
   uint64_t cache_bytes = 1ull << 30;
+  // With a directory: an object evicted from the cache while still queued
+  // for a child is written here (at most spool_bytes in all) and sent from
+  // disk when the child's window opens, instead of being dropped; past the
+  // bound it is dropped (the store as last resort). Files are removed once
+  // no child needs them, and any left from an earlier run at start.
+  std::string spool_dir;
+  uint64_t spool_bytes = 4ull << 30;
   std::chrono::milliseconds ping_every{250};
   std::chrono::milliseconds dead_after{1500};  // an upstream silent this long is left
   std::string stats_path;  // JSON rewritten about every second, and at exit

@@ -2,14 +2,20 @@
 // children and senders, a DEALER to its upstream.
 #include <fmt/format.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <deque>
+#include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <thread>
 
 #include "dcr/frame.h"
+#include "dcr/hash.h"
 #include "dcr/mapped_file.h"
 #include "zmq_io.h"
 
@@ -23,9 +29,21 @@ using Clock = std::chrono::steady_clock;
 // Acks that arrive together (siblings finishing within a few ms) go up in one message.
 constexpr auto kAckLinger = std::chrono::milliseconds(2);
 
+// An object's bytes on disk (the spool); removed with the last reference.
+struct SpoolFile {
+  std::string path;
+  uint64_t bytes = 0;
+  std::shared_ptr<uint64_t> used;  // the spool's bytes in use
+  ~SpoolFile() {
+    ::unlink(path.c_str());
+    *used -= bytes;
+  }
+};
+
 struct Object {
-  std::string key, prefix, data;
+  std::string key, prefix, data;  // data empty when spooled
   uint32_t crc = 0;
+  std::shared_ptr<const SpoolFile> spooled;
 };
 using ObjectPtr = std::shared_ptr<const Object>;
 
@@ -44,7 +62,7 @@ struct Child {
 struct Link {
   std::string role;
   bool attached = false;
-  uint64_t bytes_in = 0, objects_in = 0, bytes_out = 0, objects_out = 0, evicted = 0;
+  uint64_t bytes_in = 0, objects_in = 0, bytes_out = 0, objects_out = 0, evicted = 0, spooled = 0;
 };
 
 void FreeObjectRef(void*, void* hint) { delete static_cast<ObjectPtr*>(hint); }
@@ -79,6 +97,11 @@ class RelayServer {
   void FlushAcks(bool force);
   void SendAcks(void* socket, const std::string& route, const std::string& prefix, std::vector<AckRecord> acks);
   void Evict();
+  // The spooled copy of `old` (written now), or nullptr when the spool is off, full or fails.
+  ObjectPtr Spool(const ObjectPtr& old);
+  // Reads a spooled object back and checks its CRC32C; nullptr (logged) when it cannot.
+  ObjectPtr Unspool(const Object& spooled);
+  Status OpenSpool();
   // Sends what the child's window allows; false when the child is gone.
   bool Pump(Child& c);
   void Detach(const std::string& route, const std::string& why);
@@ -93,6 +116,8 @@ class RelayServer {
   size_t upstream_index_ = 0;
   Clock::time_point upstream_heard_, upstream_since_, last_ping_, last_stats_;
 
+  std::shared_ptr<uint64_t> spool_used_ = std::make_shared<uint64_t>(0);
+  uint64_t spool_seq_ = 0, spooled_ = 0, spooled_bytes_ = 0, spool_full_ = 0, unspooled_ = 0;
   std::deque<ObjectPtr> cache_;
   std::map<std::string, ObjectPtr> index_;
   uint64_t cache_bytes_ = 0;
@@ -168,6 +193,7 @@ Status RelayServer::Run(const std::function<bool()>& stop) {
   Log(fmt::format("listening on {}{}", o_.listen,
                   o_.security.enabled() ? fmt::format(" (CURVE, {} peers admitted)", o_.security.allowed.size())
                                         : " (no authentication: trusted networks only)"));
+  DCR_RETURN_IF_ERROR(OpenSpool());
   if (!o_.upstream.empty()) DCR_RETURN_IF_ERROR(Attach(0));
   last_stats_ = Clock::now();
   while (!(stop && stop())) {
@@ -425,16 +451,89 @@ void RelayServer::Evict() {
     cache_.pop_front();
     index_.erase(old->key);
     cache_bytes_ -= old->data.size();
+    ObjectPtr spooled;  // written once, for every child that still needs it
+    bool tried = false;
     for (auto& [route, c] : children_) {
-      const size_t before = c.queue.size();
-      std::erase(c.queue, old);
-      if (c.queue.size() != before) {
-        ++links_["child:" + c.id].evicted;
-        Log(fmt::format("{} {} is too slow: object {} left the cache before it was sent; it fetches it from the store",
-                        RelayRoleName(c.role), c.id, old->key));
+      auto it = std::find(c.queue.begin(), c.queue.end(), old);
+      if (it == c.queue.end()) continue;
+      if (!tried) {
+        spooled = Spool(old);
+        tried = true;
       }
+      if (spooled) {
+        *it = spooled;
+        ++links_["child:" + c.id].spooled;
+        continue;
+      }
+      c.queue.erase(it);
+      ++links_["child:" + c.id].evicted;
+      Log(fmt::format("{} {} is too slow: object {} left the cache before it was sent{}; it fetches it from the store",
+                      RelayRoleName(c.role), c.id, old->key, o_.spool_dir.empty() ? "" : " and the spool is full"));
     }
   }
+}
+
+Status RelayServer::OpenSpool() {
+  if (o_.spool_dir.empty()) return Status::Ok();
+  std::error_code ec;
+  std::filesystem::create_directories(o_.spool_dir, ec);
+  if (ec) return InvalidArgument(fmt::format("relay {}: cannot create the spool directory {}: {}", o_.id, o_.spool_dir, ec.message()));
+  size_t stale = 0;
+  for (const auto& e : std::filesystem::directory_iterator(o_.spool_dir, ec))
+    if (e.path().extension() == ".spool" && std::filesystem::remove(e.path(), ec)) ++stale;
+  if (ec) return InvalidArgument(fmt::format("relay {}: cannot read the spool directory {}: {}", o_.id, o_.spool_dir, ec.message()));
+  if (stale) Log(fmt::format("removed {} spool files of an earlier run from {}", stale, o_.spool_dir));
+  return Status::Ok();
+}
+
+ObjectPtr RelayServer::Spool(const ObjectPtr& old) {
+  if (o_.spool_dir.empty()) return nullptr;
+  if (*spool_used_ + old->data.size() > o_.spool_bytes) {
+    ++spool_full_;
+    return nullptr;
+  }
+  auto file = std::make_shared<SpoolFile>();
+  file->path = fmt::format("{}/{}.spool", o_.spool_dir, ++spool_seq_);
+  file->used = spool_used_;
+  {
+    std::ofstream out(file->path, std::ios::binary | std::ios::trunc);
+    out.write(old->data.data(), static_cast<std::streamsize>(old->data.size()));
+    out.close();
+    if (!out) {
+      Log(fmt::format("cannot write the spool file {} ({} bytes): {}; object {} is dropped instead", file->path,
+                      old->data.size(), std::strerror(errno), old->key));
+      ::unlink(file->path.c_str());
+      ++spool_full_;
+      return nullptr;
+    }
+  }
+  file->bytes = old->data.size();
+  *spool_used_ += file->bytes;
+  ++spooled_;
+  spooled_bytes_ += file->bytes;
+  auto s = std::make_shared<Object>();
+  s->key = old->key;
+  s->prefix = old->prefix;
+  s->crc = old->crc;
+  s->spooled = std::move(file);
+  return s;
+}
+
+ObjectPtr RelayServer::Unspool(const Object& spooled) {
+  auto obj = std::make_shared<Object>();
+  obj->key = spooled.key;
+  obj->prefix = spooled.prefix;
+  obj->crc = spooled.crc;
+  std::ifstream in(spooled.spooled->path, std::ios::binary);
+  obj->data.resize(spooled.spooled->bytes);
+  in.read(obj->data.data(), static_cast<std::streamsize>(obj->data.size()));
+  if (!in || Crc32c(obj->data.data(), obj->data.size()) != obj->crc) {
+    Log(fmt::format("spool file {} of object {} is unreadable or damaged; the object is dropped (fetched from the store)",
+                    spooled.spooled->path, spooled.key));
+    return nullptr;
+  }
+  ++unspooled_;
+  return obj;
 }
 
 void RelayServer::ApplyFence(const std::string& prefix) {
@@ -468,6 +567,15 @@ void RelayServer::ApplyFence(const std::string& prefix) {
 bool RelayServer::Pump(Child& c) {
   while (!c.queue.empty() && c.inflight < o_.window_bytes) {
     if (o_.link_bytes_per_second > 0 && Clock::now() < c.next_send) return true;  // the link is busy
+    if (c.queue.front()->spooled) {
+      ObjectPtr back = Unspool(*c.queue.front());
+      if (!back) {
+        ++links_["child:" + c.id].evicted;
+        c.queue.pop_front();
+        continue;
+      }
+      c.queue.front() = std::move(back);  // the spool file goes once no other child needs it
+    }
     const ObjectPtr& p = c.queue.front();
     RelayMessage head;
     head.type = RelayMessageType::kObject;
@@ -560,6 +668,11 @@ std::string RelayServer::StatsJson() {
                                 {"refused_peers", refused_},
                                 {"cached_objects", cache_.size()},
                                 {"cached_bytes", cache_bytes_},
+                                {"spooled", spooled_},
+                                {"spooled_bytes", spooled_bytes_},
+                                {"spool_bytes_in_use", *spool_used_},
+                                {"unspooled", unspooled_},
+                                {"spool_full", spool_full_},
                                 {"acks_in", acks_in_},
                                 {"ack_messages_in", ack_messages_in_},
                                 {"acks_out", acks_out_},
@@ -574,7 +687,8 @@ std::string RelayServer::StatsJson() {
                      {"objects_in", l.objects_in},
                      {"bytes_out", l.bytes_out},
                      {"objects_out", l.objects_out},
-                     {"evicted", l.evicted}});
+                     {"evicted", l.evicted},
+                     {"spooled", l.spooled}});
   }
   return doc.dump(1) + "\n";
 }

@@ -7,6 +7,9 @@
 
 #include <atomic>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <mutex>
 #include <thread>
 
@@ -299,6 +302,66 @@ TEST(Relay, ARestartedRelayIsRejoinedByItsReceiver) {
   EXPECT_TRUE((*sender)->Flush(5s));
   EXPECT_EQ(TakeAll(*far, AttemptPrefix(1), 1).size(), 1u);
   EXPECT_TRUE(mid->lines.Has("receiver far attached"));
+}
+
+// A throttled child (its link paced to 100 kB/s) behind a cache of two
+// objects: what leaves the cache before it was sent goes to the spool and
+// arrives from there; with a spool too small, it is dropped (the store's job).
+TEST(Relay, ASlowChildsBacklogGoesToTheSpoolNotTheStore) {
+  for (const bool big_spool : {true, false}) {
+    SCOPED_TRACE(big_spool ? "a spool for everything" : "a spool for two objects");
+    const std::string addr = FreeAddress();
+    const std::string spool = ::testing::TempDir() + "/dcr-relay-spool-" + std::to_string(big_spool);
+    RelayOptions ro = Options("root", addr);
+    const std::string sample = MakeFrame(0, 1) + MakeFrame(1, 1);
+    ro.cache_bytes = 2 * sample.size();
+    ro.window_bytes = sample.size();
+    ro.link_bytes_per_second = 100e3;
+    ro.spool_dir = spool;
+    ro.spool_bytes = big_spool ? 1 << 20 : 2 * sample.size();
+    ro.stats_path = spool + ".stats.json";
+    RunningRelay root(ro);
+    Lines log;
+    auto r = AttachedReceiver("slow", {addr}, &log);
+    ASSERT_TRUE(r);
+    auto sender = RelaySender::Start(Client("pub", {addr}, &log));
+    ASSERT_TRUE(sender.ok());
+    std::map<std::string, std::string> sent;
+    for (uint32_t s = 0; s < 12; ++s) {
+      const std::string data = MakeFrame(s, 2) + MakeFrame(s + 50, static_cast<uint8_t>(s));
+      (*sender)->Object(ObjectKey(1, s), data);
+      sent[ObjectKey(1, s)] = data;
+    }
+    EXPECT_TRUE((*sender)->Flush(5s));
+    auto got = TakeAll(*r, AttemptPrefix(1), big_spool ? 12 : 4);
+    std::this_thread::sleep_for(300ms);
+    got.merge(r->Take(""));
+    if (big_spool) {
+      EXPECT_EQ(got, sent);
+      EXPECT_FALSE(root.lines.Has("too slow"));
+    } else {
+      EXPECT_LT(got.size(), sent.size());
+      EXPECT_GE(got.size(), 4u);  // the cache's two and the spool's two at least
+      for (const auto& [k, v] : got) EXPECT_EQ(v, sent.at(k)) << k;
+      EXPECT_TRUE(root.lines.Has("left the cache before it was sent and the spool is full"));
+    }
+    root.Stop();
+    std::ifstream stats_file(ro.stats_path);
+    const auto stats = nlohmann::json::parse(stats_file, nullptr, false);
+    ASSERT_TRUE(stats.is_object());
+    if (big_spool) {
+      EXPECT_GE(stats["spooled"].get<uint64_t>(), 8u);  // 12 objects, a cache of 2 and a window of 1
+      EXPECT_EQ(stats["unspooled"], stats["spooled"]);
+      EXPECT_EQ(stats["spool_full"], 0);
+    } else {
+      EXPECT_GT(stats["spool_full"].get<uint64_t>(), 0u);
+    }
+    EXPECT_EQ(stats["spool_bytes_in_use"], 0);
+    std::error_code ec;
+    size_t left = 0;
+    for (const auto& e : std::filesystem::directory_iterator(spool, ec)) left += e.path().extension() == ".spool";
+    EXPECT_EQ(left, 0u) << "spool files outlived the objects";
+  }
 }
 
 TEST(Relay, CurveAdmitsListedPeersAndRefusesOthers) {

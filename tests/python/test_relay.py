@@ -28,6 +28,11 @@ test_frames_of_a_fenced_attempt_are_dropped_by_every_relay
     fenced: every relay logs the fence and drops its cached objects, a frame
     object of it pushed later into a middle relay is refused and never
     forwarded, and the retry commits exact everywhere.
+test_a_slow_childs_backlog_is_spooled
+    a receiver behind a throttled link (--link-mbps) and a cache far smaller
+    than the attempt: what leaves the cache before it was sent goes to the
+    spool directory and reaches the receiver from there, nothing from the
+    store; the spool is empty afterwards.
 test_unauthenticated_clients_are_refused
     a receiver with an unknown key and one without keys get nothing from the
     relay (the relay logs the refusals) and still end exact from the store.
@@ -127,10 +132,11 @@ class Tree:
         self.relays = {n["id"]: n for n in plan["relays"]}
         return plan
 
-    def start_relay(self, rid: str, extra_env: dict | None = None) -> None:
+    def start_relay(self, rid: str, extra_env: dict | None = None, extra: tuple = ()) -> None:
         n = self.relays[rid]
         args = [str(DCR_BIN), "relay", "--id", rid, "--listen", n["address"], "--key", str(self.relay_key), "--allow",
-                str(self.allow), "--stats", str(self.stats_path(rid)), "--ping", PING, "--dead-after", DEAD_AFTER]
+                str(self.allow), "--stats", str(self.stats_path(rid)), "--ping", PING, "--dead-after", DEAD_AFTER,
+                *map(str, extra)]
         for up in n["upstream"]:
             args += ["--parent", up]
         e = env()
@@ -458,6 +464,31 @@ def test_frames_of_a_fenced_attempt_are_dropped_by_every_relay(tree):
         assert stats[rid]["cached_objects"] == before[rid]["cached_objects"]
     for rid in PLACEMENT:  # nobody applied the fenced attempt: one applied attempt each, the retry
         assert [c["version"] for c in t.carried(rid)] == [1], (rid, t.carried(rid))
+
+
+def test_a_slow_childs_backlog_is_spooled(tree):
+    t = tree(versions=1)
+    t.plan(["r0"], 2)
+    t.publish_ok(0, relay=False)
+    spool = t.root / "spool"
+    t.start_relay("r0", extra=("--link-mbps", "0.3", "--cache", "24KiB", "--window", "16KiB", "--spool", spool))
+    t.start_receiver("e0", "r0", 1)
+    t.wait_registered()
+    t.wait_attached({"receiver e0": "r0"})
+    p = t.publish(1, segment="8KiB")
+    assert p.wait(timeout=TIMEOUT_S) == 0, tail(p.log)
+    t.wait_receivers()
+    t.assert_exact(1)
+    payload = t.committed_frame_bytes(1)
+    c = t.carried("e0")
+    assert c and c[0]["store_objects"] == 0 and c[0]["relayed"] == c[0]["total"], c
+    stats = t.stop_relays()["r0"]
+    assert stats["spooled"] > 0 and stats["unspooled"] == stats["spooled"], stats
+    assert stats["spool_full"] == 0 and stats["spool_bytes_in_use"] == 0, stats
+    assert [link["evicted"] for link in stats["links"] if link["peer"] == "e0"] == [0], stats
+    assert stats["spooled_bytes"] > payload // 2, (stats, payload)  # most of the attempt waited on disk
+    assert list(spool.iterdir()) == [], "spool files left behind"
+    print(f"spool: {stats['spooled']} objects ({stats['spooled_bytes']} of {payload} bytes) went through the spool")
 
 
 def test_unauthenticated_clients_are_refused(tree):

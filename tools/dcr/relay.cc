@@ -29,7 +29,7 @@ Result<std::string> ReadWholeFile(const std::string& path) {
 }
 
 struct RelayArgs {
-  std::string id, listen, stats, key, relay_pub, allow, window = "64MiB", cache = "1GiB";
+  std::string id, listen, stats, key, relay_pub, allow, window = "64MiB", cache = "1GiB", spool, spool_bytes = "4GiB";
   std::vector<std::string> parents;
   double ping = 0.25, dead_after = 1.5, link_mbps = 0;
 };
@@ -44,6 +44,10 @@ int RunRelayDaemon(const RelayArgs& a) {
   if (!cache.ok()) return Fail("relay", cache.status().WithContext("--cache"));
   o.window_bytes = *window;
   o.cache_bytes = *cache;
+  auto spool_bytes = ParseBytes(a.spool_bytes);
+  if (!spool_bytes.ok()) return Fail("relay", spool_bytes.status().WithContext("--spool-bytes"));
+  o.spool_dir = a.spool;
+  o.spool_bytes = *spool_bytes;
   o.stats_path = a.stats;
   o.link_bytes_per_second = a.link_mbps * 1e6;
   o.ping_every = std::chrono::milliseconds(static_cast<int64_t>(a.ping * 1000));
@@ -79,6 +83,10 @@ void AddRelayCommand(CLI::App& app) {
   relay->add_option("--cache", ra->cache,
                     "Bytes of objects kept for slow and re-attaching children; a child that misses an evicted object "
                     "fetches it from the store");
+  relay->add_option("--spool", ra->spool,
+                    "Directory for a slow child's backlog beyond the cache: evicted objects it still needs are "
+                    "written here and sent from disk, instead of being fetched from the store");
+  relay->add_option("--spool-bytes", ra->spool_bytes, "Bound on the spool directory's bytes (beyond: the store)");
   relay->add_option("--stats", ra->stats, "Write per-link byte counters as JSON to this file (every second and at exit)");
   relay->add_option("--key", ra->key, "CURVE key pair file (dcr relay keygen); enables authentication and encryption");
   relay->add_option("--relay-pub", ra->relay_pub, "Public key of the parent relays (default: this relay's own)");
