@@ -33,6 +33,12 @@ test_a_slow_childs_backlog_is_spooled
     than the attempt: what leaves the cache before it was sent goes to the
     spool directory and reaches the receiver from there, nothing from the
     store; the spool is empty afterwards.
+test_a_local_tree_in_one_command
+    `dcr relay tree` runs a plan's relays and 4 receivers as its children:
+    a version published into its root reaches every receiver exact, the
+    tree stops by itself once they hold it (--until), `dcr status
+    --relay-stats` shows the relays under their upstreams with per-link
+    bytes; without --until, SIGINT stops every child process.
 test_unauthenticated_clients_are_refused
     a receiver with an unknown key and one without keys get nothing from the
     relay (the relay logs the refusals) and still end exact from the store.
@@ -489,6 +495,70 @@ def test_a_slow_childs_backlog_is_spooled(tree):
     assert stats["spooled_bytes"] > payload // 2, (stats, payload)  # most of the attempt waited on disk
     assert list(spool.iterdir()) == [], "spool files left behind"
     print(f"spool: {stats['spooled']} objects ({stats['spooled_bytes']} of {payload} bytes) went through the spool")
+
+
+def test_a_local_tree_in_one_command(tree):
+    t = tree(versions=1)
+    plan = t.plan(["r0", "r1", "r2"], 2)
+    plan_file = t.root / "plan.json"
+    plan_file.write_text(json.dumps(plan))
+    t.publish_ok(0, relay=False)
+    d = t.root / "local"
+    args = [str(DCR_BIN), "relay", "tree", "--plan", str(plan_file), "--dir", str(d), "--key", str(t.relay_key),
+            "--allow", str(t.allow), "--relay-pub", str(t.relay_pub), "--ping", PING, "--dead-after", DEAD_AFTER]
+    out = t.root / "tree.out"
+    with open(out, "wb") as f:
+        p = subprocess.Popen(args + ["--store", t.url, "--receivers", "4", "--until", "1", "--relay-key",
+                                     str(t.client_key)], stdout=f, stderr=subprocess.STDOUT, env=env())
+    t.procs.append(p)
+    deadline = time.monotonic() + 30
+
+    def relay_logs() -> str:
+        return "".join(q.read_text() for q in (d / "logs").glob("relay-*.log"))
+
+    # r1 and r2 attached to r0, the 4 receivers to their relays and registered in the store.
+    while relay_logs().count(" attached: ") < 2 + 4 or len(list((t.store / "receivers").glob("e*.json"))) < 4:
+        assert p.poll() is None and time.monotonic() < deadline, out.read_text() + relay_logs()
+        time.sleep(0.05)
+    time.sleep(0.5)  # the receivers heard their relay's PING
+    t.publish_ok(1)
+    assert p.wait(timeout=TIMEOUT_S) == 0, out.read_text()
+    text = out.read_text()
+    assert "every receiver reached version 1" in text and "stopped 7 processes" in text, text
+    for i in range(4):
+        res = run_dcr("diff", "--json", "--summary", t.gen / "v1", d / f"target-e{i}")
+        assert res.returncode == 0, (i, res)
+        log = (d / "logs" / f"follow-e{i}.log").read_text()
+        assert "from the relay, 0 (0 bytes) from the store" in log, log
+    stats = sorted(d.glob("stats-*.json"))
+    shown = run_dcr("status", "--store", t.url, "--relay-stats", *stats)
+    assert shown.returncode == 0, str(shown)
+    assert "relay tree (from 3 stats files)" in shown.stdout, shown.stdout
+    assert f"relay r1 at {t.relays['r1']['address']}, upstream r0 {t.relays['r0']['address']}" in shown.stdout
+    assert "-> receiver e1" in shown.stdout and "-> relay r2" in shown.stdout, shown.stdout
+    as_json = run_dcr("status", "--store", t.url, "--json", "--relay-stats", *stats).json()
+    assert sorted(r["id"] for r in as_json["relays"]) == ["r0", "r1", "r2"], as_json
+    payload = t.committed_frame_bytes(1)
+    for r in as_json["relays"]:
+        for link in r["links"]:
+            if link["kind"] == "receiver":
+                assert link["bytes_out"] == payload, (r["id"], link)
+
+    # Without --until: SIGINT stops every child.
+    with open(out, "wb") as f:
+        p = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=env())
+    t.procs.append(p)
+    while "3 relays, 0 receivers" not in out.read_text():
+        assert p.poll() is None and time.monotonic() < deadline + 30, out.read_text()
+        time.sleep(0.05)
+    pids = [int(line.split("(pid ", 1)[1].split(",", 1)[0]) for line in out.read_text().splitlines() if "(pid " in line]
+    assert len(pids) == 3
+    p.send_signal(signal.SIGINT)
+    assert p.wait(timeout=20) == 0, out.read_text()
+    assert "stopped 3 processes (signal)" in out.read_text()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 def test_unauthenticated_clients_are_refused(tree):

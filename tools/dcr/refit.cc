@@ -206,6 +206,7 @@ int RunFollow(const FollowArgs& a) {
 
 struct StatusArgs {
   std::string store;
+  std::vector<std::string> relay_stats;
   double heartbeat_timeout = 10;
   bool json = false;
 };
@@ -215,6 +216,11 @@ int RunStatus(const StatusArgs& a) {
   if (!store.ok()) return Fail("status", store.status());
   auto r = ReadRunStatus(**store, std::chrono::milliseconds(static_cast<int64_t>(a.heartbeat_timeout * 1000)));
   if (!r.ok()) return Fail("status", r.status());
+  std::optional<Result<std::string>> relays;
+  if (!a.relay_stats.empty()) {
+    relays = FormatRelayTree(a.relay_stats, a.json);
+    if (!relays->ok()) return Fail("status", relays->status().WithContext("--relay-stats"));
+  }
   if (a.json) {
     json doc;
     doc["store"] = (*store)->url();
@@ -242,6 +248,7 @@ int RunStatus(const StatusArgs& a) {
       rs.push_back({{"id", x.record.id}, {"state", x.record.state}, {"version", x.record.version},
                     {"live", x.live}, {"heartbeat_age_seconds", x.age_seconds}, {"behind", x.behind},
                     {"retired_at", x.retired_at ? json(*x.retired_at) : json(nullptr)}});
+    if (relays) doc["relays"] = json::parse(**relays);
     std::cout << doc.dump(1) << "\n";
     return kExitOk;
   }
@@ -272,6 +279,7 @@ int RunStatus(const StatusArgs& a) {
       fmt::print("  receiver {} was retired from v{} (no ack before the deadline); run `dcr follow` on its target "
                  "again and it catches up from committed deltas, or the newest snapshot\n",
                  x.record.id, *x.retired_at);
+  if (relays) fmt::print("relay tree (from {} stats files):\n{}", a.relay_stats.size(), **relays);
   return kExitOk;
 }
 
@@ -332,6 +340,8 @@ void AddRefitCommands(CLI::App& app) {
   st->add_option("--store", sa->store, "Store URL")->required();
   st->add_option("--heartbeat-timeout", sa->heartbeat_timeout, "Receivers silent longer than this are shown not live");
   st->add_flag("--json", sa->json, "Print JSON");
+  st->add_option("--relay-stats", sa->relay_stats,
+                 "Also show the relay tree from these relays' --stats files (relays, upstreams, per-link progress)");
   st->callback([sa] { ExitCode() = RunStatus(*sa); });
 }
 

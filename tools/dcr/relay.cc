@@ -15,10 +15,6 @@
 #include "dcr/relay.h"
 
 namespace dcr::cli {
-namespace {
-
-std::atomic<bool> g_relay_stop{false};
-void OnRelaySignal(int) { g_relay_stop = true; }
 
 Result<std::string> ReadWholeFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -27,6 +23,11 @@ Result<std::string> ReadWholeFile(const std::string& path) {
   ss << in.rdbuf();
   return ss.str();
 }
+
+namespace {
+
+std::atomic<bool> g_relay_stop{false};
+void OnRelaySignal(int) { g_relay_stop = true; }
 
 struct RelayArgs {
   std::string id, listen, stats, key, relay_pub, allow, window = "64MiB", cache = "1GiB", spool, spool_bytes = "4GiB";
@@ -68,6 +69,57 @@ int RunRelayDaemon(const RelayArgs& a) {
 }
 
 }  // namespace
+
+Result<std::string> FormatRelayTree(const std::vector<std::string>& stats_files, bool as_json) {
+  std::vector<nlohmann::json> docs;
+  for (const auto& f : stats_files) {
+    DCR_ASSIGN_OR_RETURN(std::string text, ReadWholeFile(f));
+    auto doc = nlohmann::json::parse(text, nullptr, false);
+    if (doc.is_discarded() || !doc.is_object() || doc.value("format", "") != "dcr-relay-stats" ||
+        !doc["links"].is_array() || !doc["id"].is_string())
+      return InvalidArgument(f + ": not a relay stats file (dcr relay --stats FILE writes one)");
+    docs.push_back(std::move(doc));
+  }
+  if (as_json) return nlohmann::json(docs).dump(1);
+  std::map<std::string, std::string> id_of, up_of;  // listen address -> id, id -> upstream address
+  for (const auto& d : docs) {
+    id_of[d.value("listen", "")] = d.value("id", "");
+    up_of[d.value("id", "")] = d["upstream"].is_string() ? d["upstream"].get<std::string>() : "";
+  }
+  // Roots first, then each depth (the upstream chain among the files given).
+  auto depth = [&](const nlohmann::json& d) {
+    size_t n = 0;
+    for (std::string id = d.value("id", ""); n < docs.size() && id_of.count(up_of[id]); ++n) id = id_of[up_of[id]];
+    return n;
+  };
+  std::stable_sort(docs.begin(), docs.end(), [&](const auto& a, const auto& b) { return depth(a) < depth(b); });
+  std::string out;
+  for (const auto& d : docs) {
+    const std::string up = d["upstream"].is_string() ? d["upstream"].get<std::string>() : "";
+    out += fmt::format("relay {} at {}, upstream {}: {} objects ({}) accepted; dropped {} corrupt, {} fenced, {} duplicates; "
+                       "{} peers refused\n",
+                       d.value("id", "?"), d.value("listen", "?"),
+                       up.empty() ? "none (a root)" : (id_of.count(up) ? id_of[up] + " " + up : up), d.value("accepted", 0),
+                       FormatBytes(d.value("accepted_bytes", 0)), d.value("dropped_corrupt", 0),
+                       d.value("dropped_fenced", 0), d.value("duplicates", 0), d.value("refused_peers", 0));
+    out += fmt::format("  acks: {} in {} messages from below, {} in {} messages up; spool: {} objects ({}) written, {} in use\n",
+                       d.value("acks_in", 0), d.value("ack_messages_in", 0), d.value("acks_out", 0),
+                       d.value("ack_messages_out", 0), d.value("spooled", 0), FormatBytes(d.value("spooled_bytes", 0)),
+                       FormatBytes(d.value("spool_bytes_in_use", 0)));
+    for (const auto& l : d["links"]) {
+      const std::string kind = l.value("kind", "?");
+      const bool in = kind == "upstream" || kind == "sender";
+      std::string extra;
+      if (l.value("evicted", 0)) extra += fmt::format(", {} evicted before sending", l.value("evicted", 0));
+      if (l.value("spooled", 0)) extra += fmt::format(", {} through the spool", l.value("spooled", 0));
+      out += fmt::format("  {} {} {}{}: {} in {} objects{}\n", in ? "<-" : "->", kind, l.value("peer", "?"),
+                         l.value("attached", false) ? "" : " (detached)",
+                         FormatBytes(in ? l.value("bytes_in", 0) : l.value("bytes_out", 0)),
+                         in ? l.value("objects_in", 0) : l.value("objects_out", 0), extra);
+    }
+  }
+  return out;
+}
 
 void AddRelayCommand(CLI::App& app) {
   auto* relay = app.add_subcommand(
@@ -189,54 +241,23 @@ void AddRelayCommand(CLI::App& app) {
     ExitCode() = kExitOk;
   });
 
+  AddRelayTreeCommand(relay);
   auto* status = relay->add_subcommand(
       "status", "Show relays and per-link byte counters from their --stats files, the tree in upstream order");
   auto files = std::make_shared<std::vector<std::string>>();
   status->add_option("stats", *files, "Stats files written by dcr relay --stats")->required();
   status->callback([files] {
-    // address -> (id, stats) so that each relay is shown under its upstream.
-    std::vector<nlohmann::json> docs;
-    for (const auto& f : *files) {
-      auto text = ReadWholeFile(f);
-      if (!text.ok()) {
-        ExitCode() = Fail("relay status", text.status());
-        return;
-      }
-      auto doc = nlohmann::json::parse(*text, nullptr, false);
-      if (doc.is_discarded() || !doc.is_object() || doc.value("format", "") != "dcr-relay-stats" ||
-          !doc["links"].is_array()) {
-        ExitCode() = Fail("relay status", InvalidArgument(f + ": not a relay stats file (dcr relay --stats FILE writes one)"));
-        return;
-      }
-      docs.push_back(std::move(doc));
+    auto text = FormatRelayTree(*files, false);
+    if (!text.ok()) {
+      ExitCode() = Fail("relay status", text.status());
+      return;
     }
-    std::map<std::string, std::string> id_of;  // listen address -> id
-    for (const auto& d : docs) id_of[d.value("listen", "")] = d.value("id", "");
-    for (const auto& d : docs) {
-      const std::string up = d["upstream"].is_string() ? d["upstream"].get<std::string>() : "";
-      fmt::print("relay {} at {}, upstream {}: {} objects ({}) accepted; dropped {} corrupt, {} fenced, {} duplicates; "
-                 "{} peers refused\n",
-                 d.value("id", "?"), d.value("listen", "?"),
-                 up.empty() ? "none (a root)" : (id_of.count(up) ? id_of[up] + " " + up : up), d.value("accepted", 0),
-                 FormatBytes(d.value("accepted_bytes", 0)), d.value("dropped_corrupt", 0), d.value("dropped_fenced", 0),
-                 d.value("duplicates", 0), d.value("refused_peers", 0));
-      fmt::print("  acks: {} in {} messages from below, {} in {} messages up\n", d.value("acks_in", 0),
-                 d.value("ack_messages_in", 0), d.value("acks_out", 0), d.value("ack_messages_out", 0));
-      for (const auto& l : d["links"]) {
-        const std::string kind = l.value("kind", "?");
-        const bool in = kind == "upstream" || kind == "sender";
-        fmt::print("  {} {} {}{}: {} in {} objects{}\n", in ? "<-" : "->", kind, l.value("peer", "?"),
-                   l.value("attached", false) ? "" : " (detached)",
-                   FormatBytes(in ? l.value("bytes_in", 0) : l.value("bytes_out", 0)),
-                   in ? l.value("objects_in", 0) : l.value("objects_out", 0),
-                   l.value("evicted", 0) ? fmt::format(", {} evicted before sending", l.value("evicted", 0)) : "");
-      }
-    }
+    fmt::print("{}", *text);
     ExitCode() = kExitOk;
   });
 
   relay->callback([relay, ra] {
-    if (!relay->get_subcommands().empty()) return;  // keygen, plan, push or status ran
+    if (!relay->get_subcommands().empty()) return;  // keygen, plan, push, status or tree ran
     if (ra->id.empty() || ra->listen.empty()) {
       ExitCode() = Fail("relay", InvalidArgument("--id and --listen are needed to run a relay (or use keygen, plan, push, status)"));
       return;
