@@ -283,4 +283,16 @@ class RelaySender final : public FrameObjectSink {
   std::unique_ptr<State> state_;
 };
 
+// ---- A root that pulls from the store ------------------------------------------------
+
+// For a root relay inside the destination cluster (`dcr relay --pull-store
+// URL`), so that senders only write to the store and the payload crosses
+// into the cluster once, as the root's reads: every `every`, lists the
+// attempts of the version after the newest committed one and hands each
+// frame object not handed yet to `sink` (the root's own RelaySender) and
+// each attempt's fence once. Store failures are logged and retried next
+// round. Returns when `stop` is true.
+Status PullFrameObjects(Store& store, FrameObjectSink& sink, std::chrono::milliseconds every,
+                        const std::function<bool()>& stop, const std::function<void(const std::string&)>& log);
+
 }  // namespace dcr

@@ -39,6 +39,12 @@ test_a_local_tree_in_one_command
     tree stops by itself once they hold it (--until), `dcr status
     --relay-stats` shows the relays under their upstreams with per-link
     bytes; without --until, SIGINT stops every child process.
+test_a_root_pulls_from_the_store
+    `dcr relay --pull-store` at the root of a chain r0 <- r1, and a publish
+    without --relay (the sender writes only to the store): the root reads
+    each frame object from the store once and the tree delivers them, no
+    receiver downloads a frame object; an attempt fenced in the store is
+    dropped by both relays.
 test_unauthenticated_clients_are_refused
     a receiver with an unknown key and one without keys get nothing from the
     relay (the relay logs the refusals) and still end exact from the store.
@@ -152,6 +158,22 @@ class Tree:
             p = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=e)
         self.relay_procs[rid] = p
         self.procs.append(p)
+
+    def start_chain(self, ids: list[str], placement: dict[str, str], until: int, relay_env: dict | None = None,
+                    relay_extra: dict | None = None, attached: tuple = ()) -> None:
+        """A chain (fanout 1) of relays `ids`, v0 published from the store, the receivers of `placement`
+        (receiver -> relay) started; until each relay, receiver and `attached` peer said HELLO."""
+        self.plan(ids, 1)
+        self.publish_ok(0, relay=False)
+        for rid in ids:
+            self.start_relay(rid, (relay_env or {}).get(rid), (relay_extra or {}).get(rid, ()))
+        for eid, rid in placement.items():
+            self.start_receiver(eid, rid, until)
+        self.wait_registered()
+        peers = {f"relay {b}": a for a, b in zip(ids, ids[1:])}
+        peers.update({f"receiver {e}": r for e, r in placement.items()})
+        peers.update(dict(attached))
+        self.wait_attached(peers)
 
     def stats_path(self, rid: str) -> Path:
         return self.root / f"stats-{rid}.json"
@@ -565,6 +587,31 @@ def test_a_local_tree_in_one_command(tree):
             os.kill(pid, 0)
 
 
+def test_a_root_pulls_from_the_store(tree):
+    t = tree(versions=2)
+    t.start_chain(["r0", "r1"], {"e0": "r0", "e1": "r1"}, 2, relay_extra={"r0": ("--pull-store", t.url)},
+                  attached=(("sender store-puller-r0", "r0"),))
+    time.sleep(0.5)
+    t.publish_ok(1, relay=False)
+    # v2's first attempt fails after its frames are in the store: fenced there, dropped by the relays.
+    report = t.publish_ok(2, relay=False, extra_env={"DCR_TEST_FAIL_AT": "frames-written"})
+    assert report["attempts"] == 2, report
+    t.wait_receivers()
+    t.assert_exact(2)
+    for rid in ("e0", "e1"):
+        c = t.carried(rid)
+        assert [x["version"] for x in c] == [1, 2], (rid, c)
+        assert all(x["store_objects"] == 0 and x["relayed"] == x["total"] for x in c), (rid, c)
+    payload = t.committed_frame_bytes(1) + t.committed_frame_bytes(2)
+    stats = t.stop_relays()
+    pulled = [link for link in stats["r0"]["links"] if link["kind"] == "sender"]
+    assert [link["peer"] for link in pulled] == ["store-puller-r0"], pulled
+    # Into the cluster: the root's reads of the store, each committed object once (plus the fenced attempt's).
+    assert pulled[0]["bytes_in"] >= payload and stats["r0"]["duplicates"] == 0, (pulled, payload)
+    for rid in ("r0", "r1"):
+        assert " fenced: " in (t.logs / f"relay-{rid}.log").read_text(), rid
+
+
 def test_unauthenticated_clients_are_refused(tree):
     t = tree(versions=1)
     t.plan(["r0"], 2)
@@ -595,15 +642,8 @@ def test_unauthenticated_clients_are_refused(tree):
 
 def test_a_corrupt_frame_is_dropped_never_forwarded(tree):
     t = tree(versions=1)
-    t.plan(["r0", "r1", "r2"], 1)  # a chain: r0 <- r1 <- r2
-    t.publish_ok(0, relay=False)
-    t.start_relay("r0", {"DCR_TEST_CORRUPT_NTH": "2"})  # the second object is damaged on arrival
-    t.start_relay("r1")
-    t.start_relay("r2")
-    t.start_receiver("e0", "r1", 1)
-    t.start_receiver("e1", "r2", 1)
-    t.wait_registered()
-    t.wait_attached({"relay r1": "r0", "relay r2": "r1", "receiver e0": "r1", "receiver e1": "r2"})
+    # A chain r0 <- r1 <- r2; the second object is damaged on arrival at r0.
+    t.start_chain(["r0", "r1", "r2"], {"e0": "r1", "e1": "r2"}, 1, relay_env={"r0": {"DCR_TEST_CORRUPT_NTH": "2"}})
     t.publish_ok(1)
     t.wait_receivers()
     t.assert_exact(1)

@@ -9,6 +9,9 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <thread>
+
+#include "dcr/store.h"
 
 #include "cli.h"
 #include "dcr/progress.h"
@@ -33,6 +36,8 @@ struct RelayArgs {
   std::string id, listen, stats, key, relay_pub, allow, window = "64MiB", cache = "1GiB", spool, spool_bytes = "4GiB";
   std::vector<std::string> parents;
   double ping = 0.25, dead_after = 1.5, link_mbps = 0;
+  std::string pull_store;
+  double pull_every = 0.02;
 };
 
 int RunRelayDaemon(const RelayArgs& a) {
@@ -63,7 +68,36 @@ int RunRelayDaemon(const RelayArgs& a) {
   if (const char* n = std::getenv("DCR_TEST_CORRUPT_NTH"); n && *n) o.test_corrupt_nth = std::strtoull(n, nullptr, 10);
   std::signal(SIGINT, OnRelaySignal);
   std::signal(SIGTERM, OnRelaySignal);
+  // --pull-store: a thread fetches the frame objects from the store and
+  // pushes them into this relay as a sender would (its own key pair, which
+  // its allow list must admit).
+  std::unique_ptr<Store> store;
+  std::unique_ptr<RelaySender> puller;
+  std::thread pulling;
+  if (!a.pull_store.empty()) {
+    if (!a.parents.empty())
+      return Fail("relay", InvalidArgument("--pull-store is for a root (no --parent): it takes the senders' place"));
+    auto opened = OpenStore(a.pull_store);
+    if (!opened.ok()) return Fail("relay", opened.status().WithContext("--pull-store"));
+    store = std::move(*opened);
+    RelayClientOptions po;
+    po.id = "store-puller-" + a.id;
+    po.addresses = {a.listen};
+    po.security = o.security;
+    if (po.security.enabled()) po.security.server_public = po.security.own->public_key;
+    auto started = RelaySender::Start(po);
+    if (!started.ok()) return Fail("relay", started.status());
+    puller = std::move(*started);
+    pulling = std::thread([&] {
+      Status ps = PullFrameObjects(*store, *puller, std::chrono::milliseconds(static_cast<int64_t>(a.pull_every * 1000)),
+                                   [] { return g_relay_stop.load(); },
+                                   [&](const std::string& line) { std::cerr << "dcr relay [" << a.id << "] " << line << std::endl; });
+      if (!ps.ok()) std::cerr << "dcr relay [" << a.id << "] pulling stopped: " << ps.ToString() << std::endl;
+    });
+  }
   Status s = RunRelay(o, [] { return g_relay_stop.load(); });
+  g_relay_stop = true;
+  if (pulling.joinable()) pulling.join();
   if (!s.ok()) return Fail("relay", s);
   return kExitOk;
 }
@@ -145,6 +179,10 @@ void AddRelayCommand(CLI::App& app) {
   relay->add_option("--allow", ra->allow, "File of admitted peers' public keys, one per line");
   relay->add_option("--ping", ra->ping, "Seconds between pings to peers");
   relay->add_option("--dead-after", ra->dead_after, "Seconds of silence after which the parent is left for the next");
+  relay->add_option("--pull-store", ra->pull_store,
+                    "A root inside the destination cluster: fetch each attempt's frame objects from this store itself "
+                    "(senders then only write to the store); its own public key must be in --allow");
+  relay->add_option("--pull-every", ra->pull_every, "Seconds between the store listings of --pull-store");
   relay->add_option("--link-mbps", ra->link_mbps,
                     "Benchmarks: pace each child link to this many MB/s (an in-process throttle); 0: unlimited");
 
