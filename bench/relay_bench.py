@@ -14,6 +14,19 @@ every receiver's ack), so it includes encoding and the protocol's polling.
 The bound printed beside it: payload / link + depth x segment / link.
 
   bench/relay_bench.py [--dcr build/tools/dcr/dcr] [--link 2] [--size 32MB] [--receivers 1,2,4,8,16] [--fanouts 2,4]
+                       [--tc]
+
+--tc (root; iproute2): instead of the in-process throttle, every process of
+the tree (the sender, each relay, each receiver) runs in its own network
+namespace, all attached to one bridge in a hub namespace, and each node's
+downlink (the hub side of its veth) is shaped with `tc qdisc ... tbf` to LINK
+MB/s. Every node has one upstream peer, so each link of the tree is shaped
+once, as with the throttle; a relay's outgoing links do not share its
+uplink. The store rows keep the in-process store pacing (the file store is
+not a network path).
+
+"apply tail" is the slowest receiver's time from having the manifest and every
+frame object to its ack (`dcr follow`'s "applied ... s after" line).
 
 Relays: ceil(receivers / 2), two receivers each, one cluster. The pacing is
 per link and in-process (a token-less "next send" clock per child / root);
@@ -59,25 +72,101 @@ def run(dcr, *args, **kw):
     return p.stdout
 
 
-def one(dcr: str, work: Path, v0: Path, v1: Path, receivers: int, fanout: int | None, link: float) -> dict:
+class Net:
+    """Network namespaces on one bridge, each node's downlink shaped by tc tbf."""
+
+    PREFIX = "dcrb"
+
+    def __init__(self, link_mbps: float):
+        self.rate = f"{link_mbps * 8:.3f}mbit"
+        self.names: list[str] = []
+        self.hub = f"{self.PREFIX}-hub"
+        for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n"):
+            if ns.startswith(self.PREFIX + "-"):  # left by an interrupted run
+                subprocess.run(["ip", "netns", "del", ns.split()[0]])
+        self.ip("netns", "add", self.hub)
+        self.names.append(self.hub)
+        self.ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+        self.ip("-n", self.hub, "link", "set", "br0", "up")
+
+    @staticmethod
+    def ip(*args: str) -> None:
+        p = subprocess.run(["ip", *args], capture_output=True, text=True)
+        if p.returncode != 0:
+            raise SystemExit(f"ip {' '.join(args)} failed: {p.stderr.strip()}")
+
+    def node(self, name: str) -> tuple[str, str]:
+        """A namespace for `name`, its downlink shaped; (namespace, address)."""
+        k = len(self.names)
+        ns, addr = f"{self.PREFIX}-{name}", f"10.88.{k // 250}.{k % 250 + 1}"
+        self.ip("netns", "add", ns)
+        self.names.append(ns)
+        self.ip("link", "add", f"dcrbh{k}", "type", "veth", "peer", "name", f"dcrbn{k}")
+        self.ip("link", "set", f"dcrbh{k}", "netns", self.hub)
+        self.ip("link", "set", f"dcrbn{k}", "netns", ns)
+        self.ip("-n", self.hub, "link", "set", f"dcrbh{k}", "master", "br0", "up")
+        self.ip("-n", ns, "addr", "add", f"{addr}/16", "dev", f"dcrbn{k}")
+        self.ip("-n", ns, "link", "set", f"dcrbn{k}", "up")
+        self.ip("-n", ns, "link", "set", "lo", "up")
+        # Traffic to the node leaves the hub through dcrbh<k>: its downlink.
+        p = subprocess.run(["ip", "netns", "exec", self.hub, "tc", "qdisc", "add", "dev", f"dcrbh{k}", "root", "tbf",
+                            "rate", self.rate, "burst", "64kb", "latency", "400ms"], capture_output=True, text=True)
+        if p.returncode != 0:
+            raise SystemExit(f"tc tbf on {ns} failed: {p.stderr.strip()}")
+        return ns, addr
+
+    @staticmethod
+    def wrap(ns: str, args: list) -> list:
+        return ["ip", "netns", "exec", ns, *map(str, args)]
+
+    def close(self) -> None:
+        for ns in reversed(self.names):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.names = []
+
+
+def apply_tail(logs: list[Path]) -> float:
+    """The slowest receiver's seconds from having everything to its ack."""
+    tail = 0.0
+    for log in logs:
+        for line in log.read_text(errors="replace").splitlines():
+            if "applied version 1 " in line and " s after the manifest" in line:
+                tail = max(tail, float(line.split("(", 1)[1].split(" ", 1)[0]))
+    return tail
+
+
+def one(dcr: str, work: Path, v0: Path, v1: Path, receivers: int, fanout: int | None, link: float,
+        use_tc: bool = False) -> dict:
     """One refit from v0 to v1 for `receivers`; through a tree of
     ceil(receivers / 2) relays with `fanout`, or from the store when None."""
     root = Path(tempfile.mkdtemp(dir=work))
     store = f"file://{root / 'store'}"
     procs = []
+    net = Net(link) if use_tc and fanout is not None else None
+    where: dict[str, str] = {}  # node name -> namespace (tc)
     try:
         run(dcr, "publish", "--store", store, "--version", 0, "--state", root / "state", v0)
         relay_addr = []
         plan = None
         if fanout is not None:
             n_relays = max(1, math.ceil(receivers / 2))
-            listing = [{"id": f"r{i:02}", "address": free_address(), "cluster": "rollout"} for i in range(n_relays)]
+            listing = []
+            for i in range(n_relays):
+                address = free_address()
+                if net:
+                    where[f"r{i:02}"], ip = net.node(f"r{i:02}")
+                    address = f"tcp://{ip}:7400"
+                listing.append({"id": f"r{i:02}", "address": address, "cluster": "rollout"})
             (root / "relays.json").write_text(json.dumps(listing))
             plan = json.loads(run(dcr, "relay", "plan", "--relays", root / "relays.json", "--fanout", fanout))
             for n in plan["relays"]:
-                args = [dcr, "relay", "--id", n["id"], "--listen", n["address"], "--link-mbps", link]
+                args = [dcr, "relay", "--id", n["id"], "--listen", n["address"]]
+                if not net:
+                    args += ["--link-mbps", link]
                 for up in n["upstream"]:
                     args += ["--parent", up]
+                if net:
+                    args = net.wrap(where[n["id"]], args)
                 procs.append(subprocess.Popen(list(map(str, args)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env()))
             relay_addr = [n["address"] for n in plan["relays"]]
         # Join first (the snapshot from an unpaced store), so that only the
@@ -88,7 +177,7 @@ def one(dcr: str, work: Path, v0: Path, v1: Path, receivers: int, fanout: int | 
         for j in joins:
             if j.wait(timeout=300) != 0:
                 raise SystemExit("a receiver could not join")
-        followers = []
+        followers, logs = [], []
         for i in range(receivers):
             args = [dcr, "follow", "--store", store, "--id", f"e{i:02}", "--poll", "0.02", "--heartbeat", "0.2",
                     "--until", 1, root / f"t{i:02}"]
@@ -99,8 +188,13 @@ def one(dcr: str, work: Path, v0: Path, v1: Path, receivers: int, fanout: int | 
                     args += ["--relay", addr]
             else:
                 e["DCR_STORE_FAULTS"] = f"mbps={link / receivers}"
-            followers.append(subprocess.Popen(list(map(str, args)), stdout=subprocess.DEVNULL,
-                                              stderr=subprocess.DEVNULL, env=env(e)))
+            if net:
+                where[f"e{i:02}"], _ = net.node(f"e{i:02}")
+                args = net.wrap(where[f"e{i:02}"], args)
+            logs.append(root / f"follow-e{i:02}.log")
+            with open(logs[-1], "wb") as out:
+                followers.append(subprocess.Popen(list(map(str, args)), stdout=out, stderr=subprocess.STDOUT,
+                                                  env=env(e)))
         procs += followers
         deadline = time.monotonic() + 120
         while True:  # every receiver registered and following
@@ -114,15 +208,23 @@ def one(dcr: str, work: Path, v0: Path, v1: Path, receivers: int, fanout: int | 
         args = ["publish", "--store", store, "--version", 1, "--state", root / "state", "--segment", SEGMENT,
                 "--json", v1]
         if plan:
-            args[1:1] = ["--relay", plan["relays"][0]["address"], "--relay-mbps", link]
+            args[1:1] = ["--relay", plan["relays"][0]["address"]] + ([] if net else ["--relay-mbps", link])
+        command = [dcr, *args]
+        if net:
+            pub_ns, _ = net.node("pub")
+            command = net.wrap(pub_ns, command)
         start = time.monotonic()
-        report = json.loads(run(dcr, *args, timeout=600))
+        p = subprocess.run(list(map(str, command)), capture_output=True, text=True, env=env(), timeout=600)
+        if p.returncode != 0:
+            raise SystemExit(f"publish failed:\n{p.stderr}")
+        report = json.loads(p.stdout)
         seconds = time.monotonic() - start
         for f in followers:
             f.wait(timeout=120)
         depth = plan["depth"] + 1 if plan else 1  # links on the way: sender -> root -> ... -> receiver
         bound = report["frame_bytes"] / (link * 1e6) + depth * SEGMENT / (link * 1e6)
-        return {"seconds": seconds, "frame_bytes": report["frame_bytes"], "bound": bound, "depth": depth}
+        return {"seconds": seconds, "frame_bytes": report["frame_bytes"], "bound": bound, "depth": depth,
+                "tail": apply_tail(logs)}
     finally:
         for p in procs:
             if p.poll() is None:
@@ -132,6 +234,8 @@ def one(dcr: str, work: Path, v0: Path, v1: Path, receivers: int, fanout: int | 
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        if net:
+            net.close()
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -142,7 +246,10 @@ def main():
     ap.add_argument("--size", default="32MB")
     ap.add_argument("--receivers", default="1,2,4,8,16")
     ap.add_argument("--fanouts", default="2,4")
+    ap.add_argument("--tc", action="store_true", help="shape links with network namespaces and tc tbf (root)")
     a = ap.parse_args()
+    if a.tc and (os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc")):
+        raise SystemExit("--tc needs root and iproute2 (ip, tc): apt-get install iproute2")
     dcr = str(Path(a.dcr).resolve())
     work = Path(tempfile.mkdtemp(prefix="dcr-relay-bench-"))
     try:
@@ -154,17 +261,17 @@ def main():
         # frame is about as large as the chunk.
         full = work / "full"
         run(dcr, "gen", "-o", full, "--family", "qwen3-moe", "--size", a.size, "--versions", 1, "--seed", 6)
-        print(f"links paced to {a.link} MB/s; model {a.size} (qwen3-moe), 3% of elements changed (stress); "
-              f"segments {SEGMENT >> 10} KiB")
-        print(f"{'receivers':>9} {'how':>22} {'frames':>10} {'seconds':>8} {'bound s':>8} {'ratio':>6}")
+        print(f"links {'shaped by tc tbf' if a.tc else 'paced'} to {a.link} MB/s; model {a.size} (qwen3-moe), 3% of "
+              f"elements changed (stress); segments {SEGMENT >> 10} KiB")
+        print(f"{'receivers':>9} {'how':>22} {'frames':>10} {'seconds':>8} {'bound s':>8} {'ratio':>6} {'apply tail':>10}")
         for n in [int(x) for x in a.receivers.split(",")]:
             rows = [("store (shared link)", one(dcr, work, gen / "v0", gen / "v1", n, None, a.link))]
             for f in [int(x) for x in a.fanouts.split(",")]:
-                rows.append((f"tree fanout {f}", one(dcr, work, gen / "v0", gen / "v1", n, f, a.link)))
-            rows.append(("full ckpt, tree fanout 2", one(dcr, work, gen / "v0", full / "v0", n, 2, a.link)))
+                rows.append((f"tree fanout {f}", one(dcr, work, gen / "v0", gen / "v1", n, f, a.link, a.tc)))
+            rows.append(("full ckpt, tree fanout 2", one(dcr, work, gen / "v0", full / "v0", n, 2, a.link, a.tc)))
             for how, r in rows:
                 print(f"{n:>9} {how:>22} {r['frame_bytes']:>10} {r['seconds']:>8.2f} {r['bound']:>8.2f} "
-                      f"{r['seconds'] / r['bound']:>6.2f}", flush=True)
+                      f"{r['seconds'] / r['bound']:>6.2f} {r['tail']:>10.2f}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

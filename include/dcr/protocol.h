@@ -127,6 +127,15 @@ class FrameObjectSink {
   virtual void Object(const std::string& key, std::string_view bytes) = 0;
   // `attempt_prefix` is run_keys::Attempt(v, attempt).
   virtual void Fence(const std::string& attempt_prefix) = 0;
+  // Acks of the attempt that came back through this transport and were not
+  // taken yet, waiting up to `wait` for one when there are none. A
+  // transport that carries no acks returns none at once (CarriesAcks false).
+  virtual bool CarriesAcks() { return false; }
+  virtual std::vector<AckRecord> TakeAcks(const std::string& attempt_prefix, std::chrono::milliseconds wait) {
+    (void)attempt_prefix;
+    (void)wait;
+    return {};
+  }
 };
 
 // Where a follower takes frame objects from before it downloads them from
@@ -143,6 +152,12 @@ class FrameObjectSource {
   virtual bool Attached() = 0;
   // When the last object arrived (steady clock; epoch when none has).
   virtual std::chrono::steady_clock::time_point LastDelivery() = 0;
+  // The follower's ack of an attempt, after it is in the store: a transport
+  // may carry it to the coordinator (the relay tree does). Must not block.
+  virtual void Ack(const std::string& attempt_prefix, const AckRecord& ack) {
+    (void)attempt_prefix;
+    (void)ack;
+  }
 };
 
 // ---- Publisher (coordinator + senders) --------------------------------------
@@ -165,6 +180,12 @@ struct PublishOptions {
   // tree's roots); not owned, must outlive Publish. The store still gets
   // every object (the record, and the receivers' fallback).
   FrameObjectSink* relay = nullptr;
+  // When `relay` carries acks (CarriesAcks): take them from it as they
+  // arrive, and poll the store (acks of receivers outside the tree, the live
+  // receivers, a commit by another coordinator) only every
+  // `store_ack_poll`; otherwise the store is polled every 20 ms.
+  bool relay_acks = true;
+  std::chrono::milliseconds store_ack_poll{250};
   // Fault injection for tests: called at named points ("frames-written",
   // "manifest-written", "acked", "before-commit"; and "committed", after the
   // commit and before the baseline moves); a non-OK status fails the attempt
@@ -178,6 +199,7 @@ struct PublishReport {
   uint32_t attempts = 0;  // tries it took
   uint64_t frame_bytes = 0, payload_bytes = 0, changed_words = 0, total_bytes = 0;
   std::vector<std::string> acked, retired;
+  uint64_t relay_acks = 0;  // of the committing attempt's acks, those that came up the relay tree first
   double encode_seconds = 0, wait_seconds = 0, total_seconds = 0;
   bool already_committed = false;  // the commit record existed with this target
 };

@@ -86,6 +86,8 @@ inline constexpr size_t kRelayMaxIdBytes = 128;
 inline constexpr size_t kRelayMaxKeyBytes = 1024;
 inline constexpr uint32_t kRelayMaxHave = 1 << 16;
 inline constexpr uint64_t kRelayMaxObjectBytes = 1ull << 30;
+inline constexpr uint32_t kRelayMaxAcks = 1 << 16;         // entries in one ACK
+inline constexpr size_t kRelayMaxAckErrorBytes = 1024;     // a failed ack's error, truncated to this
 
 enum class RelayMessageType : uint8_t {
   kHello = 1,   // client -> relay: who I am, which objects I already hold
@@ -93,6 +95,7 @@ enum class RelayMessageType : uint8_t {
   kCredit = 3,  // receiver of objects -> their sender: window returned
   kFence = 4,   // an attempt is obsolete: drop its objects (sender -> root -> down)
   kPing = 5,    // liveness, both ways
+  kAck = 6,     // receivers' acks of an attempt (receiver -> relay -> up -> root -> senders)
 };
 enum class RelayRole : uint8_t { kRelay = 1, kReceiver = 2, kSender = 3 };
 std::string_view RelayRoleName(RelayRole role);
@@ -113,13 +116,18 @@ struct RelayMessage {
   uint64_t credit_bytes = 0;
   uint32_t credit_objects = 0;
   // kFence: key holds the attempt prefix (attempts/v<N>/<attempt>/).
+  // kAck: key holds the attempt prefix; the acks of receivers below the
+  // sending peer (AckRecord: receiver id, ok, digest, error).
+  std::vector<AckRecord> acks;
 };
 
 // The message's parts: [header] or, for kObject, [header, data].
 std::vector<std::string> EncodeMessage(const RelayMessage& m);
 // Parses parts received from a peer. Validates everything that needs no
 // other state: magic, version, type, lengths, limits, and that keys are
-// frame object keys (kObject, kHello's have) or attempt prefixes (kFence).
+// frame object keys (kObject, kHello's have) or attempt prefixes (kFence,
+// kAck; an ACK's entries: ids of 1-128 bytes, digest lanes below the prime,
+// errors of at most kRelayMaxAckErrorBytes, no receiver twice).
 // Errors: kInvalidArgument (malformed, naming the field), kUnimplemented
 // (a newer wire version).
 Result<RelayMessage> DecodeMessage(std::span<const std::string_view> parts);
@@ -182,6 +190,13 @@ struct RelayOptions {
   // full; the oldest are evicted beyond this. A child that had not got an
   // evicted object fetches it from the store (drop and refetch).
   uint64_t cache_bytes = 1ull << 30;
+  // With a directory: an object evicted from the cache while still queued
+  // for a child is written here (at most spool_bytes in all) and sent from
+  // disk when the child's window opens, instead of being dropped; past the
+  // bound it is dropped (the store as last resort). Files are removed once
+  // no child needs them, and any left from an earlier run at start.
+  std::string spool_dir;
+  uint64_t spool_bytes = 4ull << 30;
   std::chrono::milliseconds ping_every{250};
   std::chrono::milliseconds dead_after{1500};  // an upstream silent this long is left
   std::string stats_path;  // JSON rewritten about every second, and at exit
@@ -218,6 +233,7 @@ struct RelayClientOptions {
 struct RelayClientStats {
   uint64_t objects = 0, bytes = 0;  // received (receivers) or credited (senders)
   uint64_t corrupt = 0, duplicates = 0, fenced = 0, dropped = 0, reattached = 0;
+  uint64_t acks = 0;  // sent up (receivers; each once more after a re-attachment) or received from roots (senders)
   std::string attached;  // the address in use (receivers)
 };
 
@@ -232,6 +248,9 @@ class RelayReceiver final : public FrameObjectSource {
   std::map<std::string, std::string> Take(std::string_view prefix) override;
   bool Attached() override;
   std::chrono::steady_clock::time_point LastDelivery() override;
+  // Queues the ack for the relay (sent by the thread; the last 16 are sent
+  // again after each re-attachment, since a relay that died may have lost them).
+  void Ack(const std::string& attempt_prefix, const AckRecord& ack) override;
   RelayClientStats Stats();
 
   struct State;
@@ -252,6 +271,9 @@ class RelaySender final : public FrameObjectSink {
   void Fence(const std::string& attempt_prefix) override;
   // Waits until every queued object was credited by every live root, or `timeout`.
   bool Flush(std::chrono::milliseconds timeout);
+  // Acks that the roots passed up (each receiver's once per attempt).
+  bool CarriesAcks() override { return true; }
+  std::vector<AckRecord> TakeAcks(const std::string& attempt_prefix, std::chrono::milliseconds wait) override;
   RelayClientStats Stats();
 
   struct State;
@@ -260,5 +282,17 @@ class RelaySender final : public FrameObjectSink {
   explicit RelaySender(std::unique_ptr<State> state);
   std::unique_ptr<State> state_;
 };
+
+// ---- A root that pulls from the store ------------------------------------------------
+
+// For a root relay inside the destination cluster (`dcr relay --pull-store
+// URL`), so that senders only write to the store and the payload crosses
+// into the cluster once, as the root's reads: every `every`, lists the
+// attempts of the version after the newest committed one and hands each
+// frame object not handed yet to `sink` (the root's own RelaySender) and
+// each attempt's fence once. Store failures are logged and retried next
+// round. Returns when `stop` is true.
+Status PullFrameObjects(Store& store, FrameObjectSink& sink, std::chrono::milliseconds every,
+                        const std::function<bool()>& stop, const std::function<void(const std::string&)>& log);
 
 }  // namespace dcr

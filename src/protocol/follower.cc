@@ -402,6 +402,7 @@ Status FollowRun::Step() {
     AwaitRelay(prefix, a.frame_objects);
     const auto [relayed, relayed_bytes] = Relayed(prefix);
     auto delta = LoadAttempt(store_, v, a.id, &prefetched_);
+    const auto ready = std::chrono::steady_clock::now();  // the manifest and every frame object are here
     if (Transient(delta.status())) return delta.status();
     if (o_.relay && delta.ok()) {
       const uint64_t frame_bytes = delta->manifest().frame_bytes;
@@ -427,9 +428,12 @@ Status FollowRun::Step() {
     ack.ok = s.ok();
     ack.digest = Total(digests_);
     ack.error = s.ok() ? "" : s.ToString();
-    Log(s.ok() ? fmt::format("applied version {} attempt {}", v, a.id)
+    Log(s.ok() ? fmt::format("applied version {} attempt {} ({:.3f} s after the manifest and frame objects were in)", v,
+                             a.id, std::chrono::duration<double>(std::chrono::steady_clock::now() - ready).count())
                : fmt::format("cannot apply version {} attempt {}: {}", v, a.id, s.ToString()));
     DCR_RETURN_IF_ERROR(store_.Put(run_keys::Attempt(v, a.id) + "acks/" + o_.id + ".json", ack.ToJson()));
+    // In the store first (the record), then up the relay tree (the fast path to the coordinator).
+    if (o_.relay) o_.relay->Ack(prefix, ack);
     DCR_RETURN_IF_ERROR(Fault("acked"));
     handled_.insert(a.id);
     progressed = true;

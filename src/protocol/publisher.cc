@@ -626,11 +626,27 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
   // Wait for every live receiver's ack; retire the silent ones at the deadline.
   const auto wait_start = Clock::now();
   const auto deadline = wait_start + o_.ack_timeout;
-  std::set<std::string> acked, retired;
+  std::set<std::string> acked, retired, from_tree;
   std::map<std::string, bool> seen;  // ack key -> parsed
   std::optional<Status> refused;     // a receiver failed, or acked other bits
   std::vector<std::string> waiting;  // live receivers that have not acked
   bool committed = false;            // commits/v exists (another coordinator, or a lost response)
+  // Acks from the store and from the relay tree count alike (a receiver
+  // writes its ack to the store before it sends it up the tree).
+  auto take = [&](const AckRecord& ack, bool tree) {
+    if (refused) return;
+    if (!ack.ok) {
+      refused = Aborted(fmt::format("receiver {} failed: {}", ack.receiver, ack.error));
+      return;
+    }
+    if (ack.digest != m.target_digest) {
+      refused = Aborted(fmt::format("receiver {} acked digest {}, not the target {}", ack.receiver,
+                                    ack.digest.ToHex(), m.target_digest.ToHex()));
+      return;
+    }
+    if (acked.insert(ack.receiver).second && tree) from_tree.insert(ack.receiver);
+    std::erase(waiting, ack.receiver);
+  };
   auto poll = [&]() -> Status {
     waiting.clear();
     DCR_ASSIGN_OR_RETURN(auto acks, store_.List(prefix + "acks/"));
@@ -639,16 +655,8 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
       DCR_ASSIGN_OR_RETURN(std::string text, store_.Get(o.key));
       DCR_ASSIGN_OR_RETURN(AckRecord ack, AckRecord::FromJson(text, StoreContext(store_.url(), o.key)));
       seen[o.key] = true;
-      if (!ack.ok) {
-        refused = Aborted(fmt::format("receiver {} failed: {}", ack.receiver, ack.error));
-        return Status::Ok();
-      }
-      if (ack.digest != m.target_digest) {
-        refused = Aborted(fmt::format("receiver {} acked digest {}, not the target {}", ack.receiver,
-                                      ack.digest.ToHex(), m.target_digest.ToHex()));
-        return Status::Ok();
-      }
-      acked.insert(ack.receiver);
+      take(ack, false);
+      if (refused) return Status::Ok();
     }
     // Live receivers: fresh heartbeat, not retired or stopped.
     DCR_ASSIGN_OR_RETURN(auto regs, store_.List("receivers/"));
@@ -671,10 +679,23 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
     }
     return Status::Ok();
   };
+  // With acks coming up the relay tree, the store is polled every
+  // store_ack_poll and the tree's acks are taken as they arrive (the commit
+  // then follows the last ack by a few ms instead of up to a poll period
+  // plus a listing and a read per receiver).
+  const bool tree_acks = o_.relay && o_.relay_acks && o_.relay->CarriesAcks();
+  const auto store_every = tree_acks ? o_.store_ack_poll : std::chrono::milliseconds(0);
+  Status polled;
+  auto next_poll = wait_start;
   for (;;) {
     // A store failure costs one poll, not the attempt (whose frames may be
     // applied everywhere already), until the deadline.
-    Status polled = poll();
+    if (Clock::now() >= next_poll) {
+      polled = poll();
+      next_poll = Clock::now() + store_every;
+    }
+    if (tree_acks)
+      for (const auto& ack : o_.relay->TakeAcks(prefix, std::chrono::milliseconds(0))) take(ack, true);
     if (refused) return AttemptResult{false, *refused};
     if (polled.ok() && (waiting.empty() || committed)) break;
     if (!polled.ok() && !Transient(polled)) return polled;
@@ -683,7 +704,13 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
       retired.insert(waiting.begin(), waiting.end());
       break;
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (tree_acks) {
+      const auto wait = std::clamp(std::chrono::duration_cast<std::chrono::milliseconds>(next_poll - Clock::now()),
+                                   std::chrono::milliseconds(0), std::chrono::milliseconds(20));
+      for (const auto& ack : o_.relay->TakeAcks(prefix, wait)) take(ack, true);
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
   }
   report->wait_seconds += Seconds(wait_start);
   DCR_RETURN_IF_ERROR(Fault(o_, "acked"));
@@ -722,6 +749,7 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
   }
   report->acked = c.acked;
   report->retired = c.retired;
+  report->relay_acks = from_tree.size();
   *manifest_out = std::move(m);
   return AttemptResult{true, Status::Ok()};
 }

@@ -52,6 +52,11 @@ struct RelayReceiver::State {
   std::set<std::string> have;                 // every key received (HELLO on re-attach)
   std::deque<std::string> have_order;
   std::set<std::string> fenced;
+  std::vector<std::pair<std::string, AckRecord>> acks_pending;  // queued by Ack, sent by the thread
+  std::deque<std::pair<std::string, AckRecord>> acks_sent;      // the last 16: sent again on re-attachment
+  // Ack wakes the thread through this pipe (written under mu), so that an ack
+  // leaves at once rather than after the thread's poll timeout.
+  Socket wake_tx, wake_rx;
   RelayClientStats stats;
   Clock::time_point last_delivery{}, heard{};
   bool attached = false;
@@ -65,7 +70,20 @@ struct RelayReceiver::State {
   Result<Socket> Connect(size_t index);
   void Loop();
   void OnMessage(void* sock, std::vector<std::string> parts);
+  void SendAcks(void* sock, const std::vector<std::pair<std::string, AckRecord>>& acks);
 };
+
+void RelayReceiver::State::SendAcks(void* sock, const std::vector<std::pair<std::string, AckRecord>>& acks) {
+  for (const auto& [prefix, ack] : acks) {
+    RelayMessage m;
+    m.type = RelayMessageType::kAck;
+    m.key = prefix;
+    m.acks = {ack};
+    SendParts(sock, "", EncodeMessage(m)).IgnoreError();  // queued until connected
+  }
+  std::lock_guard lock(mu);
+  stats.acks += acks.size();
+}
 
 Result<Socket> RelayReceiver::State::Connect(size_t index) {
   DCR_ASSIGN_OR_RETURN(Socket s, OpenSocket(ctx.ctx, ZMQ_DEALER));
@@ -84,6 +102,12 @@ Result<Socket> RelayReceiver::State::Connect(size_t index) {
     attached = false;
   }
   SendParts(s.get(), "", EncodeMessage(hello)).IgnoreError();
+  std::vector<std::pair<std::string, AckRecord>> again;
+  {
+    std::lock_guard lock(mu);
+    again.assign(acks_sent.begin(), acks_sent.end());
+  }
+  SendAcks(s.get(), again);
   return s;
 }
 
@@ -151,24 +175,46 @@ void RelayReceiver::State::Loop() {
   auto sock = Connect(index);
   if (!sock.ok()) Log(sock.status().ToString());
   auto since = Clock::now(), last_ping = Clock::now();
+  std::unique_ptr<Probe> probe;
   while (!stop.load()) {
-    if (sock.ok()) {
-      zmq_pollitem_t item = {sock->get(), 0, ZMQ_POLLIN, 0};
-      zmq_poll(&item, 1, 10);
-      for (int i = 0; i < 256 && (item.revents & ZMQ_POLLIN); ++i) {
-        auto parts = RecvParts(sock->get());
-        if (!parts.ok() || parts->empty()) break;
-        OnMessage(sock->get(), std::move(*parts));
-      }
-    } else {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    zmq_pollitem_t items[2] = {{wake_rx.get(), 0, ZMQ_POLLIN, 0}, {sock.ok() ? sock->get() : nullptr, 0, ZMQ_POLLIN, 0}};
+    zmq_poll(items, sock.ok() ? 2 : 1, 10);
+    for (int i = 0; i < 256 && (items[0].revents & ZMQ_POLLIN); ++i) {  // drain the wake pipe
+      auto w = RecvParts(wake_rx.get());
+      if (!w.ok() || w->empty()) break;
     }
+    for (int i = 0; sock.ok() && i < 256 && (items[1].revents & ZMQ_POLLIN); ++i) {
+      auto parts = RecvParts(sock->get());
+      if (!parts.ok() || parts->empty()) break;
+      OnMessage(sock->get(), std::move(*parts));
+    }
+    std::vector<std::pair<std::string, AckRecord>> acks;
+    {
+      std::lock_guard lock(mu);
+      acks.swap(acks_pending);
+      for (const auto& a : acks) {
+        acks_sent.push_back(a);
+        if (acks_sent.size() > 16) acks_sent.pop_front();
+      }
+    }
+    if (sock.ok() && !acks.empty()) SendAcks(sock->get(), acks);
     const auto now = Clock::now();
     if (sock.ok() && now - last_ping >= o.ping_every) {
       last_ping = now;
       RelayMessage ping;
       ping.type = RelayMessageType::kPing;
       SendParts(sock->get(), "", EncodeMessage(ping)).IgnoreError();
+    }
+    // Attached past the first address: back to it (a restarted relay) once
+    // it answers a handshake again.
+    if (FirstIsBack(probe, ctx.ctx, index, o.addresses[0], o.security)) {
+      Log(fmt::format("relay {} is back; attaching to it again", o.addresses[0]));
+      index = 0;
+      sock = Socket();
+      sock = Connect(index);
+      if (!sock.ok()) Log(sock.status().ToString());
+      since = Clock::now();
+      continue;
     }
     Clock::time_point heard_at;
     {
@@ -199,6 +245,11 @@ Result<std::unique_ptr<RelayReceiver>> RelayReceiver::Start(RelayClientOptions o
   DCR_RETURN_IF_ERROR(CheckClientOptions(options, "relay receiver"));
   auto state = std::make_unique<State>();
   state->o = std::move(options);
+  const std::string wake = fmt::format("inproc://dcr-relay-receiver-wake-{}", static_cast<const void*>(state.get()));
+  DCR_ASSIGN_OR_RETURN(state->wake_rx, OpenSocket(state->ctx.ctx, ZMQ_PAIR));
+  DCR_ASSIGN_OR_RETURN(state->wake_tx, OpenSocket(state->ctx.ctx, ZMQ_PAIR));
+  if (zmq_bind(state->wake_rx.get(), wake.c_str()) != 0 || zmq_connect(state->wake_tx.get(), wake.c_str()) != 0)
+    return Internal(ZmqError("relay receiver: wake pipe"));
   State* raw = state.get();
   std::unique_ptr<RelayReceiver> r(new RelayReceiver(std::move(state)));
   raw->thread = std::thread([raw] { raw->Loop(); });
@@ -228,6 +279,12 @@ bool RelayReceiver::Attached() {
 Clock::time_point RelayReceiver::LastDelivery() {
   std::lock_guard lock(state_->mu);
   return state_->last_delivery;
+}
+
+void RelayReceiver::Ack(const std::string& attempt_prefix, const AckRecord& ack) {
+  std::lock_guard lock(state_->mu);
+  state_->acks_pending.emplace_back(attempt_prefix, ack);
+  SendParts(state_->wake_tx.get(), "", {std::string(1, '\0')}).IgnoreError();
 }
 
 RelayClientStats RelayReceiver::Stats() {
@@ -263,8 +320,13 @@ struct RelaySender::State {
   RelayClientOptions o;
   Context ctx;
   std::mutex mu;
-  std::condition_variable idle;
+  std::condition_variable idle, acked;
   std::vector<Root> roots;
+  // Acks from the roots by attempt prefix: not taken yet, and the receivers
+  // already handed out (a re-sent ack is not handed out twice); the last 64 attempts.
+  std::map<std::string, std::map<std::string, AckRecord>> acks;
+  std::map<std::string, std::set<std::string>> acks_taken;
+  std::deque<std::string> ack_order;
   RelayClientStats stats;
   std::atomic<bool> stop{false};
   std::thread thread;
@@ -302,6 +364,23 @@ void RelaySender::State::Loop() {
           r.inflight -= std::min(r.inflight, m->credit_bytes);
           ++stats.objects;
           stats.bytes += m->credit_bytes;
+        } else if (m->type == RelayMessageType::kAck) {
+          if (!acks_taken.count(m->key)) {
+            ack_order.push_back(m->key);
+            acks_taken[m->key];
+            if (ack_order.size() > 64) {
+              acks.erase(ack_order.front());
+              acks_taken.erase(ack_order.front());
+              ack_order.pop_front();
+            }
+          }
+          const auto& taken = acks_taken[m->key];
+          for (auto& a : m->acks) {
+            if (taken.count(a.receiver)) continue;
+            ++stats.acks;
+            acks[m->key].insert_or_assign(a.receiver, std::move(a));
+          }
+          acked.notify_all();
         }
       }
       if (r.inflight && now - r.heard > o.dead_after) {
@@ -425,6 +504,24 @@ void RelaySender::Fence(const std::string& attempt_prefix) {
 bool RelaySender::Flush(std::chrono::milliseconds timeout) {
   std::unique_lock lock(state_->mu);
   return state_->idle.wait_for(lock, timeout, [&] { return state_->Empty(); });
+}
+
+std::vector<AckRecord> RelaySender::TakeAcks(const std::string& attempt_prefix, std::chrono::milliseconds wait) {
+  std::unique_lock lock(state_->mu);
+  auto ready = [&] {
+    auto it = state_->acks.find(attempt_prefix);
+    return it != state_->acks.end() && !it->second.empty();
+  };
+  if (!ready() && wait.count() > 0) state_->acked.wait_for(lock, wait, ready);
+  std::vector<AckRecord> out;
+  auto it = state_->acks.find(attempt_prefix);
+  if (it == state_->acks.end()) return out;
+  for (auto& [receiver, ack] : it->second) {
+    state_->acks_taken[attempt_prefix].insert(receiver);
+    out.push_back(std::move(ack));
+  }
+  it->second.clear();
+  return out;
 }
 
 RelayClientStats RelaySender::Stats() {

@@ -2,14 +2,20 @@
 // children and senders, a DEALER to its upstream.
 #include <fmt/format.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <deque>
+#include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <thread>
 
 #include "dcr/frame.h"
+#include "dcr/hash.h"
 #include "dcr/mapped_file.h"
 #include "zmq_io.h"
 
@@ -20,10 +26,24 @@ using namespace relay_internal;
 namespace {
 
 using Clock = std::chrono::steady_clock;
+// Acks that arrive together (siblings finishing within a few ms) go up in one message.
+constexpr auto kAckLinger = std::chrono::milliseconds(2);
+
+// An object's bytes on disk (the spool); removed with the last reference.
+struct SpoolFile {
+  std::string path;
+  uint64_t bytes = 0;
+  std::shared_ptr<uint64_t> used;  // the spool's bytes in use
+  ~SpoolFile() {
+    ::unlink(path.c_str());
+    *used -= bytes;
+  }
+};
 
 struct Object {
-  std::string key, prefix, data;
+  std::string key, prefix, data;  // data empty when spooled
   uint32_t crc = 0;
+  std::shared_ptr<const SpoolFile> spooled;
 };
 using ObjectPtr = std::shared_ptr<const Object>;
 
@@ -42,7 +62,7 @@ struct Child {
 struct Link {
   std::string role;
   bool attached = false;
-  uint64_t bytes_in = 0, objects_in = 0, bytes_out = 0, objects_out = 0, evicted = 0;
+  uint64_t bytes_in = 0, objects_in = 0, bytes_out = 0, objects_out = 0, evicted = 0, spooled = 0;
 };
 
 void FreeObjectRef(void*, void* hint) { delete static_cast<ObjectPtr*>(hint); }
@@ -71,7 +91,17 @@ class RelayServer {
   void OnMonitor();
   void Accept(RelayMessage m, const std::string& from, Link* link);
   void ApplyFence(const std::string& prefix);
+  void OnAck(RelayMessage m, const Child& from);
+  // Sends the acks received since the last flush up (to the upstream, or at
+  // a root to every sender), one message per attempt.
+  void FlushAcks(bool force);
+  void SendAcks(void* socket, const std::string& route, const std::string& prefix, std::vector<AckRecord> acks);
   void Evict();
+  // The spooled copy of `old` (written now), or nullptr when the spool is off, full or fails.
+  ObjectPtr Spool(const ObjectPtr& old);
+  // Reads a spooled object back and checks its CRC32C; nullptr (logged) when it cannot.
+  ObjectPtr Unspool(const Object& spooled);
+  Status OpenSpool();
   // Sends what the child's window allows; false when the child is gone.
   bool Pump(Child& c);
   void Detach(const std::string& route, const std::string& why);
@@ -82,9 +112,12 @@ class RelayServer {
   const RelayOptions& o_;
   Context ctx_;
   Socket router_, upstream_, zap_, monitor_;
+  std::unique_ptr<Probe> probe_;  // while attached past the parent: is the parent back?
   size_t upstream_index_ = 0;
   Clock::time_point upstream_heard_, upstream_since_, last_ping_, last_stats_;
 
+  std::shared_ptr<uint64_t> spool_used_ = std::make_shared<uint64_t>(0);
+  uint64_t spool_seq_ = 0, spooled_ = 0, spooled_bytes_ = 0, spool_full_ = 0, unspooled_ = 0;
   std::deque<ObjectPtr> cache_;
   std::map<std::string, ObjectPtr> index_;
   uint64_t cache_bytes_ = 0;
@@ -97,6 +130,13 @@ class RelayServer {
   };
   std::map<std::string, Sender> senders_;  // by route
   std::map<std::string, Link> links_;           // "child:<id>", "sender:<id>", "upstream:<address>"
+  // Acks of the subtree by attempt prefix (the last 64 attempts), and those
+  // not yet sent up since they arrived (aggregated for kAckLinger).
+  std::map<std::string, std::map<std::string, AckRecord>> acks_;
+  std::deque<std::string> ack_order_;
+  std::map<std::string, std::set<std::string>> ack_pending_;
+  Clock::time_point ack_pending_since_{};
+  uint64_t acks_in_ = 0, ack_messages_in_ = 0, acks_out_ = 0, ack_messages_out_ = 0;
   uint64_t received_ = 0, accepted_ = 0, accepted_bytes_ = 0, duplicates_ = 0, corrupt_ = 0, fenced_drops_ = 0,
            malformed_ = 0, refused_ = 0;
   std::map<std::string, uint64_t> refusals_;
@@ -120,6 +160,13 @@ Status RelayServer::Attach(size_t index) {
   links_["upstream:" + address].role = "upstream";
   links_["upstream:" + address].attached = true;
   Log(fmt::format("attached to upstream {} (holding {} objects)", address, hello.have.size()));
+  // The acks it holds go up again: the old upstream may have died with them.
+  for (const auto& [prefix, by_receiver] : acks_) {
+    std::vector<AckRecord> all;
+    for (const auto& [id, ack] : by_receiver) all.push_back(ack);
+    SendAcks(upstream_.get(), "", prefix, std::move(all));
+  }
+  ack_pending_.clear();
   return Status::Ok();
 }
 
@@ -146,6 +193,7 @@ Status RelayServer::Run(const std::function<bool()>& stop) {
   Log(fmt::format("listening on {}{}", o_.listen,
                   o_.security.enabled() ? fmt::format(" (CURVE, {} peers admitted)", o_.security.allowed.size())
                                         : " (no authentication: trusted networks only)"));
+  DCR_RETURN_IF_ERROR(OpenSpool());
   if (!o_.upstream.empty()) DCR_RETURN_IF_ERROR(Attach(0));
   last_stats_ = Clock::now();
   while (!(stop && stop())) {
@@ -158,7 +206,9 @@ Status RelayServer::Run(const std::function<bool()>& stop) {
     if (zap_) items[n++] = {zap_.get(), 0, ZMQ_POLLIN, 0};
     const int mo = monitor_ ? n : -1;
     if (monitor_) items[n++] = {monitor_.get(), 0, ZMQ_POLLIN, 0};
-    if (zmq_poll(items, n, 10) < 0 && zmq_errno() != EINTR) return Internal(ZmqError("relay: poll"));
+    // Acks waiting to go up leave after kAckLinger, not after the poll's usual 10 ms.
+    const long timeout = ack_pending_.empty() ? 10 : 1;
+    if (zmq_poll(items, n, timeout) < 0 && zmq_errno() != EINTR) return Internal(ZmqError("relay: poll"));
     if (zap >= 0 && (items[zap].revents & ZMQ_POLLIN)) {
       AnswerZap(zap_.get(), o_.security.allowed, [&](const std::string& l) { Refused(l); });
     }
@@ -177,8 +227,10 @@ Status RelayServer::Run(const std::function<bool()>& stop) {
     for (auto& [route, c] : children_)
       if (!Pump(c)) gone.push_back(route);
     for (const auto& r : gone) Detach(r, "its connection is gone");
+    FlushAcks(false);
     Timers();
   }
+  FlushAcks(true);
   WriteStats();
   Log("stopped");
   return Status::Ok();
@@ -211,6 +263,12 @@ void RelayServer::OnRouter(std::vector<std::string> parts) {
         links_["sender:" + m->id].role = "sender";
         links_["sender:" + m->id].attached = true;
         Log(fmt::format("sender {} attached", m->id));
+        if (o_.upstream.empty())  // a root: the acks it holds, for a coordinator that restarted
+          for (const auto& [prefix, by_receiver] : acks_) {
+            std::vector<AckRecord> all;
+            for (const auto& [id, ack] : by_receiver) all.push_back(ack);
+            SendAcks(router_.get(), route, prefix, std::move(all));
+          }
         return;
       }
       for (auto it = children_.begin(); it != children_.end();)
@@ -263,7 +321,67 @@ void RelayServer::OnRouter(std::vector<std::string> parts) {
       if (child != children_.end()) child->second.heard = Clock::now();
       else if (senders_.count(route)) senders_[route].heard = Clock::now();
       return;
+    case RelayMessageType::kAck:
+      if (child == children_.end()) {
+        Log("a peer that is not a child (no HELLO) sent acks: ignored");
+        return;
+      }
+      child->second.heard = Clock::now();
+      OnAck(std::move(*m), child->second);
+      return;
   }
+}
+
+void RelayServer::OnAck(RelayMessage m, const Child& from) {
+  ++ack_messages_in_;
+  acks_in_ += m.acks.size();
+  if (fenced_.count(m.key)) return;
+  if (!acks_.count(m.key)) {
+    ack_order_.push_back(m.key);
+    if (ack_order_.size() > 64) {
+      acks_.erase(ack_order_.front());
+      ack_pending_.erase(ack_order_.front());
+      ack_order_.pop_front();
+    }
+  }
+  auto& by_receiver = acks_[m.key];
+  for (auto& a : m.acks) {
+    auto it = by_receiver.find(a.receiver);
+    if (it != by_receiver.end() && it->second.ok == a.ok && it->second.digest == a.digest) continue;  // a re-send
+    if (!a.ok) Log(fmt::format("receiver {} (via {} {}) failed attempt {}: {}", a.receiver, RelayRoleName(from.role),
+                               from.id, m.key, a.error));
+    if (ack_pending_.empty()) ack_pending_since_ = Clock::now();
+    ack_pending_[m.key].insert(a.receiver);
+    by_receiver.insert_or_assign(a.receiver, std::move(a));
+  }
+}
+
+void RelayServer::SendAcks(void* socket, const std::string& route, const std::string& prefix,
+                           std::vector<AckRecord> acks) {
+  if (acks.empty()) return;
+  RelayMessage m;
+  m.type = RelayMessageType::kAck;
+  m.key = prefix;
+  const size_t n = acks.size();
+  m.acks = std::move(acks);
+  if (SendParts(socket, route, EncodeMessage(m)).ok()) {
+    ++ack_messages_out_;
+    acks_out_ += n;
+  }
+}
+
+void RelayServer::FlushAcks(bool force) {
+  if (ack_pending_.empty() || (!force && Clock::now() - ack_pending_since_ < kAckLinger)) return;
+  for (auto& [prefix, receivers] : ack_pending_) {
+    std::vector<AckRecord> batch;
+    for (const auto& id : receivers) batch.push_back(acks_[prefix].at(id));
+    if (upstream_) {
+      SendAcks(upstream_.get(), "", prefix, std::move(batch));
+    } else {
+      for (const auto& [route, sender] : senders_) SendAcks(router_.get(), route, prefix, batch);
+    }
+  }
+  ack_pending_.clear();
 }
 
 void RelayServer::OnUpstream(std::vector<std::string> parts) {
@@ -333,16 +451,89 @@ void RelayServer::Evict() {
     cache_.pop_front();
     index_.erase(old->key);
     cache_bytes_ -= old->data.size();
+    ObjectPtr spooled;  // written once, for every child that still needs it
+    bool tried = false;
     for (auto& [route, c] : children_) {
-      const size_t before = c.queue.size();
-      std::erase(c.queue, old);
-      if (c.queue.size() != before) {
-        ++links_["child:" + c.id].evicted;
-        Log(fmt::format("{} {} is too slow: object {} left the cache before it was sent; it fetches it from the store",
-                        RelayRoleName(c.role), c.id, old->key));
+      auto it = std::find(c.queue.begin(), c.queue.end(), old);
+      if (it == c.queue.end()) continue;
+      if (!tried) {
+        spooled = Spool(old);
+        tried = true;
       }
+      if (spooled) {
+        *it = spooled;
+        ++links_["child:" + c.id].spooled;
+        continue;
+      }
+      c.queue.erase(it);
+      ++links_["child:" + c.id].evicted;
+      Log(fmt::format("{} {} is too slow: object {} left the cache before it was sent{}; it fetches it from the store",
+                      RelayRoleName(c.role), c.id, old->key, o_.spool_dir.empty() ? "" : " and the spool is full"));
     }
   }
+}
+
+Status RelayServer::OpenSpool() {
+  if (o_.spool_dir.empty()) return Status::Ok();
+  std::error_code ec;
+  std::filesystem::create_directories(o_.spool_dir, ec);
+  if (ec) return InvalidArgument(fmt::format("relay {}: cannot create the spool directory {}: {}", o_.id, o_.spool_dir, ec.message()));
+  size_t stale = 0;
+  for (const auto& e : std::filesystem::directory_iterator(o_.spool_dir, ec))
+    if (e.path().extension() == ".spool" && std::filesystem::remove(e.path(), ec)) ++stale;
+  if (ec) return InvalidArgument(fmt::format("relay {}: cannot read the spool directory {}: {}", o_.id, o_.spool_dir, ec.message()));
+  if (stale) Log(fmt::format("removed {} spool files of an earlier run from {}", stale, o_.spool_dir));
+  return Status::Ok();
+}
+
+ObjectPtr RelayServer::Spool(const ObjectPtr& old) {
+  if (o_.spool_dir.empty()) return nullptr;
+  if (*spool_used_ + old->data.size() > o_.spool_bytes) {
+    ++spool_full_;
+    return nullptr;
+  }
+  auto file = std::make_shared<SpoolFile>();
+  file->path = fmt::format("{}/{}.spool", o_.spool_dir, ++spool_seq_);
+  file->used = spool_used_;
+  {
+    std::ofstream out(file->path, std::ios::binary | std::ios::trunc);
+    out.write(old->data.data(), static_cast<std::streamsize>(old->data.size()));
+    out.close();
+    if (!out) {
+      Log(fmt::format("cannot write the spool file {} ({} bytes): {}; object {} is dropped instead", file->path,
+                      old->data.size(), std::strerror(errno), old->key));
+      ::unlink(file->path.c_str());
+      ++spool_full_;
+      return nullptr;
+    }
+  }
+  file->bytes = old->data.size();
+  *spool_used_ += file->bytes;
+  ++spooled_;
+  spooled_bytes_ += file->bytes;
+  auto s = std::make_shared<Object>();
+  s->key = old->key;
+  s->prefix = old->prefix;
+  s->crc = old->crc;
+  s->spooled = std::move(file);
+  return s;
+}
+
+ObjectPtr RelayServer::Unspool(const Object& spooled) {
+  auto obj = std::make_shared<Object>();
+  obj->key = spooled.key;
+  obj->prefix = spooled.prefix;
+  obj->crc = spooled.crc;
+  std::ifstream in(spooled.spooled->path, std::ios::binary);
+  obj->data.resize(spooled.spooled->bytes);
+  in.read(obj->data.data(), static_cast<std::streamsize>(obj->data.size()));
+  if (!in || Crc32c(obj->data.data(), obj->data.size()) != obj->crc) {
+    Log(fmt::format("spool file {} of object {} is unreadable or damaged; the object is dropped (fetched from the store)",
+                    spooled.spooled->path, spooled.key));
+    return nullptr;
+  }
+  ++unspooled_;
+  return obj;
 }
 
 void RelayServer::ApplyFence(const std::string& prefix) {
@@ -368,12 +559,23 @@ void RelayServer::ApplyFence(const std::string& prefix) {
     std::erase_if(c.queue, [&](const ObjectPtr& o) { return o->prefix == prefix; });
     SendParts(router_.get(), route, parts).IgnoreError();
   }
+  acks_.erase(prefix);
+  ack_pending_.erase(prefix);
   Log(fmt::format("attempt {} fenced: {} cached objects dropped, later ones refused", prefix, dropped));
 }
 
 bool RelayServer::Pump(Child& c) {
   while (!c.queue.empty() && c.inflight < o_.window_bytes) {
     if (o_.link_bytes_per_second > 0 && Clock::now() < c.next_send) return true;  // the link is busy
+    if (c.queue.front()->spooled) {
+      ObjectPtr back = Unspool(*c.queue.front());
+      if (!back) {
+        ++links_["child:" + c.id].evicted;
+        c.queue.pop_front();
+        continue;
+      }
+      c.queue.front() = std::move(back);  // the spool file goes once no other child needs it
+    }
     const ObjectPtr& p = c.queue.front();
     RelayMessage head;
     head.type = RelayMessageType::kObject;
@@ -429,6 +631,14 @@ void RelayServer::Timers() {
     }
     if (upstream_) SendParts(upstream_.get(), "", parts).IgnoreError();
   }
+  // Attached to an ancestor: back to the parent (a restarted relay) once it
+  // answers a handshake again.
+  if (!o_.upstream.empty() && FirstIsBack(probe_, ctx_.ctx, upstream_index_, o_.upstream[0], o_.security)) {
+    links_["upstream:" + o_.upstream[upstream_index_]].attached = false;
+    Log(fmt::format("parent {} is back; attaching to it again", o_.upstream[0]));
+    upstream_.reset();
+    if (Status s = Attach(0); !s.ok()) Log(s.ToString());
+  }
   if (upstream_ && now - upstream_heard_ > o_.dead_after) {
     const std::string old = o_.upstream[upstream_index_];
     links_["upstream:" + old].attached = false;
@@ -457,7 +667,16 @@ std::string RelayServer::StatsJson() {
                                 {"malformed", malformed_},
                                 {"refused_peers", refused_},
                                 {"cached_objects", cache_.size()},
-                                {"cached_bytes", cache_bytes_}};
+                                {"cached_bytes", cache_bytes_},
+                                {"spooled", spooled_},
+                                {"spooled_bytes", spooled_bytes_},
+                                {"spool_bytes_in_use", *spool_used_},
+                                {"unspooled", unspooled_},
+                                {"spool_full", spool_full_},
+                                {"acks_in", acks_in_},
+                                {"ack_messages_in", ack_messages_in_},
+                                {"acks_out", acks_out_},
+                                {"ack_messages_out", ack_messages_out_}};
   auto& links = doc["links"] = nlohmann::ordered_json::array();
   for (const auto& [name, l] : links_) {
     const size_t colon = name.find(':');
@@ -468,7 +687,8 @@ std::string RelayServer::StatsJson() {
                      {"objects_in", l.objects_in},
                      {"bytes_out", l.bytes_out},
                      {"objects_out", l.objects_out},
-                     {"evicted", l.evicted}});
+                     {"evicted", l.evicted},
+                     {"spooled", l.spooled}});
   }
   return doc.dump(1) + "\n";
 }

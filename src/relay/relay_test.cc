@@ -7,6 +7,9 @@
 
 #include <atomic>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <mutex>
 #include <thread>
 
@@ -211,6 +214,154 @@ TEST(Relay, AReceiverWhoseRelayDiesReattachesUpstreamAndGetsOnlyWhatItLacks) {
   EXPECT_EQ((*far)->Stats().duplicates, 0u) << "the root re-sent what the receiver had";
   EXPECT_GE((*far)->Stats().reattached, 1u);
   EXPECT_EQ((*far)->Stats().attached, root_addr);
+}
+
+// A receiver started and attached to its first address; nullptr when it does not attach within 5 s.
+std::unique_ptr<RelayReceiver> AttachedReceiver(std::string id, std::vector<std::string> addresses, Lines* log) {
+  auto r = RelayReceiver::Start(Client(std::move(id), std::move(addresses), log));
+  if (!r.ok() || !WaitFor([&] { return (*r)->Attached(); })) return nullptr;
+  return std::move(*r);
+}
+
+AckRecord Ack(std::string receiver, uint64_t lane) {
+  AckRecord a;
+  a.receiver = std::move(receiver);
+  a.digest.lane[0] = lane;
+  return a;
+}
+
+// Takes the attempt's acks from the sender until `want` receivers' are there or 5 s pass.
+std::map<std::string, AckRecord> TakeAcks(RelaySender& s, const std::string& prefix, size_t want) {
+  std::map<std::string, AckRecord> got;
+  for (auto deadline = std::chrono::steady_clock::now() + 5s; got.size() < want && std::chrono::steady_clock::now() < deadline;)
+    for (auto& a : s.TakeAcks(prefix, 50ms)) got[a.receiver] = a;
+  return got;
+}
+
+TEST(Relay, AcksTravelUpTheTreeToTheSenderOnceEach) {
+  const std::string root_addr = FreeAddress(), mid_addr = FreeAddress();
+  RunningRelay root(Options("root", root_addr));
+  auto mid = std::make_unique<RunningRelay>(Options("mid", mid_addr, {root_addr}));
+  Lines log;
+  auto near = RelayReceiver::Start(Client("near", {root_addr}, &log));
+  auto far = RelayReceiver::Start(Client("far", {mid_addr, root_addr}, &log));
+  auto far2 = RelayReceiver::Start(Client("far2", {mid_addr, root_addr}, &log));
+  ASSERT_TRUE(near.ok() && far.ok() && far2.ok());
+  ASSERT_TRUE(WaitFor([&] { return (*near)->Attached() && (*far)->Attached() && (*far2)->Attached(); }));
+  auto sender = RelaySender::Start(Client("pub", {root_addr}, &log));
+  ASSERT_TRUE(sender.ok());
+  (*sender)->Object(ObjectKey(1, 0), MakeFrame(0, 1));  // says HELLO to the root
+  EXPECT_TRUE((*sender)->Flush(5s));
+  ASSERT_TRUE(WaitFor([&] { return root.lines.Has("sender pub attached"); }));
+  EXPECT_TRUE((*sender)->CarriesAcks());
+  AckRecord failed = Ack("far2", 0);
+  failed.ok = false;
+  failed.error = "cannot apply: base digest mismatch";
+  (*near)->Ack(AttemptPrefix(1), Ack("near", 5));
+  (*far)->Ack(AttemptPrefix(1), Ack("far", 6));
+  (*far2)->Ack(AttemptPrefix(1), failed);
+  auto got = TakeAcks(**sender, AttemptPrefix(1), 3);
+  ASSERT_EQ(got.size(), 3u);
+  EXPECT_EQ(got["near"].digest.lane[0], 5u);
+  EXPECT_EQ(got["far"].digest.lane[0], 6u);
+  EXPECT_FALSE(got["far2"].ok);
+  EXPECT_EQ(got["far2"].error, failed.error);
+  EXPECT_TRUE(mid.get()->lines.Has("receiver far2 (via receiver far2) failed attempt"));
+  EXPECT_TRUE((*sender)->TakeAcks(AttemptPrefix(2), 0ms).empty());
+
+  // The middle relay dies: its receivers re-attach to the root and send
+  // their acks again; the sender hands out none twice, and a new one arrives.
+  mid->Stop();
+  mid.reset();
+  ASSERT_TRUE(WaitFor([&] { return (*far)->Stats().attached == root_addr && (*far)->Attached(); }));
+  (*far)->Ack(AttemptPrefix(2), Ack("far", 7));
+  auto second = TakeAcks(**sender, AttemptPrefix(2), 1);
+  ASSERT_EQ(second.size(), 1u);
+  EXPECT_EQ(second["far"].digest.lane[0], 7u);
+  std::this_thread::sleep_for(200ms);
+  EXPECT_TRUE((*sender)->TakeAcks(AttemptPrefix(1), 0ms).empty()) << "a re-sent ack was handed out twice";
+  EXPECT_GE((*far)->Stats().acks, 3u);  // 1, then 1 and 2 again after re-attaching (or 2 once)
+}
+
+TEST(Relay, ARestartedRelayIsRejoinedByItsReceiver) {
+  const std::string root_addr = FreeAddress(), mid_addr = FreeAddress();
+  RunningRelay root(Options("root", root_addr));
+  auto mid = std::make_unique<RunningRelay>(Options("mid", mid_addr, {root_addr}));
+  Lines log;
+  auto far = AttachedReceiver("far", {mid_addr, root_addr}, &log);
+  ASSERT_TRUE(far);
+  mid->Stop();
+  mid.reset();
+  ASSERT_TRUE(WaitFor([&] { return far->Stats().attached == root_addr && far->Attached(); }));
+  mid = std::make_unique<RunningRelay>(Options("mid", mid_addr, {root_addr}));
+  ASSERT_TRUE(WaitFor([&] { return far->Stats().attached == mid_addr && far->Attached(); }));
+  EXPECT_TRUE(log.Has("relay " + mid_addr + " is back; attaching to it again"));
+  auto sender = RelaySender::Start(Client("pub", {root_addr}, &log));
+  ASSERT_TRUE(sender.ok());
+  (*sender)->Object(ObjectKey(1, 0), MakeFrame(0, 8));
+  EXPECT_TRUE((*sender)->Flush(5s));
+  EXPECT_EQ(TakeAll(*far, AttemptPrefix(1), 1).size(), 1u);
+  EXPECT_TRUE(mid->lines.Has("receiver far attached"));
+}
+
+// A throttled child (its link paced to 100 kB/s) behind a cache of two
+// objects: what leaves the cache before it was sent goes to the spool and
+// arrives from there; with a spool too small, it is dropped (the store's job).
+TEST(Relay, ASlowChildsBacklogGoesToTheSpoolNotTheStore) {
+  for (const bool big_spool : {true, false}) {
+    SCOPED_TRACE(big_spool ? "a spool for everything" : "a spool for two objects");
+    const std::string addr = FreeAddress();
+    const std::string spool = ::testing::TempDir() + "/dcr-relay-spool-" + std::to_string(big_spool);
+    RelayOptions ro = Options("root", addr);
+    const std::string sample = MakeFrame(0, 1) + MakeFrame(1, 1);
+    ro.cache_bytes = 2 * sample.size();
+    ro.window_bytes = sample.size();
+    ro.link_bytes_per_second = 100e3;
+    ro.spool_dir = spool;
+    ro.spool_bytes = big_spool ? 1 << 20 : 2 * sample.size();
+    ro.stats_path = spool + ".stats.json";
+    RunningRelay root(ro);
+    Lines log;
+    auto r = AttachedReceiver("slow", {addr}, &log);
+    ASSERT_TRUE(r);
+    auto sender = RelaySender::Start(Client("pub", {addr}, &log));
+    ASSERT_TRUE(sender.ok());
+    std::map<std::string, std::string> sent;
+    for (uint32_t s = 0; s < 12; ++s) {
+      const std::string data = MakeFrame(s, 2) + MakeFrame(s + 50, static_cast<uint8_t>(s));
+      (*sender)->Object(ObjectKey(1, s), data);
+      sent[ObjectKey(1, s)] = data;
+    }
+    EXPECT_TRUE((*sender)->Flush(5s));
+    auto got = TakeAll(*r, AttemptPrefix(1), big_spool ? 12 : 4);
+    std::this_thread::sleep_for(300ms);
+    got.merge(r->Take(""));
+    if (big_spool) {
+      EXPECT_EQ(got, sent);
+      EXPECT_FALSE(root.lines.Has("too slow"));
+    } else {
+      EXPECT_LT(got.size(), sent.size());
+      EXPECT_GE(got.size(), 4u);  // the cache's two and the spool's two at least
+      for (const auto& [k, v] : got) EXPECT_EQ(v, sent.at(k)) << k;
+      EXPECT_TRUE(root.lines.Has("left the cache before it was sent and the spool is full"));
+    }
+    root.Stop();
+    std::ifstream stats_file(ro.stats_path);
+    const auto stats = nlohmann::json::parse(stats_file, nullptr, false);
+    ASSERT_TRUE(stats.is_object());
+    if (big_spool) {
+      EXPECT_GE(stats["spooled"].get<uint64_t>(), 8u);  // 12 objects, a cache of 2 and a window of 1
+      EXPECT_EQ(stats["unspooled"], stats["spooled"]);
+      EXPECT_EQ(stats["spool_full"], 0);
+    } else {
+      EXPECT_GT(stats["spool_full"].get<uint64_t>(), 0u);
+    }
+    EXPECT_EQ(stats["spool_bytes_in_use"], 0);
+    std::error_code ec;
+    size_t left = 0;
+    for (const auto& e : std::filesystem::directory_iterator(spool, ec)) left += e.path().extension() == ".spool";
+    EXPECT_EQ(left, 0u) << "spool files outlived the objects";
+  }
 }
 
 TEST(Relay, CurveAdmitsListedPeersAndRefusesOthers) {

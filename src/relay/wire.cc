@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 
 #include <cstring>
+#include <set>
 
 #include "dcr/frame.h"
 #include "dcr/hash.h"
@@ -140,6 +141,17 @@ std::vector<std::string> EncodeMessage(const RelayMessage& m) {
       break;
     case RelayMessageType::kPing:
       break;
+    case RelayMessageType::kAck:
+      PutStr(h, m.key);
+      PutU32(h, static_cast<uint32_t>(m.acks.size()));
+      for (const auto& a : m.acks) {
+        PutStr(h, a.receiver);
+        h.push_back(a.ok ? 1 : 0);
+        PutU64(h, a.digest.lane[0]);
+        PutU64(h, a.digest.lane[1]);
+        PutStr(h, std::string_view(a.error).substr(0, kRelayMaxAckErrorBytes));
+      }
+      break;
   }
   return {std::move(h)};
 }
@@ -203,6 +215,28 @@ Result<RelayMessage> DecodeMessage(std::span<const std::string_view> parts) {
       break;
     case RelayMessageType::kPing:
       break;
+    case RelayMessageType::kAck: {
+      uint32_t count = 0;
+      if (!r.GetStr(&m.key, kRelayMaxKeyBytes)) return InvalidArgument("relay ACK: truncated attempt prefix");
+      DCR_RETURN_IF_ERROR(ValidateAttemptPrefix(m.key).WithContext("relay ACK"));
+      if (!r.Get(&count) || count > kRelayMaxAcks) return InvalidArgument("relay ACK: bad count");
+      m.acks.reserve(std::min<uint32_t>(count, 1024));
+      std::set<std::string> seen;
+      for (uint32_t i = 0; i < count; ++i) {
+        AckRecord a;
+        uint8_t ok = 0;
+        if (!r.GetStr(&a.receiver, kRelayMaxIdBytes) || a.receiver.empty() || !r.Get(&ok) || ok > 1 ||
+            !r.Get(&a.digest.lane[0]) || !r.Get(&a.digest.lane[1]) || !r.GetStr(&a.error, kRelayMaxAckErrorBytes))
+          return InvalidArgument(fmt::format("relay ACK: truncated or bad entry {}", i));
+        if (a.digest.lane[0] >= kDigestPrime || a.digest.lane[1] >= kDigestPrime)
+          return InvalidArgument(fmt::format("relay ACK: entry {} ({}): digest lane not below the prime", i, a.receiver));
+        if (!seen.insert(a.receiver).second)
+          return InvalidArgument(fmt::format("relay ACK: receiver {} twice", a.receiver));
+        a.ok = ok == 1;
+        m.acks.push_back(std::move(a));
+      }
+      break;
+    }
     default:
       return InvalidArgument(fmt::format("relay message: unknown type {}", type));
   }

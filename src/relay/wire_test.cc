@@ -58,6 +58,28 @@ TEST(RelayWire, EveryMessageRoundTrips) {
   ASSERT_TRUE(f.ok());
   EXPECT_EQ(f->key, fence.key);
 
+  RelayMessage ack;
+  ack.type = RelayMessageType::kAck;
+  ack.key = AttemptPrefix(2);
+  AckRecord good, bad;
+  good.receiver = "e0";
+  good.digest.lane[0] = 7;
+  good.digest.lane[1] = kDigestPrime - 1;
+  bad.receiver = "e1";
+  bad.ok = false;
+  bad.error = std::string(5000, 'x');  // truncated to kRelayMaxAckErrorBytes on the wire
+  ack.acks = {good, bad};
+  auto a = RoundTrip(ack, &storage);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  EXPECT_EQ(a->key, ack.key);
+  ASSERT_EQ(a->acks.size(), 2u);
+  EXPECT_EQ(a->acks[0].receiver, "e0");
+  EXPECT_TRUE(a->acks[0].ok);
+  EXPECT_EQ(a->acks[0].digest, good.digest);
+  EXPECT_EQ(a->acks[1].receiver, "e1");
+  EXPECT_FALSE(a->acks[1].ok);
+  EXPECT_EQ(a->acks[1].error, std::string(kRelayMaxAckErrorBytes, 'x'));
+
   RelayMessage ping;
   auto p = RoundTrip(ping, &storage);
   ASSERT_TRUE(p.ok());
@@ -105,6 +127,25 @@ TEST(RelayWire, RefusesMalformedMessages) {
   auto obj_parts = EncodeMessage(obj);
   obj_parts.pop_back();
   cases.push_back({"object without data", obj_parts, Code::kInvalidArgument});
+  RelayMessage ack;
+  ack.type = RelayMessageType::kAck;
+  ack.key = AttemptPrefix(2);
+  AckRecord one;
+  one.receiver = "e0";
+  ack.acks = {one, one};
+  cases.push_back({"ack naming a receiver twice", EncodeMessage(ack), Code::kInvalidArgument});
+  ack.acks = {one};
+  ack.acks[0].digest.lane[1] = kDigestPrime;
+  cases.push_back({"ack digest lane not below the prime", EncodeMessage(ack), Code::kInvalidArgument});
+  ack.acks[0].digest.lane[1] = 0;
+  ack.acks[0].receiver = "";
+  cases.push_back({"ack of an empty receiver id", EncodeMessage(ack), Code::kInvalidArgument});
+  ack.acks[0].receiver = "e0";
+  std::string bad_ok = EncodeMessage(ack)[0];
+  bad_ok[8 + 2 + ack.key.size() + 4 + 2 + 2] = 2;  // header, str16 prefix, u32 count, str16 "e0": the ok byte
+  cases.push_back({"ack with ok byte 2", {bad_ok}, Code::kInvalidArgument});
+  ack.key = ObjectKey(2, 0);
+  cases.push_back({"ack of no attempt prefix", EncodeMessage(ack), Code::kInvalidArgument});
   for (const auto& c : cases) {
     std::vector<std::string_view> views(c.parts.begin(), c.parts.end());
     auto m = DecodeMessage(views);

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 
 #include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -60,6 +61,47 @@ Status SendParts(void* socket, std::string_view route, const std::vector<std::st
     }
   }
   return Status::Ok();
+}
+
+Result<std::unique_ptr<Probe>> Probe::Start(void* ctx, const std::string& address, const RelaySecurity& security) {
+  auto p = std::make_unique<Probe>();
+  DCR_ASSIGN_OR_RETURN(p->sock_, OpenSocket(ctx, ZMQ_DEALER));
+  DCR_RETURN_IF_ERROR(ConfigureCurveClient(p->sock_.get(), security));
+  const std::string mon = fmt::format("inproc://dcr-relay-probe-{}", static_cast<const void*>(p.get()));
+  if (zmq_socket_monitor(p->sock_.get(), mon.c_str(), ZMQ_EVENT_HANDSHAKE_SUCCEEDED) != 0)
+    return Internal(ZmqError("relay probe: monitor"));
+  DCR_ASSIGN_OR_RETURN(p->monitor_, OpenSocket(ctx, ZMQ_PAIR));
+  if (zmq_connect(p->monitor_.get(), mon.c_str()) != 0) return Internal(ZmqError("relay probe: monitor"));
+  if (zmq_connect(p->sock_.get(), address.c_str()) != 0)
+    return InvalidArgument(ZmqError("relay probe: cannot connect to " + address));
+  return p;
+}
+
+bool Probe::Up() {
+  for (;;) {
+    auto ev = RecvParts(monitor_.get());
+    if (!ev.ok() || ev->empty()) break;
+    uint16_t event = 0;
+    if ((*ev)[0].size() >= 2) std::memcpy(&event, (*ev)[0].data(), 2);
+    if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) up_ = true;
+  }
+  return up_;
+}
+
+bool FirstIsBack(std::unique_ptr<Probe>& probe, void* ctx, size_t index, const std::string& first,
+                 const RelaySecurity& security) {
+  if (index == 0) {
+    probe.reset();
+    return false;
+  }
+  if (!probe) {
+    auto p = Probe::Start(ctx, first, security);
+    if (p.ok()) probe = std::move(*p);
+    return false;
+  }
+  if (!probe->Up()) return false;
+  probe.reset();
+  return true;
 }
 
 Result<std::vector<std::string>> RecvParts(void* socket) {

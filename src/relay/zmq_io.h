@@ -5,7 +5,9 @@
 #include <zmq.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -40,6 +42,27 @@ Status ConfigureCurveServer(void* socket, const RelaySecurity& security);
 Status SendParts(void* socket, std::string_view route, const std::vector<std::string>& parts);
 // Receives one message if one is waiting; an empty vector when none is.
 Result<std::vector<std::string>> RecvParts(void* socket);
+
+// Watches whether a relay that was left (silent) is back: a DEALER that
+// connects to it and sends nothing, and a monitor of its handshakes. Up()
+// turns true once a handshake with `address` succeeded (the peer's process
+// runs and, with CURVE, accepted our key); ZeroMQ retries the connection by
+// itself meanwhile.
+class Probe {
+ public:
+  static Result<std::unique_ptr<Probe>> Start(void* ctx, const std::string& address, const RelaySecurity& security);
+  bool Up();  // never blocks
+
+ private:
+  Socket monitor_, sock_;  // the monitor closes last
+  bool up_ = false;
+};
+
+// For a client attached at `index` of its address list: keeps `probe`
+// watching `first` while index > 0 (and none at 0); true once `first` is
+// back (the probe is then reset; the caller attaches to it again).
+bool FirstIsBack(std::unique_ptr<Probe>& probe, void* ctx, size_t index, const std::string& first,
+                 const RelaySecurity& security);
 
 // The ZAP handler: answers one request on `zap` (a REP socket bound to
 // inproc://zeromq.zap.01), admitting CURVE clients whose key is in

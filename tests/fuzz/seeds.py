@@ -254,6 +254,9 @@ def relay_message_seeds(frame_dir):
         "fence": one + head(4) + s16(b"attempts/v0000000001/0000-0123abcd/"),
         "hello": one + hello,
         "object": b"\x01" + struct.pack("<H", len(obj)) + obj + frame,
+        "ack": one + head(6) + s16(b"attempts/v0000000001/0000-0123abcd/") + struct.pack("<I", 2) +
+               s16(b"e0") + bytes([1]) + struct.pack("<QQ", 7, 9) + s16(b"") +
+               s16(b"e1") + bytes([0]) + struct.pack("<QQ", 0, 0) + s16(b"cannot apply"),
     }
 
 

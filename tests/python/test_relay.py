@@ -9,11 +9,42 @@ test_depth_two_tree_commits_and_the_payload_crosses_once
     frame object from the store, and the per-link byte counters show the
     frames entering the cluster once (sender -> root) and each link of the
     tree carrying them once.
+    The receivers' acks come up the tree: the coordinator takes all of
+    them from its relay client (`relay_acks`), they are in the store too, and
+    each relay sends its subtree's acks up; then one version without tree
+    acks (`--no-relay-acks`); the commit latency after the last ack of both
+    is printed (store mtimes).
 test_killing_a_middle_relay_mid_stream
     kill -9 of a depth-1 relay at a random moment (seed printed,
     DCR_RELAY_SEED replays it) while a version streams: the version commits,
     every receiver is exact, and the next version reaches everyone through
     the ancestors they re-attached to, with nothing from the store.
+test_a_restarted_relay_is_rejoined
+    kill -9 of a depth-1 relay, restarted later on its address: its children
+    (relays and a receiver) go back to it, and the next version flows
+    through it to every receiver below it, nothing from the store.
+test_frames_of_a_fenced_attempt_are_dropped_by_every_relay
+    an attempt that fails after its frames streamed (DCR_TEST_FAIL_AT) is
+    fenced: every relay logs the fence and drops its cached objects, a frame
+    object of it pushed later into a middle relay is refused and never
+    forwarded, and the retry commits exact everywhere.
+test_a_slow_childs_backlog_is_spooled
+    a receiver behind a throttled link (--link-mbps) and a cache far smaller
+    than the attempt: what leaves the cache before it was sent goes to the
+    spool directory and reaches the receiver from there, nothing from the
+    store; the spool is empty afterwards.
+test_a_local_tree_in_one_command
+    `dcr relay tree` runs a plan's relays and 4 receivers as its children:
+    a version published into its root reaches every receiver exact, the
+    tree stops by itself once they hold it (--until), `dcr status
+    --relay-stats` shows the relays under their upstreams with per-link
+    bytes; without --until, SIGINT stops every child process.
+test_a_root_pulls_from_the_store
+    `dcr relay --pull-store` at the root of a chain r0 <- r1, and a publish
+    without --relay (the sender writes only to the store): the root reads
+    each frame object from the store once and the tree delivers them, no
+    receiver downloads a frame object; an attempt fenced in the store is
+    dropped by both relays.
 test_unauthenticated_clients_are_refused
     a receiver with an unknown key and one without keys get nothing from the
     relay (the relay logs the refusals) and still end exact from the store.
@@ -113,10 +144,11 @@ class Tree:
         self.relays = {n["id"]: n for n in plan["relays"]}
         return plan
 
-    def start_relay(self, rid: str, extra_env: dict | None = None) -> None:
+    def start_relay(self, rid: str, extra_env: dict | None = None, extra: tuple = ()) -> None:
         n = self.relays[rid]
         args = [str(DCR_BIN), "relay", "--id", rid, "--listen", n["address"], "--key", str(self.relay_key), "--allow",
-                str(self.allow), "--stats", str(self.stats_path(rid)), "--ping", PING, "--dead-after", DEAD_AFTER]
+                str(self.allow), "--stats", str(self.stats_path(rid)), "--ping", PING, "--dead-after", DEAD_AFTER,
+                *map(str, extra)]
         for up in n["upstream"]:
             args += ["--parent", up]
         e = env()
@@ -126,6 +158,22 @@ class Tree:
             p = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=e)
         self.relay_procs[rid] = p
         self.procs.append(p)
+
+    def start_chain(self, ids: list[str], placement: dict[str, str], until: int, relay_env: dict | None = None,
+                    relay_extra: dict | None = None, attached: tuple = ()) -> None:
+        """A chain (fanout 1) of relays `ids`, v0 published from the store, the receivers of `placement`
+        (receiver -> relay) started; until each relay, receiver and `attached` peer said HELLO."""
+        self.plan(ids, 1)
+        self.publish_ok(0, relay=False)
+        for rid in ids:
+            self.start_relay(rid, (relay_env or {}).get(rid), (relay_extra or {}).get(rid, ()))
+        for eid, rid in placement.items():
+            self.start_receiver(eid, rid, until)
+        self.wait_registered()
+        peers = {f"relay {b}": a for a, b in zip(ids, ids[1:])}
+        peers.update({f"receiver {e}": r for e, r in placement.items()})
+        peers.update(dict(attached))
+        self.wait_attached(peers)
 
     def stats_path(self, rid: str) -> Path:
         return self.root / f"stats-{rid}.json"
@@ -209,11 +257,11 @@ class Tree:
 
     # ---------------------------------------------------------------- publish
 
-    def publish(self, v: int, relay: bool = True, segment: str = "64KiB", extra_env: dict | None = None
-                ) -> subprocess.Popen:
+    def publish(self, v: int, relay: bool = True, segment: str = "64KiB", extra_env: dict | None = None,
+                extra: tuple = ()) -> subprocess.Popen:
         args = [str(DCR_BIN), "publish", "--store", self.url, "--version", str(v), "--state", str(self.root / "state"),
                 "--senders", "2", "--chunk", CHUNK, "--segment", segment, "--ack-timeout", "30",
-                "--heartbeat-timeout", "3", "--json", str(self.gen / f"v{v}")]
+                "--heartbeat-timeout", "3", "--json", *extra, str(self.gen / f"v{v}")]
         if relay:
             root = next(n for n in self.relays.values() if n["parent"] is None)
             args[2:2] = ["--relay", root["address"], "--relay-key", str(self.client_key), "--relay-pub",
@@ -227,10 +275,20 @@ class Tree:
         self.procs.append(p)
         return p
 
-    def publish_ok(self, v: int, relay: bool = True) -> None:
-        p = self.publish(v, relay)
+    def publish_ok(self, v: int, relay: bool = True, extra: tuple = (), extra_env: dict | None = None) -> dict:
+        """Publishes version v; its JSON report."""
+        p = self.publish(v, relay, extra=extra, extra_env=extra_env)
         rc = p.wait(timeout=TIMEOUT_S)
         assert rc == 0, f"publish v{v} failed:\n{tail(p.log)}"
+        lines = p.log.read_text().splitlines()
+        start, end = lines.index("{"), len(lines) - lines[::-1].index("}")
+        return json.loads("\n".join(lines[start:end]))
+
+    def commit_latency(self, v: int) -> float:
+        """Seconds from the last ack's arrival in the store to the commit record (file mtimes)."""
+        commit = self.store / "commits" / f"v{v:010}.json"
+        acks = (self.store / "attempts" / f"v{v:010}" / read_json(commit)["attempt"] / "acks").iterdir()
+        return commit.stat().st_mtime - max(a.stat().st_mtime for a in acks)
 
     def committed_frame_bytes(self, v: int) -> int:
         commit = read_json(self.store / "commits" / f"v{v:010}.json")
@@ -280,10 +338,19 @@ def start_tree(t: Tree, until: int) -> dict:
 def test_depth_two_tree_commits_and_the_payload_crosses_once(tree):
     t = tree()
     start_tree(t, until=2)
-    t.publish_ok(1)
-    t.publish_ok(2)
+    r1 = t.publish_ok(1)
+    r2 = t.publish_ok(2, extra=("--no-relay-acks",))
     t.wait_receivers()
     t.assert_exact(2)
+    # v1: every ack came up the tree (and is in the store as well); v2: from the store alone.
+    assert r1["relay_acks"] == len(PLACEMENT) and sorted(r1["acked"]) == sorted(PLACEMENT), r1
+    assert r2["relay_acks"] == 0 and sorted(r2["acked"]) == sorted(PLACEMENT), r2
+    for v in (1, 2):
+        commit = read_json(t.store / "commits" / f"v{v:010}.json")
+        acks = t.store / "attempts" / f"v{v:010}" / commit["attempt"] / "acks"
+        assert sorted(p.stem for p in acks.iterdir()) == sorted(PLACEMENT), v
+    print(f"commit after the last ack: {1000 * t.commit_latency(1):.1f} ms with acks up the tree, "
+          f"{1000 * t.commit_latency(2):.1f} ms polling the store")
     payload = t.committed_frame_bytes(1) + t.committed_frame_bytes(2)
     for rid in PLACEMENT:
         carried = t.carried(rid)
@@ -304,6 +371,13 @@ def test_depth_two_tree_commits_and_the_payload_crosses_once(tree):
         for link in s["links"]:
             if link["kind"] in ("relay", "receiver"):
                 assert link["bytes_out"] == payload, (rid, link)
+    # Acks: each relay got its subtree's (2 versions x receivers below it, each once) and sent them all up;
+    # the root sends them to each sender attached (and what it holds to a sender when it attaches).
+    below = {"r0": 8, "r1": 5, "r2": 2, "r3": 2, "r4": 2}
+    for rid, n in below.items():
+        assert stats[rid]["acks_in"] == 2 * n, (rid, stats[rid])
+        assert stats[rid]["acks_out"] == 2 * n if rid != "r0" else stats[rid]["acks_out"] >= 2 * n, (rid, stats[rid])
+        assert stats[rid]["ack_messages_out"] <= stats[rid]["ack_messages_in"] or rid == "r0", (rid, stats[rid])
     shown = run_dcr("relay", "status", *[t.stats_path(rid) for rid in RELAYS])
     assert shown.returncode == 0, str(shown)
     assert f"relay r3 at {t.relays['r3']['address']}, upstream r1 {t.relays['r1']['address']}" in shown.stdout, shown
@@ -345,6 +419,199 @@ def test_killing_a_middle_relay_mid_stream(tree):
         assert stats[rid]["upstream"] == t.relays["r0"]["address"], (rid, stats[rid])
 
 
+def test_a_restarted_relay_is_rejoined(tree):
+    t = tree(versions=2)
+    start_tree(t, until=2)
+    t.relay_procs["r1"].kill()  # SIGKILL
+    t.relay_procs["r1"].wait()
+    t.publish_ok(1)  # through r0 to everyone (r3, r4, e1 re-attached to it)
+    t.start_relay("r1")  # the same address; its log is appended to
+    t.wait_attached({"relay r1": "r0"})
+    log = t.logs / "relay-r1.log"
+    deadline = time.monotonic() + 30
+    for who in ("relay r3", "relay r4", "receiver e1"):
+        # Attached twice to r1: before the kill and after the restart.
+        while log.read_text().count(f"{who} attached") < 2:
+            assert time.monotonic() < deadline, f"{who} did not come back to r1:\n{tail(log)}"
+            time.sleep(0.05)
+    assert "is back; attaching to it again" in (t.logs / "relay-r3.log").read_text()
+    # A client counts as attached once it heard from the relay (a PING every 0.1 s); until then a
+    # receiver rightly takes a streaming attempt's objects from the store.
+    time.sleep(0.5)
+    t.publish_ok(2)
+    t.wait_receivers()
+    t.assert_exact(2)
+    for rid in PLACEMENT:
+        v2 = [c for c in t.carried(rid) if c["version"] == 2]
+        assert v2 and v2[0]["store_objects"] == 0, f"{rid} needed the store for v2: {v2}\n{tail(t.receivers[rid]['log'])}"
+    v2_bytes = t.committed_frame_bytes(2)
+    stats = t.stop_relays()
+    # The restarted r1 carried v2 to its children (its counters start at the restart).
+    out = {link["peer"]: link["bytes_out"] for link in stats["r1"]["links"] if link["kind"] in ("relay", "receiver")}
+    for peer in ("r3", "r4", "e1"):
+        assert out.get(peer, 0) >= v2_bytes, (peer, out, v2_bytes)
+    for rid in ("r3", "r4"):
+        assert stats[rid]["upstream"] == t.relays["r1"]["address"], (rid, stats[rid])
+
+
+def test_frames_of_a_fenced_attempt_are_dropped_by_every_relay(tree):
+    t = tree(versions=1)
+    start_tree(t, until=1)
+    # The first attempt fails once its frames are out (before its manifest): fenced, retried.
+    report = t.publish_ok(1, extra_env={"DCR_TEST_FAIL_AT": "frames-written"})
+    assert report["attempts"] == 2, report
+    t.wait_receivers()
+    t.assert_exact(1)
+    # The store's GC removed the fenced attempt once v1 committed; the relays' logs name it.
+    root_log = (t.logs / "relay-r0.log").read_text()
+    fenced = sorted({line.split("attempt ", 1)[1].split(" ", 1)[0] for line in root_log.splitlines()
+                     if " fenced: " in line})
+    assert len(fenced) == 1 and fenced[0].startswith(f"attempts/v{1:010}/0000-"), (fenced, report)
+    assert report["attempt"].startswith("0001-"), report
+    prefix = fenced[0]
+    for rid in RELAYS:
+        log = (t.logs / f"relay-{rid}.log").read_text()
+        assert f"attempt {prefix} fenced: " in log, f"{rid} did not drop the fenced attempt:\n{log}"
+    # The root had every object of it (the sender sends the FENCE after them); a relay below may have
+    # got fewer (what its parent had not sent yet is dropped from the parent's queue).
+    dropped = int(root_log.split(f"attempt {prefix} fenced: ", 1)[1].split(" ", 1)[0])
+    assert dropped > 0, root_log
+    # A frame object of the fenced attempt (real frames, under its key), pushed into r1 afterwards:
+    # refused, never forwarded.
+    commit = read_json(t.store / "commits" / f"v{1:010}.json")
+    frames = sorted((t.store / "attempts" / f"v{1:010}" / commit["attempt"] / "frames").iterdir())
+    assert frames
+    time.sleep(1.2)  # the stats files are rewritten every second
+    before = {rid: read_json(t.stats_path(rid)) for rid in ("r3", "r4")}
+    res = run_dcr("relay", "push", "--to", t.relays["r1"]["address"], "--object-key", prefix + "frames/" + frames[0].name,
+                  "--key", t.client_key, "--relay-pub", t.relay_pub, frames[0])
+    assert res.returncode == 0, str(res)
+    time.sleep(0.5)
+    stats = t.stop_relays()
+    assert stats["r1"]["dropped_fenced"] == 1, stats["r1"]
+    for rid in RELAYS:  # what each still holds: the retry's objects alone
+        assert stats[rid]["cached_objects"] == len(frames), (rid, stats[rid], len(frames))
+    for rid in ("r3", "r4"):
+        assert stats[rid]["accepted_bytes"] == before[rid]["accepted_bytes"], (rid, stats[rid], before[rid])
+        assert stats[rid]["cached_objects"] == before[rid]["cached_objects"]
+    for rid in PLACEMENT:  # nobody applied the fenced attempt: one applied attempt each, the retry
+        assert [c["version"] for c in t.carried(rid)] == [1], (rid, t.carried(rid))
+
+
+def test_a_slow_childs_backlog_is_spooled(tree):
+    t = tree(versions=1)
+    t.plan(["r0"], 2)
+    t.publish_ok(0, relay=False)
+    spool = t.root / "spool"
+    t.start_relay("r0", extra=("--link-mbps", "0.3", "--cache", "24KiB", "--window", "16KiB", "--spool", spool))
+    t.start_receiver("e0", "r0", 1)
+    t.wait_registered()
+    t.wait_attached({"receiver e0": "r0"})
+    p = t.publish(1, segment="8KiB")
+    assert p.wait(timeout=TIMEOUT_S) == 0, tail(p.log)
+    t.wait_receivers()
+    t.assert_exact(1)
+    payload = t.committed_frame_bytes(1)
+    c = t.carried("e0")
+    assert c and c[0]["store_objects"] == 0 and c[0]["relayed"] == c[0]["total"], c
+    stats = t.stop_relays()["r0"]
+    assert stats["spooled"] > 0 and stats["unspooled"] == stats["spooled"], stats
+    assert stats["spool_full"] == 0 and stats["spool_bytes_in_use"] == 0, stats
+    assert [link["evicted"] for link in stats["links"] if link["peer"] == "e0"] == [0], stats
+    assert stats["spooled_bytes"] > payload // 2, (stats, payload)  # most of the attempt waited on disk
+    assert list(spool.iterdir()) == [], "spool files left behind"
+    print(f"spool: {stats['spooled']} objects ({stats['spooled_bytes']} of {payload} bytes) went through the spool")
+
+
+def test_a_local_tree_in_one_command(tree):
+    t = tree(versions=1)
+    plan = t.plan(["r0", "r1", "r2"], 2)
+    plan_file = t.root / "plan.json"
+    plan_file.write_text(json.dumps(plan))
+    t.publish_ok(0, relay=False)
+    d = t.root / "local"
+    args = [str(DCR_BIN), "relay", "tree", "--plan", str(plan_file), "--dir", str(d), "--key", str(t.relay_key),
+            "--allow", str(t.allow), "--relay-pub", str(t.relay_pub), "--ping", PING, "--dead-after", DEAD_AFTER]
+    out = t.root / "tree.out"
+    with open(out, "wb") as f:
+        p = subprocess.Popen(args + ["--store", t.url, "--receivers", "4", "--until", "1", "--relay-key",
+                                     str(t.client_key)], stdout=f, stderr=subprocess.STDOUT, env=env())
+    t.procs.append(p)
+    deadline = time.monotonic() + 30
+
+    def relay_logs() -> str:
+        return "".join(q.read_text() for q in (d / "logs").glob("relay-*.log"))
+
+    # r1 and r2 attached to r0, the 4 receivers to their relays and registered in the store.
+    while relay_logs().count(" attached: ") < 2 + 4 or len(list((t.store / "receivers").glob("e*.json"))) < 4:
+        assert p.poll() is None and time.monotonic() < deadline, out.read_text() + relay_logs()
+        time.sleep(0.05)
+    time.sleep(0.5)  # the receivers heard their relay's PING
+    t.publish_ok(1)
+    assert p.wait(timeout=TIMEOUT_S) == 0, out.read_text()
+    text = out.read_text()
+    assert "every receiver reached version 1" in text and "stopped 7 processes" in text, text
+    for i in range(4):
+        res = run_dcr("diff", "--json", "--summary", t.gen / "v1", d / f"target-e{i}")
+        assert res.returncode == 0, (i, res)
+        log = (d / "logs" / f"follow-e{i}.log").read_text()
+        assert "from the relay, 0 (0 bytes) from the store" in log, log
+    stats = sorted(d.glob("stats-*.json"))
+    shown = run_dcr("status", "--store", t.url, "--relay-stats", *stats)
+    assert shown.returncode == 0, str(shown)
+    assert "relay tree (from 3 stats files)" in shown.stdout, shown.stdout
+    assert f"relay r1 at {t.relays['r1']['address']}, upstream r0 {t.relays['r0']['address']}" in shown.stdout
+    assert "-> receiver e1" in shown.stdout and "-> relay r2" in shown.stdout, shown.stdout
+    as_json = run_dcr("status", "--store", t.url, "--json", "--relay-stats", *stats).json()
+    assert sorted(r["id"] for r in as_json["relays"]) == ["r0", "r1", "r2"], as_json
+    payload = t.committed_frame_bytes(1)
+    for r in as_json["relays"]:
+        for link in r["links"]:
+            if link["kind"] == "receiver":
+                assert link["bytes_out"] == payload, (r["id"], link)
+
+    # Without --until: SIGINT stops every child.
+    with open(out, "wb") as f:
+        p = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=env())
+    t.procs.append(p)
+    while "3 relays, 0 receivers" not in out.read_text():
+        assert p.poll() is None and time.monotonic() < deadline + 30, out.read_text()
+        time.sleep(0.05)
+    pids = [int(line.split("(pid ", 1)[1].split(",", 1)[0]) for line in out.read_text().splitlines() if "(pid " in line]
+    assert len(pids) == 3
+    p.send_signal(signal.SIGINT)
+    assert p.wait(timeout=20) == 0, out.read_text()
+    assert "stopped 3 processes (signal)" in out.read_text()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_a_root_pulls_from_the_store(tree):
+    t = tree(versions=2)
+    t.start_chain(["r0", "r1"], {"e0": "r0", "e1": "r1"}, 2, relay_extra={"r0": ("--pull-store", t.url)},
+                  attached=(("sender store-puller-r0", "r0"),))
+    time.sleep(0.5)
+    t.publish_ok(1, relay=False)
+    # v2's first attempt fails after its frames are in the store: fenced there, dropped by the relays.
+    report = t.publish_ok(2, relay=False, extra_env={"DCR_TEST_FAIL_AT": "frames-written"})
+    assert report["attempts"] == 2, report
+    t.wait_receivers()
+    t.assert_exact(2)
+    for rid in ("e0", "e1"):
+        c = t.carried(rid)
+        assert [x["version"] for x in c] == [1, 2], (rid, c)
+        assert all(x["store_objects"] == 0 and x["relayed"] == x["total"] for x in c), (rid, c)
+    payload = t.committed_frame_bytes(1) + t.committed_frame_bytes(2)
+    stats = t.stop_relays()
+    pulled = [link for link in stats["r0"]["links"] if link["kind"] == "sender"]
+    assert [link["peer"] for link in pulled] == ["store-puller-r0"], pulled
+    # Into the cluster: the root's reads of the store, each committed object once (plus the fenced attempt's).
+    assert pulled[0]["bytes_in"] >= payload and stats["r0"]["duplicates"] == 0, (pulled, payload)
+    for rid in ("r0", "r1"):
+        assert " fenced: " in (t.logs / f"relay-{rid}.log").read_text(), rid
+
+
 def test_unauthenticated_clients_are_refused(tree):
     t = tree(versions=1)
     t.plan(["r0"], 2)
@@ -375,15 +642,8 @@ def test_unauthenticated_clients_are_refused(tree):
 
 def test_a_corrupt_frame_is_dropped_never_forwarded(tree):
     t = tree(versions=1)
-    t.plan(["r0", "r1", "r2"], 1)  # a chain: r0 <- r1 <- r2
-    t.publish_ok(0, relay=False)
-    t.start_relay("r0", {"DCR_TEST_CORRUPT_NTH": "2"})  # the second object is damaged on arrival
-    t.start_relay("r1")
-    t.start_relay("r2")
-    t.start_receiver("e0", "r1", 1)
-    t.start_receiver("e1", "r2", 1)
-    t.wait_registered()
-    t.wait_attached({"relay r1": "r0", "relay r2": "r1", "receiver e0": "r1", "receiver e1": "r2"})
+    # A chain r0 <- r1 <- r2; the second object is damaged on arrival at r0.
+    t.start_chain(["r0", "r1", "r2"], {"e0": "r1", "e1": "r2"}, 1, relay_env={"r0": {"DCR_TEST_CORRUPT_NTH": "2"}})
     t.publish_ok(1)
     t.wait_receivers()
     t.assert_exact(1)

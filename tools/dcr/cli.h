@@ -6,6 +6,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "dcr/status.h"
 
@@ -29,6 +30,18 @@ void AddDeltaCommand(CLI::App& app);
 void AddRefitCommands(CLI::App& app);  // publish, follow, status
 void AddStoreCommand(CLI::App& app);
 void AddLayoutCommand(CLI::App& app);  // generate, validate, show
-void AddRelayCommand(CLI::App& app);  // relay, relay keygen | plan | push
+void AddRelayCommand(CLI::App& app);  // relay, relay keygen | plan | push | status | tree
+
+// A whole file's bytes, or kNotFound naming it.
+Result<std::string> ReadWholeFile(const std::string& path);
+
+// dcr relay tree (relay_tree.cc), under `relay`.
+void AddRelayTreeCommand(CLI::App* relay);
+
+// The relays' --stats files as the tree (`dcr relay status`, `dcr status
+// --relay-stats`): each relay under its upstream with its links' bytes,
+// objects, acks and spool; or a JSON array of the files. kInvalidArgument
+// naming a file that is not a relay stats file, kNotFound for a missing one.
+Result<std::string> FormatRelayTree(const std::vector<std::string>& stats_files, bool as_json);
 
 }  // namespace dcr::cli

@@ -31,9 +31,13 @@ void OnSignal(int) { g_stop = true; }
 // frames-written, manifest-written, acked, before-commit, committed;
 // follower: applying, applied, acked). The failure campaign
 // (tests/python/test_refit.py) uses it to crash at points that timing cannot
-// hit reliably. Not for production use: nothing else reads it.
+// hit reliably. DCR_TEST_FAIL_AT (same syntax) makes that point fail with
+// an error instead, as a failed store operation would (the publisher fences
+// the attempt and retries). Not for production use: nothing else reads them.
 std::function<Status(std::string_view)> TestCrashHook() {
   const char* spec = std::getenv("DCR_TEST_CRASH_AT");
+  const bool fail = !spec || !*spec;
+  if (fail) spec = std::getenv("DCR_TEST_FAIL_AT");
   if (!spec || !*spec) return {};
   std::string point = spec;
   uint64_t count = 1;
@@ -42,8 +46,12 @@ std::function<Status(std::string_view)> TestCrashHook() {
     point.resize(colon);
   }
   auto seen = std::make_shared<std::atomic<uint64_t>>(0);
-  return [point, count, seen](std::string_view at) {
+  return [point, count, seen, fail](std::string_view at) {
     if (at == point && seen->fetch_add(1) + 1 == count) {
+      if (fail) {
+        std::cerr << "DCR_TEST_FAIL_AT: failing at " << point << std::endl;
+        return Aborted("injected failure at " + point + " (DCR_TEST_FAIL_AT)");
+      }
       std::cerr << "DCR_TEST_CRASH_AT: killing myself at " << point << std::endl;
       std::raise(SIGKILL);
     }
@@ -71,6 +79,7 @@ struct PublishArgs {
   std::vector<std::string> relays;  // tree roots
   std::string relay_key, relay_pub;
   double relay_mbps = 0;
+  bool no_relay_acks = false;
 };
 
 // Relay client options from the CLI's flags (shared by publish and follow).
@@ -114,6 +123,7 @@ int RunPublish(const PublishArgs& a) {
     // A root is written off only when it is really gone; a busy one is waited for.
     ro->dead_after = std::chrono::seconds(5);
     ro->link_bytes_per_second = a.relay_mbps * 1e6;
+    o.relay_acks = !a.no_relay_acks;
     auto started = RelaySender::Start(*ro);
     if (!started.ok()) return Fail("publish", started.status());
     relay = std::move(*started);
@@ -130,6 +140,7 @@ int RunPublish(const PublishArgs& a) {
                 {"total_bytes", r->total_bytes}, {"frame_bytes", r->frame_bytes},
                 {"payload_bytes", r->payload_bytes}, {"changed_words", r->changed_words},
                 {"acked", r->acked},             {"retired", r->retired},
+                {"relay_acks", r->relay_acks},
                 {"encode_seconds", r->encode_seconds}, {"wait_seconds", r->wait_seconds},
                 {"total_seconds", r->total_seconds}};
     std::cout << doc.dump(1) << "\n";
@@ -195,6 +206,7 @@ int RunFollow(const FollowArgs& a) {
 
 struct StatusArgs {
   std::string store;
+  std::vector<std::string> relay_stats;
   double heartbeat_timeout = 10;
   bool json = false;
 };
@@ -204,6 +216,11 @@ int RunStatus(const StatusArgs& a) {
   if (!store.ok()) return Fail("status", store.status());
   auto r = ReadRunStatus(**store, std::chrono::milliseconds(static_cast<int64_t>(a.heartbeat_timeout * 1000)));
   if (!r.ok()) return Fail("status", r.status());
+  std::optional<Result<std::string>> relays;
+  if (!a.relay_stats.empty()) {
+    relays = FormatRelayTree(a.relay_stats, a.json);
+    if (!relays->ok()) return Fail("status", relays->status().WithContext("--relay-stats"));
+  }
   if (a.json) {
     json doc;
     doc["store"] = (*store)->url();
@@ -231,6 +248,7 @@ int RunStatus(const StatusArgs& a) {
       rs.push_back({{"id", x.record.id}, {"state", x.record.state}, {"version", x.record.version},
                     {"live", x.live}, {"heartbeat_age_seconds", x.age_seconds}, {"behind", x.behind},
                     {"retired_at", x.retired_at ? json(*x.retired_at) : json(nullptr)}});
+    if (relays) doc["relays"] = json::parse(**relays);
     std::cout << doc.dump(1) << "\n";
     return kExitOk;
   }
@@ -261,6 +279,7 @@ int RunStatus(const StatusArgs& a) {
       fmt::print("  receiver {} was retired from v{} (no ack before the deadline); run `dcr follow` on its target "
                  "again and it catches up from committed deltas, or the newest snapshot\n",
                  x.record.id, *x.retired_at);
+  if (relays) fmt::print("relay tree (from {} stats files):\n{}", a.relay_stats.size(), **relays);
   return kExitOk;
 }
 
@@ -290,6 +309,8 @@ void AddRefitCommands(CLI::App& app) {
   pub->add_option("--relay-pub", pa->relay_pub, "The relays' public key file");
   pub->add_option("--relay-mbps", pa->relay_mbps,
                   "Benchmarks: pace each link to a root to this many MB/s (an in-process throttle); 0: unlimited");
+  pub->add_flag("--no-relay-acks", pa->no_relay_acks,
+                "Take acks from the store alone (polled every 20 ms), not from the relay tree (measurements)");
   pub->callback([pa] { ExitCode() = RunPublish(*pa); });
 
   auto* fol = app.add_subcommand("follow", "Receive every committed version into a checkpoint directory, in place");
@@ -319,6 +340,8 @@ void AddRefitCommands(CLI::App& app) {
   st->add_option("--store", sa->store, "Store URL")->required();
   st->add_option("--heartbeat-timeout", sa->heartbeat_timeout, "Receivers silent longer than this are shown not live");
   st->add_flag("--json", sa->json, "Print JSON");
+  st->add_option("--relay-stats", sa->relay_stats,
+                 "Also show the relay tree from these relays' --stats files (relays, upstreams, per-link progress)");
   st->callback([sa] { ExitCode() = RunStatus(*sa); });
 }
 

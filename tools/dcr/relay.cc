@@ -9,16 +9,15 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <thread>
+
+#include "dcr/store.h"
 
 #include "cli.h"
 #include "dcr/progress.h"
 #include "dcr/relay.h"
 
 namespace dcr::cli {
-namespace {
-
-std::atomic<bool> g_relay_stop{false};
-void OnRelaySignal(int) { g_relay_stop = true; }
 
 Result<std::string> ReadWholeFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -28,10 +27,17 @@ Result<std::string> ReadWholeFile(const std::string& path) {
   return ss.str();
 }
 
+namespace {
+
+std::atomic<bool> g_relay_stop{false};
+void OnRelaySignal(int) { g_relay_stop = true; }
+
 struct RelayArgs {
-  std::string id, listen, stats, key, relay_pub, allow, window = "64MiB", cache = "1GiB";
+  std::string id, listen, stats, key, relay_pub, allow, window = "64MiB", cache = "1GiB", spool, spool_bytes = "4GiB";
   std::vector<std::string> parents;
   double ping = 0.25, dead_after = 1.5, link_mbps = 0;
+  std::string pull_store;
+  double pull_every = 0.02;
 };
 
 int RunRelayDaemon(const RelayArgs& a) {
@@ -44,6 +50,10 @@ int RunRelayDaemon(const RelayArgs& a) {
   if (!cache.ok()) return Fail("relay", cache.status().WithContext("--cache"));
   o.window_bytes = *window;
   o.cache_bytes = *cache;
+  auto spool_bytes = ParseBytes(a.spool_bytes);
+  if (!spool_bytes.ok()) return Fail("relay", spool_bytes.status().WithContext("--spool-bytes"));
+  o.spool_dir = a.spool;
+  o.spool_bytes = *spool_bytes;
   o.stats_path = a.stats;
   o.link_bytes_per_second = a.link_mbps * 1e6;
   o.ping_every = std::chrono::milliseconds(static_cast<int64_t>(a.ping * 1000));
@@ -58,12 +68,92 @@ int RunRelayDaemon(const RelayArgs& a) {
   if (const char* n = std::getenv("DCR_TEST_CORRUPT_NTH"); n && *n) o.test_corrupt_nth = std::strtoull(n, nullptr, 10);
   std::signal(SIGINT, OnRelaySignal);
   std::signal(SIGTERM, OnRelaySignal);
+  // --pull-store: a thread fetches the frame objects from the store and
+  // pushes them into this relay as a sender would (its own key pair, which
+  // its allow list must admit).
+  std::unique_ptr<Store> store;
+  std::unique_ptr<RelaySender> puller;
+  std::thread pulling;
+  if (!a.pull_store.empty()) {
+    if (!a.parents.empty())
+      return Fail("relay", InvalidArgument("--pull-store is for a root (no --parent): it takes the senders' place"));
+    auto opened = OpenStore(a.pull_store);
+    if (!opened.ok()) return Fail("relay", opened.status().WithContext("--pull-store"));
+    store = std::move(*opened);
+    RelayClientOptions po;
+    po.id = "store-puller-" + a.id;
+    po.addresses = {a.listen};
+    po.security = o.security;
+    if (po.security.enabled()) po.security.server_public = po.security.own->public_key;
+    auto started = RelaySender::Start(po);
+    if (!started.ok()) return Fail("relay", started.status());
+    puller = std::move(*started);
+    pulling = std::thread([&] {
+      Status ps = PullFrameObjects(*store, *puller, std::chrono::milliseconds(static_cast<int64_t>(a.pull_every * 1000)),
+                                   [] { return g_relay_stop.load(); },
+                                   [&](const std::string& line) { std::cerr << "dcr relay [" << a.id << "] " << line << std::endl; });
+      if (!ps.ok()) std::cerr << "dcr relay [" << a.id << "] pulling stopped: " << ps.ToString() << std::endl;
+    });
+  }
   Status s = RunRelay(o, [] { return g_relay_stop.load(); });
+  g_relay_stop = true;
+  if (pulling.joinable()) pulling.join();
   if (!s.ok()) return Fail("relay", s);
   return kExitOk;
 }
 
 }  // namespace
+
+Result<std::string> FormatRelayTree(const std::vector<std::string>& stats_files, bool as_json) {
+  std::vector<nlohmann::json> docs;
+  for (const auto& f : stats_files) {
+    DCR_ASSIGN_OR_RETURN(std::string text, ReadWholeFile(f));
+    auto doc = nlohmann::json::parse(text, nullptr, false);
+    if (doc.is_discarded() || !doc.is_object() || doc.value("format", "") != "dcr-relay-stats" ||
+        !doc["links"].is_array() || !doc["id"].is_string())
+      return InvalidArgument(f + ": not a relay stats file (dcr relay --stats FILE writes one)");
+    docs.push_back(std::move(doc));
+  }
+  if (as_json) return nlohmann::json(docs).dump(1);
+  std::map<std::string, std::string> id_of, up_of;  // listen address -> id, id -> upstream address
+  for (const auto& d : docs) {
+    id_of[d.value("listen", "")] = d.value("id", "");
+    up_of[d.value("id", "")] = d["upstream"].is_string() ? d["upstream"].get<std::string>() : "";
+  }
+  // Roots first, then each depth (the upstream chain among the files given).
+  auto depth = [&](const nlohmann::json& d) {
+    size_t n = 0;
+    for (std::string id = d.value("id", ""); n < docs.size() && id_of.count(up_of[id]); ++n) id = id_of[up_of[id]];
+    return n;
+  };
+  std::stable_sort(docs.begin(), docs.end(), [&](const auto& a, const auto& b) { return depth(a) < depth(b); });
+  std::string out;
+  for (const auto& d : docs) {
+    const std::string up = d["upstream"].is_string() ? d["upstream"].get<std::string>() : "";
+    out += fmt::format("relay {} at {}, upstream {}: {} objects ({}) accepted; dropped {} corrupt, {} fenced, {} duplicates; "
+                       "{} peers refused\n",
+                       d.value("id", "?"), d.value("listen", "?"),
+                       up.empty() ? "none (a root)" : (id_of.count(up) ? id_of[up] + " " + up : up), d.value("accepted", 0),
+                       FormatBytes(d.value("accepted_bytes", 0)), d.value("dropped_corrupt", 0),
+                       d.value("dropped_fenced", 0), d.value("duplicates", 0), d.value("refused_peers", 0));
+    out += fmt::format("  acks: {} in {} messages from below, {} in {} messages up; spool: {} objects ({}) written, {} in use\n",
+                       d.value("acks_in", 0), d.value("ack_messages_in", 0), d.value("acks_out", 0),
+                       d.value("ack_messages_out", 0), d.value("spooled", 0), FormatBytes(d.value("spooled_bytes", 0)),
+                       FormatBytes(d.value("spool_bytes_in_use", 0)));
+    for (const auto& l : d["links"]) {
+      const std::string kind = l.value("kind", "?");
+      const bool in = kind == "upstream" || kind == "sender";
+      std::string extra;
+      if (l.value("evicted", 0)) extra += fmt::format(", {} evicted before sending", l.value("evicted", 0));
+      if (l.value("spooled", 0)) extra += fmt::format(", {} through the spool", l.value("spooled", 0));
+      out += fmt::format("  {} {} {}{}: {} in {} objects{}\n", in ? "<-" : "->", kind, l.value("peer", "?"),
+                         l.value("attached", false) ? "" : " (detached)",
+                         FormatBytes(in ? l.value("bytes_in", 0) : l.value("bytes_out", 0)),
+                         in ? l.value("objects_in", 0) : l.value("objects_out", 0), extra);
+    }
+  }
+  return out;
+}
 
 void AddRelayCommand(CLI::App& app) {
   auto* relay = app.add_subcommand(
@@ -79,12 +169,20 @@ void AddRelayCommand(CLI::App& app) {
   relay->add_option("--cache", ra->cache,
                     "Bytes of objects kept for slow and re-attaching children; a child that misses an evicted object "
                     "fetches it from the store");
+  relay->add_option("--spool", ra->spool,
+                    "Directory for a slow child's backlog beyond the cache: evicted objects it still needs are "
+                    "written here and sent from disk, instead of being fetched from the store");
+  relay->add_option("--spool-bytes", ra->spool_bytes, "Bound on the spool directory's bytes (beyond: the store)");
   relay->add_option("--stats", ra->stats, "Write per-link byte counters as JSON to this file (every second and at exit)");
   relay->add_option("--key", ra->key, "CURVE key pair file (dcr relay keygen); enables authentication and encryption");
   relay->add_option("--relay-pub", ra->relay_pub, "Public key of the parent relays (default: this relay's own)");
   relay->add_option("--allow", ra->allow, "File of admitted peers' public keys, one per line");
   relay->add_option("--ping", ra->ping, "Seconds between pings to peers");
   relay->add_option("--dead-after", ra->dead_after, "Seconds of silence after which the parent is left for the next");
+  relay->add_option("--pull-store", ra->pull_store,
+                    "A root inside the destination cluster: fetch each attempt's frame objects from this store itself "
+                    "(senders then only write to the store); its own public key must be in --allow");
+  relay->add_option("--pull-every", ra->pull_every, "Seconds between the store listings of --pull-store");
   relay->add_option("--link-mbps", ra->link_mbps,
                     "Benchmarks: pace each child link to this many MB/s (an in-process throttle); 0: unlimited");
 
@@ -181,52 +279,23 @@ void AddRelayCommand(CLI::App& app) {
     ExitCode() = kExitOk;
   });
 
+  AddRelayTreeCommand(relay);
   auto* status = relay->add_subcommand(
       "status", "Show relays and per-link byte counters from their --stats files, the tree in upstream order");
   auto files = std::make_shared<std::vector<std::string>>();
   status->add_option("stats", *files, "Stats files written by dcr relay --stats")->required();
   status->callback([files] {
-    // address -> (id, stats) so that each relay is shown under its upstream.
-    std::vector<nlohmann::json> docs;
-    for (const auto& f : *files) {
-      auto text = ReadWholeFile(f);
-      if (!text.ok()) {
-        ExitCode() = Fail("relay status", text.status());
-        return;
-      }
-      auto doc = nlohmann::json::parse(*text, nullptr, false);
-      if (doc.is_discarded() || !doc.is_object() || doc.value("format", "") != "dcr-relay-stats" ||
-          !doc["links"].is_array()) {
-        ExitCode() = Fail("relay status", InvalidArgument(f + ": not a relay stats file (dcr relay --stats FILE writes one)"));
-        return;
-      }
-      docs.push_back(std::move(doc));
+    auto text = FormatRelayTree(*files, false);
+    if (!text.ok()) {
+      ExitCode() = Fail("relay status", text.status());
+      return;
     }
-    std::map<std::string, std::string> id_of;  // listen address -> id
-    for (const auto& d : docs) id_of[d.value("listen", "")] = d.value("id", "");
-    for (const auto& d : docs) {
-      const std::string up = d["upstream"].is_string() ? d["upstream"].get<std::string>() : "";
-      fmt::print("relay {} at {}, upstream {}: {} objects ({}) accepted; dropped {} corrupt, {} fenced, {} duplicates; "
-                 "{} peers refused\n",
-                 d.value("id", "?"), d.value("listen", "?"),
-                 up.empty() ? "none (a root)" : (id_of.count(up) ? id_of[up] + " " + up : up), d.value("accepted", 0),
-                 FormatBytes(d.value("accepted_bytes", 0)), d.value("dropped_corrupt", 0), d.value("dropped_fenced", 0),
-                 d.value("duplicates", 0), d.value("refused_peers", 0));
-      for (const auto& l : d["links"]) {
-        const std::string kind = l.value("kind", "?");
-        const bool in = kind == "upstream" || kind == "sender";
-        fmt::print("  {} {} {}{}: {} in {} objects{}\n", in ? "<-" : "->", kind, l.value("peer", "?"),
-                   l.value("attached", false) ? "" : " (detached)",
-                   FormatBytes(in ? l.value("bytes_in", 0) : l.value("bytes_out", 0)),
-                   in ? l.value("objects_in", 0) : l.value("objects_out", 0),
-                   l.value("evicted", 0) ? fmt::format(", {} evicted before sending", l.value("evicted", 0)) : "");
-      }
-    }
+    fmt::print("{}", *text);
     ExitCode() = kExitOk;
   });
 
   relay->callback([relay, ra] {
-    if (!relay->get_subcommands().empty()) return;  // keygen, plan, push or status ran
+    if (!relay->get_subcommands().empty()) return;  // keygen, plan, push, status or tree ran
     if (ra->id.empty() || ra->listen.empty()) {
       ExitCode() = Fail("relay", InvalidArgument("--id and --listen are needed to run a relay (or use keygen, plan, push, status)"));
       return;

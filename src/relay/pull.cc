@@ -1,0 +1,55 @@
+// A root relay pulling frame objects from the store (docs/relay.md, "The root
+// pulls from the store").
+#include <fmt/format.h>
+
+#include <set>
+#include <thread>
+
+#include "dcr/relay.h"
+
+namespace dcr {
+
+Status PullFrameObjects(Store& store, FrameObjectSink& sink, std::chrono::milliseconds every,
+                        const std::function<bool()>& stop, const std::function<void(const std::string&)>& log) {
+  std::optional<uint64_t> version;  // the version being pulled: the one after the newest committed
+  std::set<std::string> pulled, fenced;
+  uint64_t errors = 0;
+  auto note = [&](const Status& s) {
+    if (++errors <= 20 || errors % 1000 == 0) log(fmt::format("pulling from {}: {}", store.url(), s.ToString()));
+  };
+  while (!(stop && stop())) {
+    auto state = ReadRunState(store);
+    if (!state.ok()) {
+      note(state.status());
+    } else if (state->run) {
+      const uint64_t v = state->latest ? *state->latest + 1 : 0;
+      if (version != v) {
+        version = v;
+        pulled.clear();  // objects of older versions are never listed again
+        fenced.clear();
+      }
+      auto listing = store.List(run_keys::Attempts(v));
+      if (!listing.ok()) note(listing.status());
+      for (const auto& o : listing.ok() ? *listing : std::vector<ObjectInfo>{}) {
+        if (o.key.ends_with("/fence")) {
+          const std::string prefix = o.key.substr(0, o.key.size() - 5);
+          if (ValidateAttemptPrefix(prefix).ok() && fenced.insert(prefix).second) sink.Fence(prefix);
+          continue;
+        }
+        auto prefix = FrameObjectPrefix(o.key);
+        if (!prefix.ok() || fenced.count(*prefix) || pulled.count(o.key)) continue;
+        auto bytes = store.Get(o.key);
+        if (!bytes.ok()) {
+          note(bytes.status());  // listed but not readable yet, or a store failure: next round
+          continue;
+        }
+        pulled.insert(o.key);
+        sink.Object(o.key, *bytes);
+      }
+    }
+    std::this_thread::sleep_for(every);
+  }
+  return Status::Ok();
+}
+
+}  // namespace dcr

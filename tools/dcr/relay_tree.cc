@@ -1,0 +1,220 @@
+// dcr relay tree: runs a whole local relay tree (tests, demos) as child
+// processes of this one: every relay of a plan (`dcr relay plan`) and N
+// receivers (`dcr follow --relay`) spread over them, and stops them all on
+// exit, SIGINT or SIGTERM (and, through PR_SET_PDEATHSIG, if this process is
+// killed).
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <chrono>
+#include <csignal>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "cli.h"
+
+namespace dcr::cli {
+namespace {
+
+std::atomic<bool> g_tree_stop{false};
+void OnTreeSignal(int) { g_tree_stop = true; }
+
+struct TreeArgs {
+  std::string plan, store, dir, key, allow, relay_pub, relay_key, receiver_prefix = "e";
+  uint32_t receivers = 0;
+  int64_t until = -1;
+  double ping = 0.25, dead_after = 1.5;
+  std::vector<std::string> relay_args;  // passed to every relay
+};
+
+struct Child {
+  std::string name, log;
+  pid_t pid = -1;
+  bool receiver = false;
+  int status = 0;
+  bool exited = false;
+};
+
+// Starts argv with stdout and stderr to `log`; the child dies with this process.
+Result<pid_t> Spawn(const std::vector<std::string>& argv, const std::string& log) {
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid < 0) return Internal(fmt::format("fork: {}", std::strerror(errno)));
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (::getppid() != parent) ::_exit(127);
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    if (fd >= 0) {
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+      ::close(fd);
+    }
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    ::execv("/proc/self/exe", args.data());
+    ::_exit(127);
+  }
+  return pid;
+}
+
+int RunTree(const TreeArgs& a) {
+  auto text = ReadWholeFile(a.plan);
+  if (!text.ok()) return Fail("relay tree", text.status());
+  const auto plan = nlohmann::json::parse(*text, nullptr, false);
+  if (plan.is_discarded() || !plan.is_object() || plan.value("format", "") != "dcr-relay-plan" ||
+      !plan["relays"].is_array() || plan["relays"].empty())
+    return Fail("relay tree", InvalidArgument(a.plan + ": not a relay plan (dcr relay plan --relays FILE writes one)"));
+  if (a.receivers > 0 && a.store.empty())
+    return Fail("relay tree", InvalidArgument("--receivers needs --store (where the receivers follow the run)"));
+  std::error_code ec;
+  std::filesystem::create_directories(a.dir + "/logs", ec);
+  if (ec) return Fail("relay tree", InvalidArgument(fmt::format("cannot create {}/logs: {}", a.dir, ec.message())));
+  std::vector<std::string> security;
+  if (!a.key.empty()) security = {"--key", a.key};
+  if (!a.allow.empty()) security.insert(security.end(), {"--allow", a.allow});
+  if (!a.relay_pub.empty()) security.insert(security.end(), {"--relay-pub", a.relay_pub});
+
+  std::vector<Child> children;
+  auto stop_all = [&](const char* why) {
+    for (auto& c : children)
+      if (!c.exited) ::kill(c.pid, SIGTERM);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    for (auto& c : children) {
+      while (!c.exited) {
+        const pid_t r = ::waitpid(c.pid, &c.status, WNOHANG);
+        if (r == c.pid || r < 0) {
+          c.exited = true;
+          break;
+        }
+        if (std::chrono::steady_clock::now() > deadline) ::kill(c.pid, SIGKILL);
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    }
+    fmt::print("dcr relay tree: stopped {} processes ({})\n", children.size(), why);
+  };
+  auto start = [&](Child c, const std::vector<std::string>& argv) -> bool {
+    auto pid = Spawn(argv, c.log);
+    if (!pid.ok()) {
+      Fail("relay tree", pid.status());
+      return false;
+    }
+    c.pid = *pid;
+    fmt::print("dcr relay tree: started {} (pid {}, log {})\n", c.name, c.pid, c.log);
+    children.push_back(std::move(c));
+    return true;
+  };
+  std::vector<const nlohmann::json*> relays;
+  for (const auto& n : plan["relays"]) {
+    if (!n.is_object() || !n["id"].is_string() || !n["address"].is_string() || !n["upstream"].is_array())
+      return Fail("relay tree", InvalidArgument(a.plan + ": a relay without id, address or upstream"));
+    relays.push_back(&n);
+    const std::string id = n["id"];
+    std::vector<std::string> argv = {"dcr", "relay", "--id", id, "--listen", n["address"], "--stats",
+                                     a.dir + "/stats-" + id + ".json", "--ping", fmt::format("{}", a.ping),
+                                     "--dead-after", fmt::format("{}", a.dead_after)};
+    for (const auto& up : n["upstream"]) argv.insert(argv.end(), {"--parent", up.get<std::string>()});
+    argv.insert(argv.end(), security.begin(), security.end());
+    argv.insert(argv.end(), a.relay_args.begin(), a.relay_args.end());
+    if (!start({"relay " + id, a.dir + "/logs/relay-" + id + ".log"}, argv)) {
+      stop_all("a start failed");
+      return kExitError;
+    }
+  }
+  for (uint32_t i = 0; i < a.receivers; ++i) {
+    const auto& n = *relays[i % relays.size()];
+    const std::string id = fmt::format("{}{}", a.receiver_prefix, i);
+    std::vector<std::string> argv = {"dcr", "follow", "--store", a.store, "--id", id, "--relay", n["address"]};
+    for (const auto& up : n["upstream"]) argv.insert(argv.end(), {"--relay", up.get<std::string>()});
+    argv.insert(argv.end(), {"--relay-dead-after", fmt::format("{}", a.dead_after)});
+    if (!a.relay_key.empty()) argv.insert(argv.end(), {"--relay-key", a.relay_key});
+    if (!a.relay_pub.empty()) argv.insert(argv.end(), {"--relay-pub", a.relay_pub});
+    if (a.until >= 0) argv.insert(argv.end(), {"--until", std::to_string(a.until)});
+    argv.push_back(a.dir + "/target-" + id);
+    Child c{"receiver " + id + " under relay " + n["id"].get<std::string>(), a.dir + "/logs/follow-" + id + ".log"};
+    c.receiver = true;
+    if (!start(std::move(c), argv)) {
+      stop_all("a start failed");
+      return kExitError;
+    }
+  }
+  std::vector<std::string> roots;
+  for (const auto& r : plan["roots"])
+    for (const auto* n : relays)
+      if ((*n)["id"] == r) roots.push_back((*n)["address"]);
+  std::string publish_flags;
+  for (const auto& r : roots) publish_flags += " --relay " + r;
+  fmt::print("dcr relay tree: {} relays, {} receivers; publish into the roots with dcr publish{}\n", relays.size(),
+             a.receivers, publish_flags);
+  std::fflush(stdout);
+  std::signal(SIGINT, OnTreeSignal);
+  std::signal(SIGTERM, OnTreeSignal);
+  // Until a signal, or (with --until) every receiver's exit; a relay that
+  // exits is reported and left down (its children re-attach upstream).
+  int failed = 0;
+  for (;;) {
+    if (g_tree_stop) {
+      stop_all("signal");
+      break;
+    }
+    bool receivers_left = false;
+    for (auto& c : children) {
+      if (!c.exited && ::waitpid(c.pid, &c.status, WNOHANG) == c.pid) {
+        c.exited = true;
+        const bool ok = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;
+        if (!ok) ++failed;
+        fmt::print("dcr relay tree: {} exited ({}); log {}\n", c.name,
+                   WIFEXITED(c.status) ? fmt::format("status {}", WEXITSTATUS(c.status))
+                                       : fmt::format("signal {}", WTERMSIG(c.status)),
+                   c.log);
+        std::fflush(stdout);
+      }
+      if (c.receiver && !c.exited) receivers_left = true;
+    }
+    if (a.until >= 0 && a.receivers > 0 && !receivers_left) {
+      stop_all(fmt::format("every receiver reached version {}", a.until).c_str());
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (a.until >= 0 && failed) {
+    Fail("relay tree", Aborted(fmt::format("{} processes failed; see their logs under {}/logs", failed, a.dir)));
+    return kExitError;
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+void AddRelayTreeCommand(CLI::App* relay) {
+  auto* tree = relay->add_subcommand(
+      "tree", "Run a whole local tree for tests and demos: every relay of a plan and N receivers, as child processes "
+              "stopped on exit or Ctrl-C");
+  auto a = std::make_shared<TreeArgs>();
+  tree->add_option("--plan", a->plan, "Plan JSON (dcr relay plan --relays FILE)")->required();
+  tree->add_option("--dir", a->dir, "Directory for logs/, stats-<relay>.json and the receivers' target-<id>/")->required();
+  tree->add_option("--store", a->store, "Store URL the receivers follow");
+  tree->add_option("--receivers", a->receivers, "Receivers to run, spread over the relays in plan order");
+  tree->add_option("--receiver-prefix", a->receiver_prefix, "Receiver ids: PREFIX0, PREFIX1, ...");
+  tree->add_option("--until", a->until, "Receivers exit once they hold this version; then the tree stops");
+  tree->add_option("--key", a->key, "The relays' CURVE key pair file (dcr relay keygen)");
+  tree->add_option("--allow", a->allow, "The relays' allow list");
+  tree->add_option("--relay-pub", a->relay_pub, "The relays' public key file (relays and receivers)");
+  tree->add_option("--relay-key", a->relay_key, "The receivers' CURVE key pair file");
+  tree->add_option("--ping", a->ping, "Seconds between pings (relays)");
+  tree->add_option("--dead-after", a->dead_after, "Seconds of silence before a parent is left (relays, receivers)");
+  tree->add_option("--relay-arg", a->relay_args, "An extra argument for every relay (repeat), e.g. --relay-arg=--spool=DIR")
+      ->allow_extra_args(false);
+  tree->callback([a] { ExitCode() = RunTree(*a); });
+}
+
+}  // namespace dcr::cli
