@@ -51,6 +51,7 @@
 #include "dcr/digest.h"
 #include "dcr/frame.h"
 #include "dcr/layout.h"
+#include "dcr/mapped_file.h"
 #include "dcr/status.h"
 
 namespace dcr {
@@ -60,6 +61,28 @@ namespace dcr {
 struct PlacedRank {
   const CompiledLayout* layout = nullptr;
   std::vector<std::span<uint8_t>> buffers;
+};
+
+// One rank's buffers as files in a directory: one file per buffer of the
+// map, named by the buffer's id, holding its raw row-major bytes (what a
+// serving rank would keep in /dev/shm, or a test compares), memory-mapped
+// read-write and shared, so stores reach the files. Move-only; the layout
+// must outlive it. Buffer ids must be usable as file names (no '/', not
+// starting with '.'), or Open/Create refuse them (kInvalidArgument).
+class RankBufferFiles {
+ public:
+  // Every buffer file present with the size the map declares; errors name
+  // the file (kNotFound when missing, kInvalidArgument when its size differs).
+  static Result<RankBufferFiles> Open(const CompiledLayout& layout, const std::string& dir);
+  // Creates `dir` and every buffer file, zero-filled (replacing any there).
+  static Result<RankBufferFiles> Create(const CompiledLayout& layout, const std::string& dir);
+  PlacedRank placed();
+  // Writes the dirty pages to the files (msync).
+  Status Sync();
+
+ private:
+  const CompiledLayout* layout_ = nullptr;
+  std::vector<MappedFile> files_;
 };
 
 // Checks that `rank`'s buffers have the sizes its map declares.

@@ -32,6 +32,7 @@
 
 namespace dcr {
 
+class CompiledLayout;
 class Progress;
 class ThreadPool;
 
@@ -69,11 +70,24 @@ struct CommitRecord {
   static Result<CommitRecord> FromJson(std::string_view json, const std::string& where);
 };
 
+// Which rank of which engine a receiver is (docs/protocol.md, "Engines of
+// several ranks"). ranks == 0: a receiver that holds the whole checkpoint
+// (an engine of one rank, the JSON has no "engine" member).
+struct EngineRank {
+  std::string engine;
+  uint32_t rank = 0, ranks = 0;
+  friend bool operator==(const EngineRank&, const EngineRank&) = default;
+};
+
 struct AckRecord {
   std::string receiver;
   bool ok = true;
-  Digest digest;      // the receiver's whole digest after applying
+  // The receiver's whole digest after applying; for a rank of an engine
+  // (engine.ranks > 0), its partial digest over the canonical elements its
+  // primary copies hold: the engine's ranks must add up to the target.
+  Digest digest;
   std::string error;  // when !ok
+  EngineRank engine;
   std::string ToJson() const;
   static Result<AckRecord> FromJson(std::string_view json, const std::string& where);
 };
@@ -82,6 +96,7 @@ struct ReceiverRecord {
   std::string id, state;  // state: joining, following, applying, retired, stopped
   uint64_t version = 0;   // committed version it holds
   double heartbeat = 0;   // unix seconds
+  EngineRank engine;      // a rank of an engine, or ranks == 0
   std::string ToJson() const;
   static Result<ReceiverRecord> FromJson(std::string_view json, const std::string& where);
 };
@@ -240,6 +255,38 @@ class Follower {
  private:
   Store& store_;
   std::string target_;
+  FollowOptions options_;
+  uint64_t version_ = 0;
+};
+
+// ---- A rank of an engine (docs/protocol.md, "Engines of several ranks") -------
+
+// Follows the run into one rank's buffers: `layout` is the rank's receiver
+// map, `buffers_dir` holds its buffer files (RankBufferFiles) and its
+// journal (.dcr-rank.json). Each rank of an engine runs its own follower
+// (its own process); each applies every frame to the elements it holds
+// (ApplyRankFrame) and acks its partial digest, and the coordinator counts
+// the engine as acknowledged once all `rank.ranks` ranks have acked and
+// their partials add up to the target. A directory without a journal joins
+// from the newest snapshot (downloaded beside the buffers, loaded through
+// the map, removed). `layout` must outlive Run. options.relay is not used.
+class RankFollower {
+ public:
+  RankFollower(Store& store, const CompiledLayout& layout, std::string buffers_dir, EngineRank rank,
+               FollowOptions options);
+
+  // As Follower::Run. Errors: kInvalidArgument (the map does not fit the
+  // run, or rank.ranks == 0), kFailedPrecondition (the directory belongs to
+  // another run, engine or rank), store errors that are not transient.
+  Status Run(std::optional<uint64_t> until, const std::function<bool()>& stop = {});
+
+  uint64_t version() const { return version_; }
+
+ private:
+  Store& store_;
+  const CompiledLayout& layout_;
+  std::string dir_;
+  EngineRank rank_;
   FollowOptions options_;
   uint64_t version_ = 0;
 };

@@ -628,6 +628,12 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
   const auto deadline = wait_start + o_.ack_timeout;
   std::set<std::string> acked, retired;
   std::map<std::string, bool> seen;  // ack key -> parsed
+  struct EngineAcks {
+    std::vector<std::optional<std::string>> ranks;  // receiver id per rank, once acked
+    size_t acked = 0;
+    Digest sum;  // of the acked ranks' partial digests
+  };
+  std::map<std::string, EngineAcks> engines;
   std::optional<Status> refused;     // a receiver failed, or acked other bits
   std::vector<std::string> waiting;  // live receivers that have not acked
   bool committed = false;            // commits/v exists (another coordinator, or a lost response)
@@ -642,6 +648,30 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
       if (!ack.ok) {
         refused = Aborted(fmt::format("receiver {} failed: {}", ack.receiver, ack.error));
         return Status::Ok();
+      }
+      if (ack.engine.ranks > 0) {
+        // A rank of an engine: acked once all ranks have, with partial
+        // digests that add up to the target.
+        EngineAcks& e = engines[ack.engine.engine];
+        if (e.ranks.empty()) e.ranks.resize(ack.engine.ranks);
+        if (e.ranks.size() != ack.engine.ranks || e.ranks[ack.engine.rank]) {
+          refused = Aborted(fmt::format("engine {}: receiver {} acked as rank {} of {}, which another ack of the engine "
+                                        "contradicts (rank count {}, or that rank already acked); give each rank of "
+                                        "an engine its own --rank and the same rank count",
+                                        ack.engine.engine, ack.receiver, ack.engine.rank, ack.engine.ranks,
+                                        e.ranks.size()));
+          return Status::Ok();
+        }
+        e.ranks[ack.engine.rank] = ack.receiver;
+        e.sum += ack.digest;
+        if (++e.acked < e.ranks.size()) continue;
+        if (e.sum != m.target_digest) {
+          refused = Aborted(fmt::format("engine {}: its {} ranks' partial digests add up to {}, not the target {}",
+                                        ack.engine.engine, e.ranks.size(), e.sum.ToHex(), m.target_digest.ToHex()));
+          return Status::Ok();
+        }
+        for (const auto& rank_id : e.ranks) acked.insert(*rank_id);
+        continue;
       }
       if (ack.digest != m.target_digest) {
         refused = Aborted(fmt::format("receiver {} acked digest {}, not the target {}", ack.receiver,
