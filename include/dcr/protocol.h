@@ -24,6 +24,7 @@
 #include <map>
 #include <string_view>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -211,6 +212,41 @@ class Publisher {
   // (wrong version, baseline or tensors; the message says what to do),
   // kAborted (every attempt failed), store errors.
   Result<PublishReport> Publish(uint64_t version, const Checkpoint& next, Progress* progress = nullptr);
+
+ private:
+  Store& store_;
+  std::string state_dir_;
+  PublishOptions options_;
+};
+
+// ---- Publisher from trainer shards -------------------------------------------
+
+// One sender of a trainer: its map (a sender map, docs/layouts.md) and its
+// current shard buffers, indexed like map().buffers. Not owned.
+struct ShardSource {
+  const CompiledLayout* layout = nullptr;
+  std::vector<std::span<const uint8_t>> current;
+};
+
+// Publishes versions v > 0 of a run from trainer shards: every sender
+// projects its shards against its own baseline shards (ProjectSender), each
+// chunk's owner (ChunkOwner) merges the contributions and encodes the chunk's
+// frame (EncodeOwnedChunks); the attempts, acks and commit are the
+// Publisher's. All senders are in this process. The baseline is the senders'
+// shards (not canonical copies), kept as buffer files in
+// `state_dir`/shards/s<K>/ with shards.json naming the run and version; when
+// it is missing or not at v-1 it is rebuilt from the newest snapshot through
+// the maps and the committed deltas (ApplyRankFrame on the sender maps), and
+// checked: the senders' partial digests must add up to v-1's. Version 0 (the
+// snapshot, a canonical checkpoint) is published by Publisher. The senders'
+// maps must cover every tensor of the run exactly once (no residuals yet).
+class ShardPublisher {
+ public:
+  ShardPublisher(Store& store, std::string state_dir, PublishOptions options);
+
+  // Errors: as Publisher::Publish; kInvalidArgument when the maps do not
+  // cover the run's tensors exactly once or the buffers do not fit them.
+  Result<PublishReport> Publish(uint64_t version, std::span<const ShardSource> senders);
 
  private:
   Store& store_;

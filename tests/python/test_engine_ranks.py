@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -121,6 +122,17 @@ def changed_element(r: Rank, old: Path, new: Path, buffer_part: str) -> tuple[st
     raise AssertionError(f"no {buffer_part} buffer of rank {r.rank} changes")
 
 
+def corrupt(r: Rank, old: Path, new: Path, mask: int) -> None:
+    """Flips bits (mask) of a byte of r's live o_proj buffer, at an element
+    the next version changes, behind the follower's back."""
+    name, at = changed_element(r, old, new, "o_proj")
+    with open(r.dir / name, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ mask]))
+
+
 @pytest.fixture
 def run(tmp_path):
     r = run_dcr("gen", "-o", tmp_path / "run", "--family", FAMILY, "--size", SIZE, "--versions", VERSIONS,
@@ -167,12 +179,7 @@ def test_two_engines_of_ranks_follow_bit_exact_through_kills_and_corruption(tmp_
         # A rank's buffer corrupted behind its back at an element version 3
         # changes: the xor attempt fails, the overwrite retry repairs it.
         hurt = engines["tp4"][2]
-        name, at = changed_element(hurt, run / "v2", run / "v3", "o_proj")
-        with open(hurt.dir / name, "r+b") as f:
-            f.seek(at)
-            byte = f.read(1)[0]
-            f.seek(at)
-            f.write(bytes([byte ^ 0x01]))
+        corrupt(hurt, run / "v2", run / "v3", 0x01)
         report = finish(publish(store, state, 3, run / "v3"))
         assert report["attempts"] == 2, report
         wait_for(ranks, 3)
@@ -217,3 +224,70 @@ def test_rank_flags_are_checked(tmp_path, run):
     res = run_dcr("follow", "--store", store, "--layout", r.map, "--engine", "e", "--rank", 1, "--ranks", 2,
                   "--until", 0, r.dir)
     assert res.returncode == 2 and "holds rank 0 of 2" in res.stderr, res
+
+
+def test_publishing_from_trainer_shards(tmp_path, run):
+    """A trainer of 4 senders (pipeline 2 x expert-parallel 2; the single KV
+    head rules out tensor-parallel 2 at this size) publishes versions 1-4 from
+    its shard buffer files: projected against its own baseline shards, merged
+    by chunk owners. The engines end bit-exact every version; an overwrite
+    retry is made from shards too; a lost shard baseline is rebuilt from the
+    snapshot and the committed deltas."""
+    store, state = f"file://{tmp_path / 'store'}", tmp_path / "state"
+    assert finish(publish(store, state, 0, run / "v0"))["version"] == 0
+    trainer = []
+    for ep in range(2):
+        for pp in range(2):
+            m = tmp_path / f"trainer-ep{ep}-pp{pp}.json"
+            r = run_dcr("layout", "generate", "--side", "megatron", "--family", FAMILY, "--size", SIZE, "--pp", 2,
+                        "--ep", 2, "--pp-rank", pp, "--ep-rank", ep, "-o", m)
+            assert r.returncode == 0, r
+            trainer.append(m)
+
+    def shards(v):
+        out = []
+        for k, m in enumerate(trainer):
+            d = tmp_path / f"shards-v{v}-s{k}"
+            r = run_dcr("layout", "load", run / f"v{v}", m, "-o", d)
+            assert r.returncode == 0, r
+            out += ["--sender", f"{m}={d}"]
+        return out
+
+    def publish_shards(v):
+        p = subprocess.run([str(DCR_BIN), "publish", "--store", store, "--state", str(state), "--version", str(v),
+                            "--ack-timeout", "30", "--heartbeat-timeout", "3", "--json", *shards(v)],
+                           capture_output=True, timeout=90, env={**os.environ, "DCR_PROGRESS": "0"})
+        assert p.returncode == 0, p.stderr.decode()[-3000:]
+        return json.loads(p.stdout)
+
+    ranks = [Rank(tmp_path, store, "tp2", 2, r) for r in range(2)] + [Rank(tmp_path, store, "tp4", 4, r) for r in range(4)]
+    try:
+        for r in ranks:
+            r.start()
+        wait_for(ranks, 0)
+        report = publish_shards(1)
+        assert report["attempts"] == 1 and len(report["acked"]) == 6, report
+        assert 0 < report["frame_bytes"] < report["total_bytes"] / 10, report  # a delta, not the model
+        wait_for(ranks, 1)
+        expect_dense(ranks, run / "v1")
+        # An overwrite retry from shards: a rank corrupted at a changed element.
+        corrupt(ranks[1], run / "v1", run / "v2", 0x80)
+        assert publish_shards(2)["attempts"] == 2
+        wait_for(ranks, 2)
+        expect_dense(ranks, run / "v2")
+        # The shard baseline lost: rebuilt from the snapshot (v0) and the
+        # committed deltas (v1, v2) through the trainer maps.
+        shutil.rmtree(state / "shards")
+        assert publish_shards(3)["attempts"] == 1
+        wait_for(ranks, 3)
+        expect_dense(ranks, run / "v3")
+        assert publish_shards(4)["attempts"] == 1
+        wait_for(ranks, 4)
+        expect_dense(ranks, run / "v4")
+    finally:
+        for r in ranks:
+            r.stop()
+    # Version 0 is a canonical snapshot: refused from shards, with the way forward.
+    p = subprocess.run([str(DCR_BIN), "publish", "--store", f"file://{tmp_path / 'other'}", "--state",
+                        str(tmp_path / "st2"), "--version", "0", *shards(0)], capture_output=True, timeout=60)
+    assert p.returncode == 2 and b"dcr publish" in p.stderr, p.stderr

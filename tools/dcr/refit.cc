@@ -15,6 +15,7 @@
 #include "cli.h"
 #include "dcr/checkpoint.h"
 #include "dcr/layout.h"
+#include "dcr/layout_apply.h"
 #include "dcr/progress.h"
 #include "dcr/protocol.h"
 #include "dcr/relay.h"
@@ -73,7 +74,37 @@ struct PublishArgs {
   std::vector<std::string> relays;  // tree roots
   std::string relay_key, relay_pub;
   double relay_mbps = 0;
+  std::vector<std::string> shard_senders;  // MAP=DIR: publish from trainer shards
 };
+
+// Publishes from trainer shards: each --sender MAP=DIR is one sender's map
+// and its shard buffer files (as dcr layout load writes them).
+Result<PublishReport> PublishFromShards(const PublishArgs& a, Store& store, const std::string& state,
+                                        const PublishOptions& o) {
+  std::vector<std::unique_ptr<CompiledLayout>> layouts;
+  std::vector<RankBufferFiles> files;
+  std::vector<ShardSource> senders;
+  for (const std::string& spec : a.shard_senders) {
+    const size_t eq = spec.find('=');
+    if (eq == std::string::npos || eq == 0 || eq + 1 == spec.size())
+      return InvalidArgument(fmt::format("--sender '{}': expected MAP.json=DIR", spec));
+    const std::string map_path = spec.substr(0, eq), dir = spec.substr(eq + 1);
+    DCR_ASSIGN_OR_RETURN(LayoutMap map, ReadLayoutFile(map_path));
+    auto compiled = CompiledLayout::Compile(std::move(map));
+    if (!compiled.ok()) return compiled.status().WithContext(map_path);
+    layouts.push_back(std::make_unique<CompiledLayout>(std::move(*compiled)));
+    auto opened = RankBufferFiles::Open(*layouts.back(), dir);
+    if (!opened.ok()) return opened.status().WithContext("--sender " + spec);
+    files.push_back(std::move(*opened));
+  }
+  for (size_t k = 0; k < files.size(); ++k) {
+    ShardSource src{layouts[k].get(), {}};
+    for (auto b : files[k].placed().buffers) src.current.push_back(b);
+    senders.push_back(std::move(src));
+  }
+  ShardPublisher publisher(store, state, o);
+  return publisher.Publish(a.version, senders);
+}
 
 // Relay client options from the CLI's flags (shared by publish and follow).
 Result<RelayClientOptions> RelayClient(const std::string& id, const std::vector<std::string>& addresses,
@@ -88,8 +119,8 @@ Result<RelayClientOptions> RelayClient(const std::string& id, const std::vector<
 int RunPublish(const PublishArgs& a) {
   auto store = OpenStore(a.store);
   if (!store.ok()) return Fail("publish", store.status());
-  auto ckpt = Checkpoint::Open(a.checkpoint);
-  if (!ckpt.ok()) return Fail("publish", ckpt.status());
+  if (a.checkpoint.empty() == a.shard_senders.empty())
+    return Fail("publish", InvalidArgument("give either a checkpoint or --sender MAP=DIR (one per trainer sender)"));
   PublishOptions o;
   o.senders = a.senders;
   o.max_attempts = a.attempts;
@@ -121,10 +152,18 @@ int RunPublish(const PublishArgs& a) {
     relay = std::move(*started);
     o.relay = relay.get();
   }
-  Publisher publisher(**store, a.state.empty() ? DefaultStateDir((*store)->url()) : a.state, o);
-  Progress progress(fmt::format("publish v{}", a.version), ckpt->total_bytes());
-  auto r = publisher.Publish(a.version, *ckpt, &progress);
-  progress.Finish();
+  const std::string state = a.state.empty() ? DefaultStateDir((*store)->url()) : a.state;
+  Result<PublishReport> r = Aborted("not published");
+  if (!a.shard_senders.empty()) {
+    r = PublishFromShards(a, **store, state, o);
+  } else {
+    auto ckpt = Checkpoint::Open(a.checkpoint);
+    if (!ckpt.ok()) return Fail("publish", ckpt.status());
+    Publisher publisher(**store, state, o);
+    Progress progress(fmt::format("publish v{}", a.version), ckpt->total_bytes());
+    r = publisher.Publish(a.version, *ckpt, &progress);
+    progress.Finish();
+  }
   if (!r.ok()) return Fail("publish", r.status());
   if (a.json) {
     json doc = {{"version", r->version},         {"attempt", r->attempt},
@@ -305,7 +344,10 @@ void AddRefitCommands(CLI::App& app) {
   auto pa = std::make_shared<PublishArgs>();
   pub->add_option("--store", pa->store, "Store URL (file:///path, s3://bucket/prefix, or a directory)")->required();
   pub->add_option("--version", pa->version, "Version number (0 publishes the starting snapshot)")->required();
-  pub->add_option("checkpoint", pa->checkpoint, "The checkpoint to publish")->required();
+  pub->add_option("checkpoint", pa->checkpoint, "The checkpoint to publish (or --sender)");
+  pub->add_option("--sender", pa->shard_senders,
+                  "Publish from trainer shards instead (versions > 0): MAP.json=DIR, a sender map and its shard "
+                  "buffer files; repeat for every sender");
   pub->add_option("--state", pa->state, "Publisher state directory (the baseline); default $DCR_STATE_DIR or ~/.cache/dcr/publish/<store>");
   pub->add_option("--senders", pa->senders, "Senders (chunk owners)")->check(CLI::Range(1, 1024));
   pub->add_option("--attempts", pa->attempts, "Attempts before giving up (retries are overwrite)")->check(CLI::Range(1, 100));
