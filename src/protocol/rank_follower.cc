@@ -1,12 +1,10 @@
 // A rank of an engine following the run into its own buffers
 // (docs/protocol.md, "Engines of several ranks").
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <filesystem>
-#include <iostream>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <thread>
@@ -79,8 +77,7 @@ Status WriteRankJournal(const std::string& dir, const RankJournal& j) {
   return WriteFileAtomically(JournalPath(dir), doc.dump(1) + "\n");
 }
 
-// Kept out of the map check: the map's tensors must be run tensors with the
-// same dtype and shape.
+// The map's tensors must be run tensors with the same dtype and shape.
 Status CheckMapFitsRun(const CompiledLayout& layout, const RunRecord& run) {
   for (const LayoutTensor& t : layout.map().tensors) {
     auto it = std::find_if(run.tensors.begin(), run.tensors.end(), [&](const DeltaTensor& r) { return r.name == t.name; });
@@ -294,15 +291,15 @@ Status RankRun::Step() {
     heartbeat_.Set("applying").IgnoreError();
     DCR_RETURN_IF_ERROR(Fault("applying"));
     Status s = delta.status();
-    if (!s.ok()) {
-    } else if (journal_.attempt == a.id && journal_.attempt_state == "applied") {
-      // Applied before a restart, not acked yet: ack it again.
-    } else if (delta->manifest().delta_class == DeltaClass::kXorClass && !journal_.attempt.empty()) {
-      s = FailedPrecondition(fmt::format("attempt {} ({}) touched this rank's buffers, so an xor attempt cannot be "
-                                         "applied on them; the overwrite retry repairs them",
-                                         journal_.attempt, journal_.attempt_state));
-    } else {
-      s = ApplyAttempt(a.id, *delta);
+    // An attempt applied before a restart but not acked yet is acked again.
+    const bool applied = journal_.attempt == a.id && journal_.attempt_state == "applied";
+    if (s.ok() && !applied) {
+      if (delta->manifest().delta_class == DeltaClass::kXorClass && !journal_.attempt.empty())
+        s = FailedPrecondition(fmt::format("attempt {} ({}) touched this rank's buffers, so an xor attempt cannot be "
+                                           "applied on them; the overwrite retry repairs them",
+                                           journal_.attempt, journal_.attempt_state));
+      else
+        s = ApplyAttempt(a.id, *delta);
     }
     DCR_RETURN_IF_ERROR(Fault("applied"));
     AckRecord ack;
