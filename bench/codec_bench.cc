@@ -1,9 +1,14 @@
 // dcr_codec_bench [--dir DIR] [--size 1GB] [--quick] [--reps N] [--sets training-3,stress-5] [--dcr-only]
+//                 [--real DIR]
 //
 // The chunk codec (ChunkEncoder / ChunkApplier) against the reference
 // paper's codec and two simpler baselines, on generated qwen3-moe-like
 // checkpoint pairs: the training update model at 1%, 3%, 5% and the stress
-// model at 3%, 5%. Every chunk of every tensor (2^20 elements, as
+// model at 3%, 5%. --real DIR adds real training updates: DIR holds the
+// checkpoints step-000, step-001, ... that scripts/train_updates.py saves
+// (a tiny Qwen3-MoE trained on text with AdamW), and the pairs of steps
+// 0->1, the middle step and the last step become data sets "real K" (key
+// real-K, the pair step K-1 -> step K). Every chunk of every tensor (2^20 elements, as
 // DeltaManifest::ChunkWords cuts them) is encoded, applied to an in-memory
 // copy of the base, and the copy is checked against the next version byte
 // for byte. Baselines, measured in the same run on the same chunks:
@@ -60,7 +65,7 @@ constexpr uint64_t kChunkElements = kDefaultChunkElements;  // 2^20
 [[noreturn]] void Die(const std::string& what) {
   fmt::print(stderr, "dcr_codec_bench: {}\n", what);
   std::fflush(stdout);
-  std::abort();
+  std::exit(2);  // a clear message and a failing exit status, not a crash
 }
 
 // ---- data sets ----------------------------------------------------------------
@@ -71,7 +76,9 @@ struct DataSet {
   UpdateModel update;
   double rate;
   std::string dir;
-  // From gen.json.
+  std::string base_dir, next_dir;  // the pair's checkpoints
+  bool real = false;               // from --real: figures counted from the checkpoints, not gen.json
+  // From gen.json (synthetic) or counted (real).
   uint64_t bytes = 0, elements = 0, changed = 0;
   uint64_t tensors = 0, chunks = 0;
 };
@@ -85,6 +92,8 @@ std::vector<DataSet> AllDataSets(const std::string& dir, uint64_t size) {
     d.name = fmt::format("{} {:g}%", UpdateModelName(u), rate * 100);
     d.key = fmt::format("{}-{:g}", UpdateModelName(u), rate * 100);
     d.dir = fmt::format("{}/qwen3-moe-{}-{}-{}", dir, size, UpdateModelName(u), rate);
+    d.base_dir = d.dir + "/v0";
+    d.next_dir = d.dir + "/v1";
     sets.push_back(d);
   };
   add(UpdateModel::kTraining, 0.01);
@@ -95,7 +104,51 @@ std::vector<DataSet> AllDataSets(const std::string& dir, uint64_t size) {
   return sets;
 }
 
+// The pairs of real training steps under `dir` (step-000, step-001, ...):
+// the first, the middle and the last step.
+std::vector<DataSet> RealDataSets(const std::string& dir) {
+  uint64_t last = 0;
+  while (std::filesystem::is_directory(fmt::format("{}/step-{:03d}", dir, last + 1))) ++last;
+  if (!std::filesystem::is_directory(dir + "/step-000") || last == 0)
+    Die(fmt::format("--real {}: no step-000 and step-001 checkpoints (write them with scripts/train_updates.py)", dir));
+  std::vector<uint64_t> steps = {1, (last + 1) / 2, last};
+  steps.erase(std::unique(steps.begin(), steps.end()), steps.end());
+  std::vector<DataSet> sets;
+  for (uint64_t k : steps) {
+    DataSet d;
+    d.real = true;
+    d.name = fmt::format("real {}", k);
+    d.key = fmt::format("real-{}", k);
+    d.dir = dir;
+    d.base_dir = fmt::format("{}/step-{:03d}", dir, k - 1);
+    d.next_dir = fmt::format("{}/step-{:03d}", dir, k);
+    sets.push_back(d);
+  }
+  return sets;
+}
+
+// Bytes, elements and changed elements of a real pair, counted element by element.
+void CountReal(DataSet& d) {
+  auto a = Checkpoint::Open(d.base_dir);
+  if (!a.ok()) Die(a.status().ToString());
+  auto b = Checkpoint::Open(d.next_dir);
+  if (!b.ok()) Die(b.status().ToString());
+  for (size_t t = 0; t < a->size(); ++t) {
+    const TensorInfo& info = a->tensors()[t];
+    const int64_t j = b->Find(info.name);
+    if (j < 0 || b->tensors()[static_cast<size_t>(j)].nbytes != info.nbytes)
+      Die(fmt::format("{} / {}: tensor {} differs in shape or dtype", d.base_dir, d.next_dir, info.name));
+    const uint64_t eb = BitsPerElement(info.dtype) / 8;
+    if (eb == 0) Die(fmt::format("{}: tensor {}: sub-byte dtype in a real data set", d.base_dir, info.name));
+    const auto x = a->Data(t), y = b->Data(static_cast<size_t>(j));
+    for (uint64_t i = 0; i < info.nbytes; i += eb) d.changed += std::memcmp(x.data() + i, y.data() + i, eb) != 0;
+    d.bytes += info.nbytes;
+    d.elements += info.numel;
+  }
+}
+
 void EnsureGenerated(DataSet& d, uint64_t size) {
+  if (d.real) return CountReal(d);
   GenOptions opt;
   opt.shape = ShapeForSize(Family::kQwen3Moe, size);
   opt.versions = 1;
@@ -148,9 +201,9 @@ struct Pair {
 };
 
 std::unique_ptr<Pair> OpenPair(const DataSet& d) {
-  auto a = Checkpoint::Open(d.dir + "/v0");
+  auto a = Checkpoint::Open(d.base_dir);
   if (!a.ok()) Die(a.status().ToString());
-  auto b = Checkpoint::Open(d.dir + "/v1");
+  auto b = Checkpoint::Open(d.next_dir);
   if (!b.ok()) Die(b.status().ToString());
   auto p = std::make_unique<Pair>(Pair{std::move(*a), std::move(*b), {}, {}, {}, {}, 0});
   uint64_t work = 0;
@@ -158,7 +211,7 @@ std::unique_ptr<Pair> OpenPair(const DataSet& d) {
     const TensorInfo& info = p->base.tensors()[t];
     const int64_t j = p->next.Find(info.name);
     if (j < 0 || p->next.tensors()[static_cast<size_t>(j)].nbytes != info.nbytes)
-      Die(fmt::format("{}: tensor {} differs between v0 and v1", d.dir, info.name));
+      Die(fmt::format("{}: tensor {} differs between {} and {}", d.dir, info.name, d.base_dir, d.next_dir));
     p->keys.push_back(MakeDigestKey(info.name));
     p->next_index.push_back(static_cast<size_t>(j));
     p->work_offset.push_back(work);
@@ -482,7 +535,7 @@ int main(int argc, char** argv) {
   bool size_given = false, quick = false, dcr_only = false;
   int reps = 3;
   bool reps_given = false;
-  std::string only;
+  std::string only, real_dir;
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
     auto value = [&]() -> std::string {
@@ -493,6 +546,7 @@ int main(int argc, char** argv) {
       return argv[++i];
     };
     if (k == "--dir") dir = value();
+    else if (k == "--real") real_dir = value();
     else if (k == "--size") {
       auto parsed = ParseBytes(value());
       if (!parsed.ok() || *parsed == 0) {
@@ -516,7 +570,8 @@ int main(int argc, char** argv) {
       only += ",";
     }
     else if (k == "--help" || k == "-h") {
-      fmt::print("usage: dcr_codec_bench [--dir DIR] [--size 1GB] [--quick] [--reps N] [--sets training-3,stress-5] [--dcr-only]\n");
+      fmt::print("usage: dcr_codec_bench [--dir DIR] [--size 1GB] [--quick] [--reps N] [--sets training-3,stress-5] "
+                 "[--dcr-only] [--real DIR]\n");
       return 0;
     } else {
       fmt::print(stderr, "unknown option {}\n", k);
@@ -528,11 +583,16 @@ int main(int argc, char** argv) {
     if (!reps_given) reps = 1;
   }
 
-  std::vector<DataSet> sets;
-  for (auto& d : AllDataSets(dir, size))
+  std::vector<DataSet> sets, candidates = AllDataSets(dir, size);
+  if (!real_dir.empty())
+    for (auto& d : RealDataSets(real_dir)) candidates.push_back(d);
+  std::string keys;
+  for (auto& d : candidates) {
+    keys += (keys.empty() ? "" : ", ") + d.key;
     if (only.empty() || only.find(fmt::format(",{},", d.key)) != std::string::npos) sets.push_back(d);
+  }
   if (sets.empty()) {
-    fmt::print(stderr, "--sets matches none of training-1, training-3, training-5, stress-3, stress-5\n");
+    fmt::print(stderr, "--sets matches none of {}\n", keys);
     return 2;
   }
   for (auto& d : sets) EnsureGenerated(d, size);
@@ -543,23 +603,28 @@ int main(int argc, char** argv) {
   const int configs = threads_all > 1 ? 2 : 1;
 
   fmt::print("dcr chunk codec vs baselines: qwen3-moe-like checkpoint pairs, chunks of 2^20 elements\n");
+  if (!real_dir.empty())
+    fmt::print("real K: training steps K-1 -> K under {} (scripts/train_updates.py: tiny Qwen3-MoE, text, AdamW)\n",
+               real_dir);
   fmt::print("machine: {} cores ({}), {} threads for 'all cores'; zstd {}\n", std::thread::hardware_concurrency(),
              CpuModel(), threads_all, ZSTD_versionString());
   fmt::print("load average (1, 5, 15 min) at start: {} (other work on the machine skews timings)\n", LoadAverage());
   fmt::print("timings: best of {} run{}; GB/s of dense base bytes per core (all cores: divided by {} threads)\n", reps,
              reps == 1 ? "" : "s", threads_all);
-  if (size < 1'000'000'000) fmt::print("NOTE: --size {} is below 1 GB: a smoke run, not a recordable result\n", FormatBytes(static_cast<double>(size)));
-  fmt::print("\n{:<14} {:>10} {:>14} {:>13} {:>9} {:>8}  {}\n", "data set", "bytes", "elements", "changed", "%", "chunks",
-             "dir");
+  if (size < 1'000'000'000 && std::any_of(sets.begin(), sets.end(), [](const DataSet& d) { return !d.real; }))
+    fmt::print("NOTE: --size {} is below 1 GB: a smoke run of the synthetic sets, not a recordable result\n",
+               FormatBytes(static_cast<double>(size)));
+  fmt::print("\n{:<14} {:>10} {:>14} {:>13} {:>9} {:>8} {:>8}  {}\n", "data set", "bytes", "elements", "changed", "%",
+             "tensors", "chunks", "dir");
   for (auto& d : sets) {
     auto p = OpenPair(d);
     d.tensors = p->base.size();
     d.chunks = p->chunks.size();
-    fmt::print("{:<14} {:>10} {:>14} {:>13} {:>8.3f}% {:>8}  {}\n", d.name, FormatBytes(static_cast<double>(d.bytes)),
-               d.elements, d.changed, 100.0 * static_cast<double>(d.changed) / static_cast<double>(d.elements), d.chunks,
-               d.dir);
+    fmt::print("{:<14} {:>10} {:>14} {:>13} {:>8.3f}% {:>8} {:>8}  {}\n", d.name,
+               FormatBytes(static_cast<double>(d.bytes)), d.elements, d.changed,
+               100.0 * static_cast<double>(d.changed) / static_cast<double>(d.elements), d.tensors, d.chunks,
+               d.real ? d.next_dir : d.dir);
   }
-  fmt::print("(tensors per checkpoint: {})\n", sets[0].tensors);
 
   std::vector<std::string> summaries;
   for (auto& d : sets) {

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterable, Mapping, NamedTuple, Optional, Union
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Union
 
 from . import _dcr, errors
 from ._tensors import as_torch, byte_view, dtype_name, torch_dtype
@@ -182,10 +182,18 @@ class Follower:
         self.store = store
         self._f = _dcr.Follower(store, os.fspath(target), id, poll_s, quiet)
 
-    def run(self, until: Optional[int] = None, timeout_s: Optional[float] = None) -> int:
+    def run(self, until: Optional[int] = None, timeout_s: Optional[float] = None,
+            on_version: Optional[Callable[[int], Any]] = None) -> int:
         """Follows until version ``until`` is applied (forever when None);
-        :class:`DeadlineExceededError` after ``timeout_s``. Returns the version held."""
-        return self._f.run(until, timeout_s)
+        :class:`DeadlineExceededError` after ``timeout_s``. Returns the version held.
+
+        ``on_version(version)``, the post-update hook, is called (with the
+        GIL, from the loop) after each version the target reaches, e.g. to
+        re-derive state from the new weights. Ctrl-C (KeyboardInterrupt)
+        and an exception from the hook stop the loop cleanly (the receiver
+        records its stop, the target stays a consistent version) and are
+        re-raised."""
+        return self._f.run(until, timeout_s, on_version)
 
     @property
     def version(self) -> int:
@@ -259,23 +267,90 @@ class Sender:
 class Receiver:
     """The receiver side over live tensors (e.g. a model's parameters, by
     name): applies deltas in place through a receiver ``layout`` map (JSON or
-    dict; None for canonical tensors) and verifies the digest. ``residuals``:
-    canonical tensors this receiver converts on load instead of mapping."""
+    dict; None for canonical tensors) and verifies the digest.
+
+    ``residuals``: canonical tensors this receiver converts on load instead
+    of mapping (e.g. as flagged by :func:`dcr.trace.record_layout`). Without
+    a ``loader`` their frames are skipped (and left out of the digest check).
+    With ``loader`` (the runtime's own ``load_weights``-style loader, called
+    with an iterable of ``(name, tensor)``), ``residuals`` maps each name to
+    its current canonical tensor: the receiver keeps a canonical copy of each
+    (their memory), applies every frame to those copies as well (so the whole
+    delta is verified, the digest covers every tensor), and hands the new
+    full values of each residual tensor the delta changed to ``loader``, which
+    overwrites the parameters derived from them.
+
+    ``post_update(report)``, if given, is called after each applied delta
+    (after the loader), e.g. to re-derive absorbed weights or FP8 scales."""
+
+    _SHADOW = "dcr.residual:"
 
     def __init__(self, tensors: Mapping[str, Any], layout: Union[str, Mapping[str, Any], None] = None,
-                 residuals: Iterable[str] = ()):
+                 residuals: Union[Iterable[str], Mapping[str, Any]] = (),
+                 loader: Optional[Callable[[Iterable], Any]] = None,
+                 post_update: Optional[Callable[[dict], Any]] = None):
         self.layout_json = identity_layout(tensors) if layout is None else _layout_json(layout)
         self._tensors = dict(tensors)
-        self._r = _dcr.Receiver(self.layout_json, _buffers_for(self.layout_json, self._tensors, "Receiver"),
-                                list(residuals))
+        self._loader, self._post_update = loader, post_update
+        self._shadow: dict = {}
+        skipped = list(residuals)
+        if loader is not None:
+            if not isinstance(residuals, Mapping):
+                raise InvalidArgumentError("Receiver: with a loader, residuals maps each residual tensor's name "
+                                           "to its current canonical tensor")
+            self.layout_json = self._with_shadows(self.layout_json, residuals)
+            skipped = []
+        bufs = dict(self._tensors)
+        bufs.update({self._SHADOW + n: t for n, t in self._shadow.items()})
+        self._r = _dcr.Receiver(self.layout_json, _buffers_for(self.layout_json, bufs, "Receiver"), skipped)
+
+    def _with_shadows(self, layout_json: str, residuals: Mapping[str, Any]) -> str:
+        """The layout plus one canonical copy per residual tensor (a buffer of its own)."""
+        doc = json.loads(layout_json)
+        declared = {t["name"]: t for t in doc.get("tensors", [])}
+        for name, t in residuals.items():
+            if any(c["tensor"] == name for c in doc.get("copies", [])):
+                raise InvalidArgumentError(f"Receiver: residual tensor '{name}' is also mapped by the layout")
+            if self._SHADOW + name in self._tensors:
+                raise InvalidArgumentError(f"Receiver: buffer name '{self._SHADOW + name}' is taken")
+            shadow = t.detach().clone().contiguous() if hasattr(t, "detach") else t.copy()
+            shape = [int(d) for d in shadow.shape]
+            spec = {"name": name, "dtype": dtype_name(shadow), "shape": shape}
+            if name in declared and (declared[name]["dtype"], list(declared[name]["shape"])) != (spec["dtype"], shape):
+                raise InvalidArgumentError(f"Receiver: residual tensor '{name}' is {spec['dtype']} {shape}, the layout "
+                                           f"declares {declared[name]['dtype']} {declared[name]['shape']}")
+            if name not in declared:
+                doc.setdefault("tensors", []).append(spec)
+            bid = self._SHADOW + name
+            doc.setdefault("buffers", []).append({"id": bid, "dtype": spec["dtype"], "shape": shape})
+            doc.setdefault("copies", []).append({"tensor": name, "offset": [0] * len(shape), "extent": shape,
+                                                 "buffer": bid, "buffer_offset": [0] * len(shape)})
+            self._shadow[name] = shadow
+        return json.dumps(doc)
 
     def apply(self, delta: Delta) -> dict:
         """Applies every frame in place (verified before writing); then checks
-        the digest against the delta's target (:class:`CorruptFrameError`)."""
-        return self._r.apply(delta)
+        the digest against the delta's target (:class:`CorruptFrameError`);
+        then hands changed residual tensors to the loader and calls the
+        post-update hook. The report gains ``residuals_loaded`` (names)."""
+        report = self._r.apply(delta)
+        loaded = []
+        if self._shadow:
+            manifest = json.loads(delta.manifest_json)
+            names = [t["name"] for t in manifest.get("tensors", [])]
+            touched = {names[f["tensor"]] for f in manifest.get("frames", [])}
+            loaded = [n for n in self._shadow if n in touched]
+            if loaded:
+                self._loader([(n, self._shadow[n]) for n in loaded])
+        report = dict(report)
+        report["residuals_loaded"] = loaded
+        if self._post_update is not None:
+            self._post_update(report)
+        return report
 
     def digest(self) -> str:
-        """The digest of the canonical elements this receiver holds."""
+        """The digest of the canonical elements this receiver holds (with a
+        loader: residual tensors included, from their canonical copies)."""
         return self._r.digest()
 
 

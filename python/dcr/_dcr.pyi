@@ -2,7 +2,7 @@
 Private: use the dcr package. Buffers are flat uint8 views (dcr.byte_view)."""
 
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 def _raise_status(code: str, message: str) -> None: ...
 
@@ -83,6 +83,7 @@ class Publisher:
 
 class Follower:
     def __init__(self, store: Store, target: str, id: str, poll_s: float, quiet: bool) -> None: ...
-    def run(self, until: Optional[int] = None, timeout_s: Optional[float] = None) -> int: ...
+    def run(self, until: Optional[int] = None, timeout_s: Optional[float] = None,
+            on_version: Optional[Callable[[int], Any]] = None) -> int: ...
     @property
     def version(self) -> int: ...

@@ -586,24 +586,48 @@ NB_MODULE(_dcr, m) {
         if (quiet) o.log = [](const std::string&) {};
         new (self) PyFollower{dcr::Follower(*store.store, target, std::move(o))};
       }, "store"_a, "target"_a, "id"_a, "poll_s"_a, "quiet"_a, nb::keep_alive<1, 2>())
-      .def("run", [](PyFollower& f, std::optional<uint64_t> until, std::optional<double> timeout_s) {
+      .def("run", [](PyFollower& f, std::optional<uint64_t> until, std::optional<double> timeout_s,
+                     nb::object on_version) {
+        // The loop polls `stop` after every step (each poll of the store):
+        // it takes the GIL there to let Python signal handlers run (Ctrl-C
+        // raises KeyboardInterrupt, which stops the loop cleanly) and to call
+        // on_version(version) after each version applied. An exception from
+        // either stops the loop and is re-raised once Run has returned.
         dcr::Status s;
-        bool timed_out = false;
+        bool timed_out = false, py_error = false;
+        uint64_t seen = f.follower.version();
+        auto poll_python = [&]() -> bool {
+          if (py_error) return true;  // an exception is pending: no more Python calls
+          nb::gil_scoped_acquire acquire;
+          if (PyErr_CheckSignals() != 0) return py_error = true;
+          const uint64_t v = f.follower.version();
+          if (v != seen && !on_version.is_none()) {
+            seen = v;
+            PyObject* r = PyObject_CallOneArg(on_version.ptr(), nb::int_(v).ptr());
+            if (r == nullptr) return py_error = true;
+            Py_DECREF(r);
+          }
+          seen = v;
+          return false;
+        };
         {
           nb::gil_scoped_release release;
           const auto deadline = std::chrono::steady_clock::now() +
                                 std::chrono::milliseconds(static_cast<int64_t>(timeout_s.value_or(0) * 1000));
           s = f.follower.Run(until, [&] {
+            if (poll_python()) return true;
             if (!timeout_s || std::chrono::steady_clock::now() < deadline) return false;
             timed_out = true;
             return true;
           });
+          if (!py_error && s.ok()) poll_python();  // the last version, when `until` ended the loop
         }
+        if (py_error) throw nb::python_error();
         if (timed_out)  // the stop callback makes Run return ABORTED; say why instead
           Raise(dcr::DeadlineExceeded("Follower.run: " + std::to_string(*timeout_s) + " s passed at version " +
                                       std::to_string(f.follower.version())));
         Check(s);
         return f.follower.version();
-      }, "until"_a = nb::none(), "timeout_s"_a = nb::none())
+      }, "until"_a = nb::none(), "timeout_s"_a = nb::none(), "on_version"_a = nb::none())
       .def_prop_ro("version", [](const PyFollower& f) { return f.follower.version(); });
 }

@@ -5,9 +5,12 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <random>
 
 #include "dcr/layout_apply.h"
+#include "dcr/thread_pool.h"
 
 namespace dcr {
 namespace {
@@ -78,8 +81,13 @@ Result<std::vector<ChunkContribution>> ProjectSender(const SenderRank& sender, u
   for (size_t t = 0; t < manifest.tensors.size(); ++t) by_name.emplace(manifest.tensors[t].name, static_cast<uint32_t>(t));
   const bool overwrite = manifest.delta_class == DeltaClass::kOverwrite;
 
-  std::vector<ChunkContribution> out;
-  std::vector<CopyRun> runs;
+  // One task per (mapped tensor, chunk); tasks are independent and run in
+  // parallel, each writing its own slot.
+  struct Task {
+    size_t lt;
+    uint32_t t, chunk;
+  };
+  std::vector<Task> tasks;
   for (size_t lt = 0; lt < l.map().tensors.size(); ++lt) {
     const LayoutTensor& lt_info = l.map().tensors[lt];
     auto it = by_name.find(lt_info.name);
@@ -89,40 +97,145 @@ Result<std::vector<ChunkContribution>> ProjectSender(const SenderRank& sender, u
     if (tensor.shape != lt_info.shape || tensor.dtype != lt_info.dtype)
       return InvalidArgument(fmt::format("sender {}: tensor '{}' differs in dtype or shape from the delta's", index,
                                          tensor.name));
+    for (uint64_t c = 0, n = manifest.ChunkCount(t); c < n; ++c) tasks.push_back({lt, t, static_cast<uint32_t>(c)});
+  }
+  std::vector<ChunkContribution> slots(tasks.size());
+  DefaultPool().ParallelFor(tasks.size(), [&](size_t i) {
+    const Task& task = tasks[i];
+    const DeltaTensor& tensor = manifest.tensors[task.t];
     const DigestKey key = MakeDigestKey(tensor.name);
     const uint64_t eb = ElementBytesOf(tensor.dtype);
-    for (uint64_t c = 0, n = manifest.ChunkCount(t); c < n; ++c) {
-      const uint64_t first = c * manifest.chunk_elements;
-      const uint64_t count = std::min(manifest.chunk_elements, tensor.elements - first);
-      ChunkContribution cc;
-      cc.tensor = t;
-      cc.chunk = static_cast<uint32_t>(c);
-      cc.from = index;
-      for (uint32_t copy : l.CopiesOf(lt)) {
-        if (!l.map().copies[copy].primary) continue;
-        runs.clear();
-        l.RunsInRange(copy, first, count, &runs);
-        const uint8_t* base = sender.baseline[l.BufferOf(copy)].data();
-        const uint8_t* cur = sender.current[l.BufferOf(copy)].data();
-        for (const CopyRun& r : runs) {
-          const uint8_t* b = base + r.buffer * eb;
-          const uint8_t* x = cur + r.buffer * eb;
-          const uint64_t bytes = r.length * eb;
-          cc.covered.emplace_back(static_cast<uint32_t>(r.canonical - first), static_cast<uint32_t>(r.length));
-          cc.base_digest += DigestBytes(key, r.canonical * eb, {b, bytes});
-          if (overwrite) cc.covered_bits.insert(cc.covered_bits.end(), x, x + bytes);
-          if (std::memcmp(b, x, bytes) == 0) continue;
-          FindChangedElements(b, x, r.length, eb, static_cast<uint32_t>(r.canonical - first), &cc);
-        }
+    const uint64_t first = uint64_t{task.chunk} * manifest.chunk_elements;
+    const uint64_t count = std::min(manifest.chunk_elements, tensor.elements - first);
+    ChunkContribution& cc = slots[i];
+    cc.tensor = task.t;
+    cc.chunk = task.chunk;
+    cc.from = index;
+    std::vector<CopyRun> runs;
+    for (uint32_t copy : l.CopiesOf(task.lt)) {
+      if (!l.map().copies[copy].primary) continue;
+      runs.clear();
+      l.RunsInRange(copy, first, count, &runs);
+      const uint8_t* base = sender.baseline[l.BufferOf(copy)].data();
+      const uint8_t* cur = sender.current[l.BufferOf(copy)].data();
+      for (const CopyRun& r : runs) {
+        const uint8_t* b = base + r.buffer * eb;
+        const uint8_t* x = cur + r.buffer * eb;
+        const uint64_t bytes = r.length * eb;
+        cc.covered.emplace_back(static_cast<uint32_t>(r.canonical - first), static_cast<uint32_t>(r.length));
+        cc.base_digest += DigestBytes(key, r.canonical * eb, {b, bytes});
+        if (overwrite) cc.covered_bits.insert(cc.covered_bits.end(), x, x + bytes);
+        if (std::memcmp(b, x, bytes) == 0) continue;
+        FindChangedElements(b, x, r.length, eb, static_cast<uint32_t>(r.canonical - first), &cc);
       }
-      if (!cc.covered.empty()) out.push_back(std::move(cc));
     }
-  }
+  });
+  std::vector<ChunkContribution> out;
+  for (ChunkContribution& cc : slots)
+    if (!cc.covered.empty()) out.push_back(std::move(cc));
   std::sort(out.begin(), out.end(), [](const ChunkContribution& a, const ChunkContribution& b) {
     return std::pair(a.tensor, a.chunk) < std::pair(b.tensor, b.chunk);
   });
   return out;
 }
+
+namespace {
+
+// One chunk's merged frame (or none, when nothing changed).
+struct MergedChunk {
+  Digest base_digest, target_digest;
+  bool changed = false;
+  std::string frame;
+};
+
+// Per-thread scratch for MergeChunk, reused between chunks.
+struct MergeScratch {
+  ChunkEncoder encoder;
+  EncodedChunk encoded;
+  struct Range {
+    uint32_t lo, len, from;
+  };
+  std::vector<Range> ranges;
+  std::vector<uint8_t> base, next;
+};
+
+// Merges one chunk's contributions into its frame: they must cover the chunk
+// exactly once; the chunk's base and next bits are rebuilt in a chunk-sized
+// scratch (unchanged elements zero in xor class, the covered new bits in
+// overwrite class) and encoded as a canonical encoder would.
+Status MergeChunk(const DeltaManifest& manifest, ChunkId id, std::span<const ChunkContribution* const> parts,
+                  const EncodeOptions& opt, MergeScratch& s, MergedChunk* out) {
+  const bool overwrite = manifest.delta_class == DeltaClass::kOverwrite;
+  const DeltaTensor& tensor = manifest.tensors[id.tensor];
+  const auto where = [&] { return fmt::format("tensor '{}' chunk {}", tensor.name, id.chunk); };
+  uint64_t first_word, words;
+  uint32_t elements;
+  manifest.ChunkWords(id.tensor, id.chunk, &first_word, &words, &elements);
+  const uint64_t eb = ElementBytesOf(tensor.dtype);
+  s.next.assign(uint64_t{elements} * eb, 0);
+  s.ranges.clear();
+  Digest base_digest;
+  for (const ChunkContribution* c : parts) {
+    base_digest += c->base_digest;
+    uint64_t at = 0;
+    for (auto [lo, len] : c->covered) {
+      if (uint64_t{lo} + len > elements)
+        return InvalidArgument(fmt::format("{}: sender {} covers elements past the chunk's {}", where(), c->from, elements));
+      s.ranges.push_back({lo, len, c->from});
+      if (overwrite) {
+        if (c->covered_bits.size() < (at + len) * eb)
+          return InvalidArgument(fmt::format("{}: sender {}'s overwrite contribution lacks the new bits it covers",
+                                             where(), c->from));
+        std::memcpy(s.next.data() + uint64_t{lo} * eb, c->covered_bits.data() + at * eb, uint64_t{len} * eb);
+      }
+      at += len;
+    }
+  }
+  // Exactly once: sorted, the ranges must tile [0, elements).
+  std::sort(s.ranges.begin(), s.ranges.end(), [](const auto& x, const auto& y) { return x.lo < y.lo; });
+  uint64_t next_lo = 0, covered = 0;
+  for (const auto& r : s.ranges) {
+    if (r.lo < next_lo)
+      return FailedPrecondition(fmt::format("{}: element {} is contributed twice (sender {} among them); the trainer "
+                                            "maps need exactly one primary copy",
+                                            where(), r.lo, r.from));
+    next_lo = uint64_t{r.lo} + r.len;
+    covered += r.len;
+  }
+  if (covered != elements)
+    return FailedPrecondition(fmt::format("{}: the contributions cover {} of its {} elements; every sender touching "
+                                          "the chunk must hand its record to the owner",
+                                          where(), covered, elements));
+  s.base = s.next;
+  for (const ChunkContribution* c : parts) {
+    if (c->old_bits.size() != c->positions.size() * eb || c->new_bits.size() != c->positions.size() * eb)
+      return InvalidArgument(fmt::format("{}: sender {}'s change lists disagree in length", where(), c->from));
+    for (size_t i = 0; i < c->positions.size(); ++i) {
+      const uint64_t p = c->positions[i];
+      if (p >= elements)
+        return InvalidArgument(fmt::format("{}: sender {} changes element {} past the chunk", where(), c->from, p));
+      std::memcpy(s.base.data() + p * eb, c->old_bits.data() + i * eb, eb);
+      std::memcpy(s.next.data() + p * eb, c->new_bits.data() + i * eb, eb);
+    }
+  }
+  ChunkInput in{tensor.dtype, MakeDigestKey(tensor.name), first_word, elements, s.base, s.next, &base_digest};
+  DCR_ASSIGN_OR_RETURN(bool changed, s.encoder.Encode(in, opt, &s.encoded));
+  out->base_digest = base_digest;
+  out->changed = changed;
+  if (!changed) {
+    out->target_digest = base_digest;
+    return Status::Ok();
+  }
+  s.encoded.header.tensor = id.tensor;
+  s.encoded.header.chunk = id.chunk;
+  s.encoded.header.first_element = uint64_t{id.chunk} * manifest.chunk_elements;
+  s.encoded.header.delta_id = manifest.delta_id;
+  out->target_digest = s.encoded.header.target_digest;
+  out->frame = EncodeFrame(s.encoded.header, s.encoded.payload);
+  return Status::Ok();
+}
+
+}  // namespace
 
 Result<OwnedFrames> EncodeOwnedChunks(const DeltaManifest& manifest, std::span<const ChunkContribution> contributions,
                                       const EncodeOptions& options) {
@@ -133,85 +246,42 @@ Result<OwnedFrames> EncodeOwnedChunks(const DeltaManifest& manifest, std::span<c
                                          c.from, c.tensor, c.chunk));
     by_chunk[ChunkId{c.tensor, c.chunk}].push_back(&c);
   }
-  const bool overwrite = manifest.delta_class == DeltaClass::kOverwrite;
   EncodeOptions opt = options;
   opt.delta_class = manifest.delta_class;
+  // Chunks are merged in parallel, each into its own slot; scratch is taken
+  // from a free list so each thread reuses one set.
+  std::vector<std::pair<ChunkId, const std::vector<const ChunkContribution*>*>> chunks;
+  for (const auto& [id, parts] : by_chunk) chunks.emplace_back(id, &parts);
+  std::vector<MergedChunk> merged(chunks.size());
+  std::vector<Status> status(chunks.size());
+  std::mutex mu;
+  std::vector<std::unique_ptr<MergeScratch>> free_scratch;
+  DefaultPool().ParallelFor(chunks.size(), [&](size_t i) {
+    std::unique_ptr<MergeScratch> s;
+    {
+      std::lock_guard lock(mu);
+      if (!free_scratch.empty()) {
+        s = std::move(free_scratch.back());
+        free_scratch.pop_back();
+      }
+    }
+    if (!s) s = std::make_unique<MergeScratch>();
+    status[i] = MergeChunk(manifest, chunks[i].first, *chunks[i].second, opt, *s, &merged[i]);
+    std::lock_guard lock(mu);
+    free_scratch.push_back(std::move(s));
+  });
   OwnedFrames out;
-  ChunkEncoder encoder;
-  EncodedChunk encoded;
-  struct Range {
-    uint32_t lo, len, from;
-  };
-  std::vector<Range> ranges;
-  std::vector<uint8_t> base, next;
-  for (const auto& [id, parts] : by_chunk) {
-    const DeltaTensor& tensor = manifest.tensors[id.tensor];
-    const std::string where = fmt::format("tensor '{}' chunk {}", tensor.name, id.chunk);
-    uint64_t first_word, words;
-    uint32_t elements;
-    manifest.ChunkWords(id.tensor, id.chunk, &first_word, &words, &elements);
-    const uint64_t eb = ElementBytesOf(tensor.dtype);
-    next.assign(uint64_t{elements} * eb, 0);
-    ranges.clear();
-    Digest base_digest;
-    for (const ChunkContribution* c : parts) {
-      base_digest += c->base_digest;
-      uint64_t at = 0;
-      for (auto [lo, len] : c->covered) {
-        if (uint64_t{lo} + len > elements)
-          return InvalidArgument(fmt::format("{}: sender {} covers elements past the chunk's {}", where, c->from, elements));
-        ranges.push_back({lo, len, c->from});
-        if (overwrite) {
-          if (c->covered_bits.size() < (at + len) * eb)
-            return InvalidArgument(fmt::format("{}: sender {}'s overwrite contribution lacks the new bits it covers",
-                                               where, c->from));
-          std::memcpy(next.data() + uint64_t{lo} * eb, c->covered_bits.data() + at * eb, uint64_t{len} * eb);
-        }
-        at += len;
-      }
-    }
-    // Exactly once: sorted, the ranges must tile [0, elements).
-    std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.lo < b.lo; });
-    uint64_t next_lo = 0, covered = 0;
-    for (const Range& r : ranges) {
-      if (r.lo < next_lo)
-        return FailedPrecondition(fmt::format("{}: element {} is contributed twice (sender {} among them); the trainer "
-                                              "maps need exactly one primary copy",
-                                              where, r.lo, r.from));
-      next_lo = uint64_t{r.lo} + r.len;
-      covered += r.len;
-    }
-    if (covered != elements)
-      return FailedPrecondition(fmt::format("{}: the contributions cover {} of its {} elements; every sender touching "
-                                            "the chunk must hand its record to the owner",
-                                            where, covered, elements));
-    base = next;
-    for (const ChunkContribution* c : parts) {
-      if (c->old_bits.size() != c->positions.size() * eb || c->new_bits.size() != c->positions.size() * eb)
-        return InvalidArgument(fmt::format("{}: sender {}'s change lists disagree in length", where, c->from));
-      for (size_t i = 0; i < c->positions.size(); ++i) {
-        const uint64_t p = c->positions[i];
-        if (p >= elements) return InvalidArgument(fmt::format("{}: sender {} changes element {} past the chunk", where, c->from, p));
-        std::memcpy(base.data() + p * eb, c->old_bits.data() + i * eb, eb);
-        std::memcpy(next.data() + p * eb, c->new_bits.data() + i * eb, eb);
-      }
-    }
-    ChunkInput in{tensor.dtype, MakeDigestKey(tensor.name), first_word, elements, base, next, &base_digest};
-    DCR_ASSIGN_OR_RETURN(bool changed, encoder.Encode(in, opt, &encoded));
-    out.chunks.push_back(id);
-    out.base_digests.push_back(base_digest);
-    if (!changed) {
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    DCR_RETURN_IF_ERROR(status[i]);
+    out.chunks.push_back(chunks[i].first);
+    out.base_digests.push_back(merged[i].base_digest);
+    out.target_digests.push_back(merged[i].target_digest);
+    if (!merged[i].changed) {
       out.frame_of.push_back(-1);
-      out.target_digests.push_back(base_digest);
       continue;
     }
-    encoded.header.tensor = id.tensor;
-    encoded.header.chunk = id.chunk;
-    encoded.header.first_element = uint64_t{id.chunk} * manifest.chunk_elements;
-    encoded.header.delta_id = manifest.delta_id;
-    out.target_digests.push_back(encoded.header.target_digest);
     out.frame_of.push_back(static_cast<int64_t>(out.frames.size()));
-    out.frames.push_back(EncodeFrame(encoded.header, encoded.payload));
+    out.frames.push_back(std::move(merged[i].frame));
   }
   return out;
 }

@@ -242,17 +242,23 @@ def test_store_put_get_list_and_errors(tmp_path):
         dcr.open_store("gopher://nowhere")
 
 
-def test_publish_and_follow_through_a_file_store(tmp_path):
-    versions = [random_tensors(8)]
-    for v in range(1, 4):
-        nxt = {n: t.clone() for n, t in versions[-1].items()}
-        step(nxt, seed=10 + v)
-        versions.append(nxt)
-    for v, t in enumerate(versions):
+def published_run(tmp_path, versions: int, tensors: int = 8, seed: int = 10, ack_timeout_s: float = 30):
+    """A file store with version 0 published, checkpoints v0..v{versions} written; (store, publisher, tensors)."""
+    vs = [random_tensors(tensors)]
+    for v in range(1, versions + 1):
+        nxt = {n: t.clone() for n, t in vs[-1].items()}
+        step(nxt, seed=seed + v)
+        vs.append(nxt)
+    for v, t in enumerate(vs):
         write_checkpoint(tmp_path / f"v{v}", t)
     store = dcr.open_store(f"file://{tmp_path}/store")
-    pub = dcr.Publisher(store, tmp_path / "state", ack_timeout_s=30, chunk_elements=64)
+    pub = dcr.Publisher(store, tmp_path / "state", ack_timeout_s=ack_timeout_s, chunk_elements=64)
     assert pub.publish(0, tmp_path / "v0")["version"] == 0
+    return store, pub, vs
+
+
+def test_publish_and_follow_through_a_file_store(tmp_path):
+    store, pub, versions = published_run(tmp_path, 3)
 
     fol = dcr.Follower(store, tmp_path / "engine", id="rx-1", poll_s=0.02)
     result = {}
