@@ -91,7 +91,23 @@ class ChunkApplier {
   Result<ApplyOutcome> Apply(const FrameView& frame, const DigestKey& key, uint64_t first_word,
                              std::span<uint8_t> target, const Digest& current, Digest* after);
 
+  // Applies `frame`'s changes to `target` without the digest checks, for a
+  // rank that holds only some words of the chunk (the others may hold
+  // anything; what lands there is meaningless and the caller ignores it).
+  // The payload is decoded and checked in full (positions, codes, counts)
+  // before a byte is written: on any error the target is unchanged. The
+  // caller verifies the result by digests (see ApplyRankFrame). Returns the
+  // number of words written. Errors: kDataLoss (the payload does not
+  // decode), kInvalidArgument (frame and target disagree).
+  Result<uint32_t> ApplyUnverified(const FrameView& frame, std::span<uint8_t> target);
+
  private:
+  // Decodes the frame's changes (position, old word from `target`, new
+  // word) into changes_; `*count` gets their number. Writes nothing.
+  Status Decode(const FrameView& frame, std::span<const uint8_t> target, const std::string& where, uint32_t* count);
+  // Stores the new words of the first n decoded changes into `target`.
+  void WriteChanges(uint32_t word_bytes, uint32_t n, std::span<uint8_t> target) const;
+
   // Scratch, grown only and never zeroed: the changes (position, old and
   // new word).
   std::unique_ptr<uint8_t[]> changes_;

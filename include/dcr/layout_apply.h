@@ -12,15 +12,18 @@
 // The partial-chunk rule: a frame's digests cover its whole chunk, and a
 // rank that holds only part of a chunk cannot check them alone (an xor or
 // add value needs the old bits of every changed element to be verified).
-// So a chunk is applied by the ranks that together hold all of its
-// elements, exactly once per engine: in one process, ApplyEngineFrame gets
-// every rank; a rank that holds a whole chunk may apply it alone (its
-// `ranks` span is just itself). A rank holding part of a chunk never
-// applies it on its own: ApplyEngineFrame refuses (kFailedPrecondition).
+// Every mode is elementwise, though, so a rank can *apply* its own elements
+// of a chunk alone: ApplyRankFrame does, and returns the rank's partial base
+// and target digests of the chunk (over the canonical elements its primary
+// copies hold). The engine-level rule is that the partials of all ranks of
+// one engine add up to the frame's base and target digests; that is checked
+// where the partials meet (the coordinator's ack wait, docs/protocol.md).
+// In one process, ApplyEngineFrame gets every rank and checks the chunk's
+// digests before writing anything.
 // Digests are per rank over the canonical elements its primary copies hold
-// (RankDigest); the ranks' digests of one engine add up to the checkpoint's
-// (ValidateEngine guarantees each element is counted once), which is how an
-// engine proves it holds the version's bits.
+// (RankDigest, RankChunkDigests); the ranks' digests of one engine add up to
+// the checkpoint's (ValidateEngine guarantees each element is counted once),
+// which is how an engine proves it holds the version's bits.
 //
 // Sender side (projection): each sender keeps its shard buffers as its
 // baseline (not canonical copies). ProjectSender diffs its current shards
@@ -48,6 +51,7 @@
 #include "dcr/digest.h"
 #include "dcr/frame.h"
 #include "dcr/layout.h"
+#include "dcr/mapped_file.h"
 #include "dcr/status.h"
 
 namespace dcr {
@@ -57,6 +61,28 @@ namespace dcr {
 struct PlacedRank {
   const CompiledLayout* layout = nullptr;
   std::vector<std::span<uint8_t>> buffers;
+};
+
+// One rank's buffers as files in a directory: one file per buffer of the
+// map, named by the buffer's id, holding its raw row-major bytes (what a
+// serving rank would keep in /dev/shm, or a test compares), memory-mapped
+// read-write and shared, so stores reach the files. Move-only; the layout
+// must outlive it. Buffer ids must be usable as file names (no '/', not
+// starting with '.'), or Open/Create refuse them (kInvalidArgument).
+class RankBufferFiles {
+ public:
+  // Every buffer file present with the size the map declares; errors name
+  // the file (kNotFound when missing, kInvalidArgument when its size differs).
+  static Result<RankBufferFiles> Open(const CompiledLayout& layout, const std::string& dir);
+  // Creates `dir` and every buffer file, zero-filled (replacing any there).
+  static Result<RankBufferFiles> Create(const CompiledLayout& layout, const std::string& dir);
+  PlacedRank placed();
+  // Writes the dirty pages to the files (msync).
+  Status Sync();
+
+ private:
+  const CompiledLayout* layout_ = nullptr;
+  std::vector<MappedFile> files_;
 };
 
 // Checks that `rank`'s buffers have the sizes its map declares.
@@ -76,6 +102,37 @@ Status LoadDense(const TensorBytes& source, PlacedRank& rank);
 // its tensors (each with its own DigestKey), or over the tensors named in
 // `only` when it is not empty.
 Digest RankDigest(const PlacedRank& rank, std::span<const std::string> only = {});
+
+// The rank's partial digest of every chunk of the manifest's tensors (those
+// it does not map, or holds none of: zero), over its primary copies; indexed
+// [tensor][chunk] like ChunkDigests. One pass over the rank's elements (at
+// start or join; afterwards ApplyRankFrame's results keep it current).
+ChunkDigestTable RankChunkDigests(const PlacedRank& rank, const DeltaManifest& manifest);
+
+// What ApplyRankFrame did to one rank's elements of a chunk.
+struct RankFrameResult {
+  Digest base, target;    // the rank's partial digests of the chunk, before and after
+  uint64_t held = 0;      // chunk elements its primary copies hold
+  uint64_t written = 0;   // elements written, over all copies (primaries and replicas)
+};
+
+// Applies one frame of `manifest` to the elements of its chunk that `rank`
+// holds (primary copies and replicas), without the other ranks. Checks
+// before writing anything: the frame fits the manifest (tensor, chunk,
+// element and word counts, dtype, delta id) and the rank's map (shape), its
+// payload decodes in full (ChunkApplier::ApplyUnverified; the checksum was
+// checked by ParseFrame), and, for xor/add frames when `expected_base` is
+// given (the rank's tracked partial of the chunk), that the rank's elements
+// are at that digest. Replica-only elements are updated from their own old
+// bits. A rank that maps the tensor but none of the chunk gets held == 0 and
+// nothing written. The partial digests cannot be checked here: the caller
+// adds them up over the engine's ranks (the sum must be the frame's target
+// digest). Cost: O(changes + elements the rank holds of the chunk); scratch
+// grows to one chunk. Errors: kInvalidArgument (the frame does not fit),
+// kDataLoss (corrupt payload), kFailedPrecondition (xor/add frame on
+// elements that are not at `expected_base`; they need an overwrite).
+Result<RankFrameResult> ApplyRankFrame(PlacedRank& rank, const DeltaManifest& manifest, const FrameView& frame,
+                                       std::vector<uint8_t>* scratch, const Digest* expected_base = nullptr);
 
 // Applies one frame of `manifest` to the engine formed by `ranks`; `scratch`
 // is reused between calls (one per thread; it grows to twice a chunk's

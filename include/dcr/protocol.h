@@ -24,6 +24,7 @@
 #include <map>
 #include <string_view>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,7 @@
 
 namespace dcr {
 
+class CompiledLayout;
 class Progress;
 class ThreadPool;
 
@@ -69,11 +71,24 @@ struct CommitRecord {
   static Result<CommitRecord> FromJson(std::string_view json, const std::string& where);
 };
 
+// Which rank of which engine a receiver is (docs/protocol.md, "Engines of
+// several ranks"). ranks == 0: a receiver that holds the whole checkpoint
+// (an engine of one rank, the JSON has no "engine" member).
+struct EngineRank {
+  std::string engine;
+  uint32_t rank = 0, ranks = 0;
+  friend bool operator==(const EngineRank&, const EngineRank&) = default;
+};
+
 struct AckRecord {
   std::string receiver;
   bool ok = true;
-  Digest digest;      // the receiver's whole digest after applying
+  // The receiver's whole digest after applying; for a rank of an engine
+  // (engine.ranks > 0), its partial digest over the canonical elements its
+  // primary copies hold: the engine's ranks must add up to the target.
+  Digest digest;
   std::string error;  // when !ok
+  EngineRank engine;
   std::string ToJson() const;
   static Result<AckRecord> FromJson(std::string_view json, const std::string& where);
 };
@@ -82,6 +97,7 @@ struct ReceiverRecord {
   std::string id, state;  // state: joining, following, applying, retired, stopped
   uint64_t version = 0;   // committed version it holds
   double heartbeat = 0;   // unix seconds
+  EngineRank engine;      // a rank of an engine, or ranks == 0
   std::string ToJson() const;
   static Result<ReceiverRecord> FromJson(std::string_view json, const std::string& where);
 };
@@ -225,6 +241,41 @@ class Publisher {
   PublishOptions options_;
 };
 
+// ---- Publisher from trainer shards -------------------------------------------
+
+// One sender of a trainer: its map (a sender map, docs/layouts.md) and its
+// current shard buffers, indexed like map().buffers. Not owned.
+struct ShardSource {
+  const CompiledLayout* layout = nullptr;
+  std::vector<std::span<const uint8_t>> current;
+};
+
+// Publishes versions v > 0 of a run from trainer shards: every sender
+// projects its shards against its own baseline shards (ProjectSender), each
+// chunk's owner (ChunkOwner) merges the contributions and encodes the chunk's
+// frame (EncodeOwnedChunks); the attempts, acks and commit are the
+// Publisher's. All senders are in this process. The baseline is the senders'
+// shards (not canonical copies), kept as buffer files in
+// `state_dir`/shards/s<K>/ with shards.json naming the run and version; when
+// it is missing or not at v-1 it is rebuilt from the newest snapshot through
+// the maps and the committed deltas (ApplyRankFrame on the sender maps), and
+// checked: the senders' partial digests must add up to v-1's. Version 0 (the
+// snapshot, a canonical checkpoint) is published by Publisher. The senders'
+// maps must cover every tensor of the run exactly once (no residuals yet).
+class ShardPublisher {
+ public:
+  ShardPublisher(Store& store, std::string state_dir, PublishOptions options);
+
+  // Errors: as Publisher::Publish; kInvalidArgument when the maps do not
+  // cover the run's tensors exactly once or the buffers do not fit them.
+  Result<PublishReport> Publish(uint64_t version, std::span<const ShardSource> senders);
+
+ private:
+  Store& store_;
+  std::string state_dir_;
+  PublishOptions options_;
+};
+
 // ---- Follower (receiver) -----------------------------------------------------
 
 struct FollowOptions {
@@ -262,6 +313,38 @@ class Follower {
  private:
   Store& store_;
   std::string target_;
+  FollowOptions options_;
+  uint64_t version_ = 0;
+};
+
+// ---- A rank of an engine (docs/protocol.md, "Engines of several ranks") -------
+
+// Follows the run into one rank's buffers: `layout` is the rank's receiver
+// map, `buffers_dir` holds its buffer files (RankBufferFiles) and its
+// journal (.dcr-rank.json). Each rank of an engine runs its own follower
+// (its own process); each applies every frame to the elements it holds
+// (ApplyRankFrame) and acks its partial digest, and the coordinator counts
+// the engine as acknowledged once all `rank.ranks` ranks have acked and
+// their partials add up to the target. A directory without a journal joins
+// from the newest snapshot (downloaded beside the buffers, loaded through
+// the map, removed). `layout` must outlive Run. options.relay is not used.
+class RankFollower {
+ public:
+  RankFollower(Store& store, const CompiledLayout& layout, std::string buffers_dir, EngineRank rank,
+               FollowOptions options);
+
+  // As Follower::Run. Errors: kInvalidArgument (the map does not fit the
+  // run, or rank.ranks == 0), kFailedPrecondition (the directory belongs to
+  // another run, engine or rank), store errors that are not transient.
+  Status Run(std::optional<uint64_t> until, const std::function<bool()>& stop = {});
+
+  uint64_t version() const { return version_; }
+
+ private:
+  Store& store_;
+  const CompiledLayout& layout_;
+  std::string dir_;
+  EngineRank rank_;
   FollowOptions options_;
   uint64_t version_ = 0;
 };

@@ -904,24 +904,10 @@ Result<bool> ChunkEncoder::Encode(const ChunkInput& in, const EncodeOptions& opt
 
 // ============================================================================
 
-Result<ApplyOutcome> ChunkApplier::Apply(const FrameView& frame, const DigestKey& key, uint64_t first_word,
-                                         std::span<uint8_t> target, const Digest& current, Digest* after) {
+Status ChunkApplier::Decode(const FrameView& frame, std::span<const uint8_t> target, const std::string& where,
+                            uint32_t* count) {
   const FrameHeader& h = frame.header;
-  const std::string where = fmt::format("frame (tensor {}, chunk {})", h.tensor, h.chunk);
   const uint32_t wb = h.word_bytes;
-  if (target.size() != uint64_t{h.words} * wb)
-    return InvalidArgument(fmt::format("{}: covers {} words of {} bytes but the target chunk has {} bytes", where,
-                                       h.words, wb, target.size()));
-  if (current == h.target_digest) {
-    *after = current;
-    return ApplyOutcome::kAlreadyApplied;
-  }
-  if (h.mode != Mode::kOverwrite && current != h.base_digest)
-    return FailedPrecondition(fmt::format(
-        "{}: the target chunk is neither this frame's base nor its target (digest {} , base {}); "
-        "it needs an overwrite frame or a resync from a snapshot",
-        where, current.ToHex(), h.base_digest.ToHex()));
-
   const WordImage image = ImageKind(h.dtype);
   // The changes, decoded with the old and new words and checked against the
   // frame's digest before the target is written.
@@ -1014,6 +1000,60 @@ Result<ApplyOutcome> ChunkApplier::Apply(const FrameView& frame, const DigestKey
       return DataLoss(fmt::format("{}: dense payload holds {} changes, the header says {}", where, n, h.changed));
   }
 
+  *count = n;
+  return Status::Ok();
+}
+
+void ChunkApplier::WriteChanges(uint32_t wb, uint32_t n, std::span<uint8_t> target) const {
+  const uint8_t* changes = changes_.get();
+  WithWordType(wb, [&](auto word) {
+    using U = decltype(word);
+    const auto* c = reinterpret_cast<const Change<U>*>(changes);
+    if constexpr (std::is_same_v<U, uint16_t>) {
+      // Each record in one load: the position, and the new word on top.
+      for (uint32_t i = 0; i < n; ++i) {
+        const uint64_t record = Load<uint64_t>(reinterpret_cast<const uint8_t*>(c + i));
+        Store<uint16_t>(target.data() + (record & 0xFFFFFFFFu) * 2, static_cast<uint16_t>(record >> 48));
+      }
+    } else {
+      for (uint32_t i = 0; i < n; ++i) Store<U>(target.data() + size_t{c[i].position} * sizeof(U), c[i].new_word);
+    }
+  });
+}
+
+Result<uint32_t> ChunkApplier::ApplyUnverified(const FrameView& frame, std::span<uint8_t> target) {
+  const FrameHeader& h = frame.header;
+  const std::string where = fmt::format("frame (tensor {}, chunk {})", h.tensor, h.chunk);
+  if (target.size() != uint64_t{h.words} * h.word_bytes)
+    return InvalidArgument(fmt::format("{}: covers {} words of {} bytes but the target chunk has {} bytes", where,
+                                       h.words, h.word_bytes, target.size()));
+  uint32_t n = 0;
+  DCR_RETURN_IF_ERROR(Decode(frame, target, where, &n));
+  WriteChanges(h.word_bytes, n, target);
+  return n;
+}
+
+Result<ApplyOutcome> ChunkApplier::Apply(const FrameView& frame, const DigestKey& key, uint64_t first_word,
+                                         std::span<uint8_t> target, const Digest& current, Digest* after) {
+  const FrameHeader& h = frame.header;
+  const std::string where = fmt::format("frame (tensor {}, chunk {})", h.tensor, h.chunk);
+  const uint32_t wb = h.word_bytes;
+  if (target.size() != uint64_t{h.words} * wb)
+    return InvalidArgument(fmt::format("{}: covers {} words of {} bytes but the target chunk has {} bytes", where,
+                                       h.words, wb, target.size()));
+  if (current == h.target_digest) {
+    *after = current;
+    return ApplyOutcome::kAlreadyApplied;
+  }
+  if (h.mode != Mode::kOverwrite && current != h.base_digest)
+    return FailedPrecondition(fmt::format(
+        "{}: the target chunk is neither this frame's base nor its target (digest {} , base {}); "
+        "it needs an overwrite frame or a resync from a snapshot",
+        where, current.ToHex(), h.base_digest.ToHex()));
+
+  uint32_t n = 0;
+  DCR_RETURN_IF_ERROR(Decode(frame, target, where, &n));
+  const uint8_t* changes = changes_.get();
   Digest d = current;
   WithWordType(wb, [&](auto word) {
     using U = decltype(word);
@@ -1028,19 +1068,7 @@ Result<ApplyOutcome> ChunkApplier::Apply(const FrameView& frame, const DigestKey
     return DataLoss(fmt::format("{}: decodes to digest {} but the frame promises {}", where, d.ToHex(),
                                 h.target_digest.ToHex()));
   }
-  WithWordType(wb, [&](auto word) {
-    using U = decltype(word);
-    const auto* c = reinterpret_cast<const Change<U>*>(changes);
-    if constexpr (std::is_same_v<U, uint16_t>) {
-      // Each record in one load: the position, and the new word on top.
-      for (uint32_t i = 0; i < n; ++i) {
-        const uint64_t record = Load<uint64_t>(reinterpret_cast<const uint8_t*>(c + i));
-        Store<uint16_t>(target.data() + (record & 0xFFFFFFFFu) * 2, static_cast<uint16_t>(record >> 48));
-      }
-    } else {
-      for (uint32_t i = 0; i < n; ++i) Store<U>(target.data() + size_t{c[i].position} * sizeof(U), c[i].new_word);
-    }
-  });
+  WriteChanges(wb, n, target);
   *after = d;
   return ApplyOutcome::kApplied;
 }

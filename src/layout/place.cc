@@ -84,23 +84,158 @@ Digest RankDigest(const PlacedRank& rank, std::span<const std::string> only) {
   return total;
 }
 
-Result<ApplyOutcome> ApplyEngineFrame(std::span<PlacedRank* const> ranks, const DeltaManifest& manifest,
-                                      const FrameView& frame, std::vector<uint8_t>* scratch) {
-  const FrameHeader& h = frame.header;
+ChunkDigestTable RankChunkDigests(const PlacedRank& rank, const DeltaManifest& manifest) {
+  const CompiledLayout& l = *rank.layout;
+  ChunkDigestTable table(manifest.tensors.size());
+  std::vector<CopyRun> runs;
+  for (size_t t = 0; t < manifest.tensors.size(); ++t) {
+    table[t].assign(manifest.ChunkCount(t), Digest{});
+    const int64_t local = l.FindTensor(manifest.tensors[t].name);
+    if (local < 0) continue;
+    const DigestKey key = MakeDigestKey(manifest.tensors[t].name);
+    const uint64_t eb = l.ElementBytes(static_cast<size_t>(local));
+    const uint64_t numel = manifest.tensors[t].elements, ce = manifest.chunk_elements;
+    for (uint32_t c : l.CopiesOf(static_cast<size_t>(local))) {
+      if (!l.map().copies[c].primary) continue;
+      runs.clear();
+      l.RunsInRange(c, 0, numel, &runs);
+      const uint8_t* src = rank.buffers[l.BufferOf(c)].data();
+      for (const CopyRun& r : runs)
+        for (uint64_t at = r.canonical, end = r.canonical + r.length; at < end;) {
+          const uint64_t chunk = at / ce, stop = std::min(end, (chunk + 1) * ce);
+          table[t][chunk] += DigestBytes(key, at * eb, {src + (r.buffer + at - r.canonical) * eb, (stop - at) * eb});
+          at = stop;
+        }
+    }
+  }
+  return table;
+}
+
+namespace {
+
+// The chunk a frame applies to.
+struct FrameChunk {
+  const DeltaTensor* tensor = nullptr;
+  std::string where;        // "tensor 'x' chunk 3", for errors
+  uint64_t first = 0;       // its first element
+  uint64_t first_word = 0;  // and word
+  uint32_t elements = 0;
+  uint64_t eb = 0;          // bytes per element
+};
+
+// Checks that `frame` is a frame of `manifest` (tensor, chunk, counts, dtype,
+// delta id); fills the chunk's geometry.
+Status CheckFrameFits(const DeltaManifest& manifest, const FrameHeader& h, FrameChunk* fc) {
+  uint64_t words = 0;
+  std::string& where = fc->where;
   if (h.tensor >= manifest.tensors.size())
     return InvalidArgument(fmt::format("frame names tensor {} but the manifest has {}", h.tensor, manifest.tensors.size()));
   const DeltaTensor& tensor = manifest.tensors[h.tensor];
-  const std::string where = fmt::format("tensor '{}' chunk {}", tensor.name, h.chunk);
+  where = fmt::format("tensor '{}' chunk {}", tensor.name, h.chunk);
   if (h.chunk >= manifest.ChunkCount(h.tensor))
     return InvalidArgument(fmt::format("{}: the tensor has only {} chunks", where, manifest.ChunkCount(h.tensor)));
-  uint64_t first_word, words;
-  uint32_t elements;
-  manifest.ChunkWords(h.tensor, h.chunk, &first_word, &words, &elements);
-  const uint64_t first = uint64_t{h.chunk} * manifest.chunk_elements;
-  const uint64_t eb = BitsPerElement(tensor.dtype) / 8;
-  if (eb == 0 || BitsPerElement(tensor.dtype) % 8 != 0)
+  manifest.ChunkWords(h.tensor, h.chunk, &fc->first_word, &words, &fc->elements);
+  if (h.elements != fc->elements || h.words != words || h.dtype != tensor.dtype ||
+      h.first_element != uint64_t{h.chunk} * manifest.chunk_elements)
+    return InvalidArgument(fmt::format("{}: the frame covers {} {} elements ({} words) at {}, the manifest's chunk is {} "
+                                       "{} elements ({} words) at {}",
+                                       where, h.elements, Name(h.dtype), h.words, h.first_element, fc->elements,
+                                       Name(tensor.dtype), words, uint64_t{h.chunk} * manifest.chunk_elements));
+  if (manifest.delta_id != 0 && h.delta_id != manifest.delta_id)
+    return InvalidArgument(fmt::format("{}: the frame belongs to delta {:016x}, not this manifest's {:016x}", where,
+                                       h.delta_id, manifest.delta_id));
+  const uint32_t bits = BitsPerElement(tensor.dtype);
+  if (bits == 0 || bits % 8 != 0)
     return Unimplemented(fmt::format("{}: dtype {} is packed below a byte; it cannot be placed through a map", where,
                                      Name(tensor.dtype)));
+  fc->tensor = &tensor;
+  fc->first = uint64_t{h.chunk} * manifest.chunk_elements;
+  fc->eb = bits / 8;
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<RankFrameResult> ApplyRankFrame(PlacedRank& rank, const DeltaManifest& manifest, const FrameView& frame,
+                                       std::vector<uint8_t>* scratch, const Digest* expected_base) {
+  const FrameHeader& h = frame.header;
+  FrameChunk fc;
+  DCR_RETURN_IF_ERROR(CheckFrameFits(manifest, h, &fc));
+  const DeltaTensor& tensor = *fc.tensor;
+  const uint64_t first = fc.first, eb = fc.eb;
+  const CompiledLayout& l = *rank.layout;
+  RankFrameResult out;
+  const int64_t local = l.FindTensor(tensor.name);
+  if (local < 0) return out;
+  if (l.map().tensors[static_cast<size_t>(local)].shape != tensor.shape)
+    return InvalidArgument(fmt::format("{}: the rank maps it with shape {} but the delta's tensor is {}", fc.where,
+                                       fmt::join(l.map().tensors[static_cast<size_t>(local)].shape, "x"),
+                                       fmt::join(tensor.shape, "x")));
+  DCR_RETURN_IF_ERROR(CheckRankBuffers(l, rank.buffers));
+  const uint64_t chunk_bytes = uint64_t{fc.elements} * eb;
+  if (scratch->size() < chunk_bytes) scratch->resize(chunk_bytes);
+  uint8_t* chunk = scratch->data();
+  // The rank's runs of the chunk: replicas first, so that an element held
+  // both ways is gathered from its primary copy.
+  struct Run {
+    size_t buffer;
+    CopyRun run;
+    bool primary;
+  };
+  std::vector<Run> held;
+  std::vector<CopyRun> runs;
+  for (const bool primary : {false, true})
+    for (uint32_t c : l.CopiesOf(static_cast<size_t>(local))) {
+      if (l.map().copies[c].primary != primary) continue;
+      runs.clear();
+      l.RunsInRange(c, first, fc.elements, &runs);
+      for (const CopyRun& r : runs) held.push_back({l.BufferOf(c), r, primary});
+    }
+  if (held.empty()) return out;
+  const DigestKey key = MakeDigestKey(tensor.name);
+  auto partial = [&] {
+    Digest d;
+    for (const Run& r : held)
+      if (r.primary) d += DigestBytes(key, r.run.canonical * eb, {chunk + (r.run.canonical - first) * eb, r.run.length * eb});
+    return d;
+  };
+  // Gather; the chunk's other fc.elements are left as they are (whatever an
+  // earlier frame left there): their results are never read.
+  for (const Run& r : held) {
+    std::memcpy(chunk + (r.run.canonical - first) * eb, rank.buffers[r.buffer].data() + r.run.buffer * eb,
+                r.run.length * eb);
+    if (r.primary) out.held += r.run.length;
+  }
+  out.base = partial();
+  if (h.mode != Mode::kOverwrite && expected_base != nullptr && out.base != *expected_base)
+    return FailedPrecondition(fmt::format(
+        "{}: this rank's fc.elements of the chunk are not at the digest it tracks (digest {}, tracked {}): they changed "
+        "behind its back or an earlier attempt was partly applied; an overwrite frame repairs them",
+        fc.where, out.base.ToHex(), expected_base->ToHex()));
+  thread_local ChunkApplier applier;
+  DCR_RETURN_IF_ERROR(applier.ApplyUnverified(frame, {chunk, chunk_bytes}).status().WithContext(fc.where));
+  out.target = partial();
+  // Scatter the runs whose bytes differ, to every copy.
+  for (const Run& r : held) {
+    uint8_t* dst = rank.buffers[r.buffer].data() + r.run.buffer * eb;
+    const uint8_t* src = chunk + (r.run.canonical - first) * eb;
+    if (std::memcmp(dst, src, r.run.length * eb) != 0) {
+      std::memcpy(dst, src, r.run.length * eb);
+      out.written += r.run.length;
+    }
+  }
+  return out;
+}
+
+Result<ApplyOutcome> ApplyEngineFrame(std::span<PlacedRank* const> ranks, const DeltaManifest& manifest,
+                                      const FrameView& frame, std::vector<uint8_t>* scratch) {
+  const FrameHeader& h = frame.header;
+  FrameChunk fc;
+  DCR_RETURN_IF_ERROR(CheckFrameFits(manifest, h, &fc));
+  const DeltaTensor& tensor = *fc.tensor;
+  const std::string& where = fc.where;
+  const uint32_t elements = fc.elements;
+  const uint64_t first = fc.first, eb = fc.eb;
   // The scratch holds the chunk and, after it, the chunk as gathered.
   const uint64_t chunk_bytes = uint64_t{elements} * eb;
   if (scratch->size() < 2 * chunk_bytes) scratch->resize(2 * chunk_bytes);
@@ -144,7 +279,7 @@ Result<ApplyOutcome> ApplyEngineFrame(std::span<PlacedRank* const> ranks, const 
   thread_local ChunkApplier applier;  // its scratch is reused between frames
   Digest after;
   DCR_ASSIGN_OR_RETURN(ApplyOutcome outcome,
-                       applier.Apply(frame, key, first_word, {chunk, uint64_t{elements} * eb}, current, &after));
+                       applier.Apply(frame, key, fc.first_word, {chunk, uint64_t{elements} * eb}, current, &after));
   if (outcome == ApplyOutcome::kAlreadyApplied) return outcome;
   // Scatter: every copy, primary or not, of the runs that changed.
   for (size_t k = 0; k < ranks.size(); ++k) {

@@ -70,16 +70,13 @@ std::string DefaultReceiverId() {
 class FollowRun {
  public:
   FollowRun(Store& store, const std::string& target, const FollowOptions& o, uint64_t* version)
-      : store_(store), target_(target), o_(o), version_(*version), version_out_(version) {}
-  ~FollowRun() { StopHeartbeat(); }
+      : store_(store), target_(target), o_(o), version_(*version), version_out_(version),
+        heartbeat_(store, o.id, EngineRank{}, o.heartbeat_every, [this](const std::string& l) { Log(l); }) {}
 
   Status Run(std::optional<uint64_t> until, const std::function<bool()>& stop);
 
  private:
-  void Log(const std::string& line) {
-    if (o_.log) o_.log(line);
-    else std::cerr << "dcr follow [" << o_.id << "] " << line << std::endl;
-  }
+  void Log(const std::string& line) { FollowLog(o_, line); }
   Status Fault(std::string_view point) { return o_.fault ? o_.fault(point) : Status::Ok(); }
   bool Stopped(const std::function<bool()>& stop) { return stop && stop(); }
   void Sleep() { std::this_thread::sleep_for(o_.poll); }
@@ -88,14 +85,12 @@ class FollowRun {
   Status Join(uint64_t at_most, const std::string& why);
   Status OpenTarget();
   Status Commit(uint64_t v);  // the target holds committed v
-  Status SetState(const std::string& state);
+  Status SetState(const std::string& state) { return heartbeat_.Set(state); }
   Status Step();
   void TakeFromRelay(const std::string& prefix);
   void AwaitRelay(const std::string& prefix, const std::vector<std::string>& objects);
   // The objects (and bytes) under `prefix` in prefetched_ that the relay delivered.
   std::pair<size_t, uint64_t> Relayed(const std::string& prefix) const;
-  void StartHeartbeat();
-  void StopHeartbeat();
 
   Store& store_;
   const std::string& target_;
@@ -113,49 +108,8 @@ class FollowRun {
   std::map<std::string, std::string> prefetched_;
   std::set<std::string> from_relay_;  // keys in prefetched_ that the relay delivered
 
-  std::mutex mu_;
-  std::string state_ = "joining";
-  std::atomic<bool> heartbeat_stop_{false};
-  std::thread heartbeat_;
+  Heartbeat heartbeat_;
 };
-
-Status FollowRun::SetState(const std::string& state) {
-  ReceiverRecord r;
-  {
-    std::lock_guard lock(mu_);
-    state_ = state;
-    r.state = state_;
-    r.version = version_;
-  }
-  r.id = o_.id;
-  r.heartbeat = UnixNow();
-  return store_.Put(run_keys::Receiver(o_.id), r.ToJson());
-}
-
-void FollowRun::StartHeartbeat() {
-  heartbeat_ = std::thread([this] {
-    auto next = std::chrono::steady_clock::now();
-    while (!heartbeat_stop_.load()) {
-      if (std::chrono::steady_clock::now() >= next) {
-        ReceiverRecord r{o_.id, "", 0, UnixNow()};
-        {
-          std::lock_guard lock(mu_);
-          r.state = state_;
-          r.version = version_;
-        }
-        if (Status s = store_.Put(run_keys::Receiver(o_.id), r.ToJson()); !s.ok()) Log("heartbeat: " + s.ToString());
-        next = std::chrono::steady_clock::now() + o_.heartbeat_every;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-  });
-}
-
-void FollowRun::StopHeartbeat() {
-  if (!heartbeat_.joinable()) return;
-  heartbeat_stop_ = true;
-  heartbeat_.join();
-}
 
 Status FollowRun::OpenTarget() {
   ckpt_.reset();
@@ -167,10 +121,8 @@ Status FollowRun::OpenTarget() {
 }
 
 Status FollowRun::Commit(uint64_t v) {
-  {
-    std::lock_guard lock(mu_);
-    version_ = v;
-  }
+  version_ = v;
+  heartbeat_.SetVersion(v);
   *version_out_ = v;
   prefetched_.clear();
   from_relay_.clear();
@@ -238,6 +190,7 @@ Status FollowRun::Start(const std::function<bool()>& stop) {
   journal_ = *journal;
   journal_.receiver = o_.id;
   version_ = journal_.version;
+  heartbeat_.SetVersion(version_);
   *version_out_ = version_;
   if (journal_.attempt == kJoining) return Join(*state.latest, "restarted while joining");
   if (!HoldsCheckpoint(target_)) return Join(*state.latest, "the journal's checkpoint is missing");
@@ -255,34 +208,9 @@ Status FollowRun::Start(const std::function<bool()>& stop) {
 }
 
 Status FollowRun::Run(std::optional<uint64_t> until, const std::function<bool()>& stop) {
-  // Store failures that outlast the driver's retries are waited out here:
-  // a receiver keeps its place and tries again.
-  for (;;) {
-    Status s = Start(stop);
-    if (s.ok()) break;
-    if (!Transient(s) || Stopped(stop)) return s;
-    Log("store unavailable, retrying: " + s.ToString());
-    Sleep();
-  }
-  StartHeartbeat();
-  SetState("following").IgnoreError();
-  while (!(until && version_ >= *until) && !Stopped(stop)) {
-    Status s = Step();
-    if (s.ok()) continue;
-    if (!Transient(s)) return s;
-    Log("store unavailable, retrying: " + s.ToString());
-    Sleep();
-  }
-  StopHeartbeat();
-  // Best effort: the target is consistent whatever the store says, and a
-  // receiver whose record stays "following" only goes stale.
-  Status s = SetState("stopped");
-  for (int tries = 1; Transient(s) && tries < 5; ++tries) {
-    Sleep();
-    s = SetState("stopped");
-  }
-  if (!s.ok()) Log("could not record the stop: " + s.ToString());
-  return Status::Ok();
+  return FollowLoop(
+      heartbeat_, o_, [&] { return Start(stop); }, [&] { return Step(); },
+      [&] { return until && version_ >= *until; }, stop, [this](const std::string& l) { Log(l); });
 }
 
 void FollowRun::TakeFromRelay(const std::string& prefix) {

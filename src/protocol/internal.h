@@ -1,8 +1,13 @@
 // Helpers shared by the publisher, the follower and GC. Not public API.
 #pragma once
 
+#include <atomic>
+#include <chrono>
+#include <functional>
 #include <map>
+#include <mutex>
 #include <optional>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -64,5 +69,41 @@ Status CheckFreeSpace(const std::string& dir, uint64_t need, std::string_view wh
 Status NoSpace(const std::string& dir, uint64_t need, std::string_view what,
                std::optional<uint64_t> available = std::nullopt);
 bool IsNoSpace(int err);
+
+// A receiver's record receivers/<id>.json: written now by Set, and every
+// `every` by a thread between Start and Stop (the destructor stops it).
+class Heartbeat {
+ public:
+  Heartbeat(Store& store, std::string id, EngineRank engine, std::chrono::milliseconds every,
+            std::function<void(const std::string&)> log);
+  ~Heartbeat() { Stop(); }
+  Status Set(const std::string& state);  // records the state now
+  void SetVersion(uint64_t v);           // the next record's version
+  void Start();
+  void Stop();
+
+ private:
+  ReceiverRecord Record();
+  Store& store_;
+  const std::string id_;
+  const EngineRank engine_;
+  const std::chrono::milliseconds every_;
+  const std::function<void(const std::string&)> log_;
+  std::mutex mu_;
+  std::string state_ = "joining";
+  uint64_t version_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+// A follower's progress line: to o.log, or stderr with its id.
+void FollowLog(const FollowOptions& o, const std::string& line);
+
+// A follower's outer loop: `start` (store failures that outlast the driver's
+// retries are waited out), then heartbeats and `step` until `done` or
+// `stop`; records "stopped" at the end (best effort).
+Status FollowLoop(Heartbeat& heartbeat, const FollowOptions& o, const std::function<Status()>& start,
+                  const std::function<Status()>& step, const std::function<bool()>& done,
+                  const std::function<bool()>& stop, const std::function<void(const std::string&)>& log);
 
 }  // namespace dcr::protocol_internal

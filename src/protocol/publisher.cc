@@ -16,6 +16,7 @@
 #include <set>
 #include <thread>
 
+#include "dcr/layout_apply.h"
 #include "dcr/progress.h"
 #include "internal.h"
 
@@ -140,6 +141,14 @@ std::string RandomHex(int digits) {
   return fmt::format("{:0{}x}", x & ((digits >= 16) ? ~0ull : ((1ull << (4 * digits)) - 1)), digits);
 }
 
+// The id and class of a version's attempt number `seq`: the first is xor
+// class; every retry (and a version someone already tried) is overwrite,
+// which repairs receivers whatever part of a failed attempt they applied.
+std::string NextAttempt(size_t seq, DeltaClass* cls) {
+  *cls = seq == 0 ? DeltaClass::kXorClass : DeltaClass::kOverwrite;
+  return fmt::format("{:04}-{}", seq, RandomHex(8));
+}
+
 Status Fault(const PublishOptions& o, std::string_view point) { return o.fault ? o.fault(point) : Status::Ok(); }
 
 // Copies the bytes of `chunks` from `next` into `baseline` (same layout).
@@ -174,6 +183,7 @@ class PublishRun {
 
   Result<PublishReport> PublishSnapshot(const Checkpoint& next);
   Result<PublishReport> PublishDelta(uint64_t v, const Checkpoint& next, const RunRecord& run);
+  Result<PublishReport> PublishShards(uint64_t v, std::span<const ShardSource> senders, const RunRecord& run);
 
  private:
   struct AttemptResult {
@@ -185,13 +195,24 @@ class PublishRun {
                                    const DeltaManifest& layout, const ChunkDigestTable& base_digests,
                                    PublishReport* report, DeltaManifest* manifest_out,
                                    ChunkDigestTable* target_digests_out);
+  // Waits for the acks of attempt `id` (manifest `m`, written), then commits.
+  Result<AttemptResult> AwaitAcksAndCommit(uint64_t v, const std::string& id, DeltaManifest m, PublishReport* report,
+                                           DeltaManifest* manifest_out);
   Status Fence(uint64_t v, const std::string& id, const Status& why);
+  // After attempt `id`: true when it committed; false when it failed and was
+  // fenced (`*last_failure` says why: retry); an error that retrying cannot
+  // help (another coordinator's bits, a wrong version or baseline).
+  Result<bool> Settle(uint64_t v, const std::string& id, Result<AttemptResult> result, Status* last_failure);
   Status CatchUpBaseline(Checkpoint& baseline, uint64_t from, uint64_t to, ChunkDigestTable* digests);
   // Opens the baseline (recorded at version `at`), catches it up to `want`
   // and checks its digest.
   Status LoadBaseline(uint64_t at, const CommitRecord& want, const RunRecord& run, const DeltaManifest& layout,
                       std::optional<Checkpoint>* out, ChunkDigestTable* digests);
   Status RebuildBaseline(const CommitRecord& want, const RunRecord& run, const DeltaManifest& layout);
+  // The senders' baseline shards at committed version `want`: opened from
+  // state_dir/shards, or rebuilt from the newest snapshot and committed deltas.
+  Result<std::vector<RankBufferFiles>> ShardBaseline(std::span<const ShardSource> senders, const CommitRecord& want,
+                                                     const RunRecord& run);
 
   Store& store_;
   const std::string& state_dir_;
@@ -275,6 +296,25 @@ Result<PublishReport> PublishRun::PublishSnapshot(const Checkpoint& next) {
   report.attempts = 1;
   report.total_seconds = Seconds(start);
   return report;
+}
+
+Result<bool> PublishRun::Settle(uint64_t v, const std::string& id, Result<AttemptResult> result,
+                                Status* last_failure) {
+  if (!result.ok()) {
+    // The store or this process failed mid-attempt; fence it (best effort) and retry.
+    *last_failure = result.status();
+    Fence(v, id, *last_failure).IgnoreError();
+    const Code code = last_failure->code();
+    if (code == Code::kAlreadyExists || code == Code::kFailedPrecondition)
+      return *last_failure;
+    return false;
+  }
+  if (!result->committed) {
+    *last_failure = result->failure;
+    DCR_RETURN_IF_ERROR(Fence(v, id, *last_failure));
+    return false;
+  }
+  return true;
 }
 
 Status PublishRun::Fence(uint64_t v, const std::string& id, const Status& why) {
@@ -395,29 +435,16 @@ Result<PublishReport> PublishRun::PublishDelta(uint64_t v, const Checkpoint& nex
   DCR_ASSIGN_OR_RETURN(auto prior, ListAttempts(store_, v));
   Status last_failure;
   for (uint32_t n = 0; n < std::max<uint32_t>(o_.max_attempts, 1); ++n) {
-    const uint32_t seq = static_cast<uint32_t>(prior.size()) + n;
-    // The first attempt of a version is xor class; every retry (and a
-    // version someone already tried) is overwrite, which repairs receivers
-    // whatever part of a failed attempt they applied.
-    const DeltaClass cls = seq == 0 ? DeltaClass::kXorClass : DeltaClass::kOverwrite;
-    const std::string id = fmt::format("{:04}-{}", seq, RandomHex(8));
+    DeltaClass cls;
+    const std::string id = NextAttempt(prior.size() + n, &cls);
     DeltaManifest manifest;
     ChunkDigestTable target_digests;
-    auto result = RunAttempt(v, id, cls, baseline, next, layout, base_digests, &report, &manifest, &target_digests);
     ++report.attempts;
-    if (!result.ok()) {
-      // The store or this process failed mid-attempt; fence it (best effort) and retry.
-      last_failure = result.status();
-      Fence(v, id, last_failure).IgnoreError();
-      if (last_failure.code() == Code::kAlreadyExists || last_failure.code() == Code::kFailedPrecondition)
-        return last_failure;
-      continue;
-    }
-    if (!result->committed) {
-      last_failure = result->failure;
-      DCR_RETURN_IF_ERROR(Fence(v, id, last_failure));
-      continue;
-    }
+    DCR_ASSIGN_OR_RETURN(
+        bool committed,
+        Settle(v, id, RunAttempt(v, id, cls, baseline, next, layout, base_digests, &report, &manifest, &target_digests),
+               &last_failure));
+    if (!committed) continue;
     // Committed: advance the baseline to v (copy the changed chunks). A
     // crash here leaves the baseline at v-1; the next publish catches it up.
     DCR_RETURN_IF_ERROR(Fault(o_, "committed"));
@@ -565,69 +592,20 @@ class SegmentedFrameWriter {
 
 }  // namespace
 
-Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::string& id, DeltaClass cls,
-                                                         const Checkpoint& baseline, const Checkpoint& next, const DeltaManifest& layout,
-                                                         const ChunkDigestTable& base_digests, PublishReport* report,
-                                                         DeltaManifest* manifest_out,
-                                                         ChunkDigestTable* target_digests_out) {
+Result<PublishRun::AttemptResult> PublishRun::AwaitAcksAndCommit(uint64_t v, const std::string& id, DeltaManifest m,
+                                                                 PublishReport* report, DeltaManifest* manifest_out) {
   const std::string prefix = run_keys::Attempt(v, id);
-  nlohmann::json attempt_doc = {{"format", "dcr-attempt"},
-                                {"version", v},
-                                {"class", cls == DeltaClass::kXorClass ? "xor" : "overwrite"},
-                                {"coordinator", o_.coordinator_id},
-                                {"time", UnixNow()}};
-  DCR_RETURN_IF_ERROR(store_.Put(prefix + "attempt.json", attempt_doc.dump(1) + "\n", WriteMode::kCreateIfAbsent));
-
-  // Senders: each encodes the chunks it owns, streaming frames into its object.
-  const auto encode_start = Clock::now();
-  DeltaOptions options = o_.delta;
-  options.encode.delta_class = cls;
-  options.chunk_elements = layout.chunk_elements;
-  DeltaManifest m = layout;
-  m.delta_class = cls;
-  m.delta_id = std::strtoull(RandomHex(16).c_str(), nullptr, 16) | 1;
-  const auto plan = PlanOwnership(layout, o_.senders);
-  const uint64_t segment_bytes =
-      o_.segment_bytes ? o_.segment_bytes : std::clamp<uint64_t>(next.total_bytes() / 4096, 256 << 10, 16 << 20);
-  std::vector<Digest> all_base, all_target;
-  for (uint32_t k = 0; k < plan.size(); ++k) {
-    std::vector<Digest> tracked;
-    for (const auto& c : plan[k]) tracked.push_back(base_digests[c.tensor][c.chunk]);
-    SegmentedFrameWriter segments(store_, prefix, k, segment_bytes, o_.relay);
-    DCR_ASSIGN_OR_RETURN(EncodedFrames encoded,
-                         EncodeFrames(baseline, next, m, plan[k], options.encode,
-                                      [&](std::string_view frame) { return segments.Write(frame); }, &tracked,
-                                      progress_));
-    DCR_RETURN_IF_ERROR(segments.Close());
-    const uint32_t first_object = static_cast<uint32_t>(m.objects.size());
-    for (auto& f : encoded.frames) {
-      segments.Locate(&f);
-      f.object += first_object;
-      m.frames.push_back(f);
-    }
-    m.objects.insert(m.objects.end(), segments.names().begin(), segments.names().end());
-    all_base.insert(all_base.end(), encoded.base_digests.begin(), encoded.base_digests.end());
-    all_target.insert(all_target.end(), encoded.target_digests.begin(), encoded.target_digests.end());
-  }
-  FinishDelta(m, all_base, all_target);
-  // The plan's runs are in (tensor, chunk) order, so all_target is too.
-  target_digests_out->assign(m.tensors.size(), {});
-  for (size_t t = 0, i = 0; t < m.tensors.size(); ++t)
-    for (uint64_t c = 0; c < m.ChunkCount(t); ++c) (*target_digests_out)[t].push_back(all_target.at(i++));
-  report->encode_seconds += Seconds(encode_start);
-  report->attempt = id;
-  report->frame_bytes = m.frame_bytes;
-  report->payload_bytes = m.payload_bytes;
-  report->changed_words = m.changed_words;
-  DCR_RETURN_IF_ERROR(Fault(o_, "frames-written"));
-  DCR_RETURN_IF_ERROR(store_.Put(prefix + std::string(kManifestFileName), m.ToJson(), WriteMode::kCreateIfAbsent));
-  DCR_RETURN_IF_ERROR(Fault(o_, "manifest-written"));
-
   // Wait for every live receiver's ack; retire the silent ones at the deadline.
   const auto wait_start = Clock::now();
   const auto deadline = wait_start + o_.ack_timeout;
   std::set<std::string> acked, retired, from_tree;
   std::map<std::string, bool> seen;  // ack key -> parsed
+  struct EngineAcks {
+    std::vector<std::optional<std::string>> ranks;  // receiver id per rank, once acked
+    size_t acked = 0;
+    Digest sum;  // of the acked ranks' partial digests
+  };
+  std::map<std::string, EngineAcks> engines;
   std::optional<Status> refused;     // a receiver failed, or acked other bits
   std::vector<std::string> waiting;  // live receivers that have not acked
   bool committed = false;            // commits/v exists (another coordinator, or a lost response)
@@ -637,6 +615,34 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
     if (refused) return;
     if (!ack.ok) {
       refused = Aborted(fmt::format("receiver {} failed: {}", ack.receiver, ack.error));
+      return;
+    }
+    if (ack.engine.ranks > 0) {
+      // A rank of an engine (acks from the store only: rank followers do not
+      // use the tree): acked once all ranks have, with partial digests that
+      // add up to the target.
+      EngineAcks& e = engines[ack.engine.engine];
+      if (e.ranks.empty()) e.ranks.resize(ack.engine.ranks);
+      if (e.ranks.size() != ack.engine.ranks || e.ranks[ack.engine.rank]) {
+        refused = Aborted(fmt::format("engine {}: receiver {} acked as rank {} of {}, which another ack of the engine "
+                                      "contradicts (rank count {}, or that rank already acked); give each rank of "
+                                      "an engine its own --rank and the same rank count",
+                                      ack.engine.engine, ack.receiver, ack.engine.rank, ack.engine.ranks,
+                                      e.ranks.size()));
+        return;
+      }
+      e.ranks[ack.engine.rank] = ack.receiver;
+      e.sum += ack.digest;
+      if (++e.acked < e.ranks.size()) return;
+      if (e.sum != m.target_digest) {
+        refused = Aborted(fmt::format("engine {}: its {} ranks' partial digests add up to {}, not the target {}",
+                                      ack.engine.engine, e.ranks.size(), e.sum.ToHex(), m.target_digest.ToHex()));
+        return;
+      }
+      for (const auto& rank_id : e.ranks) {
+        acked.insert(*rank_id);
+        std::erase(waiting, *rank_id);
+      }
       return;
     }
     if (ack.digest != m.target_digest) {
@@ -754,7 +760,256 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
   return AttemptResult{true, Status::Ok()};
 }
 
+Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::string& id, DeltaClass cls,
+                                                         const Checkpoint& baseline, const Checkpoint& next, const DeltaManifest& layout,
+                                                         const ChunkDigestTable& base_digests, PublishReport* report,
+                                                         DeltaManifest* manifest_out,
+                                                         ChunkDigestTable* target_digests_out) {
+  const std::string prefix = run_keys::Attempt(v, id);
+  nlohmann::json attempt_doc = {{"format", "dcr-attempt"},
+                                {"version", v},
+                                {"class", cls == DeltaClass::kXorClass ? "xor" : "overwrite"},
+                                {"coordinator", o_.coordinator_id},
+                                {"time", UnixNow()}};
+  DCR_RETURN_IF_ERROR(store_.Put(prefix + "attempt.json", attempt_doc.dump(1) + "\n", WriteMode::kCreateIfAbsent));
+
+  // Senders: each encodes the chunks it owns, streaming frames into its object.
+  const auto encode_start = Clock::now();
+  DeltaOptions options = o_.delta;
+  options.encode.delta_class = cls;
+  options.chunk_elements = layout.chunk_elements;
+  DeltaManifest m = layout;
+  m.delta_class = cls;
+  m.delta_id = std::strtoull(RandomHex(16).c_str(), nullptr, 16) | 1;
+  const auto plan = PlanOwnership(layout, o_.senders);
+  const uint64_t segment_bytes =
+      o_.segment_bytes ? o_.segment_bytes : std::clamp<uint64_t>(next.total_bytes() / 4096, 256 << 10, 16 << 20);
+  std::vector<Digest> all_base, all_target;
+  for (uint32_t k = 0; k < plan.size(); ++k) {
+    std::vector<Digest> tracked;
+    for (const auto& c : plan[k]) tracked.push_back(base_digests[c.tensor][c.chunk]);
+    SegmentedFrameWriter segments(store_, prefix, k, segment_bytes, o_.relay);
+    DCR_ASSIGN_OR_RETURN(EncodedFrames encoded,
+                         EncodeFrames(baseline, next, m, plan[k], options.encode,
+                                      [&](std::string_view frame) { return segments.Write(frame); }, &tracked,
+                                      progress_));
+    DCR_RETURN_IF_ERROR(segments.Close());
+    const uint32_t first_object = static_cast<uint32_t>(m.objects.size());
+    for (auto& f : encoded.frames) {
+      segments.Locate(&f);
+      f.object += first_object;
+      m.frames.push_back(f);
+    }
+    m.objects.insert(m.objects.end(), segments.names().begin(), segments.names().end());
+    all_base.insert(all_base.end(), encoded.base_digests.begin(), encoded.base_digests.end());
+    all_target.insert(all_target.end(), encoded.target_digests.begin(), encoded.target_digests.end());
+  }
+  FinishDelta(m, all_base, all_target);
+  // The plan's runs are in (tensor, chunk) order, so all_target is too.
+  target_digests_out->assign(m.tensors.size(), {});
+  for (size_t t = 0, i = 0; t < m.tensors.size(); ++t)
+    for (uint64_t c = 0; c < m.ChunkCount(t); ++c) (*target_digests_out)[t].push_back(all_target.at(i++));
+  report->encode_seconds += Seconds(encode_start);
+  report->attempt = id;
+  report->frame_bytes = m.frame_bytes;
+  report->payload_bytes = m.payload_bytes;
+  report->changed_words = m.changed_words;
+  DCR_RETURN_IF_ERROR(Fault(o_, "frames-written"));
+  DCR_RETURN_IF_ERROR(store_.Put(prefix + std::string(kManifestFileName), m.ToJson(), WriteMode::kCreateIfAbsent));
+  DCR_RETURN_IF_ERROR(Fault(o_, "manifest-written"));
+
+  return AwaitAcksAndCommit(v, id, std::move(m), report, manifest_out);
+}
+
 }  // namespace
+
+namespace {
+
+std::string ShardsDir(const std::string& state_dir) { return (fs::path(state_dir) / "shards").string(); }
+std::string ShardDir(const std::string& state_dir, size_t k) {
+  return (fs::path(ShardsDir(state_dir)) / fmt::format("s{}", k)).string();
+}
+std::string ShardsRecord(const std::string& state_dir) { return (fs::path(state_dir) / "shards.json").string(); }
+
+std::vector<TensorInfo> RunTensorInfos(const RunRecord& run) {
+  std::vector<TensorInfo> out;
+  for (const DeltaTensor& t : run.tensors)
+    out.push_back({t.name, t.dtype, t.shape, t.elements, t.elements * BitsPerElement(t.dtype) / 8});
+  return out;
+}
+
+Digest SendersDigest(std::vector<RankBufferFiles>& files) {
+  Digest d;
+  for (RankBufferFiles& f : files) d += RankDigest(f.placed());
+  return d;
+}
+
+}  // namespace
+
+Result<std::vector<RankBufferFiles>> PublishRun::ShardBaseline(std::span<const ShardSource> senders,
+                                                                const CommitRecord& want, const RunRecord& run) {
+  std::vector<RankBufferFiles> files;
+  // The recorded baseline, if it is at the version.
+  if (auto f = MappedFile::Open(ShardsRecord(state_dir_), false); f.ok()) {
+    auto doc = nlohmann::json::parse(f->data().begin(), f->data().end(), nullptr, false);
+    if (!doc.is_discarded() && doc.is_object() && doc.value("run_id", "") == run.run_id &&
+        doc["version"].is_number_unsigned() && doc["version"].get<uint64_t>() == want.version &&
+        doc["senders"].is_number_unsigned() && doc["senders"].get<uint64_t>() == senders.size()) {
+      for (size_t k = 0; k < senders.size(); ++k) {
+        auto opened = RankBufferFiles::Open(*senders[k].layout, ShardDir(state_dir_, k));
+        if (!opened.ok()) break;
+        files.push_back(std::move(*opened));
+      }
+      if (files.size() == senders.size() && SendersDigest(files) == want.target_digest) return files;
+    }
+  }
+  // Rebuilt: the newest snapshot through the maps, then the committed deltas.
+  files.clear();
+  std::error_code ec;
+  fs::remove(ShardsRecord(state_dir_), ec);
+  fs::remove_all(ShardsDir(state_dir_), ec);
+  DCR_ASSIGN_OR_RETURN(SnapshotRecord snap, NewestSnapshot(store_, want.version));
+  const std::string tmp = (fs::path(state_dir_) / "shards.snapshot").string();
+  fs::remove_all(tmp, ec);
+  DCR_RETURN_IF_ERROR(DownloadSnapshot(store_, snap, tmp, nullptr));
+  {
+    DCR_ASSIGN_OR_RETURN(Checkpoint ckpt, Checkpoint::Open(tmp));
+    DCR_RETURN_IF_ERROR(CheckRunTensors(ckpt, run));
+    for (size_t k = 0; k < senders.size(); ++k) {
+      DCR_ASSIGN_OR_RETURN(RankBufferFiles f, RankBufferFiles::Create(*senders[k].layout, ShardDir(state_dir_, k)));
+      PlacedRank placed = f.placed();
+      DCR_RETURN_IF_ERROR(LoadDense(CheckpointBytes(ckpt), placed));
+      files.push_back(std::move(f));
+    }
+  }
+  fs::remove_all(tmp, ec);
+  std::vector<uint8_t> scratch;
+  for (uint64_t v = snap.version + 1; v <= want.version; ++v) {
+    DCR_ASSIGN_OR_RETURN(CommitRecord c, ReadCommit(store_, v));
+    DCR_ASSIGN_OR_RETURN(DeltaReader delta, LoadAttempt(store_, v, c.attempt));
+    for (size_t i = 0; i < delta.manifest().frames.size(); ++i) {
+      DCR_ASSIGN_OR_RETURN(FrameView frame, delta.Frame(i));
+      for (RankBufferFiles& f : files) {
+        PlacedRank placed = f.placed();
+        DCR_RETURN_IF_ERROR(ApplyRankFrame(placed, delta.manifest(), frame, &scratch).status());
+      }
+    }
+  }
+  if (SendersDigest(files) != want.target_digest)
+    return DataLoss(fmt::format("{}: the senders' shards rebuilt from the snapshot of version {} and the committed "
+                                "deltas do not add up to version {}'s digest",
+                                store_.url(), snap.version, want.version));
+  return files;
+}
+
+Result<PublishReport> PublishRun::PublishShards(uint64_t v, std::span<const ShardSource> senders, const RunRecord& run) {
+  const auto start = Clock::now();
+  PublishReport report;
+  report.version = v;
+  const std::vector<TensorInfo> infos = RunTensorInfos(run);
+  std::vector<const CompiledLayout*> maps;
+  for (const ShardSource& s : senders) maps.push_back(s.layout);
+  std::vector<std::string> unmapped;
+  DCR_RETURN_IF_ERROR(ValidateEngine(maps, infos, &unmapped).WithContext("the senders' maps"));
+  if (!unmapped.empty())
+    return InvalidArgument(fmt::format("no sender maps tensor '{}' ({} unmapped); residual tensors are not published "
+                                       "from shards yet",
+                                       unmapped.front(), unmapped.size()));
+  for (const DeltaTensor& t : run.tensors) report.total_bytes += t.elements * BitsPerElement(t.dtype) / 8;
+  DCR_ASSIGN_OR_RETURN(CommitRecord base_commit, ReadCommit(store_, v - 1));
+  DCR_ASSIGN_OR_RETURN(std::vector<RankBufferFiles> baseline, ShardBaseline(senders, base_commit, run));
+  DCR_ASSIGN_OR_RETURN(auto prior, ListAttempts(store_, v));
+  Status last_failure;
+  for (uint32_t n = 0; n < std::max<uint32_t>(o_.max_attempts, 1); ++n) {
+    DeltaClass cls;
+    const std::string id = NextAttempt(prior.size() + n, &cls);
+    const std::string prefix = run_keys::Attempt(v, id);
+    auto attempt = [&]() -> Result<AttemptResult> {
+      nlohmann::json attempt_doc = {{"format", "dcr-attempt"}, {"version", v},
+                                    {"class", cls == DeltaClass::kXorClass ? "xor" : "overwrite"},
+                                    {"coordinator", o_.coordinator_id}, {"time", UnixNow()}};
+      DCR_RETURN_IF_ERROR(store_.Put(prefix + "attempt.json", attempt_doc.dump(1) + "\n", WriteMode::kCreateIfAbsent));
+      const auto encode_start = Clock::now();
+      DeltaOptions options = o_.delta;
+      options.encode.delta_class = cls;
+      options.chunk_elements = run.chunk_elements;
+      options.delta_id = std::strtoull(RandomHex(16).c_str(), nullptr, 16) | 1;
+      DeltaManifest m = StartLayoutDelta(infos, options);
+      // Every sender projects; each contribution goes to its chunk's owner.
+      std::map<uint32_t, std::vector<ChunkContribution>> to_owner;
+      for (uint32_t k = 0; k < senders.size(); ++k) {
+        PlacedRank base = baseline[k].placed();
+        SenderRank rank{senders[k].layout, {}, senders[k].current};
+        for (auto b : base.buffers) rank.baseline.push_back(b);
+        DCR_ASSIGN_OR_RETURN(auto contributions, ProjectSender(rank, k, m));
+        for (ChunkContribution& c : contributions) {
+          DCR_ASSIGN_OR_RETURN(uint32_t owner, ChunkOwner(maps, m, c.tensor, c.chunk));
+          to_owner[owner].push_back(std::move(c));
+        }
+      }
+      std::vector<OwnedFrames> owned;
+      for (auto& [owner, records] : to_owner) {
+        DCR_ASSIGN_OR_RETURN(OwnedFrames frames, EncodeOwnedChunks(m, records, options.encode));
+        owned.push_back(std::move(frames));
+      }
+      DCR_ASSIGN_OR_RETURN(std::string bytes, AssembleLayoutDelta(m, owned));
+      m.objects = {"frames/s0-0000.bin"};
+      DCR_RETURN_IF_ERROR(store_.Put(prefix + m.objects[0], bytes));
+      if (o_.relay) o_.relay->Object(prefix + m.objects[0], bytes);
+      report.encode_seconds += Seconds(encode_start);
+      report.attempt = id;
+      report.frame_bytes = m.frame_bytes;
+      report.payload_bytes = m.payload_bytes;
+      report.changed_words = m.changed_words;
+      DCR_RETURN_IF_ERROR(Fault(o_, "frames-written"));
+      DCR_RETURN_IF_ERROR(store_.Put(prefix + std::string(kManifestFileName), m.ToJson(), WriteMode::kCreateIfAbsent));
+      DCR_RETURN_IF_ERROR(Fault(o_, "manifest-written"));
+      DeltaManifest committed;
+      return AwaitAcksAndCommit(v, id, std::move(m), &report, &committed);
+    };
+    ++report.attempts;
+    DCR_ASSIGN_OR_RETURN(bool committed, Settle(v, id, attempt(), &last_failure));
+    if (!committed) continue;
+    // Committed: the baseline shards become the current ones, then the record.
+    DCR_RETURN_IF_ERROR(Fault(o_, "committed"));
+    std::error_code ec;
+    fs::remove(ShardsRecord(state_dir_), ec);
+    for (size_t k = 0; k < senders.size(); ++k) {
+      PlacedRank base = baseline[k].placed();
+      for (size_t b = 0; b < base.buffers.size(); ++b)
+        std::copy(senders[k].current[b].begin(), senders[k].current[b].end(), base.buffers[b].begin());
+    }
+    nlohmann::json doc = {{"run_id", run.run_id}, {"version", v}, {"senders", senders.size()}};
+    DCR_RETURN_IF_ERROR(WriteFileAtomically(ShardsRecord(state_dir_), doc.dump(1) + "\n"));
+    CollectGarbage(store_, o_.keep_versions, o_.heartbeat_timeout).IgnoreError();
+    report.total_seconds = Seconds(start);
+    return report;
+  }
+  return Aborted(fmt::format("version {} was not committed after {} attempts; last failure: {}", v, report.attempts,
+                             last_failure.ToString()));
+}
+
+ShardPublisher::ShardPublisher(Store& store, std::string state_dir, PublishOptions options)
+    : store_(store), state_dir_(std::move(state_dir)), options_(std::move(options)) {
+  if (options_.coordinator_id.empty()) options_.coordinator_id = DefaultId();
+}
+
+Result<PublishReport> ShardPublisher::Publish(uint64_t version, std::span<const ShardSource> senders) {
+  if (version == 0)
+    return FailedPrecondition("version 0 is the run's snapshot, a canonical checkpoint: publish it with dcr publish");
+  if (senders.empty()) return InvalidArgument("no senders given");
+  DCR_ASSIGN_OR_RETURN(RunState state, ReadRunState(store_));
+  if (!state.run) return FailedPrecondition(fmt::format("{} holds no run; publish version 0 first", store_.url()));
+  if (!state.latest || *state.latest != version - 1)
+    return FailedPrecondition(fmt::format("the newest committed version is {}; publish version {}",
+                                          state.latest ? std::to_string(*state.latest) : "none",
+                                          state.latest ? *state.latest + 1 : 0));
+  std::error_code ec;
+  fs::create_directories(state_dir_, ec);
+  if (ec) return ErrnoError(ec.value(), "cannot create " + state_dir_);
+  PublishRun run(store_, state_dir_, options_, nullptr);
+  return run.PublishShards(version, senders, *state.run);
+}
 
 Result<PublishReport> Publisher::Publish(uint64_t version, const Checkpoint& next, Progress* progress) {
   PublishRun run(store_, state_dir_, options_, progress);

@@ -73,6 +73,27 @@ Result<std::vector<std::string>> Strs(const json& o, const char* key, const std:
 
 std::string Dump(const json& doc) { return doc.dump(1, ' ', false, json::error_handler_t::replace) + "\n"; }
 
+
+// The optional "engine" member of acks and receiver records: {"id", "rank", "ranks"}.
+void PutEngine(json& doc, const EngineRank& e) {
+  if (e.ranks == 0) return;
+  doc["engine"] = {{"id", e.engine}, {"rank", e.rank}, {"ranks", e.ranks}};
+}
+Result<EngineRank> GetEngine(const json& doc, const std::string& where) {
+  EngineRank e;
+  auto it = doc.find("engine");
+  if (it == doc.end()) return e;
+  if (!it->is_object()) return Bad(where, "'engine' must be an object {id, rank, ranks}");
+  DCR_ASSIGN_OR_RETURN(e.engine, Str(*it, "id", where));
+  DCR_ASSIGN_OR_RETURN(uint64_t rank, U64(*it, "rank", where));
+  DCR_ASSIGN_OR_RETURN(uint64_t ranks, U64(*it, "ranks", where));
+  if (e.engine.empty() || ranks == 0 || ranks > (1u << 20) || rank >= ranks)
+    return Bad(where, "'engine' needs a non-empty id and 0 <= rank < ranks <= 2^20");
+  e.rank = static_cast<uint32_t>(rank);
+  e.ranks = static_cast<uint32_t>(ranks);
+  return e;
+}
+
 }  // namespace
 
 std::string RunRecord::ToJson() const {
@@ -151,6 +172,7 @@ std::string AckRecord::ToJson() const {
   doc["ok"] = ok;
   doc["digest"] = digest.ToHex();
   doc["error"] = error;
+  PutEngine(doc, engine);
   return Dump(doc);
 }
 
@@ -161,6 +183,7 @@ Result<AckRecord> AckRecord::FromJson(std::string_view text, const std::string& 
   DCR_ASSIGN_OR_RETURN(r.ok, Bool(doc, "ok", where));
   DCR_ASSIGN_OR_RETURN(r.digest, Dig(doc, "digest", where));
   DCR_ASSIGN_OR_RETURN(r.error, Str(doc, "error", where));
+  DCR_ASSIGN_OR_RETURN(r.engine, GetEngine(doc, where));
   return r;
 }
 
@@ -171,6 +194,7 @@ std::string ReceiverRecord::ToJson() const {
   doc["state"] = state;
   doc["version"] = version;
   doc["heartbeat"] = heartbeat;
+  PutEngine(doc, engine);
   return Dump(doc);
 }
 
@@ -181,6 +205,7 @@ Result<ReceiverRecord> ReceiverRecord::FromJson(std::string_view text, const std
   DCR_ASSIGN_OR_RETURN(r.state, Str(doc, "state", where));
   DCR_ASSIGN_OR_RETURN(r.version, U64(doc, "version", where));
   DCR_ASSIGN_OR_RETURN(r.heartbeat, Num(doc, "heartbeat", where));
+  DCR_ASSIGN_OR_RETURN(r.engine, GetEngine(doc, where));
   return r;
 }
 

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "dcr/layout.h"
 #include "dcr/status.h"
 
 namespace dcr::cli {
@@ -20,6 +21,9 @@ inline constexpr int kExitError = 2;
 // Prints "dcr <command>: <status>" to stderr and returns kExitError.
 int Fail(const std::string& command, const Status& status);
 
+// A layout map JSON file, parsed and validated (errors name the file).
+Result<LayoutMap> ReadLayoutFile(const std::string& path);
+
 // The exit code the chosen subcommand's callback sets.
 int& ExitCode();
 
@@ -29,7 +33,7 @@ void AddGenCommand(CLI::App& app);
 void AddDeltaCommand(CLI::App& app);
 void AddRefitCommands(CLI::App& app);  // publish, follow, status
 void AddStoreCommand(CLI::App& app);
-void AddLayoutCommand(CLI::App& app);  // generate, validate, show
+void AddLayoutCommand(CLI::App& app);  // generate, validate, show, load
 void AddRelayCommand(CLI::App& app);  // relay, relay keygen | plan | push | status | tree
 
 // A whole file's bytes, or kNotFound naming it.

@@ -1,4 +1,4 @@
-// dcr layout generate|validate|show: layout maps as JSON (docs/layouts.md).
+// dcr layout generate|validate|show|load: layout maps as JSON (docs/layouts.md).
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -8,6 +8,7 @@
 #include "cli.h"
 #include "dcr/checkpoint.h"
 #include "dcr/layout.h"
+#include "dcr/layout_apply.h"
 #include "dcr/layout_families.h"
 #include "dcr/progress.h"
 #include "dcr/synth.h"
@@ -31,6 +32,15 @@ Result<std::string> ReadText(const std::string& path) {
   if (in.bad()) return DataLoss(fmt::format("cannot read {}", path));
   return s.str();
 }
+
+}  // namespace
+
+Result<LayoutMap> ReadLayoutFile(const std::string& path) {
+  DCR_ASSIGN_OR_RETURN(std::string text, ReadText(path));
+  return LayoutMapFromJson(text, path);
+}
+
+namespace {
 
 int RunGenerate(const GenerateArgs& a) {
   const auto family = ParseFamily(a.family);
@@ -61,9 +71,7 @@ int RunGenerate(const GenerateArgs& a) {
 }
 
 int RunValidate(const std::string& file, const std::string& checkpoint) {
-  auto text = ReadText(file);
-  if (!text.ok()) return Fail("layout validate", text.status());
-  auto map = LayoutMapFromJson(*text, file);
+  auto map = ReadLayoutFile(file);
   if (!map.ok()) return Fail("layout validate", map.status());
   if (!checkpoint.empty()) {
     auto ckpt = Checkpoint::Open(checkpoint);
@@ -89,9 +97,7 @@ int RunValidate(const std::string& file, const std::string& checkpoint) {
 }
 
 int RunShow(const std::string& file) {
-  auto text = ReadText(file);
-  if (!text.ok()) return Fail("layout show", text.status());
-  auto map = LayoutMapFromJson(*text, file);
+  auto map = ReadLayoutFile(file);
   if (!map.ok()) return Fail("layout show", map.status());
   auto compiled = CompiledLayout::Compile(*map);
   if (!compiled.ok()) return Fail("layout show", compiled.status());
@@ -114,6 +120,23 @@ int RunShow(const std::string& file) {
              "(padding)\n",
              map->tensors.size(), map->buffers.size(), buffer_bytes, map->copies.size(), copied, primary,
              buffer_bytes - copied);
+  return kExitOk;
+}
+
+// A dense load of a checkpoint through one rank's map into buffer files.
+int RunLoad(const std::string& checkpoint, const std::string& file, const std::string& out) {
+  auto map = ReadLayoutFile(file);
+  if (!map.ok()) return Fail("layout load", map.status());
+  auto layout = CompiledLayout::Compile(std::move(*map));
+  if (!layout.ok()) return Fail("layout load", layout.status().WithContext(file));
+  auto ckpt = Checkpoint::Open(checkpoint);
+  if (!ckpt.ok()) return Fail("layout load", ckpt.status());
+  auto files = RankBufferFiles::Create(*layout, out);
+  if (!files.ok()) return Fail("layout load", files.status());
+  PlacedRank placed = files->placed();
+  if (Status s = LoadDense(CheckpointBytes(*ckpt), placed); !s.ok()) return Fail("layout load", s.WithContext(checkpoint));
+  if (Status s = files->Sync(); !s.ok()) return Fail("layout load", s);
+  fmt::print("{}: {} buffers loaded from {}\n", out, layout->map().buffers.size(), checkpoint);
   return kExitOk;
 }
 
@@ -151,6 +174,15 @@ void AddLayoutCommand(CLI::App& app) {
   auto* show = cmd->add_subcommand("show", "Summarise a map: buffers, copies, bytes");
   show->add_option("map", *sfile, "layout map JSON")->required();
   show->callback([sfile] { ExitCode() = RunShow(*sfile); });
+
+  auto lckpt = std::make_shared<std::string>(), lmap = std::make_shared<std::string>(),
+       lout = std::make_shared<std::string>();
+  auto* load = cmd->add_subcommand("load", "Dense load of a checkpoint through one rank's map into buffer files "
+                                           "(one file per buffer, named by its id)");
+  load->add_option("checkpoint", *lckpt, "checkpoint file or directory")->required();
+  load->add_option("map", *lmap, "the rank's layout map JSON")->required();
+  load->add_option("-o,--out", *lout, "directory of the buffer files (created; files replaced)")->required();
+  load->callback([lckpt, lmap, lout] { ExitCode() = RunLoad(*lckpt, *lmap, *lout); });
 }
 
 }  // namespace dcr::cli

@@ -8,11 +8,14 @@
 #include <cstdlib>
 #include <functional>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 
 #include "cli.h"
 #include "dcr/checkpoint.h"
+#include "dcr/layout.h"
+#include "dcr/layout_apply.h"
 #include "dcr/progress.h"
 #include "dcr/protocol.h"
 #include "dcr/relay.h"
@@ -80,7 +83,37 @@ struct PublishArgs {
   std::string relay_key, relay_pub;
   double relay_mbps = 0;
   bool no_relay_acks = false;
+  std::vector<std::string> shard_senders;  // MAP=DIR: publish from trainer shards
 };
+
+// Publishes from trainer shards: each --sender MAP=DIR is one sender's map
+// and its shard buffer files (as dcr layout load writes them).
+Result<PublishReport> PublishFromShards(const PublishArgs& a, Store& store, const std::string& state,
+                                        const PublishOptions& o) {
+  std::vector<std::unique_ptr<CompiledLayout>> layouts;
+  std::vector<RankBufferFiles> files;
+  std::vector<ShardSource> senders;
+  for (const std::string& spec : a.shard_senders) {
+    const size_t eq = spec.find('=');
+    if (eq == std::string::npos || eq == 0 || eq + 1 == spec.size())
+      return InvalidArgument(fmt::format("--sender '{}': expected MAP.json=DIR", spec));
+    const std::string map_path = spec.substr(0, eq), dir = spec.substr(eq + 1);
+    DCR_ASSIGN_OR_RETURN(LayoutMap map, ReadLayoutFile(map_path));
+    auto compiled = CompiledLayout::Compile(std::move(map));
+    if (!compiled.ok()) return compiled.status().WithContext(map_path);
+    layouts.push_back(std::make_unique<CompiledLayout>(std::move(*compiled)));
+    auto opened = RankBufferFiles::Open(*layouts.back(), dir);
+    if (!opened.ok()) return opened.status().WithContext("--sender " + spec);
+    files.push_back(std::move(*opened));
+  }
+  for (size_t k = 0; k < files.size(); ++k) {
+    ShardSource src{layouts[k].get(), {}};
+    for (auto b : files[k].placed().buffers) src.current.push_back(b);
+    senders.push_back(std::move(src));
+  }
+  ShardPublisher publisher(store, state, o);
+  return publisher.Publish(a.version, senders);
+}
 
 // Relay client options from the CLI's flags (shared by publish and follow).
 Result<RelayClientOptions> RelayClient(const std::string& id, const std::vector<std::string>& addresses,
@@ -95,8 +128,8 @@ Result<RelayClientOptions> RelayClient(const std::string& id, const std::vector<
 int RunPublish(const PublishArgs& a) {
   auto store = OpenStore(a.store);
   if (!store.ok()) return Fail("publish", store.status());
-  auto ckpt = Checkpoint::Open(a.checkpoint);
-  if (!ckpt.ok()) return Fail("publish", ckpt.status());
+  if (a.checkpoint.empty() == a.shard_senders.empty())
+    return Fail("publish", InvalidArgument("give either a checkpoint or --sender MAP=DIR (one per trainer sender)"));
   PublishOptions o;
   o.senders = a.senders;
   o.max_attempts = a.attempts;
@@ -129,10 +162,18 @@ int RunPublish(const PublishArgs& a) {
     relay = std::move(*started);
     o.relay = relay.get();
   }
-  Publisher publisher(**store, a.state.empty() ? DefaultStateDir((*store)->url()) : a.state, o);
-  Progress progress(fmt::format("publish v{}", a.version), ckpt->total_bytes());
-  auto r = publisher.Publish(a.version, *ckpt, &progress);
-  progress.Finish();
+  const std::string state = a.state.empty() ? DefaultStateDir((*store)->url()) : a.state;
+  Result<PublishReport> r = Aborted("not published");
+  if (!a.shard_senders.empty()) {
+    r = PublishFromShards(a, **store, state, o);
+  } else {
+    auto ckpt = Checkpoint::Open(a.checkpoint);
+    if (!ckpt.ok()) return Fail("publish", ckpt.status());
+    Publisher publisher(**store, state, o);
+    Progress progress(fmt::format("publish v{}", a.version), ckpt->total_bytes());
+    r = publisher.Publish(a.version, *ckpt, &progress);
+    progress.Finish();
+  }
   if (!r.ok()) return Fail("publish", r.status());
   if (a.json) {
     json doc = {{"version", r->version},         {"attempt", r->attempt},
@@ -163,7 +204,24 @@ struct FollowArgs {
   double poll = 0.1, stream_poll = 0.02, heartbeat = 1, relay_quiet = 3, relay_dead_after = 1.5;
   std::vector<std::string> relays;  // its relay, then ancestors
   std::string relay_key, relay_pub;
+  std::string layout, engine;  // a rank of an engine
+  uint32_t rank = 0, ranks = 0;
 };
+
+int RunFollowRank(const FollowArgs& a, Store& store, const FollowOptions& o) {
+  if (a.engine.empty() || a.ranks == 0)
+    return Fail("follow", InvalidArgument("--layout needs --engine NAME, --rank R and --ranks N (the engine's rank count)"));
+  if (!a.relays.empty()) return Fail("follow", Unimplemented("--relay is not supported with --layout yet"));
+  auto map = ReadLayoutFile(a.layout);
+  if (!map.ok()) return Fail("follow", map.status());
+  auto layout = CompiledLayout::Compile(std::move(*map));
+  if (!layout.ok()) return Fail("follow", layout.status().WithContext(a.layout));
+  RankFollower f(store, *layout, a.target, EngineRank{a.engine, a.rank, a.ranks}, o);
+  Status s = f.Run(a.until >= 0 ? std::optional<uint64_t>(a.until) : std::nullopt, [] { return g_stop.load(); });
+  if (!s.ok()) return Fail("follow", s);
+  fmt::print("{} (rank {} of {} of engine {}) holds version {}\n", a.target, a.rank, a.ranks, a.engine, f.version());
+  return kExitOk;
+}
 
 int RunFollow(const FollowArgs& a) {
   auto store = OpenStore(a.store);
@@ -174,6 +232,9 @@ int RunFollow(const FollowArgs& a) {
   o.stream_poll = std::chrono::milliseconds(static_cast<int64_t>(a.stream_poll * 1000));
   o.heartbeat_every = std::chrono::milliseconds(static_cast<int64_t>(a.heartbeat * 1000));
   o.fault = TestCrashHook();
+  std::signal(SIGINT, OnSignal);
+  std::signal(SIGTERM, OnSignal);
+  if (!a.layout.empty()) return RunFollowRank(a, **store, o);
   std::unique_ptr<RelayReceiver> relay;
   if (!a.relays.empty()) {
     char host[256] = {0};
@@ -188,8 +249,6 @@ int RunFollow(const FollowArgs& a) {
     o.relay = relay.get();
     o.relay_quiet = std::chrono::milliseconds(static_cast<int64_t>(a.relay_quiet * 1000));
   }
-  std::signal(SIGINT, OnSignal);
-  std::signal(SIGTERM, OnSignal);
   Follower f(**store, a.target, o);
   Status s = f.Run(a.until >= 0 ? std::optional<uint64_t>(a.until) : std::nullopt, [] { return g_stop.load(); });
   if (relay) {
@@ -247,7 +306,11 @@ int RunStatus(const StatusArgs& a) {
     for (const auto& x : r->receivers)
       rs.push_back({{"id", x.record.id}, {"state", x.record.state}, {"version", x.record.version},
                     {"live", x.live}, {"heartbeat_age_seconds", x.age_seconds}, {"behind", x.behind},
-                    {"retired_at", x.retired_at ? json(*x.retired_at) : json(nullptr)}});
+                    {"retired_at", x.retired_at ? json(*x.retired_at) : json(nullptr)},
+                    {"engine", x.record.engine.ranks ? json({{"id", x.record.engine.engine},
+                                                             {"rank", x.record.engine.rank},
+                                                             {"ranks", x.record.engine.ranks}})
+                                                     : json(nullptr)}});
     if (relays) doc["relays"] = json::parse(**relays);
     std::cout << doc.dump(1) << "\n";
     return kExitOk;
@@ -271,9 +334,19 @@ int RunStatus(const StatusArgs& a) {
                  at.fence_reason.empty() ? "" : " (" + at.fence_reason + ")");
     }
   }
+  auto line = [](const ReceiverStatus& x) {
+    return fmt::format("{}: {} at v{}{}, heartbeat {:.1f} s ago{}", x.record.id, x.record.state, x.record.version,
+                       x.behind ? fmt::format(" ({} behind)", x.behind) : "", x.age_seconds, x.live ? "" : " (not live)");
+  };
+  std::map<std::string, std::vector<const ReceiverStatus*>> engines;  // ranks of engines, by rank
   for (const auto& x : r->receivers)
-    fmt::print("  receiver {}: {} at v{}{}, heartbeat {:.1f} s ago{}\n", x.record.id, x.record.state, x.record.version,
-               x.behind ? fmt::format(" ({} behind)", x.behind) : "", x.age_seconds, x.live ? "" : " (not live)");
+    if (x.record.engine.ranks) engines[x.record.engine.engine].push_back(&x);
+    else fmt::print("  receiver {}\n", line(x));
+  for (auto& [name, ranks] : engines) {
+    std::sort(ranks.begin(), ranks.end(), [](auto* x, auto* y) { return x->record.engine.rank < y->record.engine.rank; });
+    fmt::print("  engine {} ({} ranks, {} seen)\n", name, ranks.front()->record.engine.ranks, ranks.size());
+    for (const ReceiverStatus* x : ranks) fmt::print("    rank {} {}\n", x->record.engine.rank, line(*x));
+  }
   for (const auto& x : r->receivers)
     if (x.retired_at)
       fmt::print("  receiver {} was retired from v{} (no ack before the deadline); run `dcr follow` on its target "
@@ -290,7 +363,10 @@ void AddRefitCommands(CLI::App& app) {
   auto pa = std::make_shared<PublishArgs>();
   pub->add_option("--store", pa->store, "Store URL (file:///path, s3://bucket/prefix, or a directory)")->required();
   pub->add_option("--version", pa->version, "Version number (0 publishes the starting snapshot)")->required();
-  pub->add_option("checkpoint", pa->checkpoint, "The checkpoint to publish")->required();
+  pub->add_option("checkpoint", pa->checkpoint, "The checkpoint to publish (or --sender)");
+  pub->add_option("--sender", pa->shard_senders,
+                  "Publish from trainer shards instead (versions > 0): MAP.json=DIR, a sender map and its shard "
+                  "buffer files; repeat for every sender");
   pub->add_option("--state", pa->state, "Publisher state directory (the baseline); default $DCR_STATE_DIR or ~/.cache/dcr/publish/<store>");
   pub->add_option("--senders", pa->senders, "Senders (chunk owners)")->check(CLI::Range(1, 1024));
   pub->add_option("--attempts", pa->attempts, "Attempts before giving up (retries are overwrite)")->check(CLI::Range(1, 100));
@@ -316,8 +392,14 @@ void AddRefitCommands(CLI::App& app) {
   auto* fol = app.add_subcommand("follow", "Receive every committed version into a checkpoint directory, in place");
   auto fa = std::make_shared<FollowArgs>();
   fol->add_option("--store", fa->store, "Store URL")->required();
-  fol->add_option("target", fa->target, "Checkpoint directory (empty: join from the newest snapshot)")->required();
-  fol->add_option("--id", fa->id, "Receiver id (default host-pid)");
+  fol->add_option("target", fa->target,
+                  "Checkpoint directory (empty: join from the newest snapshot); with --layout, the rank's buffer "
+                  "directory")->required();
+  fol->add_option("--layout", fa->layout, "Follow as one rank of an engine: the rank's receiver map (docs/layouts.md)");
+  fol->add_option("--engine", fa->engine, "With --layout: the engine's name (shared by its ranks)");
+  fol->add_option("--rank", fa->rank, "With --layout: this rank's index");
+  fol->add_option("--ranks", fa->ranks, "With --layout: the engine's rank count");
+  fol->add_option("--id", fa->id, "Receiver id (default host-pid; with --layout ENGINE-rR)");
   fol->add_option("--until", fa->until, "Exit once this version is applied");
   fol->add_option("--poll", fa->poll, "Seconds between store polls");
   fol->add_option("--stream-poll", fa->stream_poll,
