@@ -100,7 +100,8 @@ Status LoadDense(const TensorBytes& source, PlacedRank& rank);
 
 // The digest of the canonical elements rank's primary copies hold, over all
 // its tensors (each with its own DigestKey), or over the tensors named in
-// `only` when it is not empty.
+// `only` when it is not empty. Parallel on the default pool (not to be called
+// from inside a ParallelFor).
 Digest RankDigest(const PlacedRank& rank, std::span<const std::string> only = {});
 
 // The rank's partial digest of every chunk of the manifest's tensors (those
@@ -144,13 +145,16 @@ Result<RankFrameResult> ApplyRankFrame(PlacedRank& rank, const DeltaManifest& ma
 Result<ApplyOutcome> ApplyEngineFrame(std::span<PlacedRank* const> ranks, const DeltaManifest& manifest,
                                       const FrameView& frame, std::vector<uint8_t>* scratch);
 
-// Every frame of `delta`, in order, through ApplyEngineFrame; then checks
-// that the ranks' digests add up to the manifest's target digest over its
-// tensors (kDataLoss otherwise). Frames already applied are counted, not
-// re-applied. Frames of `residuals` (tensors this engine converts on load,
-// see layout_residual.h) are skipped, and those tensors left out of the
-// digest check. A chunk is checked before it is written, so an error leaves
-// earlier chunks applied: an overwrite attempt repairs them (DESIGN section 5).
+// Every frame of `delta` through ApplyEngineFrame, in parallel on the
+// default pool (one frame per chunk, so frames write disjoint elements; not
+// to be called from inside a ParallelFor); then checks that the ranks'
+// digests add up to the manifest's target digest over its tensors
+// (kDataLoss otherwise). Frames already applied are counted, not re-applied.
+// Frames of `residuals` (tensors this engine converts on load, see
+// layout_residual.h) are skipped, and those tensors left out of the digest
+// check. A chunk is checked before it is written, so an error (the first by
+// frame order is returned) leaves other chunks applied: an overwrite attempt
+// repairs them (DESIGN section 5).
 Result<ApplyReport> ApplyEngineDelta(std::span<PlacedRank* const> ranks, const DeltaReader& delta,
                                      std::span<const std::string> residuals = {});
 

@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
 
 #include "dcr/layout_apply.h"
+#include "dcr/thread_pool.h"
 
 namespace dcr {
 
@@ -60,11 +62,20 @@ Status LoadDense(const TensorBytes& source, PlacedRank& rank) {
 
 Digest RankDigest(const PlacedRank& rank, std::span<const std::string> only) {
   const CompiledLayout& l = *rank.layout;
-  Digest total;
-  std::vector<CopyRun> runs;
   std::vector<bool> wanted(l.map().tensors.size(), only.empty());
   for (const std::string& name : only)
     if (int64_t i = l.FindTensor(name); i >= 0) wanted[static_cast<size_t>(i)] = true;
+  // The primary runs, cut into pieces of at most kPiece elements, digested in
+  // parallel (the digest is a sum, so the pieces' order does not matter).
+  constexpr uint64_t kPiece = uint64_t{1} << 20;
+  struct Piece {
+    DigestKey key;
+    uint64_t canonical_byte;
+    const uint8_t* bytes;
+    uint64_t size;
+  };
+  std::vector<Piece> pieces;
+  std::vector<CopyRun> runs;
   for (size_t t = 0; t < l.map().tensors.size(); ++t) {
     if (!wanted[t]) continue;
     const LayoutTensor& tensor = l.map().tensors[t];
@@ -78,9 +89,16 @@ Digest RankDigest(const PlacedRank& rank, std::span<const std::string> only) {
       l.RunsInRange(c, 0, numel, &runs);
       const uint8_t* src = rank.buffers[l.BufferOf(c)].data();
       for (const CopyRun& r : runs)
-        total += DigestBytes(key, r.canonical * eb, {src + r.buffer * eb, r.length * eb});
+        for (uint64_t at = 0; at < r.length; at += kPiece)
+          pieces.push_back({key, (r.canonical + at) * eb, src + (r.buffer + at) * eb, std::min(kPiece, r.length - at) * eb});
     }
   }
+  std::vector<Digest> sums(pieces.size());
+  DefaultPool().ParallelFor(pieces.size(), [&](size_t i) {
+    sums[i] = DigestBytes(pieces[i].key, pieces[i].canonical_byte, {pieces[i].bytes, pieces[i].size});
+  });
+  Digest total;
+  for (const Digest& d : sums) total += d;
   return total;
 }
 
@@ -309,16 +327,46 @@ Result<ApplyReport> ApplyEngineDelta(std::span<PlacedRank* const> ranks, const D
   std::vector<bool> residual(m.tensors.size(), false);
   for (size_t t = 0; t < m.tensors.size(); ++t)
     residual[t] = std::find(residuals.begin(), residuals.end(), m.tensors[t].name) != residuals.end();
+  // Frames are one per chunk (the manifest's are unique and each checked
+  // against its entry), so they write disjoint elements and run in parallel;
+  // each thread reuses a scratch from the free list.
+  struct Done {
+    Status status;
+    ApplyOutcome outcome = ApplyOutcome::kAlreadyApplied;
+    uint64_t payload_bytes = 0, changed = 0;
+  };
+  std::vector<Done> done(m.frames.size());
+  std::mutex mu;
+  std::vector<std::vector<uint8_t>> free_scratch;
+  DefaultPool().ParallelFor(m.frames.size(), [&](size_t i) {
+    if (residual[m.frames[i].tensor]) return;
+    std::vector<uint8_t> scratch;
+    {
+      std::lock_guard lock(mu);
+      if (!free_scratch.empty()) {
+        scratch = std::move(free_scratch.back());
+        free_scratch.pop_back();
+      }
+    }
+    Result<FrameView> frame = delta.Frame(i);
+    if (!frame.ok()) {
+      done[i].status = frame.status();
+    } else if (Result<ApplyOutcome> outcome = ApplyEngineFrame(ranks, m, *frame, &scratch); !outcome.ok()) {
+      done[i].status = outcome.status();
+    } else {
+      done[i] = {Status::Ok(), *outcome, frame->payload.size(), frame->header.changed};
+    }
+    std::lock_guard lock(mu);
+    free_scratch.push_back(std::move(scratch));
+  });
   ApplyReport report;
-  std::vector<uint8_t> scratch;
   for (size_t i = 0; i < m.frames.size(); ++i) {
     if (residual[m.frames[i].tensor]) continue;
-    DCR_ASSIGN_OR_RETURN(FrameView frame, delta.Frame(i));
-    DCR_ASSIGN_OR_RETURN(ApplyOutcome outcome, ApplyEngineFrame(ranks, m, frame, &scratch));
-    if (outcome == ApplyOutcome::kApplied) {
+    DCR_RETURN_IF_ERROR(done[i].status);
+    if (done[i].outcome == ApplyOutcome::kApplied) {
       ++report.frames_applied;
-      report.payload_bytes += frame.payload.size();
-      report.changed_words += frame.header.changed;
+      report.payload_bytes += done[i].payload_bytes;
+      report.changed_words += done[i].changed;
     } else {
       ++report.frames_already_applied;
     }
