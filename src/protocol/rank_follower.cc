@@ -133,7 +133,7 @@ class RankRun {
   DeltaManifest shape_;  // the run's tensors and chunking
   RankJournal journal_;
   std::optional<RankBufferFiles> files_;
-  std::optional<PlacedRank> placed_;  // set once the buffers are open and hold a version (or a join is loading them)
+  std::optional<PlacedRank> placed_;  // set while the buffers are open and hold a version (or a join is loading them)
   ChunkDigestTable tracked_;  // the rank's partial digest of every chunk, as its buffers hold them
   std::set<std::string> handled_;
   std::map<uint64_t, int> commit_failures_;
@@ -188,7 +188,10 @@ Status RankRun::Join(uint64_t at_most, const std::string& why) {
       return DataLoss(fmt::format("{}: the snapshot of version {} does not have its recorded digest", store_.url(),
                                   snap.version));
     DCR_RETURN_IF_ERROR(Open(/*create=*/true));
-    DCR_RETURN_IF_ERROR(LoadDense(CheckpointBytes(ckpt), *placed_));
+    if (Status loaded = LoadDense(CheckpointBytes(ckpt), *placed_); !loaded.ok()) {
+      placed_.reset();  // half loaded: the next step joins again
+      return loaded;
+    }
   }
   fs::remove_all(tmp, ec);
   tracked_ = RankChunkDigests(*placed_, shape_);
@@ -342,10 +345,14 @@ Status RankRun::Run(std::optional<uint64_t> until, const std::function<bool()>& 
       heartbeat_, o_,
       [&] {
         Status s = Start(stop);
-        *holds_out_ = s.ok();
+        *holds_out_ = s.ok() && placed_.has_value();
         return s;
       },
-      [&] { return Step(); },
+      [&] {
+        Status s = Step();
+        *holds_out_ = placed_.has_value();
+        return s;
+      },
       [&] { return until && journal_.version >= *until; }, stop, [this](const std::string& l) { Log(l); });
 }
 

@@ -105,8 +105,10 @@ def test_trainer_and_two_receivers_refit_live_tensors_through_a_store(tmp_path):
     procs: list[subprocess.Popen] = []
 
     def spawn(script, *args, stdin=None, log=None):
+        # One thread each: three processes share the test machine's cores.
         p = subprocess.Popen([sys.executable, "-c", script, HERE, store_url, *map(str, args)], stdin=stdin,
-                             stdout=subprocess.PIPE, stderr=open(log, "w") if log else None, text=True)
+                             stdout=subprocess.PIPE, stderr=open(log, "w") if log else None, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
         procs.append(p)
         return p
 
