@@ -182,3 +182,56 @@ def test_follow_without_a_run_times_out_cleanly(tmp_path):
         rx.follow(dcr.open_store(f"file://{tmp_path}/s"), tmp_path / "st", engine="e", timeout_s=0.3, poll_s=0.02)
     with pytest.raises(dcr.InvalidArgumentError, match="0 <= rank < ranks"):
         rx.follow(dcr.open_store(f"file://{tmp_path}/s"), tmp_path / "st", engine="e", rank=1, ranks=1)
+
+
+def test_follow_hands_residuals_to_the_loader_and_calls_the_hook(tmp_path):
+    """In one process (the publisher on the main thread, the receiver's
+    follow on another; both release the GIL): a residual tensor the engine
+    converts on load (a norm held as weight - 1) goes through the loader
+    after each version, the mapped one is applied in place, and post_update
+    sees every version."""
+    gen = torch.Generator().manual_seed(5)
+    trainer = {"w": torch.randn(8, 16, generator=gen).to(torch.bfloat16),
+               "norm": torch.randn(16, generator=gen).to(torch.bfloat16)}
+    store = dcr.open_store(f"file://{tmp_path}/store")
+    pub = dcr.ShardPublisher(store, tmp_path / "trainer", [trainer], ack_timeout_s=20, chunk_elements=64)
+    pub.publish_snapshot(trainer)
+
+    engine = {"w": torch.zeros(8, 16, dtype=torch.bfloat16), "norm_c": torch.zeros(16, dtype=torch.bfloat16)}
+    loaded, versions = [], []
+
+    def loader(weights):
+        for name, w in weights:
+            assert name == "norm"
+            engine["norm_c"].copy_(w.float() - 1)
+            loaded.append(name)
+
+    rx = dcr.Receiver({"w": engine["w"]}, residuals={"norm": torch.zeros(16, dtype=torch.bfloat16)}, loader=loader,
+                      post_update=lambda r: versions.append((r["version"], r["residuals_loaded"])))
+    result: list = []
+
+    def follow():
+        try:
+            result.append(rx.follow(store, tmp_path / "rx", engine="e", until=2, timeout_s=30, poll_s=0.02))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            result.append(e)
+
+    import threading
+    import time
+    t = threading.Thread(target=follow)
+    t.start()
+    try:
+        for _ in range(500):
+            if store.list("receivers/"):
+                break
+            time.sleep(0.01)
+        for v in (1, 2):
+            trainer["w"][v].add_(1)
+            trainer["norm"][3 * v:3 * v + 2].mul_(2)
+            assert pub.publish(v)["acked"] == ["e-r0"]
+    finally:
+        t.join(60)
+    assert result == [2], result
+    assert versions == [(0, ["norm"]), (1, ["norm"]), (2, ["norm"])]
+    assert torch.equal(engine["w"].view(torch.int16), trainer["w"].view(torch.int16))
+    assert torch.equal(engine["norm_c"], (trainer["norm"].float() - 1).to(torch.bfloat16))
