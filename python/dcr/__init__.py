@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Sequence, Union
 
 from . import _dcr, errors
@@ -436,9 +437,12 @@ class ShardPublisher:
 
     def publish_snapshot(self, tensors: Mapping[str, Any]) -> dict:
         """Creates the run: version 0 from ``tensors``, the canonical tensors by
-        name (written once as a checkpoint in ``state_dir``/snapshot-v0, then
-        published by :class:`Publisher` with ``state_dir``/snapshot as its state)."""
+        name (written as a checkpoint in ``state_dir``/snapshot-v0, then
+        published by :class:`Publisher` with ``state_dir``/snapshot as its
+        state). Calling it again (a trainer restarted while creating the run)
+        publishes version 0 again, which finishes an interrupted snapshot."""
         path = os.path.join(self.state_dir, "snapshot-v0")
+        shutil.rmtree(path, ignore_errors=True)  # ours: left by an earlier try
         ckpt = Checkpoint.create(path, {n: (dtype_name(t), tuple(t.shape)) for n, t in tensors.items()})
         for n, t in tensors.items():
             ckpt.tensor(n).copy_(t.detach() if hasattr(t, "detach") else as_torch(t, dtype_name(t)))

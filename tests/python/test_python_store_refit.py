@@ -196,6 +196,7 @@ def test_follow_hands_residuals_to_the_loader_and_calls_the_hook(tmp_path):
     store = dcr.open_store(f"file://{tmp_path}/store")
     pub = dcr.ShardPublisher(store, tmp_path / "trainer", [trainer], ack_timeout_s=20, chunk_elements=64)
     pub.publish_snapshot(trainer)
+    pub.publish_snapshot(trainer)  # again, as a restarted trainer would: the same version 0
 
     engine = {"w": torch.zeros(8, 16, dtype=torch.bfloat16), "norm_c": torch.zeros(16, dtype=torch.bfloat16)}
     loaded, versions = [], []
