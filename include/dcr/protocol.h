@@ -34,6 +34,7 @@
 namespace dcr {
 
 class CompiledLayout;
+struct PlacedRank;
 class Progress;
 class ThreadPool;
 
@@ -332,6 +333,13 @@ class RankFollower {
  public:
   RankFollower(Store& store, const CompiledLayout& layout, std::string buffers_dir, EngineRank rank,
                FollowOptions options);
+  // The same over buffers the caller holds in memory (a serving process's
+  // live weights): `buffers` (its layout and buffer spans, not owned, both
+  // outliving Run) is applied in place; `state_dir` holds only the journal
+  // (and a joining snapshot, briefly). A restarted process whose buffers do
+  // not hold the journal's version (their partial digest differs) rejoins
+  // from the newest snapshot, loaded into the buffers through the map.
+  RankFollower(Store& store, const PlacedRank& buffers, std::string state_dir, EngineRank rank, FollowOptions options);
 
   // As Follower::Run. Errors: kInvalidArgument (the map does not fit the
   // run, or rank.ranks == 0), kFailedPrecondition (the directory belongs to
@@ -339,6 +347,8 @@ class RankFollower {
   Status Run(std::optional<uint64_t> until, const std::function<bool()>& stop = {});
 
   uint64_t version() const { return version_; }
+  // Whether the buffers hold version() (Run has joined or reopened them).
+  bool holds_version() const { return holds_version_; }
 
  private:
   Store& store_;
@@ -346,7 +356,10 @@ class RankFollower {
   std::string dir_;
   EngineRank rank_;
   FollowOptions options_;
+  bool in_memory_ = false;
+  std::vector<std::span<uint8_t>> given_;  // in memory: the caller's buffers
   uint64_t version_ = 0;
+  bool holds_version_ = false;
 };
 
 // ---- Status -------------------------------------------------------------------

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Union
+import shutil
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Sequence, Union
 
 from . import _dcr, errors
 from ._tensors import as_torch, byte_view, dtype_name, torch_dtype
@@ -302,7 +303,9 @@ class Receiver:
             skipped = []
         bufs = dict(self._tensors)
         bufs.update({self._SHADOW + n: t for n, t in self._shadow.items()})
-        self._r = _dcr.Receiver(self.layout_json, _buffers_for(self.layout_json, bufs, "Receiver"), skipped)
+        self._skipped, self._follower = skipped, None
+        self._buffers = _buffers_for(self.layout_json, bufs, "Receiver")
+        self._r = _dcr.Receiver(self.layout_json, self._buffers, skipped)
 
     def _with_shadows(self, layout_json: str, residuals: Mapping[str, Any]) -> str:
         """The layout plus one canonical copy per residual tensor (a buffer of its own)."""
@@ -353,6 +356,102 @@ class Receiver:
         loader: residual tensors included, from their canonical copies)."""
         return self._r.digest()
 
+    def follow(self, store: Store, state_dir: PathLike, *, engine: str, rank: int = 0, ranks: int = 1,
+               until: Optional[int] = None, timeout_s: Optional[float] = None, id: str = "", poll_s: float = 0.1,
+               quiet: bool = True) -> int:
+        """Follows the run in ``store`` into these live tensors, in place, as
+        rank ``rank`` of ``ranks`` of engine ``engine`` (C++ dcr::RankFollower
+        over in-memory buffers): every attempt's frames are applied through
+        the receiver's map and acked with this rank's partial digest; the
+        coordinator commits once every rank of the engine has acked and the
+        partials add up. ``state_dir`` holds the rank's journal: a restarted
+        process following with the same directory continues from it when the
+        tensors still hold the journal's version, and otherwise rejoins from
+        the newest snapshot (loaded into the tensors through the map) and
+        catches up. A new directory joins from the snapshot.
+
+        Returns the version held once ``until`` is applied (forever when
+        None); :class:`DeadlineExceededError` after ``timeout_s``. The GIL is
+        released while it follows; Ctrl-C stops it cleanly
+        (KeyboardInterrupt). After each version reached (the newest, when
+        several arrive between two polls), residual tensors (with a loader)
+        are all handed to the loader, then ``post_update`` gets
+        ``{"version": v, "residuals_loaded": names}``. Residuals without a
+        loader cannot be followed: the rank's partial digest would lack them."""
+        if self._skipped:
+            raise InvalidArgumentError(f"Receiver.follow: residual tensor '{self._skipped[0]}' is not mapped and has "
+                                       "no loader; the engine's partial digests would never add up (give a loader)")
+        self._follower = _dcr.RankFollower(store, self.layout_json, self._buffers, os.fspath(state_dir), engine,
+                                           rank, ranks, id, poll_s, quiet)
+
+        def on_version(v: int) -> None:
+            loaded = list(self._shadow)
+            if loaded:
+                self._loader([(n, self._shadow[n]) for n in loaded])
+            if self._post_update is not None:
+                self._post_update({"version": v, "residuals_loaded": loaded})
+
+        hook = on_version if (self._shadow or self._post_update is not None) else None
+        return self._follower.run(until, timeout_s, hook)
+
+    @property
+    def version(self) -> Optional[int]:
+        """The version :meth:`follow` holds (None before it ran)."""
+        return None if self._follower is None else self._follower.version
+
+
+class ShardPublisher:
+    """The trainer side through a store: publishes the live parameters of
+    one or more senders (C++ dcr::ShardPublisher). ``senders``: each a
+    mapping of canonical names to tensors, or ``(tensors, layout)`` with a
+    sender layout map (JSON or dict) over shard buffers; together their maps
+    cover every tensor of the run exactly once. Each :meth:`publish` projects
+    the tensors' current bits against the senders' baseline shards (kept in
+    ``state_dir``, rebuilt from the store when missing), runs the attempts,
+    waits for the acks and commits; it returns the report once committed.
+    Version 0 (the run's snapshot) is a canonical checkpoint:
+    :meth:`publish_snapshot`. The GIL is released while publishing; Ctrl-C
+    is seen once the call returns (after at most ``ack_timeout_s`` per attempt)."""
+
+    def __init__(self, store: Store, state_dir: PathLike, senders: Sequence[Any], max_attempts: int = 3,
+                 ack_timeout_s: float = 60.0, heartbeat_timeout_s: float = 10.0, snapshot_every: int = 0,
+                 chunk_elements: int = DEFAULT_CHUNK_ELEMENTS):
+        self.store, self.state_dir = store, os.fspath(state_dir)
+        self._options = dict(max_attempts=max_attempts, ack_timeout_s=ack_timeout_s,
+                             heartbeat_timeout_s=heartbeat_timeout_s, snapshot_every=snapshot_every,
+                             chunk_elements=chunk_elements)
+        self._layouts, self._views = [], []
+        for k, s in enumerate(senders):
+            tensors, layout = (s, None) if isinstance(s, Mapping) else s
+            layout_json = identity_layout(tensors) if layout is None else _layout_json(layout)
+            self._layouts.append(layout_json)
+            self._views.append(_buffers_for(layout_json, dict(tensors), f"ShardPublisher: sender {k}"))
+        if not self._layouts:
+            raise InvalidArgumentError("ShardPublisher: no senders given")
+        self._p = _dcr.ShardPublisher(store, self.state_dir, self._layouts, 1, max_attempts, ack_timeout_s,
+                                      heartbeat_timeout_s, snapshot_every, chunk_elements)
+
+    def publish(self, version: int) -> dict:
+        """Publishes the senders' current bits as ``version`` (> 0; v-1 committed)."""
+        return self._p.publish(version, self._views)
+
+    def publish_snapshot(self, tensors: Mapping[str, Any]) -> dict:
+        """Creates the run: version 0 from ``tensors``, the canonical tensors by
+        name (written as a checkpoint in ``state_dir``/snapshot-v0, then
+        published by :class:`Publisher` with ``state_dir``/snapshot as its
+        state). Calling it again (a trainer restarted while creating the run)
+        publishes version 0 again, which finishes an interrupted snapshot."""
+        path = os.path.join(self.state_dir, "snapshot-v0")
+        shutil.rmtree(path, ignore_errors=True)  # ours: left by an earlier try
+        ckpt = Checkpoint.create(path, {n: (dtype_name(t), tuple(t.shape)) for n, t in tensors.items()})
+        for n, t in tensors.items():
+            ckpt.tensor(n).copy_(t.detach() if hasattr(t, "detach") else as_torch(t, dtype_name(t)))
+        ckpt.sync()
+        o = self._options
+        publisher = Publisher(self.store, os.path.join(self.state_dir, "snapshot"), 1, o["max_attempts"],
+                              o["ack_timeout_s"], o["heartbeat_timeout_s"], o["snapshot_every"], o["chunk_elements"])
+        return publisher.publish(0, ckpt)
+
 
 def validate_layout(layout: Union[str, Mapping[str, Any]]) -> str:
     """Validates a layout map; returns its canonical JSON (InvalidArgumentError otherwise)."""
@@ -360,7 +459,7 @@ def validate_layout(layout: Union[str, Mapping[str, Any]]) -> str:
 
 
 __all__ = [
-    "Checkpoint", "TensorInfo", "Delta", "Store", "Publisher", "Follower", "Sender", "Receiver", "VerifyResult",
+    "Checkpoint", "TensorInfo", "Delta", "Store", "Publisher", "Follower", "Sender", "Receiver", "ShardPublisher", "VerifyResult",
     "make_delta", "apply_delta", "verify_delta", "inspect_delta", "read_delta", "open_store", "identity_layout",
     "validate_layout", "torch_dtype", "dtype_name", "byte_view", "errors", "DEFAULT_CHUNK_ELEMENTS",
     *errors.__all__,

@@ -349,6 +349,92 @@ struct PyFollower {
   dcr::Follower follower;
 };
 
+// One rank of an engine following the run into live buffers (the arrays are
+// kept, and the compiled map has a fixed address, so both outlive the follower).
+struct PyRankFollower {
+  std::unique_ptr<dcr::CompiledLayout> layout;
+  std::vector<nb::ndarray<>> arrays;
+  std::unique_ptr<dcr::RankFollower> follower;
+};
+
+// A trainer's senders publishing live shards: their compiled maps, fixed at
+// construction; the buffers are given with each publish.
+struct PyShardPublisher {
+  std::vector<std::unique_ptr<dcr::CompiledLayout>> layouts;
+  std::unique_ptr<dcr::ShardPublisher> publisher;
+};
+
+dcr::PublishOptions MakePublishOptions(uint32_t senders, uint32_t max_attempts, double ack_timeout_s,
+                                       double heartbeat_timeout_s, uint64_t snapshot_every, uint64_t chunk_elements) {
+  dcr::PublishOptions o;
+  o.senders = senders;
+  o.max_attempts = max_attempts;
+  o.ack_timeout = std::chrono::milliseconds(static_cast<int64_t>(ack_timeout_s * 1000));
+  o.heartbeat_timeout = std::chrono::milliseconds(static_cast<int64_t>(heartbeat_timeout_s * 1000));
+  o.snapshot_every = snapshot_every;
+  o.delta = MakeDeltaOptions("xor", chunk_elements, 0);
+  return o;
+}
+
+dcr::FollowOptions MakeFollowOptions(const std::string& id, double poll_s, bool quiet) {
+  dcr::FollowOptions o;
+  o.id = id;
+  o.poll = std::chrono::milliseconds(static_cast<int64_t>(poll_s * 1000));
+  if (quiet) o.log = [](const std::string&) {};
+  return o;
+}
+
+// Runs a follower (dcr::Follower or dcr::RankFollower) without the GIL.
+// The loop polls `stop` after every step (each poll of the store): it takes
+// the GIL there to let Python signal handlers run (Ctrl-C raises
+// KeyboardInterrupt, which stops the loop cleanly) and to call
+// on_version(version) after each version applied (a RankFollower: also after
+// the version it joined or reopened). An exception from either stops the loop
+// and is re-raised once Run has returned.
+template <typename F>
+uint64_t RunFollowing(F& follower, const std::string& who, std::optional<uint64_t> until,
+                      std::optional<double> timeout_s, nb::object on_version) {
+  dcr::Status s;
+  bool timed_out = false, py_error = false;
+  std::optional<uint64_t> seen;
+  if constexpr (!requires { follower.holds_version(); }) seen = follower.version();
+  auto poll_python = [&]() -> bool {
+    if (py_error) return true;  // an exception is pending: no more Python calls
+    nb::gil_scoped_acquire acquire;
+    if (PyErr_CheckSignals() != 0) return py_error = true;
+    if constexpr (requires { follower.holds_version(); })
+      if (!follower.holds_version()) return false;
+    const uint64_t v = follower.version();
+    if (v != seen && !on_version.is_none()) {
+      seen = v;
+      PyObject* r = PyObject_CallOneArg(on_version.ptr(), nb::int_(v).ptr());
+      if (r == nullptr) return py_error = true;
+      Py_DECREF(r);
+    }
+    seen = v;
+    return false;
+  };
+  {
+    nb::gil_scoped_release release;
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::milliseconds(static_cast<int64_t>(timeout_s.value_or(0) * 1000));
+    s = follower.Run(until, [&] {
+      if (poll_python()) return true;
+      if (!timeout_s || std::chrono::steady_clock::now() < deadline) return false;
+      timed_out = true;
+      return true;
+    });
+    if (!py_error && s.ok()) poll_python();  // the last version, when `until` ended the loop
+  }
+  if (py_error) throw nb::python_error();
+  if (timed_out)  // the stop callback makes Run return ABORTED; say why instead
+    Raise(dcr::DeadlineExceeded(who + ": " + std::to_string(*timeout_s) + " s passed at version " +
+                                std::to_string(follower.version())));
+  Check(s);
+  return follower.version();
+}
+
+
 }  // namespace
 
 NB_MODULE(_dcr, m) {
@@ -558,14 +644,9 @@ NB_MODULE(_dcr, m) {
       .def("__init__", [](PyPublisher* self, PyStore& store, const std::string& state_dir, uint32_t senders,
                           uint32_t max_attempts, double ack_timeout_s, double heartbeat_timeout_s,
                           uint64_t snapshot_every, uint64_t chunk_elements) {
-        dcr::PublishOptions o;
-        o.senders = senders;
-        o.max_attempts = max_attempts;
-        o.ack_timeout = std::chrono::milliseconds(static_cast<int64_t>(ack_timeout_s * 1000));
-        o.heartbeat_timeout = std::chrono::milliseconds(static_cast<int64_t>(heartbeat_timeout_s * 1000));
-        o.snapshot_every = snapshot_every;
-        o.delta = MakeDeltaOptions("xor", chunk_elements, 0);
-        new (self) PyPublisher{dcr::Publisher(*store.store, state_dir, std::move(o))};
+        new (self) PyPublisher{dcr::Publisher(*store.store, state_dir,
+                                              MakePublishOptions(senders, max_attempts, ack_timeout_s,
+                                                                 heartbeat_timeout_s, snapshot_every, chunk_elements))};
       }, "store"_a, "state_dir"_a, "senders"_a, "max_attempts"_a, "ack_timeout_s"_a, "heartbeat_timeout_s"_a,
            "snapshot_every"_a, "chunk_elements"_a, nb::keep_alive<1, 2>())
       .def("publish", [](PyPublisher& p, uint64_t version, const PyCheckpoint& next) {
@@ -580,54 +661,64 @@ NB_MODULE(_dcr, m) {
   nb::class_<PyFollower>(m, "Follower")
       .def("__init__", [](PyFollower* self, PyStore& store, const std::string& target, const std::string& id,
                           double poll_s, bool quiet) {
-        dcr::FollowOptions o;
-        o.id = id;
-        o.poll = std::chrono::milliseconds(static_cast<int64_t>(poll_s * 1000));
-        if (quiet) o.log = [](const std::string&) {};
-        new (self) PyFollower{dcr::Follower(*store.store, target, std::move(o))};
+        new (self) PyFollower{dcr::Follower(*store.store, target, MakeFollowOptions(id, poll_s, quiet))};
       }, "store"_a, "target"_a, "id"_a, "poll_s"_a, "quiet"_a, nb::keep_alive<1, 2>())
       .def("run", [](PyFollower& f, std::optional<uint64_t> until, std::optional<double> timeout_s,
-                     nb::object on_version) {
-        // The loop polls `stop` after every step (each poll of the store):
-        // it takes the GIL there to let Python signal handlers run (Ctrl-C
-        // raises KeyboardInterrupt, which stops the loop cleanly) and to call
-        // on_version(version) after each version applied. An exception from
-        // either stops the loop and is re-raised once Run has returned.
-        dcr::Status s;
-        bool timed_out = false, py_error = false;
-        uint64_t seen = f.follower.version();
-        auto poll_python = [&]() -> bool {
-          if (py_error) return true;  // an exception is pending: no more Python calls
-          nb::gil_scoped_acquire acquire;
-          if (PyErr_CheckSignals() != 0) return py_error = true;
-          const uint64_t v = f.follower.version();
-          if (v != seen && !on_version.is_none()) {
-            seen = v;
-            PyObject* r = PyObject_CallOneArg(on_version.ptr(), nb::int_(v).ptr());
-            if (r == nullptr) return py_error = true;
-            Py_DECREF(r);
-          }
-          seen = v;
-          return false;
-        };
-        {
-          nb::gil_scoped_release release;
-          const auto deadline = std::chrono::steady_clock::now() +
-                                std::chrono::milliseconds(static_cast<int64_t>(timeout_s.value_or(0) * 1000));
-          s = f.follower.Run(until, [&] {
-            if (poll_python()) return true;
-            if (!timeout_s || std::chrono::steady_clock::now() < deadline) return false;
-            timed_out = true;
-            return true;
-          });
-          if (!py_error && s.ok()) poll_python();  // the last version, when `until` ended the loop
-        }
-        if (py_error) throw nb::python_error();
-        if (timed_out)  // the stop callback makes Run return ABORTED; say why instead
-          Raise(dcr::DeadlineExceeded("Follower.run: " + std::to_string(*timeout_s) + " s passed at version " +
-                                      std::to_string(f.follower.version())));
-        Check(s);
-        return f.follower.version();
+                     nb::object on_version) { return RunFollowing(f.follower, "Follower.run", until, timeout_s, on_version);
       }, "until"_a = nb::none(), "timeout_s"_a = nb::none(), "on_version"_a = nb::none())
       .def_prop_ro("version", [](const PyFollower& f) { return f.follower.version(); });
+
+  nb::class_<PyRankFollower>(m, "RankFollower")
+      .def("__init__", [](PyRankFollower* self, PyStore& store, const std::string& layout_json,
+                          std::vector<nb::ndarray<>> buffers, const std::string& state_dir, const std::string& engine,
+                          uint32_t rank, uint32_t ranks, const std::string& id, double poll_s, bool quiet) {
+        auto layout = std::make_unique<dcr::CompiledLayout>(CompileJson(layout_json, "receiver layout"));
+        std::vector<std::span<uint8_t>> spans = RankBuffers(*layout, buffers, "Receiver.follow");
+        const dcr::PlacedRank placed{layout.get(), spans};
+        auto follower = std::make_unique<dcr::RankFollower>(*store.store, placed, state_dir,
+                                                            dcr::EngineRank{engine, rank, ranks},
+                                                            MakeFollowOptions(id, poll_s, quiet));
+        new (self) PyRankFollower{std::move(layout), std::move(buffers), std::move(follower)};
+      }, "store"_a, "layout"_a, "buffers"_a, "state_dir"_a, "engine"_a, "rank"_a, "ranks"_a, "id"_a, "poll_s"_a,
+           "quiet"_a, nb::keep_alive<1, 2>())
+      .def("run", [](PyRankFollower& f, std::optional<uint64_t> until, std::optional<double> timeout_s,
+                     nb::object on_version) {
+        return RunFollowing(*f.follower, "Receiver.follow", until, timeout_s, on_version);
+      }, "until"_a = nb::none(), "timeout_s"_a = nb::none(), "on_version"_a = nb::none())
+      .def_prop_ro("version", [](const PyRankFollower& f) { return f.follower->version(); });
+
+  nb::class_<PyShardPublisher>(m, "ShardPublisher")
+      .def("__init__", [](PyShardPublisher* self, PyStore& store, const std::string& state_dir,
+                          const std::vector<std::string>& layouts, uint32_t senders, uint32_t max_attempts,
+                          double ack_timeout_s, double heartbeat_timeout_s, uint64_t snapshot_every,
+                          uint64_t chunk_elements) {
+        std::vector<std::unique_ptr<dcr::CompiledLayout>> compiled;
+        for (size_t k = 0; k < layouts.size(); ++k)
+          compiled.push_back(std::make_unique<dcr::CompiledLayout>(
+              CompileJson(layouts[k], "sender " + std::to_string(k) + "'s layout")));
+        auto publisher = std::make_unique<dcr::ShardPublisher>(
+            *store.store, state_dir,
+            MakePublishOptions(senders, max_attempts, ack_timeout_s, heartbeat_timeout_s, snapshot_every,
+                               chunk_elements));
+        new (self) PyShardPublisher{std::move(compiled), std::move(publisher)};
+      }, "store"_a, "state_dir"_a, "layouts"_a, "senders"_a, "max_attempts"_a, "ack_timeout_s"_a,
+           "heartbeat_timeout_s"_a, "snapshot_every"_a, "chunk_elements"_a, nb::keep_alive<1, 2>())
+      .def("publish", [](PyShardPublisher& p, uint64_t version, const std::vector<std::vector<nb::ndarray<>>>& buffers) {
+        if (buffers.size() != p.layouts.size())
+          Raise(dcr::InvalidArgument("ShardPublisher.publish: " + std::to_string(buffers.size()) +
+                                     " senders' buffers given, it has " + std::to_string(p.layouts.size()) + " senders"));
+        std::vector<dcr::ShardSource> sources;
+        for (size_t k = 0; k < buffers.size(); ++k) {
+          dcr::ShardSource src{p.layouts[k].get(), {}};
+          for (auto span : RankBuffers(*p.layouts[k], buffers[k], "ShardPublisher: sender " + std::to_string(k)))
+            src.current.emplace_back(span);
+          sources.push_back(std::move(src));
+        }
+        dcr::Result<dcr::PublishReport> r = dcr::Internal("not run");
+        {
+          nb::gil_scoped_release release;
+          r = p.publisher->Publish(version, sources);
+        }
+        return PublishReportDict(Take(std::move(r)));
+      }, "version"_a, "buffers"_a);
 }

@@ -19,6 +19,9 @@
 #include <thread>
 
 #include "dcr/compare.h"
+#include "dcr/layout.h"
+#include "dcr/layout_apply.h"
+#include "dcr/layout_families.h"
 #include "dcr/synth.h"
 #include "testing/temp_dir.h"
 
@@ -760,6 +763,88 @@ TEST_F(ProtocolTest, AnEngineIsAckedWhenItsRanksPartialDigestsAddUpToTheTarget) 
   std::string bad = a.ToJson();
   bad.replace(bad.find("\"rank\": 1"), 9, "\"rank\": 2");
   EXPECT_EQ(AckRecord::FromJson(bad, "ack").status().code(), Code::kInvalidArgument);
+}
+
+// The ranks of an engine over buffers in memory (a serving process's live
+// weights): two vLLM-style tensor-parallel ranks follow versions into their
+// buffers, each equal to a dense load of the version through its map. Then
+// both restart with their journals: rank 0 with its buffers intact continues
+// without a join, rank 1 with zeroed buffers rejoins from the snapshot.
+TEST_F(ProtocolTest, RanksOverBuffersInMemoryFollowAndRestartFromTheirJournals) {
+  Publisher pub(*store_, Path("state"), Fast());
+  ASSERT_TRUE(pub.Publish(0, Version(0)).ok());
+  ServingParallel par;
+  par.tp = 2;
+  std::vector<std::unique_ptr<CompiledLayout>> layouts;
+  std::vector<std::vector<std::vector<uint8_t>>> memory(2), dense(2);
+  for (uint32_t r = 0; r < 2; ++r) {
+    auto m = VllmLayout(ShapeForSize(Family::kQwen3Moe, 1 << 20), par, r);
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    auto c = CompiledLayout::Compile(std::move(*m));
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    layouts.push_back(std::make_unique<CompiledLayout>(std::move(*c)));
+    for (size_t b = 0; b < layouts[r]->map().buffers.size(); ++b) {
+      memory[r].emplace_back(layouts[r]->BufferBytes(b));
+      dense[r].emplace_back(layouts[r]->BufferBytes(b));
+    }
+  }
+  auto placed = [&](std::vector<std::vector<uint8_t>>& buffers, uint32_t r) {
+    PlacedRank p{layouts[r].get(), {}};
+    for (auto& b : buffers) p.buffers.emplace_back(b);
+    return p;
+  };
+  auto expect_dense = [&](int v) {
+    Checkpoint c = Version(v);
+    for (uint32_t r = 0; r < 2; ++r) {
+      PlacedRank want = placed(dense[r], r);
+      ASSERT_TRUE(LoadDense(CheckpointBytes(c), want).ok());
+      for (size_t b = 0; b < memory[r].size(); ++b)
+        EXPECT_TRUE(memory[r][b] == dense[r][b]) << "version " << v << ": rank " << r << " buffer "
+                                                  << layouts[r]->map().buffers[b].id << " differs from a dense load";
+    }
+  };
+  std::mutex mu;
+  std::vector<std::string> lines[2];
+  auto follow_all = [&](uint64_t until, int publish_from) {
+    std::vector<std::thread> threads;
+    std::vector<Status> results(2);
+    for (uint32_t r = 0; r < 2; ++r)
+      threads.emplace_back([&, r] {
+        FollowOptions o = Receiver(fmt::format("e-r{}", r));
+        o.log = [&, r](const std::string& l) {
+          std::lock_guard<std::mutex> lock(mu);
+          lines[r].push_back(l);
+        };
+        RankFollower f(*store_, placed(memory[r], r), Path(fmt::format("rank{}", r)), EngineRank{"e", r, 2}, o);
+        results[r] = f.Run(until);
+      });
+    WaitForReceivers(2);
+    for (uint64_t v = publish_from; v <= until; ++v) {
+      auto p = pub.Publish(v, Version(static_cast<int>(v)));
+      ASSERT_TRUE(p.ok()) << p.status().ToString();
+      EXPECT_EQ(p->acked, (std::vector<std::string>{"e-r0", "e-r1"}));
+    }
+    for (auto& t : threads) t.join();
+    for (uint32_t r = 0; r < 2; ++r) ASSERT_TRUE(results[r].ok()) << results[r].ToString();
+  };
+  follow_all(2, 1);
+  expect_dense(2);
+  for (auto& l : lines) l.clear();
+  for (auto& b : memory[1]) std::fill(b.begin(), b.end(), 0);
+  follow_all(3, 3);
+  expect_dense(3);
+  auto joined = [&](uint32_t r) {
+    return std::any_of(lines[r].begin(), lines[r].end(),
+                       [](const std::string& l) { return l.starts_with("joining from the snapshot"); });
+  };
+  EXPECT_FALSE(joined(0));
+  EXPECT_TRUE(joined(1));
+  // Buffers that do not fit the map are refused, naming the buffer.
+  memory[0][0].pop_back();
+  RankFollower bad(*store_, placed(memory[0], 0), Path("rank0"), EngineRank{"e", 0, 2}, Receiver("e-r0"));
+  Status s = bad.Run(3);
+  EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.ToString();
+  EXPECT_NE(s.message().find(layouts[0]->map().buffers[0].id), std::string::npos) << s.ToString();
 }
 
 }  // namespace

@@ -95,9 +95,12 @@ Status CheckMapFitsRun(const CompiledLayout& layout, const RunRecord& run) {
 
 class RankRun {
  public:
-  RankRun(Store& store, const CompiledLayout& layout, const std::string& dir, const EngineRank& rank,
-          const FollowOptions& o, uint64_t* version)
-      : store_(store), layout_(layout), dir_(dir), rank_(rank), o_(o), version_out_(version),
+  // `given`: the rank's buffers in memory (the caller's), or null for
+  // buffer files in `dir`.
+  RankRun(Store& store, const CompiledLayout& layout, const std::string& dir, const PlacedRank* given,
+          const EngineRank& rank, const FollowOptions& o, uint64_t* version, bool* holds)
+      : store_(store), layout_(layout), dir_(dir), given_(given), rank_(rank), o_(o), version_out_(version),
+        holds_out_(holds),
         heartbeat_(store, o.id, rank, o.heartbeat_every, [this](const std::string& l) { Log(l); }) {}
 
   Status Run(std::optional<uint64_t> until, const std::function<bool()>& stop);
@@ -109,7 +112,9 @@ class RankRun {
 
   Status Start(const std::function<bool()>& stop);
   Status Join(uint64_t at_most, const std::string& why);
-  Status Open();
+  // Makes placed_ the rank's buffers: the given ones, or the buffer files
+  // (opened; created zero-filled when `create`).
+  Status Open(bool create);
   Status Commit(uint64_t v);
   Status Step();
   // Applies every frame of `delta` (attempt `id`) to the rank's elements,
@@ -119,13 +124,16 @@ class RankRun {
   Store& store_;
   const CompiledLayout& layout_;
   const std::string& dir_;
+  const PlacedRank* given_;
   const EngineRank& rank_;
   const FollowOptions& o_;
   uint64_t* version_out_;
+  bool* holds_out_;
   RunRecord run_;
   DeltaManifest shape_;  // the run's tensors and chunking
   RankJournal journal_;
   std::optional<RankBufferFiles> files_;
+  std::optional<PlacedRank> placed_;  // set while the buffers are open and hold a version (or a join is loading them)
   ChunkDigestTable tracked_;  // the rank's partial digest of every chunk, as its buffers hold them
   std::set<std::string> handled_;
   std::map<uint64_t, int> commit_failures_;
@@ -133,11 +141,17 @@ class RankRun {
   Heartbeat heartbeat_;
 };
 
-Status RankRun::Open() {
+Status RankRun::Open(bool create) {
+  placed_.reset();
   files_.reset();
-  DCR_ASSIGN_OR_RETURN(RankBufferFiles f, RankBufferFiles::Open(layout_, dir_));
-  files_.emplace(std::move(f));
-  tracked_ = RankChunkDigests(files_->placed(), shape_);
+  if (given_ != nullptr) {
+    placed_ = *given_;
+    return Status::Ok();
+  }
+  auto f = create ? RankBufferFiles::Create(layout_, dir_) : RankBufferFiles::Open(layout_, dir_);
+  if (!f.ok()) return f.status();
+  files_.emplace(std::move(*f));
+  placed_ = files_->placed();
   return Status::Ok();
 }
 
@@ -153,6 +167,7 @@ Status RankRun::Commit(uint64_t v) {
 }
 
 Status RankRun::Join(uint64_t at_most, const std::string& why) {
+  placed_.reset();
   files_.reset();
   DCR_ASSIGN_OR_RETURN(SnapshotRecord snap, NewestSnapshot(store_, at_most));
   Log(fmt::format("joining from the snapshot of version {} ({})", snap.version, why));
@@ -172,12 +187,14 @@ Status RankRun::Join(uint64_t at_most, const std::string& why) {
     if (Total(ChunkDigests(ckpt, shape_)) != snap.digest)
       return DataLoss(fmt::format("{}: the snapshot of version {} does not have its recorded digest", store_.url(),
                                   snap.version));
-    DCR_ASSIGN_OR_RETURN(RankBufferFiles f, RankBufferFiles::Create(layout_, dir_));
-    PlacedRank placed = f.placed();
-    DCR_RETURN_IF_ERROR(LoadDense(CheckpointBytes(ckpt), placed));
+    DCR_RETURN_IF_ERROR(Open(/*create=*/true));
+    if (Status loaded = LoadDense(CheckpointBytes(ckpt), *placed_); !loaded.ok()) {
+      placed_.reset();  // half loaded: the next step joins again
+      return loaded;
+    }
   }
   fs::remove_all(tmp, ec);
-  DCR_RETURN_IF_ERROR(Open());
+  tracked_ = RankChunkDigests(*placed_, shape_);
   return Commit(snap.version);
 }
 
@@ -208,7 +225,9 @@ Status RankRun::Start(const std::function<bool()>& stop) {
   *version_out_ = journal_.version;
   heartbeat_.SetVersion(journal_.version);
   if (journal_.attempt == kJoining) return Join(*state.latest, "restarted while joining");
-  if (Status s = Open(); !s.ok()) return Join(*state.latest, "cannot open the buffers: " + s.ToString());
+  if (Status s = Open(/*create=*/false); !s.ok())
+    return Join(*state.latest, "cannot open the buffers: " + s.ToString());
+  tracked_ = RankChunkDigests(*placed_, shape_);
   const Digest d = Partial();
   if (journal_.attempt.empty() && d != journal_.digest)
     return Join(*state.latest, fmt::format("the buffers do not hold version {} as the journal claims", journal_.version));
@@ -225,7 +244,7 @@ Status RankRun::ApplyAttempt(const std::string& id, const DeltaReader& delta) {
   const DeltaManifest& m = delta.manifest();
   if (m.tensors.size() != shape_.tensors.size() || m.chunk_elements != shape_.chunk_elements)
     return InvalidArgument(fmt::format("attempt {}: its manifest's tensors or chunking are not the run's", id));
-  PlacedRank placed = files_->placed();
+  PlacedRank& placed = *placed_;
   Status s;
   for (size_t i = 0; s.ok() && i < m.frames.size(); ++i) {
     auto frame = delta.Frame(i);
@@ -245,7 +264,7 @@ Status RankRun::ApplyAttempt(const std::string& id, const DeltaReader& delta) {
 }
 
 Status RankRun::Step() {
-  if (!files_) {
+  if (!placed_) {
     DCR_ASSIGN_OR_RETURN(RunState state, ReadRunState(store_));
     return Join(*state.latest, "resuming an interrupted join");
   }
@@ -323,7 +342,17 @@ Status RankRun::Step() {
 
 Status RankRun::Run(std::optional<uint64_t> until, const std::function<bool()>& stop) {
   return FollowLoop(
-      heartbeat_, o_, [&] { return Start(stop); }, [&] { return Step(); },
+      heartbeat_, o_,
+      [&] {
+        Status s = Start(stop);
+        *holds_out_ = s.ok() && placed_.has_value();
+        return s;
+      },
+      [&] {
+        Status s = Step();
+        *holds_out_ = placed_.has_value();
+        return s;
+      },
       [&] { return until && journal_.version >= *until; }, stop, [this](const std::string& l) { Log(l); });
 }
 
@@ -335,13 +364,22 @@ RankFollower::RankFollower(Store& store, const CompiledLayout& layout, std::stri
   if (options_.id.empty()) options_.id = fmt::format("{}-r{}", rank_.engine, rank_.rank);
 }
 
+RankFollower::RankFollower(Store& store, const PlacedRank& buffers, std::string state_dir, EngineRank rank,
+                           FollowOptions options)
+    : RankFollower(store, *buffers.layout, std::move(state_dir), std::move(rank), std::move(options)) {
+  in_memory_ = true;
+  given_ = buffers.buffers;
+}
+
 Status RankFollower::Run(std::optional<uint64_t> until, const std::function<bool()>& stop) {
   if (rank_.ranks == 0 || rank_.rank >= rank_.ranks || rank_.engine.empty())
     return InvalidArgument(fmt::format("rank {} of {} of engine '{}': an engine needs a name and 0 <= rank < ranks",
                                        rank_.rank, rank_.ranks, rank_.engine));
   if (Status s = ValidateKey(run_keys::Receiver(options_.id)); !s.ok())
     return InvalidArgument("receiver id '" + options_.id + "' cannot name an object: " + s.message());
-  RankRun run(store_, layout_, dir_, rank_, options_, &version_);
+  const PlacedRank given{&layout_, given_};
+  if (in_memory_) DCR_RETURN_IF_ERROR(CheckRankBuffers(layout_, given_).WithContext("the rank's buffers"));
+  RankRun run(store_, layout_, dir_, in_memory_ ? &given : nullptr, rank_, options_, &version_, &holds_version_);
   return run.Run(until, stop);
 }
 
