@@ -6,8 +6,9 @@ and OUT/manifest_fuzz (their manifests); for the object stores,
 OUT/s3_xml_fuzz (S3 XML replies as AWS and radosgw send them),
 OUT/s3_response_fuzz (scripted S3 exchanges) and OUT/store_config_fuzz
 (store URLs, AWS environment and profile files, fault specs); for layout
-maps, OUT/layout_map_fuzz (valid and subtly broken maps). Standard library
-only.
+maps, OUT/layout_map_fuzz (valid and subtly broken maps); for the refit
+protocol, OUT/records_fuzz (store records: run, commit, ack, receiver,
+snapshot; the first byte picks the type). Standard library only.
 
 usage: seeds.py OUT DCR_BINARY
 """
@@ -260,6 +261,30 @@ def relay_message_seeds(frame_dir):
     }
 
 
+def records_seeds():
+    """The protocol's store records (docs/protocol.md); byte 0 picks the parser:
+    0 run, 1 commit, 2 ack, 3 receiver, 4 snapshot."""
+    import json
+    d = "0123456789abcdef" * 2
+    recs = {
+        "run": (0, {"format": "dcr-run", "run_id": "r-1", "chunk_elements": 1048576,
+                    "tensors": [{"name": "w", "dtype": "BF16", "shape": [2, 3]}]}),
+        "commit": (1, {"format": "dcr-commit", "version": 2, "base_version": 1, "attempt": "0001-0123abcd",
+                       "target_digest": d, "acked": ["e0", "e1"], "retired": [], "time": 1764648000.25}),
+        "ack": (2, {"format": "dcr-ack", "receiver": "e0", "ok": True, "digest": d, "error": ""}),
+        "ack_rank": (2, {"format": "dcr-ack", "receiver": "eng-r1", "ok": True, "digest": d, "error": "",
+                         "engine": {"id": "eng", "rank": 1, "ranks": 2}}),
+        "nack": (2, {"format": "dcr-ack", "receiver": "e1", "ok": False, "digest": d, "error": "corrupt frame"}),
+        "receiver": (3, {"format": "dcr-receiver", "id": "e0", "state": "following", "version": 3,
+                         "heartbeat": 1764648000.5}),
+        "receiver_rank": (3, {"format": "dcr-receiver", "id": "eng-r0", "state": "applying", "version": 3,
+                              "heartbeat": 1764648001.0, "engine": {"id": "eng", "rank": 0, "ranks": 4}}),
+        "snapshot": (4, {"format": "dcr-snapshot", "version": 0, "digest": d,
+                         "files": [{"name": "model.safetensors", "bytes": 4096}]}),
+    }
+    return {name: bytes([t]) + json.dumps(doc).encode() for name, (t, doc) in recs.items()}
+
+
 def write_all(out_dir, seeds):
     os.makedirs(out_dir, exist_ok=True)
     for name, blob in seeds.items():
@@ -295,6 +320,7 @@ def main():
     write_all(os.path.join(sys.argv[1], "s3_response_fuzz"), s3_response_seeds())
     write_all(os.path.join(sys.argv[1], "store_config_fuzz"), store_config_seeds())
     write_all(os.path.join(sys.argv[1], "layout_map_fuzz"), layout_map_seeds(sys.argv[2]))
+    write_all(os.path.join(sys.argv[1], "records_fuzz"), records_seeds())
     write_all(os.path.join(sys.argv[1], "relay_message_fuzz"), relay_message_seeds(os.path.join(sys.argv[1], "frame_fuzz")))
 
 
