@@ -91,6 +91,10 @@ class FollowRun {
   void AwaitRelay(const std::string& prefix, const std::vector<std::string>& objects);
   // The objects (and bytes) under `prefix` in prefetched_ that the relay delivered.
   std::pair<size_t, uint64_t> Relayed(const std::string& prefix) const;
+  // Applies the frames of attempt `a` of version v (streaming, no manifest
+  // yet) that are in prefetched_ and not yet looked at (see StreamApply's
+  // definition for the checks).
+  Status StreamApply(uint64_t v, const AttemptInfo& a);
 
   Store& store_;
   const std::string& target_;
@@ -107,6 +111,20 @@ class FollowRun {
   // their manifest (full key -> bytes); LoadAttempt takes them from here.
   std::map<std::string, std::string> prefetched_;
   std::set<std::string> from_relay_;  // keys in prefetched_ that the relay delivered
+  // Streaming apply: per attempt of version_ + 1, what its attempt.json
+  // says and which frame objects were applied before the manifest.
+  struct Streamed {
+    bool usable = false;  // attempt.json names a delta id and class
+    uint64_t delta_id = 0;
+    DeltaClass cls = DeltaClass::kXorClass;
+    std::set<std::string> objects;  // frame objects looked at
+    uint64_t applied = 0, already = 0, left = 0;  // frames
+  };
+  std::map<std::string, Streamed> streamed_;
+  DeltaManifest layout_;               // the run's tensors and chunking
+  std::vector<DigestKey> keys_;        // per run tensor
+  std::vector<size_t> target_index_;   // per run tensor: its index in ckpt_
+  ChunkApplier applier_;
 
   Heartbeat heartbeat_;
 };
@@ -116,7 +134,14 @@ Status FollowRun::OpenTarget() {
   DCR_ASSIGN_OR_RETURN(Checkpoint c, Checkpoint::Open(target_, OpenMode::kReadWrite));
   DCR_RETURN_IF_ERROR(CheckRunTensors(c, run_));
   ckpt_.emplace(std::move(c));
-  digests_ = ChunkDigests(*ckpt_, LayoutOf(run_));
+  layout_ = LayoutOf(run_);
+  keys_.clear();
+  target_index_.clear();
+  for (const auto& t : layout_.tensors) {
+    keys_.push_back(MakeDigestKey(t.name));
+    target_index_.push_back(static_cast<size_t>(ckpt_->Find(t.name)));
+  }
+  digests_ = ChunkDigests(*ckpt_, layout_);
   return Status::Ok();
 }
 
@@ -126,6 +151,7 @@ Status FollowRun::Commit(uint64_t v) {
   *version_out_ = v;
   prefetched_.clear();
   from_relay_.clear();
+  streamed_.clear();
   if (o_.relay) o_.relay->Take(run_keys::Attempts(v));  // late copies of what it now holds
   journal_.version = v;
   journal_.attempt.clear();
@@ -252,6 +278,116 @@ std::pair<size_t, uint64_t> FollowRun::Relayed(const std::string& prefix) const 
   return r;
 }
 
+// Frames of a streaming attempt are applied as their objects arrive, each
+// one fully checked: the object parses frame by frame (header and payload
+// checksums), every frame carries attempt.json's delta id, a mode of its
+// class, and the run's shape of its chunk, and is applied only to a chunk
+// that is its base (ChunkApplier verifies the result's digest before a byte
+// is written); a chunk already at the frame's target is left alone, and one
+// in any other state is left to the manifest (ApplyDelta repairs it with an
+// overwrite frame, or the attempt is nacked). The journal names the attempt
+// before the first write, so a restarted follower knows its bits may be
+// between versions; which chunks are done is in their digests, so no xor
+// frame is ever applied twice. Nothing is applied once the attempt is fenced.
+Status FollowRun::StreamApply(uint64_t v, const AttemptInfo& a) {
+  const std::string prefix = run_keys::Attempt(v, a.id);
+  auto [it, fresh] = streamed_.try_emplace(a.id);
+  Streamed& st = it->second;
+  if (fresh) {
+    DCR_ASSIGN_OR_RETURN(auto text, GetIfPresent(store_, prefix + "attempt.json"));
+    if (!text) {  // not yet visible: look again next time
+      streamed_.erase(it);
+      return Status::Ok();
+    }
+    auto doc = nlohmann::json::parse(*text, nullptr, false);
+    if (doc.is_object() && doc["format"] == "dcr-attempt" && doc["version"] == v && doc["delta_id"].is_string() &&
+        (doc["class"] == "xor" || doc["class"] == "overwrite")) {
+      const std::string id = doc["delta_id"].get<std::string>();
+      st.usable = id.size() == 16 && id.find_first_not_of("0123456789abcdef") == std::string::npos;
+      st.delta_id = std::strtoull(id.c_str(), nullptr, 16);
+      st.cls = doc["class"] == "xor" ? DeltaClass::kXorClass : DeltaClass::kOverwrite;
+    }
+    if (!st.usable)
+      Log(fmt::format("{}attempt.json names no delta id and class (an older publisher?); its frames are applied once "
+                      "its manifest exists",
+                      prefix));
+  }
+  if (!st.usable) return Status::Ok();
+  std::vector<std::string> todo;
+  for (const auto& key : a.frame_objects)
+    if (prefetched_.count(key) && !st.objects.count(key)) todo.push_back(key);
+  if (todo.empty()) return Status::Ok();
+  // The listing may be older than a fence written since.
+  DCR_ASSIGN_OR_RETURN(auto fence, GetIfPresent(store_, prefix + "fence"));
+  if (fence) return Status::Ok();
+  if (journal_.attempt != a.id) {
+    journal_.attempt = a.id;
+    DCR_RETURN_IF_ERROR(WriteJournal(target_, journal_));
+  }
+  SetState("applying").IgnoreError();
+  DCR_RETURN_IF_ERROR(Fault("stream-applying"));
+  for (const auto& key : todo) {
+    st.objects.insert(key);
+    const std::string& blob = prefetched_.at(key);
+    const auto bytes = std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(blob.data()), blob.size());
+    size_t offset = 0;
+    while (offset < bytes.size()) {
+      size_t consumed = 0;
+      auto frame = ParseFrame(bytes.subspan(offset), &consumed);
+      std::string refused;
+      if (!frame.ok()) {
+        refused = frame.status().ToString();
+      } else {
+        const FrameHeader& h = frame->header;
+        if (h.delta_id != st.delta_id) refused = fmt::format("delta id {:016x}, not attempt.json's", h.delta_id);
+        else if ((st.cls == DeltaClass::kOverwrite) != (h.mode == Mode::kOverwrite))
+          refused = fmt::format("mode {} in an attempt of the other class", ModeName(h.mode));
+        else if (h.tensor >= layout_.tensors.size() || h.chunk >= layout_.ChunkCount(h.tensor))
+          refused = fmt::format("tensor {} chunk {} is not in the run", h.tensor, h.chunk);
+      }
+      uint64_t first_word = 0, words = 0;
+      uint32_t elements = 0;
+      if (refused.empty()) {
+        const FrameHeader& h = frame->header;
+        layout_.ChunkWords(h.tensor, h.chunk, &first_word, &words, &elements);
+        if (h.dtype != layout_.tensors[h.tensor].dtype || h.elements != elements || h.words != words ||
+            h.first_element != uint64_t{h.chunk} * layout_.chunk_elements)
+          refused = fmt::format("its shape is not that of tensor '{}' chunk {}", layout_.tensors[h.tensor].name,
+                                h.chunk);
+      }
+      if (!refused.empty()) {
+        // The manifest decides: LoadAttempt and ApplyDelta report it if the frame is needed.
+        Log(fmt::format("{} at offset {}: not applied before the manifest: {}", key, offset, refused));
+        break;
+      }
+      offset += consumed;
+      const FrameHeader& h = frame->header;
+      Digest& now = digests_[h.tensor][h.chunk];
+      if (now == h.target_digest) {
+        ++st.already;
+        continue;
+      }
+      if (now != h.base_digest) {
+        ++st.left;
+        continue;
+      }
+      const uint64_t wb = WordBytes(h.dtype);
+      auto chunk = ckpt_->MutableData(target_index_[h.tensor]).subspan(first_word * wb, words * wb);
+      Digest after;
+      auto outcome = applier_.Apply(*frame, keys_[h.tensor], first_word, chunk, now, &after);
+      if (!outcome.ok()) {
+        Log(fmt::format("{} at offset {}: not applied before the manifest: {}", key, offset - consumed,
+                        outcome.status().ToString()));
+        ++st.left;
+        continue;
+      }
+      now = after;
+      ++st.applied;
+    }
+  }
+  return Status::Ok();
+}
+
 // One step towards version_ + 1: apply its commit, or the open attempts.
 Status FollowRun::Step() {
   if (!ckpt_) {  // a join was interrupted by a store failure
@@ -314,17 +450,21 @@ Status FollowRun::Step() {
       const size_t before = prefetched_.size();
       TakeFromRelay(prefix);
       if (prefetched_.size() != before) progressed = true;
-      if (o_.relay && o_.relay->Attached()) continue;
-      for (const auto& key : a.frame_objects) {
-        if (prefetched_.count(key)) continue;
-        auto blob = store_.Get(key);
-        if (!blob.ok()) {
-          if (Transient(blob.status())) return blob.status();
-          break;  // LoadAttempt reports it, once the manifest says the object is needed
+      if (!o_.relay || !o_.relay->Attached()) {
+        for (const auto& key : a.frame_objects) {
+          if (prefetched_.count(key)) continue;
+          auto blob = store_.Get(key);
+          if (!blob.ok()) {
+            if (Transient(blob.status())) return blob.status();
+            break;  // LoadAttempt reports it, once the manifest says the object is needed
+          }
+          prefetched_[key] = std::move(*blob);
+          progressed = true;
         }
-        prefetched_[key] = std::move(*blob);
-        progressed = true;
       }
+      // Only the newest attempt: an older one is being replaced (a takeover
+      // or retry), and its frames would only be overwritten.
+      if (a.id == attempts.back().id) DCR_RETURN_IF_ERROR(StreamApply(v, a));
       continue;
     }
     AwaitRelay(prefix, a.frame_objects);
@@ -356,8 +496,11 @@ Status FollowRun::Step() {
     ack.ok = s.ok();
     ack.digest = Total(digests_);
     ack.error = s.ok() ? "" : s.ToString();
-    Log(s.ok() ? fmt::format("applied version {} attempt {} ({:.3f} s after the manifest and frame objects were in)", v,
-                             a.id, std::chrono::duration<double>(std::chrono::steady_clock::now() - ready).count())
+    const Streamed& st = streamed_[a.id];
+    Log(s.ok() ? fmt::format("applied version {} attempt {} ({} frames as they arrived, {} already done, {} left to "
+                             "the manifest; {:.3f} s after the manifest and frame objects were in)",
+                             v, a.id, st.applied, st.already, st.left,
+                             std::chrono::duration<double>(std::chrono::steady_clock::now() - ready).count())
                : fmt::format("cannot apply version {} attempt {}: {}", v, a.id, s.ToString()));
     DCR_RETURN_IF_ERROR(store_.Put(run_keys::Attempt(v, a.id) + "acks/" + o_.id + ".json", ack.ToJson()));
     // In the store first (the record), then up the relay tree (the fast path to the coordinator).
