@@ -88,12 +88,14 @@ class FollowRun {
   Status SetState(const std::string& state) { return heartbeat_.Set(state); }
   Status Step();
   void TakeFromRelay(const std::string& prefix);
-  void AwaitRelay(const std::string& prefix, const std::vector<std::string>& objects);
+  // Waits for the relay to deliver `objects`; `arrived` runs after each take.
+  Status AwaitRelay(const std::string& prefix, const std::vector<std::string>& objects,
+                    const std::function<Status()>& arrived);
   // The objects (and bytes) under `prefix` in prefetched_ that the relay delivered.
   std::pair<size_t, uint64_t> Relayed(const std::string& prefix) const;
-  // Applies the frames of attempt `a` of version v (streaming, no manifest
-  // yet) that are in prefetched_ and not yet looked at (see StreamApply's
-  // definition for the checks).
+  // Applies the frames of attempt `a` of version v that are in prefetched_
+  // and not yet looked at, ahead of the manifest's apply (while the attempt
+  // streams, or while the relay still delivers); see its definition.
   Status StreamApply(uint64_t v, const AttemptInfo& a);
 
   Store& store_;
@@ -248,21 +250,23 @@ void FollowRun::TakeFromRelay(const std::string& prefix) {
   }
 }
 
-void FollowRun::AwaitRelay(const std::string& prefix, const std::vector<std::string>& objects) {
-  if (!o_.relay) return;
+Status FollowRun::AwaitRelay(const std::string& prefix, const std::vector<std::string>& objects,
+                             const std::function<Status()>& arrived) {
+  if (!o_.relay) return Status::Ok();
   const auto start = std::chrono::steady_clock::now();
   for (;;) {
     TakeFromRelay(prefix);
+    DCR_RETURN_IF_ERROR(arrived());
     const bool complete =
         std::all_of(objects.begin(), objects.end(), [&](const std::string& k) { return prefetched_.count(k) > 0; });
     // Also while the relay is detached: its client re-attaches upstream
     // within its dead_after, and the new parent sends what is missing.
-    if (complete) return;
+    if (complete) return Status::Ok();
     const auto now = std::chrono::steady_clock::now();
     if (now - std::max(start, o_.relay->LastDelivery()) > o_.relay_quiet) {
       Log(fmt::format("the relay delivered nothing for {} ms; downloading the missing frame objects of {} from the store",
                       o_.relay_quiet.count(), prefix));
-      return;
+      return Status::Ok();
     }
     std::this_thread::sleep_for(std::min(o_.stream_poll, o_.poll));
   }
@@ -278,7 +282,8 @@ std::pair<size_t, uint64_t> FollowRun::Relayed(const std::string& prefix) const 
   return r;
 }
 
-// Frames of a streaming attempt are applied as their objects arrive, each
+// Frames of a streaming attempt are applied as their objects arrive (also
+// those the relay delivers after the manifest is in), each
 // one fully checked: the object parses frame by frame (header and payload
 // checksums), every frame carries attempt.json's delta id, a mode of its
 // class, and the run's shape of its chunk, and is applied only to a chunk
@@ -467,7 +472,9 @@ Status FollowRun::Step() {
       if (a.id == attempts.back().id) DCR_RETURN_IF_ERROR(StreamApply(v, a));
       continue;
     }
-    AwaitRelay(prefix, a.frame_objects);
+    // The manifest may be in long before the relay tree delivers the last
+    // objects (the store is not the tree's link): apply them as they come.
+    DCR_RETURN_IF_ERROR(AwaitRelay(prefix, a.frame_objects, [&] { return StreamApply(v, a); }));
     const auto [relayed, relayed_bytes] = Relayed(prefix);
     auto delta = LoadAttempt(store_, v, a.id, &prefetched_);
     const auto ready = std::chrono::steady_clock::now();  // the manifest and every frame object are here
@@ -497,10 +504,11 @@ Status FollowRun::Step() {
     ack.digest = Total(digests_);
     ack.error = s.ok() ? "" : s.ToString();
     const Streamed& st = streamed_[a.id];
-    Log(s.ok() ? fmt::format("applied version {} attempt {} ({} frames as they arrived, {} already done, {} left to "
-                             "the manifest; {:.3f} s after the manifest and frame objects were in)",
-                             v, a.id, st.applied, st.already, st.left,
-                             std::chrono::duration<double>(std::chrono::steady_clock::now() - ready).count())
+    Log(s.ok() ? fmt::format("applied version {} attempt {} ({:.3f} s after the manifest and frame objects were in; "
+                             "streamed frames: {} applied as they arrived, {} already done, {} left to "
+                             "the manifest)",
+                             v, a.id, std::chrono::duration<double>(std::chrono::steady_clock::now() - ready).count(),
+                             st.applied, st.already, st.left)
                : fmt::format("cannot apply version {} attempt {}: {}", v, a.id, s.ToString()));
     DCR_RETURN_IF_ERROR(store_.Put(run_keys::Attempt(v, a.id) + "acks/" + o_.id + ".json", ack.ToJson()));
     // In the store first (the record), then up the relay tree (the fast path to the coordinator).
