@@ -88,9 +88,15 @@ class FollowRun {
   Status SetState(const std::string& state) { return heartbeat_.Set(state); }
   Status Step();
   void TakeFromRelay(const std::string& prefix);
-  void AwaitRelay(const std::string& prefix, const std::vector<std::string>& objects);
+  // Waits for the relay to deliver `objects`; `arrived` runs after each take.
+  Status AwaitRelay(const std::string& prefix, const std::vector<std::string>& objects,
+                    const std::function<Status()>& arrived);
   // The objects (and bytes) under `prefix` in prefetched_ that the relay delivered.
   std::pair<size_t, uint64_t> Relayed(const std::string& prefix) const;
+  // Applies the frames of attempt `a` of version v that are in prefetched_
+  // and not yet looked at, ahead of the manifest's apply (while the attempt
+  // streams, or while the relay still delivers); see its definition.
+  Status StreamApply(uint64_t v, const AttemptInfo& a);
 
   Store& store_;
   const std::string& target_;
@@ -107,6 +113,20 @@ class FollowRun {
   // their manifest (full key -> bytes); LoadAttempt takes them from here.
   std::map<std::string, std::string> prefetched_;
   std::set<std::string> from_relay_;  // keys in prefetched_ that the relay delivered
+  // Streaming apply: per attempt of version_ + 1, what its attempt.json
+  // says and which frame objects were applied before the manifest.
+  struct Streamed {
+    bool usable = false;  // attempt.json names a delta id and class
+    uint64_t delta_id = 0;
+    DeltaClass cls = DeltaClass::kXorClass;
+    std::set<std::string> objects;  // frame objects looked at
+    uint64_t applied = 0, already = 0, left = 0;  // frames
+  };
+  std::map<std::string, Streamed> streamed_;
+  DeltaManifest layout_;               // the run's tensors and chunking
+  std::vector<DigestKey> keys_;        // per run tensor
+  std::vector<size_t> target_index_;   // per run tensor: its index in ckpt_
+  ChunkApplier applier_;
 
   Heartbeat heartbeat_;
 };
@@ -116,7 +136,14 @@ Status FollowRun::OpenTarget() {
   DCR_ASSIGN_OR_RETURN(Checkpoint c, Checkpoint::Open(target_, OpenMode::kReadWrite));
   DCR_RETURN_IF_ERROR(CheckRunTensors(c, run_));
   ckpt_.emplace(std::move(c));
-  digests_ = ChunkDigests(*ckpt_, LayoutOf(run_));
+  layout_ = LayoutOf(run_);
+  keys_.clear();
+  target_index_.clear();
+  for (const auto& t : layout_.tensors) {
+    keys_.push_back(MakeDigestKey(t.name));
+    target_index_.push_back(static_cast<size_t>(ckpt_->Find(t.name)));
+  }
+  digests_ = ChunkDigests(*ckpt_, layout_);
   return Status::Ok();
 }
 
@@ -126,6 +153,7 @@ Status FollowRun::Commit(uint64_t v) {
   *version_out_ = v;
   prefetched_.clear();
   from_relay_.clear();
+  streamed_.clear();
   if (o_.relay) o_.relay->Take(run_keys::Attempts(v));  // late copies of what it now holds
   journal_.version = v;
   journal_.attempt.clear();
@@ -222,21 +250,23 @@ void FollowRun::TakeFromRelay(const std::string& prefix) {
   }
 }
 
-void FollowRun::AwaitRelay(const std::string& prefix, const std::vector<std::string>& objects) {
-  if (!o_.relay) return;
+Status FollowRun::AwaitRelay(const std::string& prefix, const std::vector<std::string>& objects,
+                             const std::function<Status()>& arrived) {
+  if (!o_.relay) return Status::Ok();
   const auto start = std::chrono::steady_clock::now();
   for (;;) {
     TakeFromRelay(prefix);
+    DCR_RETURN_IF_ERROR(arrived());
     const bool complete =
         std::all_of(objects.begin(), objects.end(), [&](const std::string& k) { return prefetched_.count(k) > 0; });
     // Also while the relay is detached: its client re-attaches upstream
     // within its dead_after, and the new parent sends what is missing.
-    if (complete) return;
+    if (complete) return Status::Ok();
     const auto now = std::chrono::steady_clock::now();
     if (now - std::max(start, o_.relay->LastDelivery()) > o_.relay_quiet) {
       Log(fmt::format("the relay delivered nothing for {} ms; downloading the missing frame objects of {} from the store",
                       o_.relay_quiet.count(), prefix));
-      return;
+      return Status::Ok();
     }
     std::this_thread::sleep_for(std::min(o_.stream_poll, o_.poll));
   }
@@ -250,6 +280,117 @@ std::pair<size_t, uint64_t> FollowRun::Relayed(const std::string& prefix) const 
       r.second += bytes.size();
     }
   return r;
+}
+
+// Frames of a streaming attempt are applied as their objects arrive (also
+// those the relay delivers after the manifest is in), each
+// one fully checked: the object parses frame by frame (header and payload
+// checksums), every frame carries attempt.json's delta id, a mode of its
+// class, and the run's shape of its chunk, and is applied only to a chunk
+// that is its base (ChunkApplier verifies the result's digest before a byte
+// is written); a chunk already at the frame's target is left alone, and one
+// in any other state is left to the manifest (ApplyDelta repairs it with an
+// overwrite frame, or the attempt is nacked). The journal names the attempt
+// before the first write, so a restarted follower knows its bits may be
+// between versions; which chunks are done is in their digests, so no xor
+// frame is ever applied twice. Nothing is applied once the attempt is fenced.
+Status FollowRun::StreamApply(uint64_t v, const AttemptInfo& a) {
+  const std::string prefix = run_keys::Attempt(v, a.id);
+  auto [it, fresh] = streamed_.try_emplace(a.id);
+  Streamed& st = it->second;
+  if (fresh) {
+    DCR_ASSIGN_OR_RETURN(auto text, GetIfPresent(store_, prefix + "attempt.json"));
+    if (!text) {  // not yet visible: look again next time
+      streamed_.erase(it);
+      return Status::Ok();
+    }
+    auto doc = nlohmann::json::parse(*text, nullptr, false);
+    if (doc.is_object() && doc["format"] == "dcr-attempt" && doc["version"] == v && doc["delta_id"].is_string() &&
+        (doc["class"] == "xor" || doc["class"] == "overwrite")) {
+      const std::string id = doc["delta_id"].get<std::string>();
+      st.usable = id.size() == 16 && id.find_first_not_of("0123456789abcdef") == std::string::npos;
+      st.delta_id = std::strtoull(id.c_str(), nullptr, 16);
+      st.cls = doc["class"] == "xor" ? DeltaClass::kXorClass : DeltaClass::kOverwrite;
+    }
+    if (!st.usable)
+      Log(fmt::format("{}attempt.json names no delta id and class (an older publisher?); its frames are applied once "
+                      "its manifest exists",
+                      prefix));
+  }
+  if (!st.usable) return Status::Ok();
+  std::vector<std::string> todo;
+  for (const auto& key : a.frame_objects)
+    if (prefetched_.count(key) && !st.objects.count(key)) todo.push_back(key);
+  if (todo.empty()) return Status::Ok();
+  // The listing may be older than a fence written since.
+  DCR_ASSIGN_OR_RETURN(auto fence, GetIfPresent(store_, prefix + "fence"));
+  if (fence) return Status::Ok();
+  if (journal_.attempt != a.id) {
+    journal_.attempt = a.id;
+    DCR_RETURN_IF_ERROR(WriteJournal(target_, journal_));
+  }
+  SetState("applying").IgnoreError();
+  DCR_RETURN_IF_ERROR(Fault("stream-applying"));
+  for (const auto& key : todo) {
+    st.objects.insert(key);
+    const std::string& blob = prefetched_.at(key);
+    const auto bytes = std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(blob.data()), blob.size());
+    size_t offset = 0;
+    while (offset < bytes.size()) {
+      size_t consumed = 0;
+      auto frame = ParseFrame(bytes.subspan(offset), &consumed);
+      std::string refused;
+      if (!frame.ok()) {
+        refused = frame.status().ToString();
+      } else {
+        const FrameHeader& h = frame->header;
+        if (h.delta_id != st.delta_id) refused = fmt::format("delta id {:016x}, not attempt.json's", h.delta_id);
+        else if ((st.cls == DeltaClass::kOverwrite) != (h.mode == Mode::kOverwrite))
+          refused = fmt::format("mode {} in an attempt of the other class", ModeName(h.mode));
+        else if (h.tensor >= layout_.tensors.size() || h.chunk >= layout_.ChunkCount(h.tensor))
+          refused = fmt::format("tensor {} chunk {} is not in the run", h.tensor, h.chunk);
+      }
+      uint64_t first_word = 0, words = 0;
+      uint32_t elements = 0;
+      if (refused.empty()) {
+        const FrameHeader& h = frame->header;
+        layout_.ChunkWords(h.tensor, h.chunk, &first_word, &words, &elements);
+        if (h.dtype != layout_.tensors[h.tensor].dtype || h.elements != elements || h.words != words ||
+            h.first_element != uint64_t{h.chunk} * layout_.chunk_elements)
+          refused = fmt::format("its shape is not that of tensor '{}' chunk {}", layout_.tensors[h.tensor].name,
+                                h.chunk);
+      }
+      if (!refused.empty()) {
+        // The manifest decides: LoadAttempt and ApplyDelta report it if the frame is needed.
+        Log(fmt::format("{} at offset {}: not applied before the manifest: {}", key, offset, refused));
+        break;
+      }
+      offset += consumed;
+      const FrameHeader& h = frame->header;
+      Digest& now = digests_[h.tensor][h.chunk];
+      if (now == h.target_digest) {
+        ++st.already;
+        continue;
+      }
+      if (now != h.base_digest) {
+        ++st.left;
+        continue;
+      }
+      const uint64_t wb = WordBytes(h.dtype);
+      auto chunk = ckpt_->MutableData(target_index_[h.tensor]).subspan(first_word * wb, words * wb);
+      Digest after;
+      auto outcome = applier_.Apply(*frame, keys_[h.tensor], first_word, chunk, now, &after);
+      if (!outcome.ok()) {
+        Log(fmt::format("{} at offset {}: not applied before the manifest: {}", key, offset - consumed,
+                        outcome.status().ToString()));
+        ++st.left;
+        continue;
+      }
+      now = after;
+      ++st.applied;
+    }
+  }
+  return Status::Ok();
 }
 
 // One step towards version_ + 1: apply its commit, or the open attempts.
@@ -314,20 +455,26 @@ Status FollowRun::Step() {
       const size_t before = prefetched_.size();
       TakeFromRelay(prefix);
       if (prefetched_.size() != before) progressed = true;
-      if (o_.relay && o_.relay->Attached()) continue;
-      for (const auto& key : a.frame_objects) {
-        if (prefetched_.count(key)) continue;
-        auto blob = store_.Get(key);
-        if (!blob.ok()) {
-          if (Transient(blob.status())) return blob.status();
-          break;  // LoadAttempt reports it, once the manifest says the object is needed
+      if (!o_.relay || !o_.relay->Attached()) {
+        for (const auto& key : a.frame_objects) {
+          if (prefetched_.count(key)) continue;
+          auto blob = store_.Get(key);
+          if (!blob.ok()) {
+            if (Transient(blob.status())) return blob.status();
+            break;  // LoadAttempt reports it, once the manifest says the object is needed
+          }
+          prefetched_[key] = std::move(*blob);
+          progressed = true;
         }
-        prefetched_[key] = std::move(*blob);
-        progressed = true;
       }
+      // Only the newest attempt: an older one is being replaced (a takeover
+      // or retry), and its frames would only be overwritten.
+      if (a.id == attempts.back().id) DCR_RETURN_IF_ERROR(StreamApply(v, a));
       continue;
     }
-    AwaitRelay(prefix, a.frame_objects);
+    // The manifest may be in long before the relay tree delivers the last
+    // objects (the store is not the tree's link): apply them as they come.
+    DCR_RETURN_IF_ERROR(AwaitRelay(prefix, a.frame_objects, [&] { return StreamApply(v, a); }));
     const auto [relayed, relayed_bytes] = Relayed(prefix);
     auto delta = LoadAttempt(store_, v, a.id, &prefetched_);
     const auto ready = std::chrono::steady_clock::now();  // the manifest and every frame object are here
@@ -356,8 +503,12 @@ Status FollowRun::Step() {
     ack.ok = s.ok();
     ack.digest = Total(digests_);
     ack.error = s.ok() ? "" : s.ToString();
-    Log(s.ok() ? fmt::format("applied version {} attempt {} ({:.3f} s after the manifest and frame objects were in)", v,
-                             a.id, std::chrono::duration<double>(std::chrono::steady_clock::now() - ready).count())
+    const Streamed& st = streamed_[a.id];
+    Log(s.ok() ? fmt::format("applied version {} attempt {} ({:.3f} s after the manifest and frame objects were in; "
+                             "streamed frames: {} applied as they arrived, {} already done, {} left to "
+                             "the manifest)",
+                             v, a.id, std::chrono::duration<double>(std::chrono::steady_clock::now() - ready).count(),
+                             st.applied, st.already, st.left)
                : fmt::format("cannot apply version {} attempt {}: {}", v, a.id, s.ToString()));
     DCR_RETURN_IF_ERROR(store_.Put(run_keys::Attempt(v, a.id) + "acks/" + o_.id + ".json", ack.ToJson()));
     // In the store first (the record), then up the relay tree (the fast path to the coordinator).

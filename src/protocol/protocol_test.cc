@@ -268,6 +268,105 @@ TEST_F(ProtocolTest, ReceiversDownloadSegmentsWhileTheAttemptStreams) {
   }
 }
 
+// Frames are applied as their objects arrive: while the coordinator is held
+// before it writes the manifest, the receivers already hold the new bits. A
+// receiver killed between two batches of streamed frames restarts, finds the
+// chunks it did in their digests, and applies no frame twice.
+TEST_F(ProtocolTest, ReceiversApplyFramesBeforeTheManifestExists) {
+  PublishOptions o = Fast();
+  o.segment_bytes = 4096;  // many frame objects per sender
+  // Whether `dir` holds a checkpoint, and it is (is not) version v.
+  auto holds = [&](const std::string& dir, int v, bool is = true) {
+    auto c = Checkpoint::Open(dir);
+    return c.ok() && DiffCheckpoints(*c, Version(v)).identical() == is;
+  };
+  auto wait_for = [](const std::function<bool()>& cond) {
+    for (int i = 0; i < 2000; ++i) {
+      if (cond()) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return false;
+  };
+  // Sender 1 opens its first object once receiver r1 applied some of sender
+  // 0's frames; r1 is killed at its next batch.
+  bool r1_started = false;
+  HookStore pub_store(*store_, [&](std::string_view op, std::string_view key, bool after) {
+    if (op == "write" && !after && key.find("/frames/s1-") != std::string_view::npos && !r1_started)
+      r1_started = wait_for([&] { return holds(Path("r1"), 0, false); });
+    return Status::Ok();
+  });
+  bool before_manifest = false;
+  std::string journal_attempt;
+  o.fault = [&](std::string_view point) {
+    if (point != "frames-written") return Status::Ok();
+    before_manifest = wait_for([&] { return holds(Path("r0"), 1) && holds(Path("r1"), 1); });
+    std::ifstream in(fs::path(Path("r0")) / ".dcr-follow.json");
+    auto doc = nlohmann::json::parse(in, nullptr, false);
+    if (doc.is_object() && doc["attempt"].is_string()) journal_attempt = doc["attempt"].get<std::string>();
+    return Status::Ok();
+  };
+  Publisher pub(pub_store, Path("state"), o);
+  ASSERT_TRUE(pub.Publish(0, Version(0)).ok());
+  std::mutex mu;
+  std::vector<std::string> lines;
+  std::atomic<int> batches{0};
+  Status r0, r1_first, r1_again;
+  std::thread t0([&] {
+    FollowOptions fo = Receiver("r0");
+    fo.log = [&](const std::string& l) {
+      std::lock_guard lock(mu);
+      lines.push_back("r0: " + l);
+    };
+    Follower f(*store_, Path("r0"), fo);
+    r0 = f.Run(1);
+  });
+  std::thread t1([&] {
+    FollowOptions fo = Receiver("r1");
+    fo.fault = [&](std::string_view point) {
+      return point == "stream-applying" && batches.fetch_add(1) == 1 ? Aborted("injected: killed") : Status::Ok();
+    };
+    fo.log = [&](const std::string& l) {
+      std::lock_guard lock(mu);
+      lines.push_back("r1 first life: " + l);
+    };
+    {
+      Follower f(*store_, Path("r1"), fo);
+      r1_first = f.Run(1);
+    }
+    fo.fault = nullptr;
+    fo.log = [&](const std::string& l) {
+      std::lock_guard lock(mu);
+      lines.push_back("r1: " + l);
+    };
+    Follower again(*store_, Path("r1"), fo);
+    r1_again = again.Run(1);
+  });
+  WaitForReceivers(2);
+  auto r = pub.Publish(1, Version(1));
+  t0.join();
+  t1.join();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_TRUE(r1_started) << "r1 applied nothing of sender 0's frames before sender 1's";
+  EXPECT_EQ(r1_first.code(), Code::kAborted) << r1_first.ToString() << " " << fmt::format("{}", fmt::join(lines, "\n"));
+  EXPECT_TRUE(before_manifest) << "the receivers did not hold version 1 before its manifest was written";
+  EXPECT_EQ(journal_attempt, r->attempt) << "the journal did not name the attempt being applied";
+  ASSERT_TRUE(r0.ok()) << r0.ToString();
+  ASSERT_TRUE(r1_again.ok()) << r1_again.ToString();
+  ExpectIdentical(Path("r0"), 1);
+  ExpectIdentical(Path("r1"), 1);
+  // The restarted r1 found what its first life applied already done.
+  std::lock_guard lock(mu);
+  auto applied = [&](const std::string& who) {
+    for (const auto& l : lines)
+      if (l.starts_with(who + ": applied version 1")) return l;
+    return std::string();
+  };
+  EXPECT_NE(applied("r0").find(" 0 already done, 0 left to the manifest"), std::string::npos) << applied("r0");
+  const std::string again = applied("r1");
+  EXPECT_EQ(again.find(" 0 already done"), std::string::npos) << again;
+  EXPECT_NE(again.find(", 0 left to the manifest"), std::string::npos) << again;
+}
+
 TEST_F(ProtocolTest, ASnapshotThatFailedAfterItsCommitIsUploadedByTheNextPublish) {
   PublishOptions o = Fast();
   o.snapshot_every = 2;

@@ -766,9 +766,13 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
                                                          DeltaManifest* manifest_out,
                                                          ChunkDigestTable* target_digests_out) {
   const std::string prefix = run_keys::Attempt(v, id);
+  // The delta id is in attempt.json so that receivers can check (and apply)
+  // frames that arrive before the manifest.
+  const uint64_t delta_id = std::strtoull(RandomHex(16).c_str(), nullptr, 16) | 1;
   nlohmann::json attempt_doc = {{"format", "dcr-attempt"},
                                 {"version", v},
                                 {"class", cls == DeltaClass::kXorClass ? "xor" : "overwrite"},
+                                {"delta_id", fmt::format("{:016x}", delta_id)},
                                 {"coordinator", o_.coordinator_id},
                                 {"time", UnixNow()}};
   DCR_RETURN_IF_ERROR(store_.Put(prefix + "attempt.json", attempt_doc.dump(1) + "\n", WriteMode::kCreateIfAbsent));
@@ -780,7 +784,7 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
   options.chunk_elements = layout.chunk_elements;
   DeltaManifest m = layout;
   m.delta_class = cls;
-  m.delta_id = std::strtoull(RandomHex(16).c_str(), nullptr, 16) | 1;
+  m.delta_id = delta_id;
   const auto plan = PlanOwnership(layout, o_.senders);
   const uint64_t segment_bytes =
       o_.segment_bytes ? o_.segment_bytes : std::clamp<uint64_t>(next.total_bytes() / 4096, 256 << 10, 16 << 20);
@@ -925,15 +929,16 @@ Result<PublishReport> PublishRun::PublishShards(uint64_t v, std::span<const Shar
     const std::string id = NextAttempt(prior.size() + n, &cls);
     const std::string prefix = run_keys::Attempt(v, id);
     auto attempt = [&]() -> Result<AttemptResult> {
-      nlohmann::json attempt_doc = {{"format", "dcr-attempt"}, {"version", v},
-                                    {"class", cls == DeltaClass::kXorClass ? "xor" : "overwrite"},
-                                    {"coordinator", o_.coordinator_id}, {"time", UnixNow()}};
-      DCR_RETURN_IF_ERROR(store_.Put(prefix + "attempt.json", attempt_doc.dump(1) + "\n", WriteMode::kCreateIfAbsent));
-      const auto encode_start = Clock::now();
       DeltaOptions options = o_.delta;
       options.encode.delta_class = cls;
       options.chunk_elements = run.chunk_elements;
       options.delta_id = std::strtoull(RandomHex(16).c_str(), nullptr, 16) | 1;
+      nlohmann::json attempt_doc = {{"format", "dcr-attempt"}, {"version", v},
+                                    {"class", cls == DeltaClass::kXorClass ? "xor" : "overwrite"},
+                                    {"delta_id", fmt::format("{:016x}", options.delta_id)},
+                                    {"coordinator", o_.coordinator_id}, {"time", UnixNow()}};
+      DCR_RETURN_IF_ERROR(store_.Put(prefix + "attempt.json", attempt_doc.dump(1) + "\n", WriteMode::kCreateIfAbsent));
+      const auto encode_start = Clock::now();
       DeltaManifest m = StartLayoutDelta(infos, options);
       // Every sender projects; each contribution goes to its chunk's owner.
       std::map<uint32_t, std::vector<ChunkContribution>> to_owner;
