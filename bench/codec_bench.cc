@@ -857,8 +857,9 @@ int main(int argc, char** argv) {
       if (moved != t_terms.moved) Die(fmt::format("{}: the digest terms of the changes do not sum to the frames' digests", d.name));
     }
     fmt::print("digest terms of the changes alone (what tracked digests add to encode, and to apply): {:.1f}% of "
-               "encode time, {:.1f}% of decode+apply time (1 thread)\n",
-               100.0 * t_terms.seconds / r_dcr.enc[0].wall, 100.0 * t_terms.seconds / r_dcr.dec[0].wall);
+               "encode time, {:.1f}% of decode+apply time (1 thread; {:.2f} ns per change)\n",
+               100.0 * t_terms.seconds / r_dcr.enc[0].wall, 100.0 * t_terms.seconds / r_dcr.dec[0].wall,
+               1e9 * t_terms.seconds / static_cast<double>(changed));
     fmt::print("memory reference (1 thread): read base+next, count differing 8-byte words {} GB/s; memcpy next {} GB/s\n",
                Gbps(dense, t_read, 1), Gbps(dense, t_memcpy, 1));
     summaries.push_back(fmt::format(
