@@ -135,6 +135,15 @@ struct RankFrameResult {
 Result<RankFrameResult> ApplyRankFrame(PlacedRank& rank, const DeltaManifest& manifest, const FrameView& frame,
                                        std::vector<uint8_t>* scratch, const Digest* expected_base = nullptr);
 
+// ApplyRankFrame over `frames`, which must be of distinct chunks (so they
+// write disjoint elements), chunk-parallel on the default pool (not to be
+// called from inside a ParallelFor); expected_bases is empty (no checks) or
+// has one entry per frame (null: none). Result i is frame i's, and the
+// buffers end byte-identical to applying the frames one by one in order.
+std::vector<Result<RankFrameResult>> ApplyRankFrames(PlacedRank& rank, const DeltaManifest& manifest,
+                                                     std::span<const FrameView> frames,
+                                                     std::span<const Digest* const> expected_bases = {});
+
 // Applies one frame of `manifest` to the engine formed by `ranks`; `scratch`
 // is reused between calls (one per thread; it grows to twice a chunk's
 // bytes). On error nothing was written.

@@ -245,6 +245,17 @@ Result<RankFrameResult> ApplyRankFrame(PlacedRank& rank, const DeltaManifest& ma
   return out;
 }
 
+std::vector<Result<RankFrameResult>> ApplyRankFrames(PlacedRank& rank, const DeltaManifest& manifest,
+                                                     std::span<const FrameView> frames,
+                                                     std::span<const Digest* const> expected_bases) {
+  std::vector<Result<RankFrameResult>> out(frames.size(), RankFrameResult{});
+  DefaultPool().ParallelFor(frames.size(), [&](size_t i) {
+    thread_local std::vector<uint8_t> scratch;
+    out[i] = ApplyRankFrame(rank, manifest, frames[i], &scratch, expected_bases.empty() ? nullptr : expected_bases[i]);
+  });
+  return out;
+}
+
 Result<ApplyOutcome> ApplyEngineFrame(std::span<PlacedRank* const> ranks, const DeltaManifest& manifest,
                                       const FrameView& frame, std::vector<uint8_t>* scratch) {
   const FrameHeader& h = frame.header;

@@ -116,9 +116,7 @@ class FollowRun {
   // Streaming apply: per attempt of version_ + 1, what its attempt.json
   // says and which frame objects were applied before the manifest.
   struct Streamed {
-    bool usable = false;  // attempt.json names a delta id and class
-    uint64_t delta_id = 0;
-    DeltaClass cls = DeltaClass::kXorClass;
+    StreamedAttempt attempt;
     std::set<std::string> objects;  // frame objects looked at
     uint64_t applied = 0, already = 0, left = 0;  // frames
   };
@@ -295,36 +293,16 @@ std::pair<size_t, uint64_t> FollowRun::Relayed(const std::string& prefix) const 
 // between versions; which chunks are done is in their digests, so no xor
 // frame is ever applied twice. Nothing is applied once the attempt is fenced.
 Status FollowRun::StreamApply(uint64_t v, const AttemptInfo& a) {
-  const std::string prefix = run_keys::Attempt(v, a.id);
-  auto [it, fresh] = streamed_.try_emplace(a.id);
-  Streamed& st = it->second;
-  if (fresh) {
-    DCR_ASSIGN_OR_RETURN(auto text, GetIfPresent(store_, prefix + "attempt.json"));
-    if (!text) {  // not yet visible: look again next time
-      streamed_.erase(it);
-      return Status::Ok();
-    }
-    auto doc = nlohmann::json::parse(*text, nullptr, false);
-    if (doc.is_object() && doc["format"] == "dcr-attempt" && doc["version"] == v && doc["delta_id"].is_string() &&
-        (doc["class"] == "xor" || doc["class"] == "overwrite")) {
-      const std::string id = doc["delta_id"].get<std::string>();
-      st.usable = id.size() == 16 && id.find_first_not_of("0123456789abcdef") == std::string::npos;
-      st.delta_id = std::strtoull(id.c_str(), nullptr, 16);
-      st.cls = doc["class"] == "xor" ? DeltaClass::kXorClass : DeltaClass::kOverwrite;
-    }
-    if (!st.usable)
-      Log(fmt::format("{}attempt.json names no delta id and class (an older publisher?); its frames are applied once "
-                      "its manifest exists",
-                      prefix));
+  auto it = streamed_.find(a.id);
+  if (it == streamed_.end()) {
+    DCR_ASSIGN_OR_RETURN(auto attempt, ReadStreamedAttempt(store_, v, a.id, [this](const std::string& l) { Log(l); }));
+    if (!attempt) return Status::Ok();
+    it = streamed_.emplace(a.id, Streamed{*attempt}).first;
   }
-  if (!st.usable) return Status::Ok();
-  std::vector<std::string> todo;
-  for (const auto& key : a.frame_objects)
-    if (prefetched_.count(key) && !st.objects.count(key)) todo.push_back(key);
+  Streamed& st = it->second;
+  if (!st.attempt.usable) return Status::Ok();
+  DCR_ASSIGN_OR_RETURN(auto todo, StreamedObjectsToApply(store_, v, a, prefetched_, &st.objects));
   if (todo.empty()) return Status::Ok();
-  // The listing may be older than a fence written since.
-  DCR_ASSIGN_OR_RETURN(auto fence, GetIfPresent(store_, prefix + "fence"));
-  if (fence) return Status::Ok();
   if (journal_.attempt != a.id) {
     journal_.attempt = a.id;
     DCR_RETURN_IF_ERROR(WriteJournal(target_, journal_));
@@ -332,63 +310,34 @@ Status FollowRun::StreamApply(uint64_t v, const AttemptInfo& a) {
   SetState("applying").IgnoreError();
   DCR_RETURN_IF_ERROR(Fault("stream-applying"));
   for (const auto& key : todo) {
-    st.objects.insert(key);
-    const std::string& blob = prefetched_.at(key);
-    const auto bytes = std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(blob.data()), blob.size());
-    size_t offset = 0;
-    while (offset < bytes.size()) {
-      size_t consumed = 0;
-      auto frame = ParseFrame(bytes.subspan(offset), &consumed);
-      std::string refused;
-      if (!frame.ok()) {
-        refused = frame.status().ToString();
-      } else {
-        const FrameHeader& h = frame->header;
-        if (h.delta_id != st.delta_id) refused = fmt::format("delta id {:016x}, not attempt.json's", h.delta_id);
-        else if ((st.cls == DeltaClass::kOverwrite) != (h.mode == Mode::kOverwrite))
-          refused = fmt::format("mode {} in an attempt of the other class", ModeName(h.mode));
-        else if (h.tensor >= layout_.tensors.size() || h.chunk >= layout_.ChunkCount(h.tensor))
-          refused = fmt::format("tensor {} chunk {} is not in the run", h.tensor, h.chunk);
-      }
-      uint64_t first_word = 0, words = 0;
-      uint32_t elements = 0;
-      if (refused.empty()) {
-        const FrameHeader& h = frame->header;
-        layout_.ChunkWords(h.tensor, h.chunk, &first_word, &words, &elements);
-        if (h.dtype != layout_.tensors[h.tensor].dtype || h.elements != elements || h.words != words ||
-            h.first_element != uint64_t{h.chunk} * layout_.chunk_elements)
-          refused = fmt::format("its shape is not that of tensor '{}' chunk {}", layout_.tensors[h.tensor].name,
-                                h.chunk);
-      }
-      if (!refused.empty()) {
-        // The manifest decides: LoadAttempt and ApplyDelta report it if the frame is needed.
-        Log(fmt::format("{} at offset {}: not applied before the manifest: {}", key, offset, refused));
-        break;
-      }
-      offset += consumed;
-      const FrameHeader& h = frame->header;
+    auto apply = [&](const FrameView& frame, size_t offset) {
+      const FrameHeader& h = frame.header;
       Digest& now = digests_[h.tensor][h.chunk];
       if (now == h.target_digest) {
         ++st.already;
-        continue;
+        return;
       }
       if (now != h.base_digest) {
         ++st.left;
-        continue;
+        return;
       }
+      uint64_t first_word = 0, words = 0;
+      uint32_t elements = 0;
+      layout_.ChunkWords(h.tensor, h.chunk, &first_word, &words, &elements);
       const uint64_t wb = WordBytes(h.dtype);
       auto chunk = ckpt_->MutableData(target_index_[h.tensor]).subspan(first_word * wb, words * wb);
       Digest after;
-      auto outcome = applier_.Apply(*frame, keys_[h.tensor], first_word, chunk, now, &after);
+      auto outcome = applier_.Apply(frame, keys_[h.tensor], first_word, chunk, now, &after);
       if (!outcome.ok()) {
-        Log(fmt::format("{} at offset {}: not applied before the manifest: {}", key, offset - consumed,
+        Log(fmt::format("{} at offset {}: not applied before the manifest: {}", key, offset,
                         outcome.status().ToString()));
         ++st.left;
-        continue;
+        return;
       }
       now = after;
       ++st.applied;
-    }
+    };
+    ForEachStreamedFrame(key, prefetched_.at(key), layout_, st.attempt, apply, [this](const std::string& l) { Log(l); });
   }
   return Status::Ok();
 }
@@ -455,18 +404,8 @@ Status FollowRun::Step() {
       const size_t before = prefetched_.size();
       TakeFromRelay(prefix);
       if (prefetched_.size() != before) progressed = true;
-      if (!o_.relay || !o_.relay->Attached()) {
-        for (const auto& key : a.frame_objects) {
-          if (prefetched_.count(key)) continue;
-          auto blob = store_.Get(key);
-          if (!blob.ok()) {
-            if (Transient(blob.status())) return blob.status();
-            break;  // LoadAttempt reports it, once the manifest says the object is needed
-          }
-          prefetched_[key] = std::move(*blob);
-          progressed = true;
-        }
-      }
+      if (!o_.relay || !o_.relay->Attached())
+        DCR_RETURN_IF_ERROR(PrefetchFrameObjects(store_, a, &prefetched_, &progressed));
       // Only the newest attempt: an older one is being replaced (a takeover
       // or retry), and its frames would only be overwritten.
       if (a.id == attempts.back().id) DCR_RETURN_IF_ERROR(StreamApply(v, a));

@@ -7,6 +7,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <thread>
 #include <string>
 #include <vector>
@@ -51,6 +52,35 @@ Result<std::vector<AttemptInfo>> ListAttempts(Store& store, uint64_t v);
 // are moved from it instead of downloaded again.
 Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& attempt,
                                 std::map<std::string, std::string>* prefetched = nullptr);
+
+// Streaming: frames applied as their objects arrive, before the attempt's
+// manifest (streaming.cc; docs/protocol.md). What attempt.json says: the
+// delta id and class every frame must carry (usable: it names both).
+struct StreamedAttempt {
+  bool usable = false;
+  uint64_t delta_id = 0;
+  DeltaClass cls = DeltaClass::kXorClass;
+};
+// Attempt `id` of version v's attempt.json; nullopt while it is not visible.
+Result<std::optional<StreamedAttempt>> ReadStreamedAttempt(Store& store, uint64_t v, const std::string& id,
+                                                           const std::function<void(const std::string&)>& log);
+// Downloads the frame objects of `a` written so far that `prefetched` lacks
+// (full key -> bytes), up to the first that cannot be read; `*progressed`
+// is set when one was downloaded. Only transient store failures are errors.
+Status PrefetchFrameObjects(Store& store, const AttemptInfo& a, std::map<std::string, std::string>* prefetched,
+                            bool* progressed);
+// The frame objects of `a` in `prefetched` not yet in `*seen`, now added to
+// it; none once the attempt is fenced (re-read: the listing may be older).
+Result<std::vector<std::string>> StreamedObjectsToApply(Store& store, uint64_t v, const AttemptInfo& a,
+                                                        const std::map<std::string, std::string>& prefetched,
+                                                        std::set<std::string>* seen);
+// Calls fn on each frame of frame object `key` in order, each checked: it
+// parses (header and payload checksums), carries attempt.json's delta id and
+// a mode of its class, and has the run's (`layout`'s) shape of its chunk.
+// Stops at the first that does not, logging why: the manifest decides.
+void ForEachStreamedFrame(const std::string& key, const std::string& blob, const DeltaManifest& layout,
+                          const StreamedAttempt& st, const std::function<void(const FrameView&, size_t offset)>& fn,
+                          const std::function<void(const std::string&)>& log);
 
 // Snapshots: the regular files of a checkpoint (a file, or the top-level
 // files of its directory) as objects under snapshots/v<N>/files/, then

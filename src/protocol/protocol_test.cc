@@ -147,6 +147,20 @@ class ProtocolTest : public testing::TempDirTest {
       EXPECT_TRUE(read(e.path()) == read(fs::path(target) / e.path().filename())) << e.path().filename();
     }
   }
+  // Whether `cond` became true within 10 s.
+  static bool WaitFor(const std::function<bool()>& cond) {
+    for (int i = 0; i < 2000; ++i) {
+      if (cond()) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return false;
+  }
+  // The first of `lines` that starts with `prefix` (empty if none).
+  static std::string FirstLine(const std::vector<std::string>& lines, const std::string& prefix) {
+    for (const auto& l : lines)
+      if (l.starts_with(prefix)) return l;
+    return std::string();
+  }
   // Waits until `n` receivers have registered.
   void WaitForReceivers(size_t n) {
     for (int i = 0; i < 2000; ++i) {
@@ -155,6 +169,31 @@ class ProtocolTest : public testing::TempDirTest {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
     FAIL() << "receivers did not register";
+  }
+
+  // The maps of the ranks of a vLLM-style tensor-parallel engine of `tp` ranks.
+  std::vector<std::unique_ptr<CompiledLayout>> TpLayouts(uint32_t tp) {
+    ServingParallel par;
+    par.tp = tp;
+    std::vector<std::unique_ptr<CompiledLayout>> layouts;
+    for (uint32_t r = 0; r < tp; ++r) {
+      auto m = VllmLayout(ShapeForSize(Family::kQwen3Moe, 1 << 20), par, r);
+      EXPECT_TRUE(m.ok()) << m.status().ToString();
+      auto c = CompiledLayout::Compile(std::move(*m));
+      EXPECT_TRUE(c.ok()) << c.status().ToString();
+      layouts.push_back(std::make_unique<CompiledLayout>(std::move(*c)));
+    }
+    return layouts;
+  }
+  // A dense load of version v through `layout`, buffer by buffer.
+  std::vector<std::vector<uint8_t>> DenseRank(const CompiledLayout& layout, int v) {
+    std::vector<std::vector<uint8_t>> buffers;
+    PlacedRank p{&layout, {}};
+    for (size_t b = 0; b < layout.map().buffers.size(); ++b) buffers.emplace_back(layout.BufferBytes(b));
+    for (auto& b : buffers) p.buffers.emplace_back(b);
+    Checkpoint c = Version(v);
+    EXPECT_TRUE(LoadDense(CheckpointBytes(c), p).ok());
+    return buffers;
   }
 
   std::string store_url_;
@@ -280,26 +319,19 @@ TEST_F(ProtocolTest, ReceiversApplyFramesBeforeTheManifestExists) {
     auto c = Checkpoint::Open(dir);
     return c.ok() && DiffCheckpoints(*c, Version(v)).identical() == is;
   };
-  auto wait_for = [](const std::function<bool()>& cond) {
-    for (int i = 0; i < 2000; ++i) {
-      if (cond()) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    return false;
-  };
   // Sender 1 opens its first object once receiver r1 applied some of sender
   // 0's frames; r1 is killed at its next batch.
   bool r1_started = false;
   HookStore pub_store(*store_, [&](std::string_view op, std::string_view key, bool after) {
     if (op == "write" && !after && key.find("/frames/s1-") != std::string_view::npos && !r1_started)
-      r1_started = wait_for([&] { return holds(Path("r1"), 0, false); });
+      r1_started = WaitFor([&] { return holds(Path("r1"), 0, false); });
     return Status::Ok();
   });
   bool before_manifest = false;
   std::string journal_attempt;
   o.fault = [&](std::string_view point) {
     if (point != "frames-written") return Status::Ok();
-    before_manifest = wait_for([&] { return holds(Path("r0"), 1) && holds(Path("r1"), 1); });
+    before_manifest = WaitFor([&] { return holds(Path("r0"), 1) && holds(Path("r1"), 1); });
     std::ifstream in(fs::path(Path("r0")) / ".dcr-follow.json");
     auto doc = nlohmann::json::parse(in, nullptr, false);
     if (doc.is_object() && doc["attempt"].is_string()) journal_attempt = doc["attempt"].get<std::string>();
@@ -356,11 +388,7 @@ TEST_F(ProtocolTest, ReceiversApplyFramesBeforeTheManifestExists) {
   ExpectIdentical(Path("r1"), 1);
   // The restarted r1 found what its first life applied already done.
   std::lock_guard lock(mu);
-  auto applied = [&](const std::string& who) {
-    for (const auto& l : lines)
-      if (l.starts_with(who + ": applied version 1")) return l;
-    return std::string();
-  };
+  auto applied = [&](const std::string& who) { return FirstLine(lines, who + ": applied version 1"); };
   EXPECT_NE(applied("r0").find(" 0 already done, 0 left to the manifest"), std::string::npos) << applied("r0");
   const std::string again = applied("r1");
   EXPECT_EQ(again.find(" 0 already done"), std::string::npos) << again;
@@ -872,16 +900,9 @@ TEST_F(ProtocolTest, AnEngineIsAckedWhenItsRanksPartialDigestsAddUpToTheTarget) 
 TEST_F(ProtocolTest, RanksOverBuffersInMemoryFollowAndRestartFromTheirJournals) {
   Publisher pub(*store_, Path("state"), Fast());
   ASSERT_TRUE(pub.Publish(0, Version(0)).ok());
-  ServingParallel par;
-  par.tp = 2;
-  std::vector<std::unique_ptr<CompiledLayout>> layouts;
+  auto layouts = TpLayouts(2);
   std::vector<std::vector<std::vector<uint8_t>>> memory(2), dense(2);
   for (uint32_t r = 0; r < 2; ++r) {
-    auto m = VllmLayout(ShapeForSize(Family::kQwen3Moe, 1 << 20), par, r);
-    ASSERT_TRUE(m.ok()) << m.status().ToString();
-    auto c = CompiledLayout::Compile(std::move(*m));
-    ASSERT_TRUE(c.ok()) << c.status().ToString();
-    layouts.push_back(std::make_unique<CompiledLayout>(std::move(*c)));
     for (size_t b = 0; b < layouts[r]->map().buffers.size(); ++b) {
       memory[r].emplace_back(layouts[r]->BufferBytes(b));
       dense[r].emplace_back(layouts[r]->BufferBytes(b));
@@ -944,6 +965,99 @@ TEST_F(ProtocolTest, RanksOverBuffersInMemoryFollowAndRestartFromTheirJournals) 
   Status s = bad.Run(3);
   EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.ToString();
   EXPECT_NE(s.message().find(layouts[0]->map().buffers[0].id), std::string::npos) << s.ToString();
+}
+
+// Rank followers apply frames as their objects arrive, like followers:
+// while the coordinator is held before it writes the manifest, both ranks of
+// a tensor-parallel engine already hold their share of the new bits. A rank
+// killed between two batches restarts, finds the chunks it did in its frame
+// log, and applies no frame twice (the first attempt commits).
+TEST_F(ProtocolTest, RanksApplyFramesBeforeTheManifestExists) {
+  PublishOptions o = Fast();
+  o.segment_bytes = 4096;  // many frame objects per sender
+  auto layouts = TpLayouts(2);
+  std::vector<std::vector<std::vector<uint8_t>>> dense[2];
+  for (int v = 0; v < 2; ++v)
+    for (uint32_t r = 0; r < 2; ++r) dense[v].push_back(DenseRank(*layouts[r], v));
+  auto dir = [&](uint32_t r) { return Path(fmt::format("rank{}", r)); };
+  // Whether rank r's buffer files hold (do not hold) version v.
+  auto holds = [&](uint32_t r, int v, bool is = true) {
+    auto f = RankBufferFiles::Open(*layouts[r], dir(r));
+    if (!f.ok()) return false;
+    PlacedRank p = f->placed();
+    bool same = true;
+    for (size_t b = 0; b < p.buffers.size(); ++b)
+      same = same && std::equal(p.buffers[b].begin(), p.buffers[b].end(), dense[v][r][b].begin());
+    return same == is;
+  };
+  // Sender 1 opens its first object once rank 1 applied some of sender 0's
+  // frames; rank 1 is killed at its next batch.
+  bool r1_started = false;
+  HookStore pub_store(*store_, [&](std::string_view op, std::string_view key, bool after) {
+    if (op == "write" && !after && key.find("/frames/s1-") != std::string_view::npos && !r1_started)
+      r1_started = WaitFor([&] { return holds(1, 0, false); });
+    return Status::Ok();
+  });
+  bool before_manifest = false;
+  o.fault = [&](std::string_view point) {
+    if (point == "frames-written") before_manifest = WaitFor([&] { return holds(0, 1) && holds(1, 1); });
+    return Status::Ok();
+  };
+  Publisher pub(pub_store, Path("state"), o);
+  ASSERT_TRUE(pub.Publish(0, Version(0)).ok());
+  std::mutex mu;
+  std::vector<std::string> lines;
+  auto log_as = [&](std::string who) {
+    return [&, who](const std::string& l) {
+      std::lock_guard lock(mu);
+      lines.push_back(who + ": " + l);
+    };
+  };
+  std::atomic<int> batches{0};
+  Status r0, r1_first, r1_again;
+  std::thread t0([&] {
+    FollowOptions fo = Receiver("e-r0");
+    fo.log = log_as("r0");
+    RankFollower f(*store_, *layouts[0], dir(0), EngineRank{"e", 0, 2}, fo);
+    r0 = f.Run(1);
+  });
+  std::thread t1([&] {
+    FollowOptions fo = Receiver("e-r1");
+    fo.fault = [&](std::string_view point) {
+      return point == "stream-applying" && batches.fetch_add(1) == 1 ? Aborted("injected: killed") : Status::Ok();
+    };
+    fo.log = log_as("r1 first life");
+    {
+      RankFollower f(*store_, *layouts[1], dir(1), EngineRank{"e", 1, 2}, fo);
+      r1_first = f.Run(1);
+    }
+    fo.fault = nullptr;
+    fo.log = log_as("r1");
+    RankFollower again(*store_, *layouts[1], dir(1), EngineRank{"e", 1, 2}, fo);
+    r1_again = again.Run(1);
+  });
+  WaitForReceivers(2);
+  auto r = pub.Publish(1, Version(1));
+  t0.join();
+  t1.join();
+  std::lock_guard lock(mu);
+  const std::string all = fmt::format("{}", fmt::join(lines, "\n"));
+  ASSERT_TRUE(r.ok()) << r.status().ToString() << "\n" << all;
+  EXPECT_EQ(r->attempts, 1u) << all;
+  EXPECT_EQ(r->acked, (std::vector<std::string>{"e-r0", "e-r1"}));
+  EXPECT_TRUE(r1_started) << "rank 1 applied nothing of sender 0's frames before sender 1's";
+  EXPECT_EQ(r1_first.code(), Code::kAborted) << r1_first.ToString() << "\n" << all;
+  EXPECT_TRUE(before_manifest) << "the ranks did not hold version 1 before its manifest was written\n" << all;
+  ASSERT_TRUE(r0.ok()) << r0.ToString();
+  ASSERT_TRUE(r1_again.ok()) << r1_again.ToString();
+  EXPECT_TRUE(holds(0, 1)) << "rank 0 differs from a dense load of version 1";
+  EXPECT_TRUE(holds(1, 1)) << "rank 1 differs from a dense load of version 1";
+  auto applied = [&](const std::string& who) { return FirstLine(lines, who + ": applied version 1"); };
+  EXPECT_NE(applied("r0").find(" 0 already done, 0 left to the manifest"), std::string::npos) << applied("r0");
+  // The restarted rank 1 found what its first life applied already done.
+  const std::string again = applied("r1");
+  EXPECT_EQ(again.find(" 0 already done"), std::string::npos) << again;
+  EXPECT_NE(again.find(", 0 left to the manifest"), std::string::npos) << again;
 }
 
 }  // namespace

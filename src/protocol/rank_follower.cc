@@ -1,6 +1,7 @@
 // A rank of an engine following the run into its own buffers
 // (docs/protocol.md, "Engines of several ranks").
 #include <fmt/format.h>
+#include <fcntl.h>
 #include <fmt/ranges.h>
 #include <unistd.h>
 
@@ -22,6 +23,7 @@ namespace {
 constexpr std::string_view kRankJournal = ".dcr-rank.json";
 constexpr std::string_view kJoining = "snapshot";  // the journal's attempt while a join runs
 constexpr std::string_view kSnapshotDir = ".dcr-snapshot";
+constexpr std::string_view kFrameLog = ".dcr-rank-frames";
 
 // DIR/.dcr-rank.json: what the rank's buffers hold. `digest` is the rank's
 // partial digest at `version` (its share of the committed digest). `attempt`
@@ -77,6 +79,60 @@ Status WriteRankJournal(const std::string& dir, const RankJournal& j) {
   return WriteFileAtomically(JournalPath(dir), doc.dump(1) + "\n");
 }
 
+// DIR/.dcr-rank-frames: what the journal's attempt did to the buffers, chunk
+// by chunk, so that a restarted rank applies no frame twice. The first line
+// names the attempt; then, before each batch, "b TENSOR CHUNK DIGEST" for
+// every chunk it will write (the rank's partial digest before), and after
+// it "t TENSOR CHUNK DIGEST" for those written (the partial after). Lines
+// are appended whole (a process killed mid-write leaves at most a torn last
+// line, which is ignored).
+using ChunkKey = std::pair<uint32_t, uint32_t>;
+struct LoggedChunk {
+  Digest base;
+  std::optional<Digest> target;
+};
+
+std::string FrameLogPath(const std::string& dir) { return (fs::path(dir) / kFrameLog).string(); }
+
+Status StartFrameLog(const std::string& dir, const std::string& attempt) {
+  return WriteFileAtomically(FrameLogPath(dir), "dcr-rank-frames " + attempt + "\n");
+}
+
+Status AppendFrameLog(const std::string& dir, const std::string& lines) {
+  const std::string path = FrameLogPath(dir);
+  const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
+  if (fd < 0) return ErrnoError(errno, "cannot open " + path);
+  const ssize_t n = ::write(fd, lines.data(), lines.size());
+  const int err = errno;
+  ::close(fd);
+  if (n != static_cast<ssize_t>(lines.size())) return ErrnoError(n < 0 ? err : EIO, "cannot append to " + path);
+  return Status::Ok();
+}
+
+// The chunks the log records for `attempt` (nullopt: no log of that attempt).
+std::optional<std::map<ChunkKey, LoggedChunk>> ReadFrameLog(const std::string& dir, const std::string& attempt) {
+  auto f = MappedFile::Open(FrameLogPath(dir), false);
+  if (!f.ok()) return std::nullopt;
+  std::string_view text(reinterpret_cast<const char*>(f->data().data()), f->data().size());
+  const std::string header = "dcr-rank-frames " + attempt + "\n";
+  if (!text.starts_with(header)) return std::nullopt;
+  text.remove_prefix(header.size());
+  std::map<ChunkKey, LoggedChunk> out;
+  for (size_t nl; (nl = text.find('\n')) != std::string_view::npos; text.remove_prefix(nl + 1)) {
+    const std::string line(text.substr(0, nl));
+    char kind = 0;
+    uint32_t tensor = 0, chunk = 0;
+    char hex[33] = {0};
+    Digest d;
+    if (std::sscanf(line.c_str(), "%c %u %u %32s", &kind, &tensor, &chunk, hex) != 4 || !Digest::FromHex(hex, &d))
+      return std::nullopt;  // not written by this code: nothing is known
+    if (kind == 'b') out[{tensor, chunk}] = LoggedChunk{d, std::nullopt};
+    else if (kind == 't' && out.count({tensor, chunk})) out[{tensor, chunk}].target = d;
+    else return std::nullopt;
+  }
+  return out;
+}
+
 // The map's tensors must be run tensors with the same dtype and shape.
 Status CheckMapFitsRun(const CompiledLayout& layout, const RunRecord& run) {
   for (const LayoutTensor& t : layout.map().tensors) {
@@ -117,9 +173,32 @@ class RankRun {
   Status Open(bool create);
   Status Commit(uint64_t v);
   Status Step();
+  // Frames applied, found done by this attempt, left to the manifest.
+  struct Counts {
+    uint64_t applied = 0, already = 0, left = 0;
+  };
   // Applies every frame of `delta` (attempt `id`) to the rank's elements,
   // journaling the attempt first; the tracked partials follow each frame.
-  Status ApplyAttempt(const std::string& id, const DeltaReader& delta);
+  Status ApplyAttempt(const std::string& id, const DeltaReader& delta, Counts* counts);
+  // Makes attempt `id` the journal's, with a frame log of its own (kept when
+  // it is already the journal's and its log is known).
+  Status Begin(const std::string& id);
+  // Whether a frame of attempt `id` in class `cls` may be applied: an xor
+  // frame needs its base, so only on buffers no other attempt touched (and
+  // whose chunks this attempt touched are known from its log).
+  bool MayApply(const std::string& id, DeltaClass cls) const {
+    return cls == DeltaClass::kOverwrite || journal_.attempt.empty() || (journal_.attempt == id && logged_);
+  }
+  // Applies `frames` of the journal's attempt (its manifest, or the run's
+  // shape with its delta id: `m`) chunk-parallel on the default pool,
+  // between frame-log records; tracked_ and touched_ follow. A frame whose
+  // chunk this attempt already did is counted, not applied again; an xor
+  // frame on a chunk it left in between is refused. `strict` (the manifest's
+  // apply): the first error by frame order is returned; otherwise (frames
+  // streamed ahead of the manifest) refused frames are logged and left.
+  Status ApplyFrames(const DeltaManifest& m, std::span<const FrameView> frames, bool strict, Counts* counts);
+  // Frames of attempt `a` of version v that arrived before its manifest.
+  Status StreamApply(uint64_t v, const AttemptInfo& a);
 
   Store& store_;
   const CompiledLayout& layout_;
@@ -137,7 +216,20 @@ class RankRun {
   ChunkDigestTable tracked_;  // the rank's partial digest of every chunk, as its buffers hold them
   std::set<std::string> handled_;
   std::map<uint64_t, int> commit_failures_;
-  std::vector<uint8_t> scratch_;
+  // What the journal's attempt did to the chunks it touched: done (at the
+  // logged target) or not (interrupted); logged_: its frame log is known.
+  std::map<ChunkKey, LoggedChunk> touched_;
+  bool logged_ = false;
+  // Frame objects of version + 1's streaming attempts downloaded before
+  // their manifest (full key -> bytes); LoadAttempt takes them from here.
+  std::map<std::string, std::string> prefetched_;
+  struct Streamed {
+    StreamedAttempt attempt;
+    DeltaManifest manifest;         // the run's shape with the attempt's delta id and class
+    std::set<std::string> objects;  // frame objects looked at
+    Counts counts;
+  };
+  std::map<std::string, Streamed> streamed_;
   Heartbeat heartbeat_;
 };
 
@@ -163,6 +255,10 @@ Status RankRun::Commit(uint64_t v) {
   journal_.attempt.clear();
   journal_.attempt_state.clear();
   journal_.attempt_digest = Digest{};
+  touched_.clear();
+  logged_ = false;
+  prefetched_.clear();
+  streamed_.clear();
   return WriteRankJournal(dir_, journal_);
 }
 
@@ -231,36 +327,159 @@ Status RankRun::Start(const std::function<bool()>& stop) {
   const Digest d = Partial();
   if (journal_.attempt.empty() && d != journal_.digest)
     return Join(*state.latest, fmt::format("the buffers do not hold version {} as the journal claims", journal_.version));
-  if (!journal_.attempt.empty() && !(journal_.attempt_state == "applied" && d == journal_.attempt_digest))
+  if (!journal_.attempt.empty()) {
+    // Chunks the attempt finished are at their logged target; one logged
+    // but not finished is still at its base (nothing written) or in between.
+    auto logged = ReadFrameLog(dir_, journal_.attempt);
+    logged_ = logged.has_value();
+    if (logged)
+      for (const auto& [key, c] : *logged) {
+        if (key.first >= tracked_.size() || key.second >= tracked_[key.first].size()) continue;
+        const Digest& now = tracked_[key.first][key.second];
+        if (c.target && now == *c.target) touched_[key] = c;
+        else if (now != c.base) touched_[key] = LoggedChunk{c.base, std::nullopt};
+      }
+  }
+  if (logged_ && journal_.attempt_state == "applying")
+    Log(fmt::format("restarted while applying attempt {}; its frame log names {} chunks it touched", journal_.attempt,
+                    touched_.size()));
+  else if (!journal_.attempt.empty() && !(journal_.attempt_state == "applied" && d == journal_.attempt_digest))
     Log(fmt::format("restarted after attempt {} ({}) touched the buffers; an overwrite attempt or a rejoin repairs them",
                     journal_.attempt, journal_.attempt_state));
   return Status::Ok();
 }
 
-Status RankRun::ApplyAttempt(const std::string& id, const DeltaReader& delta) {
+Status RankRun::Begin(const std::string& id) {
+  if (journal_.attempt == id && logged_) return Status::Ok();
+  // The log first: a journal naming the attempt always has its log.
+  DCR_RETURN_IF_ERROR(StartFrameLog(dir_, id));
+  touched_.clear();
+  logged_ = true;
   journal_.attempt = id;
   journal_.attempt_state = "applying";
-  DCR_RETURN_IF_ERROR(WriteRankJournal(dir_, journal_));
+  return WriteRankJournal(dir_, journal_);
+}
+
+Status RankRun::ApplyFrames(const DeltaManifest& m, std::span<const FrameView> frames, bool strict, Counts* counts) {
+  std::vector<size_t> todo;
+  std::set<ChunkKey> batch;
+  std::string before, after;
+  Status first;
+  auto refuse = [&](size_t i, Status s) {
+    if (strict) {
+      if (first.ok()) first = s;
+    } else {
+      Log(fmt::format("frame {} of a streamed object: not applied before the manifest: {}", i, s.ToString()));
+      ++counts->left;
+    }
+  };
+  for (size_t i = 0; i < frames.size() && (first.ok() || !strict); ++i) {
+    const FrameHeader& h = frames[i].header;
+    const ChunkKey key{h.tensor, h.chunk};
+    if (h.tensor >= tracked_.size() || h.chunk >= tracked_[h.tensor].size()) {
+      refuse(i, InvalidArgument(fmt::format("a frame names tensor {} chunk {}, which the run does not have", h.tensor,
+                                            h.chunk)));
+      continue;
+    }
+    const Digest& now = tracked_[h.tensor][h.chunk];
+    if (!batch.insert(key).second) {
+      refuse(i, InvalidArgument(fmt::format("two frames of tensor {} chunk {}", h.tensor, h.chunk)));
+      continue;
+    }
+    if (auto t = touched_.find(key); t != touched_.end()) {
+      if (t->second.target && now == *t->second.target) {
+        ++counts->already;
+        continue;
+      }
+      if (h.mode != Mode::kOverwrite) {
+        refuse(i, FailedPrecondition(fmt::format("tensor '{}' chunk {}: an earlier apply of this attempt was "
+                                                 "interrupted there; an overwrite frame repairs it",
+                                                 shape_.tensors[h.tensor].name, h.chunk)));
+        continue;
+      }
+    }
+    todo.push_back(i);
+    before += fmt::format("b {} {} {}\n", h.tensor, h.chunk, now.ToHex());
+  }
+  if (!todo.empty()) {
+    DCR_RETURN_IF_ERROR(AppendFrameLog(dir_, before));
+    for (size_t i : todo) {
+      const FrameHeader& h = frames[i].header;
+      touched_[{h.tensor, h.chunk}] = LoggedChunk{tracked_[h.tensor][h.chunk], std::nullopt};
+    }
+    std::vector<FrameView> batch_frames;
+    std::vector<const Digest*> bases;
+    for (size_t i : todo) {
+      batch_frames.push_back(frames[i]);
+      bases.push_back(&tracked_[frames[i].header.tensor][frames[i].header.chunk]);
+    }
+    auto results = ApplyRankFrames(*placed_, m, batch_frames, bases);
+    for (size_t j = 0; j < todo.size(); ++j) {
+      const FrameHeader& h = frames[todo[j]].header;
+      if (!results[j].ok()) {
+        // Refused before a byte was written: the chunk is still at its base.
+        touched_.erase({h.tensor, h.chunk});
+        refuse(todo[j], results[j].status());
+        continue;
+      }
+      tracked_[h.tensor][h.chunk] = results[j]->target;
+      touched_[{h.tensor, h.chunk}].target = results[j]->target;
+      after += fmt::format("t {} {} {}\n", h.tensor, h.chunk, results[j]->target.ToHex());
+      ++counts->applied;
+    }
+    if (!after.empty()) DCR_RETURN_IF_ERROR(AppendFrameLog(dir_, after));
+  }
+  return first;
+}
+
+Status RankRun::ApplyAttempt(const std::string& id, const DeltaReader& delta, Counts* counts) {
   const DeltaManifest& m = delta.manifest();
   if (m.tensors.size() != shape_.tensors.size() || m.chunk_elements != shape_.chunk_elements)
     return InvalidArgument(fmt::format("attempt {}: its manifest's tensors or chunking are not the run's", id));
-  PlacedRank& placed = *placed_;
+  DCR_RETURN_IF_ERROR(Begin(id));
+  std::vector<FrameView> frames;
   Status s;
   for (size_t i = 0; s.ok() && i < m.frames.size(); ++i) {
     auto frame = delta.Frame(i);
-    if (!frame.ok()) {
-      s = frame.status();
-      break;
-    }
-    Digest& tracked = tracked_[frame->header.tensor][frame->header.chunk];
-    auto r = ApplyRankFrame(placed, m, *frame, &scratch_, &tracked);
-    if (r.ok()) tracked = r->target;
-    s = r.status();
+    if (frame.ok()) frames.push_back(*frame);
+    s = frame.status();
   }
+  if (s.ok()) s = ApplyFrames(m, frames, /*strict=*/true, counts);
   journal_.attempt_state = s.ok() ? "applied" : "failed";
   journal_.attempt_digest = Partial();
   DCR_RETURN_IF_ERROR(WriteRankJournal(dir_, journal_));
   return s;
+}
+
+// Frames streamed ahead of the manifest: each checked as the follower
+// checks them (ForEachStreamedFrame: checksums, attempt.json's delta id, a
+// mode of its class, the run's chunk shape), then applied through the
+// rank's map (ApplyRankFrame: the rank's elements at the partial digest it
+// tracks, the payload decoding in full), journaled and logged as above. The
+// engine-level check of the partials is the coordinator's, at the ack.
+Status RankRun::StreamApply(uint64_t v, const AttemptInfo& a) {
+  auto it = streamed_.find(a.id);
+  if (it == streamed_.end()) {
+    DCR_ASSIGN_OR_RETURN(auto attempt, ReadStreamedAttempt(store_, v, a.id, [this](const std::string& l) { Log(l); }));
+    if (!attempt) return Status::Ok();
+    Streamed st{*attempt, shape_, {}, {}};
+    st.manifest.delta_id = attempt->delta_id;
+    st.manifest.delta_class = attempt->cls;
+    it = streamed_.emplace(a.id, std::move(st)).first;
+  }
+  Streamed& st = it->second;
+  if (!st.attempt.usable || !MayApply(a.id, st.attempt.cls)) return Status::Ok();
+  DCR_ASSIGN_OR_RETURN(auto todo, StreamedObjectsToApply(store_, v, a, prefetched_, &st.objects));
+  if (todo.empty()) return Status::Ok();
+  DCR_RETURN_IF_ERROR(Begin(a.id));
+  heartbeat_.Set("applying").IgnoreError();
+  DCR_RETURN_IF_ERROR(Fault("stream-applying"));
+  std::vector<FrameView> frames;
+  for (const auto& key : todo)
+    ForEachStreamedFrame(
+        key, prefetched_.at(key), shape_, st.attempt, [&](const FrameView& f, size_t) { frames.push_back(f); },
+        [this](const std::string& l) { Log(l); });
+  return ApplyFrames(st.manifest, frames, /*strict=*/false, &st.counts);
 }
 
 Status RankRun::Step() {
@@ -276,14 +495,15 @@ Status RankRun::Step() {
     if (!(journal_.attempt == c.attempt && journal_.attempt_state == "applied")) {
       // Catch up through the committed attempt: an xor attempt only on
       // buffers no attempt of v has touched (it cannot be applied twice).
-      auto delta = LoadAttempt(store_, v, c.attempt);
+      auto delta = LoadAttempt(store_, v, c.attempt, &prefetched_);
       Status s = delta.status();
       if (Transient(s)) return s;
-      if (s.ok() && delta->manifest().delta_class == DeltaClass::kXorClass && !journal_.attempt.empty())
+      Counts counts;
+      if (s.ok() && !MayApply(c.attempt, delta->manifest().delta_class))
         s = FailedPrecondition(fmt::format("attempt {} ({}) touched the buffers and the committed attempt {} is xor class",
                                            journal_.attempt, journal_.attempt_state, c.attempt));
       else if (s.ok())
-        s = ApplyAttempt(c.attempt, *delta);
+        s = ApplyAttempt(c.attempt, *delta, &counts);
       if (Transient(s)) return s;
       if (!s.ok()) {
         if (++commit_failures_[v] > 1)
@@ -300,25 +520,35 @@ Status RankRun::Step() {
     return Status::Ok();
   }
   DCR_ASSIGN_OR_RETURN(auto attempts, ListAttempts(store_, v));
-  bool progressed = false;
+  bool progressed = false, streaming = false;
   for (const auto& a : attempts) {
-    if (a.fenced || !a.has_manifest || handled_.count(a.id) ||
-        std::find(a.acks.begin(), a.acks.end(), o_.id) != a.acks.end())
+    if (a.fenced || handled_.count(a.id) || std::find(a.acks.begin(), a.acks.end(), o_.id) != a.acks.end()) {
+      std::erase_if(prefetched_, [&](const auto& kv) { return kv.first.starts_with(run_keys::Attempt(v, a.id)); });
       continue;
-    auto delta = LoadAttempt(store_, v, a.id);
+    }
+    if (!a.has_manifest) {
+      // Streaming: download the frame objects written so far and apply the
+      // newest attempt's (an older one is being replaced).
+      streaming = true;
+      DCR_RETURN_IF_ERROR(PrefetchFrameObjects(store_, a, &prefetched_, &progressed));
+      if (a.id == attempts.back().id) DCR_RETURN_IF_ERROR(StreamApply(v, a));
+      continue;
+    }
+    auto delta = LoadAttempt(store_, v, a.id, &prefetched_);
     if (Transient(delta.status())) return delta.status();
     heartbeat_.Set("applying").IgnoreError();
     DCR_RETURN_IF_ERROR(Fault("applying"));
     Status s = delta.status();
     // An attempt applied before a restart but not acked yet is acked again.
     const bool applied = journal_.attempt == a.id && journal_.attempt_state == "applied";
+    Counts counts;
     if (s.ok() && !applied) {
-      if (delta->manifest().delta_class == DeltaClass::kXorClass && !journal_.attempt.empty())
+      if (!MayApply(a.id, delta->manifest().delta_class))
         s = FailedPrecondition(fmt::format("attempt {} ({}) touched this rank's buffers, so an xor attempt cannot be "
                                            "applied on them; the overwrite retry repairs them",
                                            journal_.attempt, journal_.attempt_state));
       else
-        s = ApplyAttempt(a.id, *delta);
+        s = ApplyAttempt(a.id, *delta, &counts);
     }
     DCR_RETURN_IF_ERROR(Fault("applied"));
     AckRecord ack;
@@ -327,8 +557,10 @@ Status RankRun::Step() {
     ack.digest = Partial();
     ack.error = s.ok() ? "" : s.ToString();
     ack.engine = rank_;
-    Log(s.ok() ? fmt::format("applied version {} attempt {} (rank {} of {} of engine {})", v, a.id, rank_.rank,
-                             rank_.ranks, rank_.engine)
+    const Counts& st = streamed_[a.id].counts;
+    Log(s.ok() ? fmt::format("applied version {} attempt {} (rank {} of {} of engine {}; streamed frames: {} applied "
+                             "as they arrived, {} already done, {} left to the manifest)",
+                             v, a.id, rank_.rank, rank_.ranks, rank_.engine, st.applied, st.already, st.left)
                : fmt::format("cannot apply version {} attempt {}: {}", v, a.id, s.ToString()));
     DCR_RETURN_IF_ERROR(store_.Put(run_keys::Attempt(v, a.id) + "acks/" + o_.id + ".json", ack.ToJson()));
     DCR_RETURN_IF_ERROR(Fault("acked"));
@@ -336,7 +568,7 @@ Status RankRun::Step() {
     progressed = true;
     heartbeat_.Set("following").IgnoreError();
   }
-  if (!progressed) std::this_thread::sleep_for(o_.poll);
+  if (!progressed) std::this_thread::sleep_for(streaming ? std::min(o_.stream_poll, o_.poll) : o_.poll);
   return Status::Ok();
 }
 

@@ -1,0 +1,97 @@
+// What the follower and the rank follower share to apply frames before
+// their attempt's manifest exists (docs/protocol.md, "Streaming").
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+
+#include "internal.h"
+
+namespace dcr::protocol_internal {
+
+Result<std::optional<StreamedAttempt>> ReadStreamedAttempt(Store& store, uint64_t v, const std::string& id,
+                                                           const std::function<void(const std::string&)>& log) {
+  const std::string prefix = run_keys::Attempt(v, id);
+  DCR_ASSIGN_OR_RETURN(auto text, GetIfPresent(store, prefix + "attempt.json"));
+  if (!text) return std::optional<StreamedAttempt>();  // not yet visible: look again next time
+  StreamedAttempt st;
+  auto doc = nlohmann::json::parse(*text, nullptr, false);
+  if (doc.is_object() && doc["format"] == "dcr-attempt" && doc["version"] == v && doc["delta_id"].is_string() &&
+      (doc["class"] == "xor" || doc["class"] == "overwrite")) {
+    const std::string delta_id = doc["delta_id"].get<std::string>();
+    st.usable = delta_id.size() == 16 && delta_id.find_first_not_of("0123456789abcdef") == std::string::npos;
+    st.delta_id = std::strtoull(delta_id.c_str(), nullptr, 16);
+    st.cls = doc["class"] == "xor" ? DeltaClass::kXorClass : DeltaClass::kOverwrite;
+  }
+  if (!st.usable)
+    log(fmt::format("{}attempt.json names no delta id and class (an older publisher?); its frames are applied once its "
+                    "manifest exists",
+                    prefix));
+  return std::optional<StreamedAttempt>(st);
+}
+
+Status PrefetchFrameObjects(Store& store, const AttemptInfo& a, std::map<std::string, std::string>* prefetched,
+                            bool* progressed) {
+  for (const auto& key : a.frame_objects) {
+    if (prefetched->count(key)) continue;
+    auto blob = store.Get(key);
+    if (!blob.ok()) {
+      if (Transient(blob.status())) return blob.status();
+      break;  // LoadAttempt reports it, once the manifest says the object is needed
+    }
+    (*prefetched)[key] = std::move(*blob);
+    *progressed = true;
+  }
+  return Status::Ok();
+}
+
+Result<std::vector<std::string>> StreamedObjectsToApply(Store& store, uint64_t v, const AttemptInfo& a,
+                                                        const std::map<std::string, std::string>& prefetched,
+                                                        std::set<std::string>* seen) {
+  std::vector<std::string> todo;
+  for (const auto& key : a.frame_objects)
+    if (prefetched.count(key) && !seen->count(key)) todo.push_back(key);
+  if (todo.empty()) return todo;
+  // The listing may be older than a fence written since.
+  DCR_ASSIGN_OR_RETURN(auto fence, GetIfPresent(store, run_keys::Attempt(v, a.id) + "fence"));
+  if (fence) return std::vector<std::string>();
+  seen->insert(todo.begin(), todo.end());
+  return todo;
+}
+
+void ForEachStreamedFrame(const std::string& key, const std::string& blob, const DeltaManifest& layout,
+                          const StreamedAttempt& st, const std::function<void(const FrameView&, size_t offset)>& fn,
+                          const std::function<void(const std::string&)>& log) {
+  const auto bytes = std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(blob.data()), blob.size());
+  size_t offset = 0;
+  while (offset < bytes.size()) {
+    size_t consumed = 0;
+    auto frame = ParseFrame(bytes.subspan(offset), &consumed);
+    std::string refused;
+    if (!frame.ok()) {
+      refused = frame.status().ToString();
+    } else {
+      const FrameHeader& h = frame->header;
+      uint64_t first_word = 0, words = 0;
+      uint32_t elements = 0;
+      if (h.delta_id != st.delta_id)
+        refused = fmt::format("delta id {:016x}, not attempt.json's", h.delta_id);
+      else if ((st.cls == DeltaClass::kOverwrite) != (h.mode == Mode::kOverwrite))
+        refused = fmt::format("mode {} in an attempt of the other class", ModeName(h.mode));
+      else if (h.tensor >= layout.tensors.size() || h.chunk >= layout.ChunkCount(h.tensor))
+        refused = fmt::format("tensor {} chunk {} is not in the run", h.tensor, h.chunk);
+      else if (layout.ChunkWords(h.tensor, h.chunk, &first_word, &words, &elements),
+               h.dtype != layout.tensors[h.tensor].dtype || h.elements != elements || h.words != words ||
+                   h.first_element != uint64_t{h.chunk} * layout.chunk_elements)
+        refused = fmt::format("its shape is not that of tensor '{}' chunk {}", layout.tensors[h.tensor].name, h.chunk);
+    }
+    if (!refused.empty()) {
+      // The manifest decides: LoadAttempt and the apply report it if the frame is needed.
+      log(fmt::format("{} at offset {}: not applied before the manifest: {}", key, offset, refused));
+      return;
+    }
+    fn(*frame, offset);
+    offset += consumed;
+  }
+}
+
+}  // namespace dcr::protocol_internal
