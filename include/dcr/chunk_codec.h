@@ -33,6 +33,9 @@ struct EncodeOptions {
   // zstd of the dense layout is tried only when the best sparse payload is
   // larger than this fraction of the dense size (it costs a pass at zstd speed).
   double zstd_when_sparse_above = 0.25;
+  // For benchmarks only: leave the frame's target digest at the base digest
+  // (the frame then fails every apply), to measure what the digest costs.
+  bool skip_target_digest = false;
 };
 
 struct ChunkInput {

@@ -19,7 +19,10 @@
 // next word); the mode and code parameters are chosen on a sample of them;
 // a loop instantiated per word type, value coding and image writes each
 // change's gap and value codes with one Put (for 16-bit add frames a vector
-// kernel computes the codes); a vector kernel sums the digest terms. Apply:
+// kernel computes the codes, and a second one writes them and sums their
+// digest terms in the same loop: the vector digest work fills the cycles of
+// the bit writer's serial chain); otherwise a vector kernel then sums the
+// digest terms. Apply:
 // a loop decodes the changes into the same list (add frames through a table
 // of whole changes, four per window) and prefetches their target lines;
 // every 512 changes a vector kernel reads those old words and computes the
@@ -364,9 +367,17 @@ template <typename U, ValueCoding coding>
 // and written with one Put; the rest (escapes, long codes, 64-bit raw
 // words) take GeneralCode. Add-mode 16-bit words (BF16, F16), the bulk of
 // RL weights, get their codes from a vector kernel, two changes per Put.
+// The digest terms of a 16-bit chunk's changes when the sparse loop sums
+// them as it writes (AddPutDigest16): changes [0, done) are in `sum`.
+struct FusedDigest {
+  kernels::Digest16Sum sum;
+  uint32_t done = 0;
+};
+
 template <typename U, ValueCoding coding, WordImage image>
 [[gnu::always_inline]] inline void EncodeSparseLoop(uint32_t gap_k, uint32_t value_k, const Change<U>* changes,
-                                                    uint32_t n, BitWriter* writer) {
+                                                    uint32_t n, BitWriter* writer, FusedDigest* fused) {
+  (void)fused;  // used by the 16-bit add path only
   constexpr Mode mode = kModeOf<coding>;
   BitWriter w = *writer;  // in locals for the loop
   const uint64_t gap_mask = Mask(gap_k);
@@ -423,7 +434,7 @@ template <typename U, ValueCoding coding, WordImage image>
       while (n - i >= 8) {
         const uint32_t batch = std::min(kBatch, (n - i) / 8 * 8);
         add_codes16(changes + i, batch, static_cast<uint32_t>(next), gap_k, value_k, KernelImage(image), codes);
-        for (uint32_t k = 0; k < batch / 2; ++k) {
+        auto put_code = [&](uint32_t k) {
           if (codes[k] != 0) [[likely]] {
             w.Put(codes[k] & Mask(56), static_cast<uint32_t>(codes[k] >> 56));
           } else {
@@ -431,6 +442,21 @@ template <typename U, ValueCoding coding, WordImage image>
             encode_one(i + 2 * k);
             encode_one(i + 2 * k + 1);
           }
+        };
+        if (fused != nullptr) {
+          // Groups of four changes (two codes): the kernel writes and digests
+          // them up to one with a general-path code, done here.
+          const uint32_t groups = batch / 4;
+          for (uint32_t g = 0; g < groups; ++g) {
+            g += kernels::Kernels().add_put_digest16(codes + 2 * g, changes + i + 4 * g, groups - g, &w, &fused->sum);
+            if (g == groups) break;
+            put_code(2 * g);
+            put_code(2 * g + 1);
+            kernels::Digest16AddScalar(&fused->sum, changes + i + 4 * g, 4);
+          }
+          fused->done = i + batch;
+        } else {
+          for (uint32_t k = 0; k < batch / 2; ++k) put_code(k);
         }
         i += batch;
         next = changes[i - 1].position + uint64_t{1};
@@ -752,7 +778,7 @@ inline Mode ModeOf(ValueCoding coding) {
 // writes the payload and fills the header.
 template <typename U>
 void EncodeChanges(const ChunkInput& in, const EncodeOptions& opt, uint32_t words, const Change<U>* c, uint32_t n,
-                   uint8_t* bits, std::vector<uint8_t>& scratch, EncodedChunk* out) {
+                   uint8_t* bits, std::vector<uint8_t>& scratch, EncodedChunk* out, FusedDigest* fused) {
   constexpr uint32_t kBits = kWordBits<U>;
   const WordImage image = ImageKind(in.dtype);
   auto old_word = [&](size_t i) { return c[i].old_word; };
@@ -849,7 +875,7 @@ void EncodeChanges(const ChunkInput& in, const EncodeOptions& opt, uint32_t word
   WithCoding(best.coding, [&](auto coding_constant) {
     constexpr ValueCoding kCoding = decltype(coding_constant)::value;
     auto run = [&](auto image_constant) {
-      Run<&EncodeSparseLoop<U, kCoding, decltype(image_constant)::value>>(gaps.k, best.value_k, c, n, &w);
+      Run<&EncodeSparseLoop<U, kCoding, decltype(image_constant)::value>>(gaps.k, best.value_k, c, n, &w, fused);
     };
     if constexpr (kCoding == ValueCoding::kSignExpGolomb) WithImage(image, run);
     else run(std::integral_constant<WordImage, WordImage::kPlain>{});
@@ -896,8 +922,29 @@ Result<bool> ChunkEncoder::Encode(const ChunkInput& in, const EncodeOptions& opt
   WithWordType(wb, [&](auto word) {
     using U = decltype(word);
     const auto* c = reinterpret_cast<const Change<U>*>(changes);
-    EncodeChanges<U>(in, opt, words, c, n, bits_buffer_.get(), scratch_, out);
-    out->header.target_digest = out->base_digest + DigestChanges<U>(in.key, in.first_word, c, n);
+    // 16-bit changes: the sparse add loop may sum the digest terms as it
+    // writes (FusedDigest); the rest are summed here.
+    FusedDigest fused;
+    FusedDigest* fuse = nullptr;
+    if (opt.skip_target_digest) {
+      EncodeChanges<U>(in, opt, words, c, n, bits_buffer_.get(), scratch_, out, nullptr);
+      out->header.target_digest = out->base_digest;
+      return;
+    }
+    if constexpr (std::is_same_v<U, uint16_t>) {
+      if (kernels::Kernels().add_put_digest16 != nullptr) {
+        kernels::Digest16Start(&fused.sum, in.key.seed, in.first_word);
+        fuse = &fused;
+      }
+    }
+    EncodeChanges<U>(in, opt, words, c, n, bits_buffer_.get(), scratch_, out, fuse);
+    Digest moved = DigestChanges<U>(in.key, in.first_word, c + fused.done, n - fused.done);
+    if (fused.done > 0) {
+      Digest summed;
+      kernels::Digest16Finish(&fused.sum, summed.lane);
+      moved += summed;
+    }
+    out->header.target_digest = out->base_digest + moved;
   });
   return true;
 }

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "bitstream.h"
 #include "dcr/compare.h"
 
 namespace dcr::kernels {
@@ -100,6 +101,32 @@ using AddCodes16Fn = void (*)(const Change<uint16_t>* changes, uint32_t n, uint3
 using AddApply16Fn = void (*)(Change<uint16_t>* changes, uint32_t n, const uint8_t* target, uint32_t words,
                               Image image);
 
+// The digest terms of 16-bit changes of one tensor (DigestChangesFn's sum),
+// carried across calls: started by Digest16Start, added to by
+// Digest16AddScalar (any changes, in increasing position order across
+// calls) and AddPutDigest16, read by Digest16Finish.
+struct Digest16Sum {
+  int64_t lo[4], hi[4], sum[4];  // the vector accumulators (see kernels.inc)
+  uint32_t steps;                // vector steps since lo and hi were emptied
+  uint64_t seed[2], first_word;
+  uint64_t block, s0, s1;        // the digest block of the last limb, its seeds
+  Int128 acc0, acc1;
+  int64_t scalar_sum;
+};
+void Digest16Start(Digest16Sum* s, const uint64_t seed[2], uint64_t first_word);
+void Digest16AddScalar(Digest16Sum* s, const Change<uint16_t>* changes, uint32_t n);
+void Digest16Finish(Digest16Sum* s, uint64_t out[2]);
+
+// The add-mode 16-bit encoder's inner loop with the digest terms of the
+// same changes, so that the vector digest work runs beside the bit writer's
+// serial chain instead of after it. Group g < groups is changes 4g..4g+3
+// with their codes codes[2g], codes[2g+1] (AddCodes16): while both codes of
+// a group are nonzero, Puts them to *writer and adds the group's terms to
+// *sum; returns the first group that has a zero code (neither done), or
+// `groups`.
+using AddPutDigest16Fn = uint32_t (*)(const uint64_t* codes, const Change<uint16_t>* changes, uint32_t groups,
+                                      BitWriter* writer, Digest16Sum* sum);
+
 struct KernelSet {
   CompareWholeBytesFn compare;
   DigestLimbsFn digest;
@@ -107,6 +134,7 @@ struct KernelSet {
   DigestChangesFn digest_changes;
   AddCodes16Fn add_codes16;  // null where no vector version is built
   AddApply16Fn add_apply16;  // null where no vector version is built
+  AddPutDigest16Fn add_put_digest16;  // null where no vector version is built
 };
 
 #define DCR_DECLARE_KERNELS                                                                                     \
@@ -127,6 +155,8 @@ DCR_DECLARE_KERNELS
 void AddCodes16(const Change<uint16_t>* changes, uint32_t n, uint32_t next, uint32_t gap_k, uint32_t value_k,
                 Image image, uint64_t* codes);
 void AddApply16(Change<uint16_t>* changes, uint32_t n, const uint8_t* target, uint32_t words, Image image);
+uint32_t AddPutDigest16(const uint64_t* codes, const Change<uint16_t>* changes, uint32_t groups, BitWriter* writer,
+                        Digest16Sum* sum);
 }
 #endif
 #undef DCR_DECLARE_KERNELS

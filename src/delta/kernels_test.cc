@@ -251,6 +251,55 @@ TEST(KernelsTest, DigestChanges16OfManyLargeChangesMatchesTheBaselineBuild) {
   }
 }
 
+TEST(KernelsTest, AddPutDigest16WritesTheCodesAndSumsTheDigestAcrossCalls) {
+  if (!HaveAvx2()) GTEST_SKIP() << "no AVX2 here";
+  // Changes whose gaps cross digest blocks at any place in a group, codes
+  // with zeros (the caller's general path) at random groups; the kernel and
+  // the caller's loop (as chunk_codec.cc runs it) against the scalar sum and
+  // plain Puts.
+  std::mt19937_64 rng(11);
+  const DigestKey key = MakeDigestKey("fused");
+  for (uint32_t density : {2u, 40u, 9000u}) {
+    const uint32_t groups = 3000;
+    std::vector<Change<uint16_t>> c(4 * groups);
+    uint32_t p = 0;
+    for (auto& ch : c) {
+      p += 1 + static_cast<uint32_t>(rng() % density);
+      ch = {p, static_cast<uint16_t>(rng()), static_cast<uint16_t>(rng())};
+    }
+    std::vector<uint64_t> codes(2 * groups);
+    for (auto& code : codes) {
+      const uint32_t bits = 1 + static_cast<uint32_t>(rng() % 56);
+      code = rng() % 7 == 0 ? 0 : (uint64_t{bits} << 56) | (rng() & ((1ull << bits) - 1));
+    }
+    std::vector<uint8_t> want_bytes(groups * 16 * 8 + 64), got_bytes(want_bytes.size());
+    BitWriter want(want_bytes.data()), got(got_bytes.data());
+    for (uint64_t code : codes)
+      if (code != 0) want.Put(code & ((1ull << 56) - 1), static_cast<uint32_t>(code >> 56));
+    for (uint64_t first_word : {uint64_t{0}, uint64_t{3} << 20}) {
+      Digest16Sum sum;
+      Digest16Start(&sum, key.seed, first_word);
+      got = BitWriter(got_bytes.data());
+      for (uint32_t g = 0; g < groups; ++g) {
+        g += avx2::AddPutDigest16(codes.data() + 2 * g, c.data() + 4 * g, groups - g, &got, &sum);
+        if (g == groups) break;
+        for (uint32_t k = 2 * g; k < 2 * g + 2; ++k)
+          if (codes[k] != 0) got.Put(codes[k] & ((1ull << 56) - 1), static_cast<uint32_t>(codes[k] >> 56));
+        Digest16AddScalar(&sum, c.data() + 4 * g, 4);
+      }
+      uint64_t dv[2], dg[2];
+      Digest16Finish(&sum, dv);
+      generic::DigestChanges(2, key.seed, first_word, c.data(), 4 * groups, dg);
+      EXPECT_EQ(dv[0], dg[0]) << density;
+      EXPECT_EQ(dv[1], dg[1]) << density;
+      ASSERT_EQ(got.Bits(), want.Bits());
+      const size_t bytes = got.Finish();
+      EXPECT_EQ(0, std::memcmp(got_bytes.data(), want_bytes.data(), bytes));
+    }
+    want.Finish();
+  }
+}
+
 #endif  // __x86_64__
 
 }  // namespace
