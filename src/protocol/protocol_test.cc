@@ -1060,5 +1060,39 @@ TEST_F(ProtocolTest, RanksApplyFramesBeforeTheManifestExists) {
   EXPECT_NE(again.find(", 0 left to the manifest"), std::string::npos) << again;
 }
 
+// PublishOptions::cancel stops a publish that waits for a silent receiver's
+// ack: the attempt is fenced, nothing is committed, no retry is made, and
+// the next publish of the version commits once the receiver is gone.
+TEST_F(ProtocolTest, ACancelledPublishFencesItsAttemptAndCommitsNothing) {
+  PublishOptions o = Fast();
+  o.ack_timeout = std::chrono::milliseconds(60000);
+  ASSERT_TRUE(Publisher(*store_, Path("state"), o).Publish(0, Version(0)).ok());
+  ReceiverRecord rec{"silent", "following", 0, UnixNowForTest(), {}};
+  ASSERT_TRUE(store_->Put(run_keys::Receiver(rec.id), rec.ToJson()).ok());
+  const auto start = std::chrono::steady_clock::now();
+  int polls = 0;
+  o.cancel = [&] { return ++polls > 10; };
+  auto r = Publisher(*store_, Path("state"), o).Publish(1, Version(1));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  ASSERT_EQ(r.status().code(), Code::kAborted) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("cancelled while waiting for acks"), std::string::npos) << r.status().ToString();
+  EXPECT_EQ(store_->Head(run_keys::Commit(1)).status().code(), Code::kNotFound);
+  auto objects = store_->List(run_keys::Attempts(1));
+  ASSERT_TRUE(objects.ok());
+  std::vector<std::string> started, fenced;
+  for (const ObjectInfo& i : *objects) {
+    if (i.key.ends_with("/attempt.json")) started.push_back(i.key.substr(0, i.key.size() - 12));
+    if (i.key.ends_with("/fence")) fenced.push_back(i.key.substr(0, i.key.size() - 5));
+  }
+  ASSERT_EQ(started.size(), 1u);  // not retried
+  EXPECT_EQ(fenced, started);
+  rec.state = "stopped";
+  ASSERT_TRUE(store_->Put(run_keys::Receiver(rec.id), rec.ToJson()).ok());
+  o.cancel = nullptr;
+  auto again = Publisher(*store_, Path("state"), o).Publish(1, Version(1));
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(started.front().find(again->attempt), std::string::npos) << started.front();
+}
+
 }  // namespace
 }  // namespace dcr
