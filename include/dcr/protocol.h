@@ -208,6 +208,11 @@ struct PublishOptions {
   // commit and before the baseline moves); a non-OK status fails the attempt
   // (after "committed": the publish) there as a crash would.
   std::function<Status(std::string_view point)> fault;
+  // Polled while an attempt waits for acks (every 20 ms): true stops the
+  // publish there. The attempt is fenced (best effort; otherwise the next
+  // publish of the version settles it) and Publish returns kAborted, without
+  // retrying and with nothing committed. Called on the publishing thread.
+  std::function<bool()> cancel;
 };
 
 struct PublishReport {
@@ -349,6 +354,11 @@ class RankFollower {
   uint64_t version() const { return version_; }
   // Whether the buffers hold version() (Run has joined or reopened them).
   bool holds_version() const { return holds_version_; }
+  // The map's tensors whose elements Run may have written since the last
+  // call (a frame applied to them; every tensor when Run joined from a
+  // snapshot or reopened the buffers), in map order; then forgets them. For
+  // Run's `stop` callback (Run's thread) or while Run is not running.
+  std::vector<std::string> TakeChangedTensors();
 
  private:
   Store& store_;
@@ -360,6 +370,7 @@ class RankFollower {
   std::vector<std::span<uint8_t>> given_;  // in memory: the caller's buffers
   uint64_t version_ = 0;
   bool holds_version_ = false;
+  std::vector<bool> changed_;  // by map tensor index, since TakeChangedTensors
 };
 
 // ---- Status -------------------------------------------------------------------

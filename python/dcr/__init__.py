@@ -16,7 +16,7 @@ import shutil
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Sequence, Union
 
 from . import _dcr, errors
-from ._tensors import as_torch, byte_view, dtype_name, torch_dtype
+from ._tensors import Staging, as_torch, byte_view, copy_into, dtype_name, torch_dtype
 from .errors import (AbortedError, AlreadyExistsError, CorruptFrameError, DataLossError, DcrError,
                      DeadlineExceededError, FailedPreconditionError, FencedAttemptError, InternalError,
                      InvalidArgumentError, NotFoundError, OutOfRangeError, PermissionDeniedError,
@@ -239,22 +239,44 @@ def _buffers_for(layout_json: str, tensors: Mapping[str, Any], who: str) -> list
     return views
 
 
+def _buffers_of_tensors(layout_json: str) -> dict:
+    """Canonical tensor name -> the ids of the buffers its copies write."""
+    out: dict = {}
+    for c in json.loads(layout_json).get("copies", []):
+        out.setdefault(c["tensor"], set()).add(c["buffer"])
+    return out
+
+
+def _touched(delta: Delta) -> set:
+    """The names of the tensors a delta's frames change."""
+    manifest = json.loads(delta.manifest_json)
+    names = [t["name"] for t in manifest.get("tensors", [])]
+    return {names[f["tensor"]] for f in manifest.get("frames", [])}
+
+
 class Sender:
     """The trainer side over live tensors: ``tensors`` maps names to the
     trainer's tensors (canonical names, or shard buffers with a sender
     ``layout`` map, JSON or dict). The current values are copied once as the
     baseline; :meth:`make_delta` diffs the live tensors against it (no
     assembly: shards are projected through the map) and :meth:`commit` moves
-    the baseline to a committed delta's target (touching only its changes)."""
+    the baseline to a committed delta's target (touching only its changes).
 
-    def __init__(self, tensors: Mapping[str, Any], layout: Union[str, Mapping[str, Any], None] = None):
+    ``stage``: tensors not on the CPU (CUDA) are read through host mirrors
+    (:class:`dcr._tensors.Staging`), copied device -> host before each
+    :meth:`make_delta`; ``True`` mirrors every tensor, ``False`` none."""
+
+    def __init__(self, tensors: Mapping[str, Any], layout: Union[str, Mapping[str, Any], None] = None,
+                 stage: Optional[bool] = None):
         self.layout_json = identity_layout(tensors) if layout is None else _layout_json(layout)
         self._tensors = dict(tensors)
-        self._views = _buffers_for(self.layout_json, self._tensors, "Sender")
+        self._staging = Staging(self._tensors, stage, "Sender")
+        self._views = _buffers_for(self.layout_json, self._staging.host(), "Sender")
         self._s = _dcr.Sender(self.layout_json, self._views)
 
     def make_delta(self, mode: str = "xor", chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, delta_id: int = 0) -> Delta:
         """The delta from the baseline to the tensors' current bits."""
+        self._staging.to_host()
         return self._s.make_delta(self._views, mode, chunk_elements, delta_id)
 
     def commit(self, delta: Delta) -> dict:
@@ -282,16 +304,22 @@ class Receiver:
     overwrites the parameters derived from them.
 
     ``post_update(report)``, if given, is called after each applied delta
-    (after the loader), e.g. to re-derive absorbed weights or FP8 scales."""
+    (after the loader), e.g. to re-derive absorbed weights or FP8 scales.
+
+    ``stage``: tensors not on the CPU (CUDA) are applied into host mirrors
+    (copied from the tensors once, here) and the buffers a delta or version
+    changed are copied back host -> device after it; ``True`` mirrors every
+    tensor, ``False`` none (non-CPU tensors are refused)."""
 
     _SHADOW = "dcr.residual:"
 
     def __init__(self, tensors: Mapping[str, Any], layout: Union[str, Mapping[str, Any], None] = None,
                  residuals: Union[Iterable[str], Mapping[str, Any]] = (),
                  loader: Optional[Callable[[Iterable], Any]] = None,
-                 post_update: Optional[Callable[[dict], Any]] = None):
+                 post_update: Optional[Callable[[dict], Any]] = None, stage: Optional[bool] = None):
         self.layout_json = identity_layout(tensors) if layout is None else _layout_json(layout)
         self._tensors = dict(tensors)
+        self._staging = Staging(self._tensors, stage, "Receiver")
         self._loader, self._post_update = loader, post_update
         self._shadow: dict = {}
         skipped = list(residuals)
@@ -301,9 +329,10 @@ class Receiver:
                                            "to its current canonical tensor")
             self.layout_json = self._with_shadows(self.layout_json, residuals)
             skipped = []
-        bufs = dict(self._tensors)
+        bufs = self._staging.host()
         bufs.update({self._SHADOW + n: t for n, t in self._shadow.items()})
         self._skipped, self._follower = skipped, None
+        self._buffers_of = _buffers_of_tensors(self.layout_json)
         self._buffers = _buffers_for(self.layout_json, bufs, "Receiver")
         self._r = _dcr.Receiver(self.layout_json, self._buffers, skipped)
 
@@ -316,7 +345,7 @@ class Receiver:
                 raise InvalidArgumentError(f"Receiver: residual tensor '{name}' is also mapped by the layout")
             if self._SHADOW + name in self._tensors:
                 raise InvalidArgumentError(f"Receiver: buffer name '{self._SHADOW + name}' is taken")
-            shadow = t.detach().clone().contiguous() if hasattr(t, "detach") else t.copy()
+            shadow = t.detach().to("cpu", copy=True).contiguous() if hasattr(t, "detach") else t.copy()
             shape = [int(d) for d in shadow.shape]
             spec = {"name": name, "dtype": dtype_name(shadow), "shape": shape}
             if name in declared and (declared[name]["dtype"], list(declared[name]["shape"])) != (spec["dtype"], shape):
@@ -335,21 +364,28 @@ class Receiver:
         """Applies every frame in place (verified before writing); then checks
         the digest against the delta's target (:class:`CorruptFrameError`);
         then hands changed residual tensors to the loader and calls the
-        post-update hook. The report gains ``residuals_loaded`` (names)."""
-        report = self._r.apply(delta)
-        loaded = []
-        if self._shadow:
-            manifest = json.loads(delta.manifest_json)
-            names = [t["name"] for t in manifest.get("tensors", [])]
-            touched = {names[f["tensor"]] for f in manifest.get("frames", [])}
-            loaded = [n for n in self._shadow if n in touched]
-            if loaded:
-                self._loader([(n, self._shadow[n]) for n in loaded])
+        post-update hook. The report gains ``residuals_loaded`` (names).
+        Staged tensors: the buffers the delta's frames write are copied back
+        to the device (also when it fails part way: they hold what the host
+        mirrors hold)."""
+        touched = _touched(delta)
+        try:
+            report = self._r.apply(delta)
+        finally:
+            self._unstage(touched)
+        loaded = [n for n in self._shadow if n in touched]
+        if loaded:
+            self._loader([(n, self._shadow[n]) for n in loaded])
         report = dict(report)
         report["residuals_loaded"] = loaded
         if self._post_update is not None:
             self._post_update(report)
         return report
+
+    def _unstage(self, tensors: Iterable[str]) -> None:
+        """Copies the staged buffers of these canonical tensors back to the device."""
+        if self._staging.mirrors:
+            self._staging.to_device({b for n in tensors for b in self._buffers_of.get(n, ())})
 
     def digest(self) -> str:
         """The digest of the canonical elements this receiver holds (with a
@@ -374,8 +410,10 @@ class Receiver:
         None); :class:`DeadlineExceededError` after ``timeout_s``. The GIL is
         released while it follows; Ctrl-C stops it cleanly
         (KeyboardInterrupt). After each version reached (the newest, when
-        several arrive between two polls), residual tensors (with a loader)
-        are all handed to the loader, then ``post_update`` gets
+        several arrive between two polls), the residual tensors (with a
+        loader) that changed since the last one (all of them after a join
+        from a snapshot or a reopen) are handed to the loader, staged buffers
+        that changed are copied back to the device, then ``post_update`` gets
         ``{"version": v, "residuals_loaded": names}``. Residuals without a
         loader cannot be followed: the rank's partial digest would lack them."""
         if self._skipped:
@@ -385,14 +423,19 @@ class Receiver:
                                            rank, ranks, id, poll_s, quiet)
 
         def on_version(v: int) -> None:
-            loaded = list(self._shadow)
+            changed = self._follower.take_changed()
+            self._unstage(changed)
+            loaded = [n for n in self._shadow if n in set(changed)]
             if loaded:
                 self._loader([(n, self._shadow[n]) for n in loaded])
             if self._post_update is not None:
                 self._post_update({"version": v, "residuals_loaded": loaded})
 
-        hook = on_version if (self._shadow or self._post_update is not None) else None
-        return self._follower.run(until, timeout_s, hook)
+        hook = on_version if (self._shadow or self._post_update is not None or self._staging.mirrors) else None
+        try:
+            return self._follower.run(until, timeout_s, hook)
+        finally:  # stopped between versions: the device gets what the mirrors hold
+            self._unstage(self._follower.take_changed())
 
     @property
     def version(self) -> Optional[int]:
@@ -404,43 +447,122 @@ class ShardPublisher:
     """The trainer side through a store: publishes the live parameters of
     one or more senders (C++ dcr::ShardPublisher). ``senders``: each a
     mapping of canonical names to tensors, or ``(tensors, layout)`` with a
-    sender layout map (JSON or dict) over shard buffers; together their maps
-    cover every tensor of the run exactly once. Each :meth:`publish` projects
-    the tensors' current bits against the senders' baseline shards (kept in
-    ``state_dir``, rebuilt from the store when missing), runs the attempts,
-    waits for the acks and commits; it returns the report once committed.
-    Version 0 (the run's snapshot) is a canonical checkpoint:
-    :meth:`publish_snapshot`. The GIL is released while publishing; Ctrl-C
-    is seen once the call returns (after at most ``ack_timeout_s`` per attempt)."""
+    sender layout map (JSON or dict) over shard buffers. Each :meth:`publish`
+    projects the tensors' current bits against the senders' baseline shards
+    (kept in ``state_dir``, rebuilt from the store when missing), runs the
+    attempts, waits for the acks and commits; it returns the report once
+    committed. Version 0 (the run's snapshot) is a canonical checkpoint:
+    :meth:`publish_snapshot`.
+
+    ``conversions``: canonical tensors that are not a copy of shards (a norm
+    held as weight - 1, a dtype cast of master weights, a fused tensor that
+    needs arithmetic), each ``name: callable`` returning the canonical tensor
+    (the run's dtype and shape) computed from the live parameters. They are
+    called at construction and before each publish, and their outputs
+    (copied into buffers the publisher holds) go as one more sender whose
+    map is the identity over them, so the receivers get exactly the
+    canonical bits. Together the senders' maps and the conversions cover
+    every tensor of the run exactly once. The report gains
+    ``converted_bytes`` (the converted tensors' size), ``projected_bytes``
+    (the rest) and ``converted_changed_bytes`` (converted bytes that differ
+    from the previous publish's outputs).
+
+    ``stage``: tensors not on the CPU (CUDA) are read through host mirrors
+    copied device -> host before each publish; ``True`` mirrors every
+    tensor, ``False`` none.
+
+    The GIL is released while publishing; Ctrl-C while it waits for acks
+    raises KeyboardInterrupt within some 20 ms, the attempt fenced and
+    nothing committed (the next :meth:`publish` of the version starts a new
+    attempt)."""
 
     def __init__(self, store: Store, state_dir: PathLike, senders: Sequence[Any], max_attempts: int = 3,
                  ack_timeout_s: float = 60.0, heartbeat_timeout_s: float = 10.0, snapshot_every: int = 0,
-                 chunk_elements: int = DEFAULT_CHUNK_ELEMENTS):
+                 chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+                 conversions: Optional[Mapping[str, Callable[[], Any]]] = None, stage: Optional[bool] = None):
         self.store, self.state_dir = store, os.fspath(state_dir)
         self._options = dict(max_attempts=max_attempts, ack_timeout_s=ack_timeout_s,
                              heartbeat_timeout_s=heartbeat_timeout_s, snapshot_every=snapshot_every,
                              chunk_elements=chunk_elements)
-        self._layouts, self._views = [], []
+        self._layouts, self._views, self._staging = [], [], []
+        mapped: set = set()
         for k, s in enumerate(senders):
             tensors, layout = (s, None) if isinstance(s, Mapping) else s
             layout_json = identity_layout(tensors) if layout is None else _layout_json(layout)
+            staging = Staging(tensors, stage, f"ShardPublisher: sender {k}")
             self._layouts.append(layout_json)
-            self._views.append(_buffers_for(layout_json, dict(tensors), f"ShardPublisher: sender {k}"))
+            self._staging.append(staging)
+            self._views.append(_buffers_for(layout_json, staging.host(), f"ShardPublisher: sender {k}"))
+            mapped.update(_buffers_of_tensors(layout_json))
         if not self._layouts:
             raise InvalidArgumentError("ShardPublisher: no senders given")
+        self._conversions = dict(conversions or {})
+        self._converted: dict = {}  # name -> the held CPU buffer of its output
+        for name in self._conversions:
+            if name in mapped:
+                raise InvalidArgumentError(f"ShardPublisher: conversion '{name}' names a tensor a sender's map already "
+                                           "maps; a canonical tensor is either projected from shards or converted")
+            self._converted[name] = self._convert(name, None)
+        if self._converted:
+            self._layouts.append(identity_layout(self._converted))
+            self._views.append(_buffers_for(self._layouts[-1], self._converted, "ShardPublisher: conversions"))
         self._p = _dcr.ShardPublisher(store, self.state_dir, self._layouts, 1, max_attempts, ack_timeout_s,
                                       heartbeat_timeout_s, snapshot_every, chunk_elements)
 
+    def _convert(self, name: str, held: Any) -> Any:
+        """Conversion ``name``'s output now: a new CPU buffer (``held`` None),
+        or copied into ``held`` after checking its dtype and shape."""
+        out = self._conversions[name]()
+        if hasattr(out, "detach"):
+            out = out.detach()
+        who = f"ShardPublisher: conversion '{name}'"
+        if held is None:
+            dtype_name(out)  # a torch tensor or numpy array with a safetensors dtype
+            return out.to("cpu", copy=True).contiguous() if hasattr(out, "to") else out.copy(order="C")
+        got = (dtype_name(out), [int(d) for d in out.shape])
+        want = (dtype_name(held), [int(d) for d in held.shape])
+        if got != want:
+            raise InvalidArgumentError(f"{who}: returned {got[0]} {got[1]}, the run's tensor is {want[0]} {want[1]}")
+        copy_into(held, out)
+        return held
+
+    def canonical(self, name: str) -> Any:
+        """Conversion ``name``'s output as of the last publish (or construction)."""
+        return self._converted[name]
+
     def publish(self, version: int) -> dict:
         """Publishes the senders' current bits as ``version`` (> 0; v-1 committed)."""
-        return self._p.publish(version, self._views)
+        for staging in self._staging:
+            staging.to_host()
+        changed = 0
+        for name, held in self._converted.items():
+            before = byte_view(held, name).clone() if hasattr(held, "clone") else byte_view(held, name).copy()
+            self._convert(name, held)
+            changed += int((byte_view(held, name) != before).sum())
+        try:
+            report = self._p.publish(version, self._views)
+        except InvalidArgumentError as e:
+            if not self._converted:
+                raise
+            raise InvalidArgumentError(f"{e.message} (sender {len(self._layouts) - 1} holds the conversions: "
+                                       f"{sorted(self._converted)})") from e
+        report = dict(report)
+        report["converted_bytes"] = sum(byte_view(t, n).shape[0] for n, t in self._converted.items())
+        report["projected_bytes"] = report["total_bytes"] - report["converted_bytes"]
+        report["converted_changed_bytes"] = changed
+        return report
 
     def publish_snapshot(self, tensors: Mapping[str, Any]) -> dict:
         """Creates the run: version 0 from ``tensors``, the canonical tensors by
         name (written as a checkpoint in ``state_dir``/snapshot-v0, then
         published by :class:`Publisher` with ``state_dir``/snapshot as its
-        state). Calling it again (a trainer restarted while creating the run)
-        publishes version 0 again, which finishes an interrupted snapshot."""
+        state); converted tensors missing from ``tensors`` are taken from
+        the conversions. Calling it again (a trainer restarted while
+        creating the run) publishes version 0 again, which finishes an
+        interrupted snapshot."""
+        tensors = dict(tensors)
+        for name, held in self._converted.items():
+            tensors.setdefault(name, self._convert(name, held))
         path = os.path.join(self.state_dir, "snapshot-v0")
         shutil.rmtree(path, ignore_errors=True)  # ours: left by an earlier try
         ckpt = Checkpoint.create(path, {n: (dtype_name(t), tuple(t.shape)) for n, t in tensors.items()})

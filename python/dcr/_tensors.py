@@ -4,7 +4,7 @@ extension takes (no copies), and between torch dtypes and safetensors names."""
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Iterable, Mapping, Optional
 
 import numpy as np
 
@@ -58,7 +58,8 @@ def byte_view(x: Any, what: str):
     numpy array: the same memory, never a copy. Refuses anything else."""
     if torch is not None and isinstance(x, torch.Tensor):
         if x.device.type != "cpu":
-            raise InvalidArgumentError(f"{what}: on {x.device}; dcr takes CPU tensors (copy to the host first)")
+            raise InvalidArgumentError(f"{what}: on {x.device}; dcr reads and writes host memory (stage=None, the "
+                                       "default, mirrors non-CPU tensors on the host)")
         if not x.is_contiguous():
             raise InvalidArgumentError(f"{what}: not contiguous (strides {tuple(x.stride())}); pass .contiguous() "
                                        "storage, which dcr reads and writes in place")
@@ -85,3 +86,55 @@ def as_torch(array: np.ndarray, name: str):
         return t  # packed bytes
     want = torch_dtype(name)
     return t if t.dtype == want else t.view(want)
+
+
+def _off_host(x: Any) -> bool:
+    return torch is not None and isinstance(x, torch.Tensor) and x.device.type != "cpu"
+
+
+class Staging:
+    """Host mirrors of live tensors that dcr cannot read and write in place:
+    those not on the CPU (CUDA), or every tensor with ``stage=True`` (forced,
+    e.g. to test the path without a GPU); ``stage=False`` stages none (a
+    non-CPU tensor is then refused). Each mirror is contiguous host memory,
+    pinned when CUDA exists; dcr reads and writes only the mirrors, which
+    :meth:`to_host` fills from the live tensors (device -> host) and
+    :meth:`to_device` copies back (host -> device)."""
+
+    def __init__(self, tensors: Mapping[str, Any], stage: Optional[bool], who: str):
+        self.live = dict(tensors)
+        self.mirrors: dict = {}
+        for name, t in self.live.items():
+            if stage is False or not (stage or _off_host(t)):
+                continue
+            if torch is not None and isinstance(t, torch.Tensor):
+                pin = torch.cuda.is_available()
+                self.mirrors[name] = torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu", pin_memory=pin)
+            elif isinstance(t, np.ndarray):
+                self.mirrors[name] = np.empty(t.shape, dtype=t.dtype)
+            else:
+                raise InvalidArgumentError(f"{who}: '{name}' is a {type(t).__name__}, not a torch tensor or numpy array")
+        self.to_host()
+
+    def host(self) -> dict:
+        """The tensors dcr uses, by name: the mirror where there is one, else the live tensor."""
+        return {n: self.mirrors.get(n, t) for n, t in self.live.items()}
+
+    def to_host(self, names: Optional[Iterable[str]] = None) -> None:
+        for n in (self.mirrors if names is None else names):
+            if n in self.mirrors:
+                copy_into(self.mirrors[n], self.live[n])
+
+    def to_device(self, names: Iterable[str]) -> None:
+        for n in names:
+            if n in self.mirrors:
+                copy_into(self.live[n], self.mirrors[n])
+
+
+def copy_into(dst: Any, src: Any) -> None:
+    """dst[...] = src, across devices (torch) or in numpy."""
+    if isinstance(dst, np.ndarray):
+        np.copyto(dst, src)
+    else:
+        with torch.no_grad():
+            dst.copy_(src.detach())

@@ -26,6 +26,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -341,10 +342,6 @@ nb::dict PublishReportDict(const dcr::PublishReport& r) {
   return d;
 }
 
-struct PyPublisher {
-  dcr::Publisher publisher;
-};
-
 struct PyFollower {
   dcr::Follower follower;
 };
@@ -357,11 +354,44 @@ struct PyRankFollower {
   std::unique_ptr<dcr::RankFollower> follower;
 };
 
+// Ctrl-C while a publish waits for acks: PublishOptions::cancel takes the
+// GIL (every 20 ms) to let Python's signal handlers run; once one raised
+// (KeyboardInterrupt), the publish stops (its attempt fenced) and the
+// exception is re-raised when it returns.
+struct Interruptible {
+  std::shared_ptr<bool> raised = std::make_shared<bool>(false);
+
+  std::function<bool()> Hook() const {
+    return [raised = raised] {
+      if (*raised) return true;  // an exception is pending: no more Python calls
+      nb::gil_scoped_acquire acquire;
+      return *raised = PyErr_CheckSignals() != 0;
+    };
+  }
+  template <typename F>
+  auto Run(F&& publish) {
+    *raised = false;
+    dcr::Result<dcr::PublishReport> r = dcr::Internal("not run");
+    {
+      nb::gil_scoped_release release;
+      r = publish();
+    }
+    if (*raised) throw nb::python_error();
+    return PublishReportDict(Take(std::move(r)));
+  }
+};
+
+struct PyPublisher {
+  dcr::Publisher publisher;
+  Interruptible interrupt;
+};
+
 // A trainer's senders publishing live shards: their compiled maps, fixed at
 // construction; the buffers are given with each publish.
 struct PyShardPublisher {
   std::vector<std::unique_ptr<dcr::CompiledLayout>> layouts;
   std::unique_ptr<dcr::ShardPublisher> publisher;
+  Interruptible interrupt;
 };
 
 dcr::PublishOptions MakePublishOptions(uint32_t senders, uint32_t max_attempts, double ack_timeout_s,
@@ -644,18 +674,15 @@ NB_MODULE(_dcr, m) {
       .def("__init__", [](PyPublisher* self, PyStore& store, const std::string& state_dir, uint32_t senders,
                           uint32_t max_attempts, double ack_timeout_s, double heartbeat_timeout_s,
                           uint64_t snapshot_every, uint64_t chunk_elements) {
-        new (self) PyPublisher{dcr::Publisher(*store.store, state_dir,
-                                              MakePublishOptions(senders, max_attempts, ack_timeout_s,
-                                                                 heartbeat_timeout_s, snapshot_every, chunk_elements))};
+        Interruptible interrupt;
+        dcr::PublishOptions o =
+            MakePublishOptions(senders, max_attempts, ack_timeout_s, heartbeat_timeout_s, snapshot_every, chunk_elements);
+        o.cancel = interrupt.Hook();
+        new (self) PyPublisher{dcr::Publisher(*store.store, state_dir, std::move(o)), interrupt};
       }, "store"_a, "state_dir"_a, "senders"_a, "max_attempts"_a, "ack_timeout_s"_a, "heartbeat_timeout_s"_a,
            "snapshot_every"_a, "chunk_elements"_a, nb::keep_alive<1, 2>())
       .def("publish", [](PyPublisher& p, uint64_t version, const PyCheckpoint& next) {
-        dcr::Result<dcr::PublishReport> r = dcr::Internal("not run");
-        {
-          nb::gil_scoped_release release;
-          r = p.publisher.Publish(version, next.ckpt);
-        }
-        return PublishReportDict(Take(std::move(r)));
+        return p.interrupt.Run([&] { return p.publisher.Publish(version, next.ckpt); });
       }, "version"_a, "checkpoint"_a);
 
   nb::class_<PyFollower>(m, "Follower")
@@ -685,7 +712,9 @@ NB_MODULE(_dcr, m) {
                      nb::object on_version) {
         return RunFollowing(*f.follower, "Receiver.follow", until, timeout_s, on_version);
       }, "until"_a = nb::none(), "timeout_s"_a = nb::none(), "on_version"_a = nb::none())
-      .def_prop_ro("version", [](const PyRankFollower& f) { return f.follower->version(); });
+      .def_prop_ro("version", [](const PyRankFollower& f) { return f.follower->version(); })
+      .def("take_changed", [](PyRankFollower& f) { return f.follower->TakeChangedTensors(); },
+           "The map's tensors Run may have written since the last call (from run's on_version, or after run).");
 
   nb::class_<PyShardPublisher>(m, "ShardPublisher")
       .def("__init__", [](PyShardPublisher* self, PyStore& store, const std::string& state_dir,
@@ -696,11 +725,12 @@ NB_MODULE(_dcr, m) {
         for (size_t k = 0; k < layouts.size(); ++k)
           compiled.push_back(std::make_unique<dcr::CompiledLayout>(
               CompileJson(layouts[k], "sender " + std::to_string(k) + "'s layout")));
-        auto publisher = std::make_unique<dcr::ShardPublisher>(
-            *store.store, state_dir,
-            MakePublishOptions(senders, max_attempts, ack_timeout_s, heartbeat_timeout_s, snapshot_every,
-                               chunk_elements));
-        new (self) PyShardPublisher{std::move(compiled), std::move(publisher)};
+        Interruptible interrupt;
+        dcr::PublishOptions o =
+            MakePublishOptions(senders, max_attempts, ack_timeout_s, heartbeat_timeout_s, snapshot_every, chunk_elements);
+        o.cancel = interrupt.Hook();
+        auto publisher = std::make_unique<dcr::ShardPublisher>(*store.store, state_dir, std::move(o));
+        new (self) PyShardPublisher{std::move(compiled), std::move(publisher), interrupt};
       }, "store"_a, "state_dir"_a, "layouts"_a, "senders"_a, "max_attempts"_a, "ack_timeout_s"_a,
            "heartbeat_timeout_s"_a, "snapshot_every"_a, "chunk_elements"_a, nb::keep_alive<1, 2>())
       .def("publish", [](PyShardPublisher& p, uint64_t version, const std::vector<std::vector<nb::ndarray<>>>& buffers) {
@@ -714,11 +744,6 @@ NB_MODULE(_dcr, m) {
             src.current.emplace_back(span);
           sources.push_back(std::move(src));
         }
-        dcr::Result<dcr::PublishReport> r = dcr::Internal("not run");
-        {
-          nb::gil_scoped_release release;
-          r = p.publisher->Publish(version, sources);
-        }
-        return PublishReportDict(Take(std::move(r)));
+        return p.interrupt.Run([&] { return p.publisher->Publish(version, sources); });
       }, "version"_a, "buffers"_a);
 }

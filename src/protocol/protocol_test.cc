@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -1058,6 +1059,95 @@ TEST_F(ProtocolTest, RanksApplyFramesBeforeTheManifestExists) {
   const std::string again = applied("r1");
   EXPECT_EQ(again.find(" 0 already done"), std::string::npos) << again;
   EXPECT_NE(again.find(", 0 left to the manifest"), std::string::npos) << again;
+}
+
+// PublishOptions::cancel stops a publish that waits for a silent receiver's
+// ack: the attempt is fenced, nothing is committed, no retry is made, and
+// the next publish of the version commits once the receiver is gone.
+TEST_F(ProtocolTest, ACancelledPublishFencesItsAttemptAndCommitsNothing) {
+  PublishOptions o = Fast();
+  o.ack_timeout = std::chrono::milliseconds(60000);
+  ASSERT_TRUE(Publisher(*store_, Path("state"), o).Publish(0, Version(0)).ok());
+  ReceiverRecord rec{"silent", "following", 0, UnixNowForTest(), {}};
+  ASSERT_TRUE(store_->Put(run_keys::Receiver(rec.id), rec.ToJson()).ok());
+  const auto start = std::chrono::steady_clock::now();
+  int polls = 0;
+  o.cancel = [&] { return ++polls > 10; };
+  auto r = Publisher(*store_, Path("state"), o).Publish(1, Version(1));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  ASSERT_EQ(r.status().code(), Code::kAborted) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("cancelled while waiting for acks"), std::string::npos) << r.status().ToString();
+  EXPECT_EQ(store_->Head(run_keys::Commit(1)).status().code(), Code::kNotFound);
+  auto objects = store_->List(run_keys::Attempts(1));
+  ASSERT_TRUE(objects.ok());
+  std::vector<std::string> started, fenced;
+  for (const ObjectInfo& i : *objects) {
+    if (i.key.ends_with("/attempt.json")) started.push_back(i.key.substr(0, i.key.size() - 12));
+    if (i.key.ends_with("/fence")) fenced.push_back(i.key.substr(0, i.key.size() - 5));
+  }
+  ASSERT_EQ(started.size(), 1u);  // not retried
+  EXPECT_EQ(fenced, started);
+  rec.state = "stopped";
+  ASSERT_TRUE(store_->Put(run_keys::Receiver(rec.id), rec.ToJson()).ok());
+  o.cancel = nullptr;
+  auto again = Publisher(*store_, Path("state"), o).Publish(1, Version(1));
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(started.front().find(again->attempt), std::string::npos) << started.front();
+}
+
+}  // namespace
+}  // namespace dcr
+
+namespace dcr {
+namespace {
+
+// RankFollower::TakeChangedTensors: every map tensor after the join, then
+// exactly the tensors the committed version's frames wrote, then nothing.
+TEST_F(ProtocolTest, ARankSaysWhichTensorsEachVersionChanged) {
+  Publisher pub(*store_, Path("state"), Fast());
+  ASSERT_TRUE(pub.Publish(0, Version(0)).ok());
+  auto layouts = TpLayouts(1);
+  std::vector<std::vector<uint8_t>> memory;
+  for (size_t b = 0; b < layouts[0]->map().buffers.size(); ++b) memory.emplace_back(layouts[0]->BufferBytes(b));
+  PlacedRank placed{layouts[0].get(), {}};
+  for (auto& b : memory) placed.buffers.emplace_back(b);
+  RankFollower f(*store_, placed, Path("rank"), EngineRank{"e", 0, 1}, Receiver("e-r0"));
+  std::vector<std::string> all, joined, again;
+  for (const LayoutTensor& t : layouts[0]->map().tensors) all.push_back(t.name);
+  std::atomic<bool> taken{false};
+  std::optional<Result<PublishReport>> p;
+  std::thread publisher([&] {
+    while (!taken) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    p = pub.Publish(1, Version(1));
+  });
+  // From Run's stop callback, as the Python binding calls it: once joined, then after version 1.
+  Status run = f.Run(1, [&] {
+    if (!taken && f.holds_version()) {
+      joined = f.TakeChangedTensors();
+      again = f.TakeChangedTensors();
+      taken = true;
+    }
+    return false;
+  });
+  taken = true;
+  publisher.join();
+  ASSERT_TRUE(run.ok()) << run.ToString();
+  ASSERT_TRUE(p && p->ok()) << (p ? p->status().ToString() : "not published");
+  EXPECT_EQ(joined, all);
+  EXPECT_TRUE(again.empty());
+  auto text = store_->Get(run_keys::Attempt(1, (*p)->attempt) + "manifest.json");
+  ASSERT_TRUE(text.ok());
+  auto m = DeltaManifest::FromJson(*text, "manifest");
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  std::set<std::string> framed;
+  for (const DeltaFrameEntry& e : m->frames) framed.insert(m->tensors[e.tensor].name);
+  std::vector<std::string> want;
+  for (const auto& name : all)
+    if (framed.count(name)) want.push_back(name);
+  ASSERT_FALSE(want.empty());
+  ASSERT_LT(want.size(), all.size());  // the test means something only if some tensors did not change
+  EXPECT_EQ(f.TakeChangedTensors(), want);
+  EXPECT_TRUE(f.TakeChangedTensors().empty());
 }
 
 }  // namespace

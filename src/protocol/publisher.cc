@@ -218,6 +218,7 @@ class PublishRun {
   const std::string& state_dir_;
   const PublishOptions& o_;
   Progress* progress_;
+  bool cancelled_ = false;  // o_.cancel stopped an attempt's wait: no retry
 };
 
 Result<PublishReport> PublishRun::PublishSnapshot(const Checkpoint& next) {
@@ -305,7 +306,7 @@ Result<bool> PublishRun::Settle(uint64_t v, const std::string& id, Result<Attemp
     *last_failure = result.status();
     Fence(v, id, *last_failure).IgnoreError();
     const Code code = last_failure->code();
-    if (code == Code::kAlreadyExists || code == Code::kFailedPrecondition)
+    if (code == Code::kAlreadyExists || code == Code::kFailedPrecondition || cancelled_)
       return *last_failure;
     return false;
   }
@@ -704,6 +705,11 @@ Result<PublishRun::AttemptResult> PublishRun::AwaitAcksAndCommit(uint64_t v, con
       for (const auto& ack : o_.relay->TakeAcks(prefix, std::chrono::milliseconds(0))) take(ack, true);
     if (refused) return AttemptResult{false, *refused};
     if (polled.ok() && (waiting.empty() || committed)) break;
+    if (o_.cancel && o_.cancel()) {
+      cancelled_ = true;
+      return Aborted(fmt::format("version {} attempt {}: cancelled while waiting for acks ({} receivers had not acked)",
+                                 v, id, waiting.size()));
+    }
     if (!polled.ok() && !Transient(polled)) return polled;
     if (Clock::now() >= deadline) {
       DCR_RETURN_IF_ERROR(polled);

@@ -86,9 +86,9 @@ class RankRun {
   // `given`: the rank's buffers in memory (the caller's), or null for
   // buffer files in `dir`.
   RankRun(Store& store, const CompiledLayout& layout, const std::string& dir, const PlacedRank* given,
-          const EngineRank& rank, const FollowOptions& o, uint64_t* version, bool* holds)
+          const EngineRank& rank, const FollowOptions& o, uint64_t* version, bool* holds, std::vector<bool>* changed)
       : store_(store), layout_(layout), dir_(dir), given_(given), rank_(rank), o_(o), version_out_(version),
-        holds_out_(holds),
+        holds_out_(holds), changed_out_(changed),
         heartbeat_(store, o.id, rank, o.heartbeat_every, [this](const std::string& l) { Log(l); }) {}
 
   Status Run(std::optional<uint64_t> until, const std::function<bool()>& stop);
@@ -97,6 +97,16 @@ class RankRun {
   void Log(const std::string& line) { FollowLog(o_, line); }
   Status Fault(std::string_view point) { return o_.fault ? o_.fault(point) : Status::Ok(); }
   Digest Partial() const { return Total(tracked_); }
+  // Marks the map's tensor of run tensor `t` (every map tensor when nullopt) changed.
+  void MarkChanged(std::optional<uint32_t> t) {
+    changed_out_->resize(layout_.map().tensors.size());
+    if (!t) {
+      std::fill(changed_out_->begin(), changed_out_->end(), true);
+      return;
+    }
+    const int64_t i = layout_.FindTensor(shape_.tensors[*t].name);
+    if (i >= 0) (*changed_out_)[static_cast<size_t>(i)] = true;
+  }
 
   Status Start(const std::function<bool()>& stop);
   Status Join(uint64_t at_most, const std::string& why);
@@ -140,6 +150,7 @@ class RankRun {
   const FollowOptions& o_;
   uint64_t* version_out_;
   bool* holds_out_;
+  std::vector<bool>* changed_out_;
   RunRecord run_;
   DeltaManifest shape_;  // the run's tensors and chunking
   RankJournal journal_;
@@ -216,6 +227,7 @@ Status RankRun::Join(uint64_t at_most, const std::string& why) {
       return DataLoss(fmt::format("{}: the snapshot of version {} does not have its recorded digest", store_.url(),
                                   snap.version));
     DCR_RETURN_IF_ERROR(Open(/*create=*/true));
+    MarkChanged(std::nullopt);
     if (Status loaded = LoadDense(CheckpointBytes(ckpt), *placed_); !loaded.ok()) {
       placed_.reset();  // half loaded: the next step joins again
       return loaded;
@@ -256,6 +268,7 @@ Status RankRun::Start(const std::function<bool()>& stop) {
   if (Status s = Open(/*create=*/false); !s.ok())
     return Join(*state.latest, "cannot open the buffers: " + s.ToString());
   tracked_ = RankChunkDigests(*placed_, shape_);
+  MarkChanged(std::nullopt);  // reopened: the caller has not seen these bits through Run
   const Digest d = Partial();
   if (journal_.attempt.empty() && d != journal_.digest)
     return Join(*state.latest, fmt::format("the buffers do not hold version {} as the journal claims", journal_.version));
@@ -356,6 +369,7 @@ Status RankRun::ApplyFrames(const DeltaManifest& m, std::span<const FrameView> f
       }
       tracked_[h.tensor][h.chunk] = results[j]->target;
       touched_[{h.tensor, h.chunk}].target = results[j]->target;
+      MarkChanged(h.tensor);
       after += FrameLogLine('t', {h.tensor, h.chunk}, results[j]->target);
       ++counts->applied;
     }
@@ -543,8 +557,17 @@ Status RankFollower::Run(std::optional<uint64_t> until, const std::function<bool
     return InvalidArgument("receiver id '" + options_.id + "' cannot name an object: " + s.message());
   const PlacedRank given{&layout_, given_};
   if (in_memory_) DCR_RETURN_IF_ERROR(CheckRankBuffers(layout_, given_).WithContext("the rank's buffers"));
-  RankRun run(store_, layout_, dir_, in_memory_ ? &given : nullptr, rank_, options_, &version_, &holds_version_);
+  RankRun run(store_, layout_, dir_, in_memory_ ? &given : nullptr, rank_, options_, &version_, &holds_version_,
+              &changed_);
   return run.Run(until, stop);
+}
+
+std::vector<std::string> RankFollower::TakeChangedTensors() {
+  std::vector<std::string> out;
+  for (size_t t = 0; t < changed_.size(); ++t)
+    if (changed_[t]) out.push_back(layout_.map().tensors[t].name);
+  changed_.assign(changed_.size(), false);
+  return out;
 }
 
 }  // namespace dcr
