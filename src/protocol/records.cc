@@ -365,14 +365,8 @@ Result<ProcessRecord> ProcessRecord::FromJson(std::string_view text, const std::
     e.object = static_cast<uint32_t>(object);
     e.changed = static_cast<uint32_t>(changed);
     const std::string mode = f[5], codec = f[6];
-    if (mode == "xor") e.mode = Mode::kXor;
-    else if (mode == "add") e.mode = Mode::kAdd;
-    else if (mode == "overwrite") e.mode = Mode::kOverwrite;
-    else return Bad(where, fmt::format("frame mode '{}'", mode));
-    if (codec == "sparse") e.codec = Codec::kSparse;
-    else if (codec == "zstd") e.codec = Codec::kZstd;
-    else if (codec == "raw") e.codec = Codec::kRaw;
-    else return Bad(where, fmt::format("frame codec '{}'", codec));
+    if (!ModeFromName(mode, &e.mode)) return Bad(where, fmt::format("frame mode '{}'", mode));
+    if (!CodecFromName(codec, &e.codec)) return Bad(where, fmt::format("frame codec '{}'", codec));
     if (!r.frames.empty() && std::pair(r.frames.back().tensor, r.frames.back().chunk) >= std::pair(e.tensor, e.chunk))
       return Bad(where, "frames must be sorted by (tensor, chunk) and unique");
     r.frames.push_back(e);
