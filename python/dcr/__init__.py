@@ -411,11 +411,21 @@ class ShardPublisher:
     waits for the acks and commits; it returns the report once committed.
     Version 0 (the run's snapshot) is a canonical checkpoint:
     :meth:`publish_snapshot`. The GIL is released while publishing; Ctrl-C
-    is seen once the call returns (after at most ``ack_timeout_s`` per attempt)."""
+    is seen once the call returns (after at most ``ack_timeout_s`` per attempt).
+
+    Senders in several processes (docs/protocol.md, "Trainer ranks in
+    separate processes"): each process makes its own ShardPublisher with
+    ``process=p, processes=P``, ``layouts`` every sender's map (JSON or dict,
+    global order, the same everywhere), ``senders`` only its own senders (in
+    ascending global order), and optionally ``placement`` (the process of
+    each sender; default contiguous blocks). Process 0 coordinates; all
+    call :meth:`publish` for each version."""
 
     def __init__(self, store: Store, state_dir: PathLike, senders: Sequence[Any], max_attempts: int = 3,
                  ack_timeout_s: float = 60.0, heartbeat_timeout_s: float = 10.0, snapshot_every: int = 0,
-                 chunk_elements: int = DEFAULT_CHUNK_ELEMENTS):
+                 chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, process: int = 0, processes: int = 1,
+                 layouts: Optional[Sequence[Any]] = None, placement: Optional[Sequence[int]] = None,
+                 peer_timeout_s: float = 60.0):
         self.store, self.state_dir = store, os.fspath(state_dir)
         self._options = dict(max_attempts=max_attempts, ack_timeout_s=ack_timeout_s,
                              heartbeat_timeout_s=heartbeat_timeout_s, snapshot_every=snapshot_every,
@@ -428,8 +438,12 @@ class ShardPublisher:
             self._views.append(_buffers_for(layout_json, dict(tensors), f"ShardPublisher: sender {k}"))
         if not self._layouts:
             raise InvalidArgumentError("ShardPublisher: no senders given")
+        if processes > 1 and layouts is None:
+            raise InvalidArgumentError("ShardPublisher: processes > 1 needs layouts (every sender's map)")
         self._p = _dcr.ShardPublisher(store, self.state_dir, self._layouts, 1, max_attempts, ack_timeout_s,
-                                      heartbeat_timeout_s, snapshot_every, chunk_elements)
+                                      heartbeat_timeout_s, snapshot_every, chunk_elements, process, processes,
+                                      [_layout_json(m) for m in (layouts or [])], list(placement or []),
+                                      peer_timeout_s)
 
     def publish(self, version: int) -> dict:
         """Publishes the senders' current bits as ``version`` (> 0; v-1 committed)."""
