@@ -1230,6 +1230,24 @@ TEST_F(ShardProcessTest, FourSendersInThreeProcessesPublishEveryVersionBitExactl
   EXPECT_FALSE(fs::exists(Path("trainer-p0/shards/s1")));
   EXPECT_TRUE(fs::exists(Path("trainer-p1/shards/s1")) && !fs::exists(Path("trainer-p1/shards/s0")));
   EXPECT_TRUE(fs::exists(Path("trainer-p2/shards/s2")));
+  // Each process's shards.json holds its senders' partial digest (computed
+  // from the change records at the commit), so the next publish trusts the
+  // files without a rebuild.
+  for (uint32_t p = 0; p < 3; ++p) {
+    std::ifstream in(Path(fmt::format("trainer-p{}/shards.json", p)));
+    auto doc = nlohmann::json::parse(in, nullptr, false);
+    ASSERT_TRUE(doc.is_object()) << p;
+    EXPECT_EQ(doc["version"], 3) << p;
+    Digest recorded, files;
+    ASSERT_TRUE(Digest::FromHex(doc["digest"].get<std::string>(), &recorded));
+    for (uint32_t k = 0; k < 4; ++k) {
+      if (kPlacement[k] != p) continue;
+      auto f = RankBufferFiles::Open(*maps_[k], Path(fmt::format("trainer-p{}/shards/s{}", p, k)));
+      ASSERT_TRUE(f.ok()) << f.status().ToString();
+      files += RankDigest(f->placed());
+    }
+    EXPECT_EQ(files, recorded) << "process " << p;
+  }
   // A process told another placement is refused.
   auto shards = Shards(3);
   std::vector<ShardSource> mine = Local(shards, 0);
@@ -1279,7 +1297,7 @@ TEST_F(ShardProcessTest, AWorkerFailingMidAttemptIsFencedAndTheOverwriteRetryCom
       1, [&](uint32_t p) -> Store& { return p == 0 ? fences.store : *store_; },
       [&](uint32_t p) {
         PublishOptions o = Trainer();
-        o.peer_timeout = std::chrono::milliseconds(p == 0 ? 500 : 3000);
+        o.peer_timeout = std::chrono::milliseconds(p == 0 ? 2000 : 5000);
         if (p == 2)
           o.fault = [&](std::string_view point) {
             return point == "contributions-written" && !failed.exchange(true) ? Aborted("injected: killed")
