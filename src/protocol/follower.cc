@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "internal.h"
+#include "journals.h"
 
 namespace dcr {
 
@@ -26,30 +27,19 @@ constexpr std::string_view kJournal = ".dcr-follow.json";
 // "<seq>-<hex>", so it names none).
 constexpr std::string_view kJoining = "snapshot";
 
-// TARGET/.dcr-follow.json: the run, the committed version the target holds,
-// and the attempt being applied (empty when none): a restart after a crash
-// mid-apply knows the bits may be between versions.
-struct Journal {
-  std::string run_id, receiver, attempt;
-  uint64_t version = 0;
-};
+using Journal = FollowJournal;
 
 Result<std::optional<Journal>> ReadJournal(const std::string& target) {
   const std::string path = (fs::path(target) / kJournal).string();
   std::error_code ec;
   if (!fs::exists(path, ec)) return std::optional<Journal>();
   DCR_ASSIGN_OR_RETURN(MappedFile f, MappedFile::Open(path, false));
-  auto doc = nlohmann::json::parse(f.data().begin(), f.data().end(), nullptr, false);
-  if (doc.is_discarded() || !doc.is_object() || !doc["run_id"].is_string() || !doc["receiver"].is_string() ||
-      !doc["attempt"].is_string() || !doc["version"].is_number_unsigned())
-    return InvalidArgument(path + ": does not parse; remove it and the checkpoint to rejoin from a snapshot");
-  return std::optional<Journal>(Journal{doc["run_id"].get<std::string>(), doc["receiver"].get<std::string>(),
-                                        doc["attempt"].get<std::string>(), doc["version"].get<uint64_t>()});
+  DCR_ASSIGN_OR_RETURN(Journal j, ParseFollowJournal(AsText(f), path));
+  return std::optional<Journal>(std::move(j));
 }
 
 Status WriteJournal(const std::string& target, const Journal& j) {
-  nlohmann::json doc = {{"run_id", j.run_id}, {"receiver", j.receiver}, {"version", j.version}, {"attempt", j.attempt}};
-  return WriteFileAtomically((fs::path(target) / kJournal).string(), doc.dump(1) + "\n");
+  return WriteFileAtomically((fs::path(target) / kJournal).string(), FollowJournalJson(j));
 }
 
 bool HoldsCheckpoint(const std::string& dir) {

@@ -12,6 +12,7 @@
 
 #include "dcr/layout_apply.h"
 #include "internal.h"
+#include "journals.h"
 
 namespace dcr {
 
@@ -25,20 +26,6 @@ constexpr std::string_view kJoining = "snapshot";  // the journal's attempt whil
 constexpr std::string_view kSnapshotDir = ".dcr-snapshot";
 constexpr std::string_view kFrameLog = ".dcr-rank-frames";
 
-// DIR/.dcr-rank.json: what the rank's buffers hold. `digest` is the rank's
-// partial digest at `version` (its share of the committed digest). `attempt`
-// names the attempt of version + 1 that last touched the buffers (empty:
-// none), with its state (applying: it may be half applied; applied; failed)
-// and the partial digest it left.
-struct RankJournal {
-  std::string run_id, receiver;
-  EngineRank rank;
-  uint64_t version = 0;
-  Digest digest;
-  std::string attempt, attempt_state;
-  Digest attempt_digest;
-};
-
 std::string JournalPath(const std::string& dir) { return (fs::path(dir) / kRankJournal).string(); }
 
 Result<std::optional<RankJournal>> ReadRankJournal(const std::string& dir) {
@@ -46,56 +33,18 @@ Result<std::optional<RankJournal>> ReadRankJournal(const std::string& dir) {
   std::error_code ec;
   if (!fs::exists(path, ec)) return std::optional<RankJournal>();
   DCR_ASSIGN_OR_RETURN(MappedFile f, MappedFile::Open(path, false));
-  auto doc = nlohmann::json::parse(f.data().begin(), f.data().end(), nullptr, false);
-  RankJournal j;
-  auto bad = [&] {
-    return InvalidArgument(path + ": does not parse; remove the directory's files to rejoin from a snapshot");
-  };
-  if (doc.is_discarded() || !doc.is_object()) return bad();
-  for (const char* k : {"run_id", "receiver", "engine", "digest", "attempt", "attempt_state", "attempt_digest"})
-    if (!doc[k].is_string()) return bad();
-  for (const char* k : {"rank", "ranks", "version"})
-    if (!doc[k].is_number_unsigned()) return bad();
-  j.run_id = doc["run_id"];
-  j.receiver = doc["receiver"];
-  j.rank.engine = doc["engine"];
-  j.rank.rank = doc["rank"].get<uint32_t>();
-  j.rank.ranks = doc["ranks"].get<uint32_t>();
-  j.version = doc["version"];
-  j.attempt = doc["attempt"];
-  j.attempt_state = doc["attempt_state"];
-  if (!Digest::FromHex(doc["digest"].get<std::string>(), &j.digest) ||
-      !Digest::FromHex(doc["attempt_digest"].get<std::string>(), &j.attempt_digest))
-    return bad();
-  return std::optional<RankJournal>(j);
+  DCR_ASSIGN_OR_RETURN(RankJournal j, ParseRankJournal(AsText(f), path));
+  return std::optional<RankJournal>(std::move(j));
 }
 
 Status WriteRankJournal(const std::string& dir, const RankJournal& j) {
-  nlohmann::json doc = {{"run_id", j.run_id},        {"receiver", j.receiver},
-                        {"engine", j.rank.engine},   {"rank", j.rank.rank},
-                        {"ranks", j.rank.ranks},     {"version", j.version},
-                        {"digest", j.digest.ToHex()}, {"attempt", j.attempt},
-                        {"attempt_state", j.attempt_state}, {"attempt_digest", j.attempt_digest.ToHex()}};
-  return WriteFileAtomically(JournalPath(dir), doc.dump(1) + "\n");
+  return WriteFileAtomically(JournalPath(dir), RankJournalJson(j));
 }
-
-// DIR/.dcr-rank-frames: what the journal's attempt did to the buffers, chunk
-// by chunk, so that a restarted rank applies no frame twice. The first line
-// names the attempt; then, before each batch, "b TENSOR CHUNK DIGEST" for
-// every chunk it will write (the rank's partial digest before), and after
-// it "t TENSOR CHUNK DIGEST" for those written (the partial after). Lines
-// are appended whole (a process killed mid-write leaves at most a torn last
-// line, which is ignored).
-using ChunkKey = std::pair<uint32_t, uint32_t>;
-struct LoggedChunk {
-  Digest base;
-  std::optional<Digest> target;
-};
 
 std::string FrameLogPath(const std::string& dir) { return (fs::path(dir) / kFrameLog).string(); }
 
 Status StartFrameLog(const std::string& dir, const std::string& attempt) {
-  return WriteFileAtomically(FrameLogPath(dir), "dcr-rank-frames " + attempt + "\n");
+  return WriteFileAtomically(FrameLogPath(dir), FrameLogHeader(attempt));
 }
 
 Status AppendFrameLog(const std::string& dir, const std::string& lines) {
@@ -110,27 +59,10 @@ Status AppendFrameLog(const std::string& dir, const std::string& lines) {
 }
 
 // The chunks the log records for `attempt` (nullopt: no log of that attempt).
-std::optional<std::map<ChunkKey, LoggedChunk>> ReadFrameLog(const std::string& dir, const std::string& attempt) {
+std::optional<FrameLog> ReadFrameLog(const std::string& dir, const std::string& attempt) {
   auto f = MappedFile::Open(FrameLogPath(dir), false);
   if (!f.ok()) return std::nullopt;
-  std::string_view text(reinterpret_cast<const char*>(f->data().data()), f->data().size());
-  const std::string header = "dcr-rank-frames " + attempt + "\n";
-  if (!text.starts_with(header)) return std::nullopt;
-  text.remove_prefix(header.size());
-  std::map<ChunkKey, LoggedChunk> out;
-  for (size_t nl; (nl = text.find('\n')) != std::string_view::npos; text.remove_prefix(nl + 1)) {
-    const std::string line(text.substr(0, nl));
-    char kind = 0;
-    uint32_t tensor = 0, chunk = 0;
-    char hex[33] = {0};
-    Digest d;
-    if (std::sscanf(line.c_str(), "%c %u %u %32s", &kind, &tensor, &chunk, hex) != 4 || !Digest::FromHex(hex, &d))
-      return std::nullopt;  // not written by this code: nothing is known
-    if (kind == 'b') out[{tensor, chunk}] = LoggedChunk{d, std::nullopt};
-    else if (kind == 't' && out.count({tensor, chunk})) out[{tensor, chunk}].target = d;
-    else return std::nullopt;
-  }
-  return out;
+  return ParseFrameLog(AsText(*f), attempt);
 }
 
 // The map's tensors must be run tensors with the same dtype and shape.
@@ -218,7 +150,7 @@ class RankRun {
   std::map<uint64_t, int> commit_failures_;
   // What the journal's attempt did to the chunks it touched: done (at the
   // logged target) or not (interrupted); logged_: its frame log is known.
-  std::map<ChunkKey, LoggedChunk> touched_;
+  FrameLog touched_;
   bool logged_ = false;
   // Frame objects of version + 1's streaming attempts downloaded before
   // their manifest (full key -> bytes); LoadAttempt takes them from here.
@@ -399,7 +331,7 @@ Status RankRun::ApplyFrames(const DeltaManifest& m, std::span<const FrameView> f
       }
     }
     todo.push_back(i);
-    before += fmt::format("b {} {} {}\n", h.tensor, h.chunk, now.ToHex());
+    before += FrameLogLine('b', {h.tensor, h.chunk}, now);
   }
   if (!todo.empty()) {
     DCR_RETURN_IF_ERROR(AppendFrameLog(dir_, before));
@@ -424,7 +356,7 @@ Status RankRun::ApplyFrames(const DeltaManifest& m, std::span<const FrameView> f
       }
       tracked_[h.tensor][h.chunk] = results[j]->target;
       touched_[{h.tensor, h.chunk}].target = results[j]->target;
-      after += fmt::format("t {} {} {}\n", h.tensor, h.chunk, results[j]->target.ToHex());
+      after += FrameLogLine('t', {h.tensor, h.chunk}, results[j]->target);
       ++counts->applied;
     }
     if (!after.empty()) DCR_RETURN_IF_ERROR(AppendFrameLog(dir_, after));

@@ -8,9 +8,10 @@ OUT/s3_response_fuzz (scripted S3 exchanges) and OUT/store_config_fuzz
 (store URLs, AWS environment and profile files, fault specs); for layout
 maps, OUT/layout_map_fuzz (valid and subtly broken maps); for the refit
 protocol, OUT/records_fuzz (store records: run, commit, ack, receiver,
-snapshot, trainer process; the first byte picks the type) and
+snapshot, trainer process; the first byte picks the type),
 OUT/contribution_fuzz (contribution objects, dummy checksums: the target
-recomputes them when byte 0 says so). Standard library only.
+recomputes them when byte 0 says so) and OUT/journals_fuzz (the
+receivers' local journals). Standard library only.
 
 usage: seeds.py OUT DCR_BINARY
 """
@@ -326,6 +327,26 @@ def contribution_seeds():
     return out
 
 
+def journals_seeds():
+    """The receivers' local journals (src/protocol/journals.h); byte 0 picks the
+    parser: 0 .dcr-follow.json, 1 .dcr-rank.json, 2 .dcr-rank-frames."""
+    import json
+    d, e = "0123456789abcdef" * 2, "00000000000000010000000000000002"
+    follow = {"run_id": "r-1", "receiver": "e0", "version": 3, "attempt": "0001-0123abcd"}
+    rank = {"run_id": "r-1", "receiver": "eng-r1", "engine": "eng", "rank": 1, "ranks": 2, "version": 3,
+            "digest": d, "attempt": "0001-0123abcd", "attempt_state": "applying", "attempt_digest": e}
+    log = "dcr-rank-frames 0001-0123abcd\n" + f"b 0 0 {d}\nb 2 7 {e}\nt 0 0 {e}\n"
+    return {
+        "follow": bytes([0]) + json.dumps(follow).encode(),
+        "follow_idle": bytes([0]) + json.dumps(dict(follow, attempt="")).encode(),
+        "rank": bytes([1]) + json.dumps(rank).encode(),
+        "rank_joining": bytes([1]) + json.dumps(dict(rank, attempt="snapshot", attempt_state="")).encode(),
+        "frames": bytes([2]) + log.encode(),
+        "frames_torn": bytes([2]) + (log + "b 3 1 0123").encode(),
+        "frames_header_only": bytes([2]) + b"dcr-rank-frames 0001-0123abcd\n",
+    }
+
+
 def write_all(out_dir, seeds):
     os.makedirs(out_dir, exist_ok=True)
     for name, blob in seeds.items():
@@ -363,6 +384,7 @@ def main():
     write_all(os.path.join(sys.argv[1], "layout_map_fuzz"), layout_map_seeds(sys.argv[2]))
     write_all(os.path.join(sys.argv[1], "records_fuzz"), records_seeds())
     write_all(os.path.join(sys.argv[1], "contribution_fuzz"), contribution_seeds())
+    write_all(os.path.join(sys.argv[1], "journals_fuzz"), journals_seeds())
     write_all(os.path.join(sys.argv[1], "relay_message_fuzz"), relay_message_seeds(os.path.join(sys.argv[1], "frame_fuzz")))
 
 
