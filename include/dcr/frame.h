@@ -25,6 +25,8 @@ enum class Mode : uint8_t {
   kOverwrite = 3,  // value = new; idempotent, needs nothing
 };
 std::string_view ModeName(Mode mode);  // "xor", "add", "overwrite"
+// The mode ModeName names; false (and *mode untouched) for any other text.
+bool ModeFromName(std::string_view name, Mode* mode);
 
 enum class Codec : uint8_t {
   kSparse = 1,  // Rice-coded position gaps, interleaved with coded values
@@ -32,6 +34,7 @@ enum class Codec : uint8_t {
   kRaw = 3,     // the dense layout: one value per word of the chunk
 };
 std::string_view CodecName(Codec codec);  // "sparse", "zstd", "raw"
+bool CodecFromName(std::string_view name, Codec* codec);  // as ModeFromName
 
 struct FrameHeader {
   uint32_t tensor = 0;          // index into the delta's tensor list

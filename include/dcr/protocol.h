@@ -8,6 +8,8 @@
 //   attempts/v<N>/<attempt>/attempt.json      mode, coordinator (created first)
 //   attempts/v<N>/<attempt>/frames/s<K>.bin   sender K's frames, streamed
 //   attempts/v<N>/<attempt>/senders/s<K>.json sender K's frame list and chunk digests
+//   attempts/v<N>/<attempt>/contrib/p<F>-p<T>.bin  trainer process F's contributions for process T
+//   attempts/v<N>/<attempt>/procs/p<P>.json   trainer process P's frames, chunk digests, partials
 //   attempts/v<N>/<attempt>/manifest.json     the delta manifest (written when every sender is done)
 //   attempts/v<N>/<attempt>/acks/<R>.json     receiver R applied and verified it (or failed)
 //   attempts/v<N>/<attempt>/fence             the attempt is obsolete
@@ -102,6 +104,35 @@ struct ReceiverRecord {
   std::string ToJson() const;
   static Result<ReceiverRecord> FromJson(std::string_view json, const std::string& where);
 };
+
+// A trainer process's part of an attempt (ShardPublisher over several
+// processes): attempts/v<N>/<attempt>/procs/p<P>.json. Its frames lie in
+// its own objects (names relative to the attempt); `chunks` are the chunks
+// its senders own, in (tensor, chunk) order; the partials are over the
+// canonical elements its senders' primary copies hold.
+struct ProcessRecord {
+  std::string attempt;
+  uint32_t process = 0, processes = 0;
+  std::vector<uint32_t> senders;  // global sender indices it holds, ascending
+  Digest baseline_digest, target_digest;  // its senders' partials at v-1 and v
+  std::vector<std::string> objects;
+  std::vector<DeltaFrameEntry> frames;  // object: index into `objects`
+  struct Chunk {
+    uint32_t tensor = 0, chunk = 0;
+    Digest base, target;
+  };
+  std::vector<Chunk> chunks;
+  std::string ToJson() const;
+  static Result<ProcessRecord> FromJson(std::string_view json, const std::string& where);
+};
+
+// Completes `manifest` (StartLayoutDelta's, of the attempt) from every
+// process's record: objects (each process's, in process order), frames (in
+// (tensor, chunk) order, object indices remapped), chunk digests, totals.
+// kFailedPrecondition naming the chunk when one is owned by no process or by
+// two, or a frame lies outside its record's chunks; kInvalidArgument when a
+// record names a chunk outside the manifest or an object it lacks.
+Status AssembleLayoutManifest(DeltaManifest& manifest, std::span<const ProcessRecord> records);
 
 struct SnapshotRecord {
   uint64_t version = 0;
@@ -213,6 +244,16 @@ struct PublishOptions {
   // publish of the version settles it) and Publish returns kAborted, without
   // retrying and with nothing committed. Called on the publishing thread.
   std::function<bool()> cancel;
+  // ShardPublisher over several processes (docs/protocol.md, "Trainer ranks
+  // in separate processes"): how often a process looks for its peers'
+  // objects, and how long it waits for them: the coordinator fences an
+  // attempt whose contributions or records are missing after peer_timeout
+  // (and retries); a worker gives up (kUnavailable) after peer_timeout
+  // without an attempt to join, or twice that plus ack_timeout without a
+  // commit once it wrote its record. Fault points there: "contributions-
+  // written", "record-written" (every process).
+  std::chrono::milliseconds peer_poll{50};
+  std::chrono::milliseconds peer_timeout{60000};
 };
 
 struct PublishReport {
@@ -256,25 +297,48 @@ struct ShardSource {
   std::vector<std::span<const uint8_t>> current;
 };
 
+// Where the senders of a trainer live: this process's index among
+// `processes` (0 is the coordinator), and the process holding each global
+// sender (one entry per sender map; empty: contiguous blocks, sender k in
+// process k * processes / senders). Every process must be given the same.
+struct ShardProcesses {
+  uint32_t process = 0, processes = 1;
+  std::vector<uint32_t> sender_process;
+};
+
 // Publishes versions v > 0 of a run from trainer shards: every sender
 // projects its shards against its own baseline shards (ProjectSender), each
 // chunk's owner (ChunkOwner) merges the contributions and encodes the chunk's
 // frame (EncodeOwnedChunks); the attempts, acks and commit are the
-// Publisher's. All senders are in this process. The baseline is the senders'
-// shards (not canonical copies), kept as buffer files in
-// `state_dir`/shards/s<K>/ with shards.json naming the run and version; when
-// it is missing or not at v-1 it is rebuilt from the newest snapshot through
-// the maps and the committed deltas (ApplyRankFrame on the sender maps), and
-// checked: the senders' partial digests must add up to v-1's. Version 0 (the
-// snapshot, a canonical checkpoint) is published by Publisher. The senders'
-// maps must cover every tensor of the run exactly once (no residuals yet).
+// Publisher's. Senders may be spread over several processes (each runs its
+// own ShardPublisher; contributions travel as contribution objects through
+// the store, docs/protocol.md "Trainer ranks in separate processes"). Each
+// process's baseline is its own senders' shards (not canonical copies), kept
+// as buffer files in `state_dir`/shards/s<K>/ (K global) with shards.json
+// naming the run, version, senders and their partial digest; when it is
+// missing, damaged or not at v-1 it is caught up from the committed deltas or
+// rebuilt from the newest snapshot through the maps (ApplyRankFrame on the
+// sender maps). The coordinator checks that the processes' baseline partials
+// add up to v-1's digest. Version 0 (the snapshot, a canonical checkpoint) is
+// published by Publisher. The senders' maps must cover every tensor of the
+// run exactly once (no residuals yet).
 class ShardPublisher {
  public:
   ShardPublisher(Store& store, std::string state_dir, PublishOptions options);
 
-  // Errors: as Publisher::Publish; kInvalidArgument when the maps do not
-  // cover the run's tensors exactly once or the buffers do not fit them.
+  // Every sender in this process. Errors: as Publisher::Publish;
+  // kInvalidArgument when the maps do not cover the run's tensors exactly
+  // once or the buffers do not fit them.
   Result<PublishReport> Publish(uint64_t version, std::span<const ShardSource> senders);
+
+  // One process of several: `maps` are every sender's map (global order),
+  // `local` this process's senders (those `procs` places here, ascending,
+  // each with its map's layout). The coordinator returns once v is
+  // committed; a worker once it saw the commit of an attempt it took part
+  // in (or caught its baseline up to a commit it missed). Errors as above,
+  // and kUnavailable when a worker's peers stay silent (peer_timeout).
+  Result<PublishReport> Publish(uint64_t version, std::span<const CompiledLayout* const> maps,
+                                std::span<const ShardSource> local, const ShardProcesses& procs);
 
  private:
   Store& store_;

@@ -467,19 +467,32 @@ class ShardPublisher:
     (the rest) and ``converted_changed_bytes`` (converted bytes that differ
     from the previous publish's outputs).
 
+    Senders in several processes (docs/protocol.md, "Trainer ranks in
+    separate processes"): each process makes its own ShardPublisher with
+    ``process=p, processes=P``, ``layouts`` every sender's map (JSON or dict,
+    global order, the same everywhere), ``senders`` only its own senders (in
+    ascending global order), and optionally ``placement`` (the process of
+    each sender; default contiguous blocks). Process 0 coordinates; all
+    call :meth:`publish` for each version. ``conversions`` are for one
+    process only: with several, give converted tensors as an ordinary sender
+    over buffers you refresh before each publish, with the map
+    ``identity_layout(buffers)`` in every process's ``layouts``.
+
     ``stage``: tensors not on the CPU (CUDA) are read through host mirrors
     copied device -> host before each publish; ``True`` mirrors every
     tensor, ``False`` none.
 
-    The GIL is released while publishing; Ctrl-C while it waits for acks
-    raises KeyboardInterrupt within some 20 ms, the attempt fenced and
-    nothing committed (the next :meth:`publish` of the version starts a new
-    attempt)."""
+    The GIL is released while publishing; Ctrl-C while the coordinator waits
+    for acks raises KeyboardInterrupt within some 20 ms, the attempt fenced
+    and nothing committed (the next :meth:`publish` of the version starts a
+    new attempt); elsewhere it is seen once the call returns."""
 
     def __init__(self, store: Store, state_dir: PathLike, senders: Sequence[Any], max_attempts: int = 3,
                  ack_timeout_s: float = 60.0, heartbeat_timeout_s: float = 10.0, snapshot_every: int = 0,
                  chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
-                 conversions: Optional[Mapping[str, Callable[[], Any]]] = None, stage: Optional[bool] = None):
+                 conversions: Optional[Mapping[str, Callable[[], Any]]] = None, stage: Optional[bool] = None,
+                 process: int = 0, processes: int = 1, layouts: Optional[Sequence[Any]] = None,
+                 placement: Optional[Sequence[int]] = None, peer_timeout_s: float = 60.0):
         self.store, self.state_dir = store, os.fspath(state_dir)
         self._options = dict(max_attempts=max_attempts, ack_timeout_s=ack_timeout_s,
                              heartbeat_timeout_s=heartbeat_timeout_s, snapshot_every=snapshot_every,
@@ -496,6 +509,12 @@ class ShardPublisher:
             mapped.update(_buffers_of_tensors(layout_json))
         if not self._layouts:
             raise InvalidArgumentError("ShardPublisher: no senders given")
+        if processes > 1 and layouts is None:
+            raise InvalidArgumentError("ShardPublisher: processes > 1 needs layouts (every sender's map)")
+        if processes > 1 and conversions:
+            raise InvalidArgumentError("ShardPublisher: conversions are for a single trainer process; with several, "
+                                       "give converted tensors as a sender with an identity map in every process's "
+                                       "layouts")
         self._conversions = dict(conversions or {})
         self._converted: dict = {}  # name -> the held CPU buffer of its output
         for name in self._conversions:
@@ -507,7 +526,9 @@ class ShardPublisher:
             self._layouts.append(identity_layout(self._converted))
             self._views.append(_buffers_for(self._layouts[-1], self._converted, "ShardPublisher: conversions"))
         self._p = _dcr.ShardPublisher(store, self.state_dir, self._layouts, 1, max_attempts, ack_timeout_s,
-                                      heartbeat_timeout_s, snapshot_every, chunk_elements)
+                                      heartbeat_timeout_s, snapshot_every, chunk_elements, process, processes,
+                                      [_layout_json(m) for m in (layouts or [])], list(placement or []),
+                                      peer_timeout_s)
 
     def _convert(self, name: str, held: Any) -> Any:
         """Conversion ``name``'s output now: a new CPU buffer (``held`` None),

@@ -101,6 +101,8 @@ class RankFollower:
 
 class ShardPublisher:
     def __init__(self, store: Store, state_dir: str, layouts: list[str], senders: int, max_attempts: int,
-                 ack_timeout_s: float, heartbeat_timeout_s: float, snapshot_every: int, chunk_elements: int) -> None: ...
+                 ack_timeout_s: float, heartbeat_timeout_s: float, snapshot_every: int, chunk_elements: int,
+                 process: int = 0, processes: int = 1, all_layouts: list[str] = ..., placement: list[int] = ...,
+                 peer_timeout_s: float = 60.0) -> None: ...
     # Ctrl-C while waiting for acks: the attempt is fenced, KeyboardInterrupt raised.
     def publish(self, version: int, buffers: list[list[Any]]) -> dict[str, Any]: ...

@@ -387,9 +387,12 @@ struct PyPublisher {
 };
 
 // A trainer's senders publishing live shards: their compiled maps, fixed at
-// construction; the buffers are given with each publish.
+// construction; the buffers are given with each publish. One process of
+// several (processes > 1): `layouts` are this process's senders, `all` every
+// sender's map (global order) and `procs` the placement.
 struct PyShardPublisher {
-  std::vector<std::unique_ptr<dcr::CompiledLayout>> layouts;
+  std::vector<std::unique_ptr<dcr::CompiledLayout>> layouts, all;
+  dcr::ShardProcesses procs;
   std::unique_ptr<dcr::ShardPublisher> publisher;
   Interruptible interrupt;
 };
@@ -720,19 +723,28 @@ NB_MODULE(_dcr, m) {
       .def("__init__", [](PyShardPublisher* self, PyStore& store, const std::string& state_dir,
                           const std::vector<std::string>& layouts, uint32_t senders, uint32_t max_attempts,
                           double ack_timeout_s, double heartbeat_timeout_s, uint64_t snapshot_every,
-                          uint64_t chunk_elements) {
-        std::vector<std::unique_ptr<dcr::CompiledLayout>> compiled;
+                          uint64_t chunk_elements, uint32_t process, uint32_t processes,
+                          const std::vector<std::string>& all_layouts, const std::vector<uint32_t>& placement,
+                          double peer_timeout_s) {
+        std::vector<std::unique_ptr<dcr::CompiledLayout>> compiled, all;
         for (size_t k = 0; k < layouts.size(); ++k)
           compiled.push_back(std::make_unique<dcr::CompiledLayout>(
               CompileJson(layouts[k], "sender " + std::to_string(k) + "'s layout")));
+        for (size_t k = 0; k < all_layouts.size(); ++k)
+          all.push_back(std::make_unique<dcr::CompiledLayout>(
+              CompileJson(all_layouts[k], "global sender " + std::to_string(k) + "'s layout")));
         Interruptible interrupt;
-        dcr::PublishOptions o =
-            MakePublishOptions(senders, max_attempts, ack_timeout_s, heartbeat_timeout_s, snapshot_every, chunk_elements);
+        dcr::PublishOptions o = MakePublishOptions(senders, max_attempts, ack_timeout_s, heartbeat_timeout_s,
+                                                   snapshot_every, chunk_elements);
+        o.peer_timeout = std::chrono::milliseconds(static_cast<int64_t>(peer_timeout_s * 1000));
         o.cancel = interrupt.Hook();
         auto publisher = std::make_unique<dcr::ShardPublisher>(*store.store, state_dir, std::move(o));
-        new (self) PyShardPublisher{std::move(compiled), std::move(publisher), interrupt};
+        new (self) PyShardPublisher{std::move(compiled), std::move(all), dcr::ShardProcesses{process, processes, placement},
+                                    std::move(publisher), interrupt};
       }, "store"_a, "state_dir"_a, "layouts"_a, "senders"_a, "max_attempts"_a, "ack_timeout_s"_a,
-           "heartbeat_timeout_s"_a, "snapshot_every"_a, "chunk_elements"_a, nb::keep_alive<1, 2>())
+           "heartbeat_timeout_s"_a, "snapshot_every"_a, "chunk_elements"_a, "process"_a = 0, "processes"_a = 1,
+           "all_layouts"_a = std::vector<std::string>{}, "placement"_a = std::vector<uint32_t>{},
+           "peer_timeout_s"_a = 60.0, nb::keep_alive<1, 2>())
       .def("publish", [](PyShardPublisher& p, uint64_t version, const std::vector<std::vector<nb::ndarray<>>>& buffers) {
         if (buffers.size() != p.layouts.size())
           Raise(dcr::InvalidArgument("ShardPublisher.publish: " + std::to_string(buffers.size()) +
@@ -744,6 +756,11 @@ NB_MODULE(_dcr, m) {
             src.current.emplace_back(span);
           sources.push_back(std::move(src));
         }
-        return p.interrupt.Run([&] { return p.publisher->Publish(version, sources); });
+        return p.interrupt.Run([&] {
+          if (p.all.empty()) return p.publisher->Publish(version, sources);
+          std::vector<const dcr::CompiledLayout*> maps;
+          for (const auto& l : p.all) maps.push_back(l.get());
+          return p.publisher->Publish(version, maps, sources, p.procs);
+        });
       }, "version"_a, "buffers"_a);
 }

@@ -36,6 +36,24 @@ std::string_view ModeName(Mode m) {
   return "?";
 }
 
+bool ModeFromName(std::string_view name, Mode* mode) {
+  for (Mode m : {Mode::kXor, Mode::kAdd, Mode::kOverwrite})
+    if (name == ModeName(m)) {
+      *mode = m;
+      return true;
+    }
+  return false;
+}
+
+bool CodecFromName(std::string_view name, Codec* codec) {
+  for (Codec c : {Codec::kSparse, Codec::kZstd, Codec::kRaw})
+    if (name == CodecName(c)) {
+      *codec = c;
+      return true;
+    }
+  return false;
+}
+
 std::string_view CodecName(Codec c) {
   switch (c) {
     case Codec::kSparse: return "sparse";

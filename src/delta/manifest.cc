@@ -177,14 +177,8 @@ Result<DeltaManifest> DeltaManifest::FromJson(std::string_view text, const std::
     if (changed > 0xFFFFFFFFu || e.bytes < kFrameHeaderBytes || e.offset > (1ull << 62) || e.bytes > (1ull << 32))
       return Bad(where, fmt::format("frame (tensor {}, chunk {}) has impossible sizes", tensor, chunk));
     e.changed = static_cast<uint32_t>(changed);
-    if (mode == "xor") e.mode = Mode::kXor;
-    else if (mode == "add") e.mode = Mode::kAdd;
-    else if (mode == "overwrite") e.mode = Mode::kOverwrite;
-    else return Bad(where, fmt::format("frame mode '{}'", mode));
-    if (codec == "sparse") e.codec = Codec::kSparse;
-    else if (codec == "zstd") e.codec = Codec::kZstd;
-    else if (codec == "raw") e.codec = Codec::kRaw;
-    else return Bad(where, fmt::format("frame codec '{}'", codec));
+    if (!ModeFromName(mode, &e.mode)) return Bad(where, fmt::format("frame mode '{}'", mode));
+    if (!CodecFromName(codec, &e.codec)) return Bad(where, fmt::format("frame codec '{}'", codec));
     if (!m.frames.empty()) {
       const auto& prev = m.frames.back();
       if (std::pair(prev.tensor, prev.chunk) >= std::pair(e.tensor, e.chunk))

@@ -20,6 +20,8 @@
 #include <thread>
 
 #include "dcr/compare.h"
+#include "dcr/contribution.h"
+#include "dcr/hash.h"
 #include "dcr/layout.h"
 #include "dcr/layout_apply.h"
 #include "dcr/layout_families.h"
@@ -95,7 +97,7 @@ class ProtocolTest : public testing::TempDirTest {
   void SetUp() override {
     TempDirTest::SetUp();
     GenOptions g;
-    g.shape = ShapeForSize(Family::kQwen3Moe, 1 << 20);
+    g.shape = shape_;
     g.versions = 4;
     g.update = UpdateModel::kTraining;
     g.rate = 0.03;
@@ -178,7 +180,7 @@ class ProtocolTest : public testing::TempDirTest {
     par.tp = tp;
     std::vector<std::unique_ptr<CompiledLayout>> layouts;
     for (uint32_t r = 0; r < tp; ++r) {
-      auto m = VllmLayout(ShapeForSize(Family::kQwen3Moe, 1 << 20), par, r);
+      auto m = VllmLayout(shape_, par, r);
       EXPECT_TRUE(m.ok()) << m.status().ToString();
       auto c = CompiledLayout::Compile(std::move(*m));
       EXPECT_TRUE(c.ok()) << c.status().ToString();
@@ -197,6 +199,7 @@ class ProtocolTest : public testing::TempDirTest {
     return buffers;
   }
 
+  ModelShape shape_ = ShapeForSize(Family::kQwen3Moe, 1 << 20);
   std::string store_url_;
   std::unique_ptr<Store> store_;
 };
@@ -1148,6 +1151,406 @@ TEST_F(ProtocolTest, ARankSaysWhichTensorsEachVersionChanged) {
   ASSERT_LT(want.size(), all.size());  // the test means something only if some tensors did not change
   EXPECT_EQ(f.TakeChangedTensors(), want);
   EXPECT_TRUE(f.TakeChangedTensors().empty());
+}
+
+// ---- Trainer senders in several processes -----------------------------------
+
+// A trainer of 4 Megatron-style senders (tp 2 x pp 2), each sender's shard
+// buffers a dense load of a version through its map.
+class ShardProcessTest : public ProtocolTest {
+ protected:
+  // A small Llama-like model whose every tensor-parallel split divides at 2.
+  ShardProcessTest() {
+    shape_ = ModelShape{};
+    shape_.family = Family::kLlama;
+    shape_.hidden_size = 256;
+    shape_.num_layers = 2;
+    shape_.vocab_size = 512;
+    shape_.num_heads = 8;
+    shape_.num_kv_heads = 4;
+    shape_.head_dim = 32;
+    shape_.intermediate_size = 256;
+  }
+  void SetUp() override {
+    ProtocolTest::SetUp();
+    const TrainerParallel par{2, 2, 1, false, 8};
+    for (const TrainerRank& r : TrainerRanks(par)) {
+      auto m = MegatronLayout(shape_, par, r);
+      ASSERT_TRUE(m.ok()) << m.status().ToString();
+      auto c = CompiledLayout::Compile(std::move(*m));
+      ASSERT_TRUE(c.ok()) << c.status().ToString();
+      senders_.push_back(std::make_unique<CompiledLayout>(std::move(*c)));
+      maps_.push_back(senders_.back().get());
+    }
+    ASSERT_EQ(senders_.size(), 4u);
+  }
+  PublishOptions Trainer() {
+    PublishOptions o = Fast();
+    o.peer_poll = std::chrono::milliseconds(5);
+    o.peer_timeout = std::chrono::milliseconds(3000);
+    return o;
+  }
+  // Every sender's shards at version v.
+  std::vector<std::vector<std::vector<uint8_t>>> Shards(int v) {
+    std::vector<std::vector<std::vector<uint8_t>>> out;
+    for (const auto& l : senders_) out.push_back(DenseRank(*l, v));
+    return out;
+  }
+  // Process p's sources. Senders are (pp 0, tp 0), (0, 1), (1, 0), (1, 1);
+  // the placement puts each stage's tp ranks in different processes, so that
+  // contributions cross processes both ways: senders 0, 3 in process 0; 1 in
+  // 1; 2 in 2.
+  static inline const std::vector<uint32_t> kPlacement = {0, 1, 2, 0};
+  std::vector<ShardSource> Local(std::vector<std::vector<std::vector<uint8_t>>>& shards, uint32_t p) {
+    static const std::vector<std::vector<uint32_t>> kHeld = {{0, 3}, {1}, {2}};
+    std::vector<ShardSource> out;
+    for (uint32_t k : kHeld[p]) {
+      ShardSource s{maps_[k], {}};
+      for (auto& b : shards[k]) s.current.emplace_back(b);
+      out.push_back(std::move(s));
+    }
+    return out;
+  }
+  // Publishes v from three processes (threads, each its own ShardPublisher
+  // and state directory); `store_of(p)` and `options(p)` vary them.
+  struct Round {
+    std::vector<Result<PublishReport>> results;
+  };
+  Round PublishFromProcesses(int v, const std::function<Store&(uint32_t)>& store_of,
+                             const std::function<PublishOptions(uint32_t)>& options,
+                             const std::function<bool(uint32_t, const Status&)>& restart = {}) {
+    auto shards = Shards(v);
+    Round round;
+    round.results.assign(3, Aborted("not run"));
+    std::vector<std::thread> threads;
+    for (uint32_t p = 0; p < 3; ++p)
+      threads.emplace_back([&, p] {
+        std::vector<ShardSource> local = Local(shards, p);
+        for (;;) {
+          ShardPublisher pub(store_of(p), Path(fmt::format("trainer-p{}", p)), options(p));
+          round.results[p] = pub.Publish(v, maps_, local, ShardProcesses{p, 3, kPlacement});
+          if (round.results[p].ok() || !restart || !restart(p, round.results[p].status())) return;
+        }
+      });
+    for (auto& t : threads) t.join();
+    return round;
+  }
+
+  std::vector<std::unique_ptr<CompiledLayout>> senders_;
+  std::vector<const CompiledLayout*> maps_;
+};
+
+// Four senders in three processes publish three versions; a follower (a
+// whole checkpoint) and a two-rank engine follow, each byte-identical to a
+// dense copy of every version. Version 2: a worker dies right after its
+// contributions and restarts at once, joining the same attempt.
+TEST_F(ShardProcessTest, FourSendersInThreeProcessesPublishEveryVersionBitExactly) {
+  Publisher canonical(*store_, Path("state"), Fast());
+  ASSERT_TRUE(canonical.Publish(0, Version(0)).ok());
+  auto engine = TpLayouts(2);
+  std::vector<std::vector<std::vector<uint8_t>>> memory(2);
+  for (uint32_t r = 0; r < 2; ++r)
+    for (size_t b = 0; b < engine[r]->map().buffers.size(); ++b) memory[r].emplace_back(engine[r]->BufferBytes(b));
+  for (int v = 1; v <= 3; ++v) {
+    std::vector<std::thread> receivers;
+    std::vector<Status> results(3);
+    receivers.emplace_back([&, v] { results[0] = Follower(*store_, Path("dense"), Receiver("dense")).Run(v); });
+    for (uint32_t r = 0; r < 2; ++r)
+      receivers.emplace_back([&, r, v] {
+        PlacedRank p{engine[r].get(), {}};
+        for (auto& b : memory[r]) p.buffers.emplace_back(b);
+        RankFollower f(*store_, p, Path(fmt::format("rank{}", r)), EngineRank{"e", r, 2},
+                       Receiver(fmt::format("e-r{}", r)));
+        results[1 + r] = f.Run(v);
+      });
+    WaitForReceivers(3);
+    std::atomic<int> crashes{0};
+    auto round = PublishFromProcesses(
+        v, [&](uint32_t) -> Store& { return *store_; },
+        [&](uint32_t p) {
+          PublishOptions o = Trainer();
+          if (v == 2 && p == 1)
+            o.fault = [&](std::string_view point) {
+              return point == "contributions-written" && crashes.fetch_add(1) == 0 ? Aborted("injected: killed")
+                                                                                   : Status::Ok();
+            };
+          return o;
+        },
+        [&](uint32_t, const Status& s) { return s.code() == Code::kAborted; });
+    for (auto& t : receivers) t.join();
+    for (uint32_t p = 0; p < 3; ++p) ASSERT_TRUE(round.results[p].ok()) << p << ": " << round.results[p].status().ToString();
+    for (const Status& s : results) ASSERT_TRUE(s.ok()) << s.ToString();
+    const PublishReport& coord = *round.results[0];
+    EXPECT_EQ(coord.attempts, 1u) << "version " << v;
+    EXPECT_EQ(coord.acked.size(), 3u);
+    EXPECT_GT(coord.frame_bytes, 0u);
+    EXPECT_EQ(round.results[1]->attempt, coord.attempt);
+    EXPECT_EQ(round.results[2]->attempt, coord.attempt);
+    if (v == 2) {
+      EXPECT_EQ(crashes.load(), 2);
+    }
+    ExpectIdentical(Path("dense"), v);
+    for (uint32_t r = 0; r < 2; ++r) {
+      auto want = DenseRank(*engine[r], v);
+      for (size_t b = 0; b < want.size(); ++b)
+        EXPECT_TRUE(memory[r][b] == want[b]) << "version " << v << ": rank " << r << " buffer " << b;
+    }
+    // The attempt's objects: one contribution object per pair, one record per process.
+    auto objects = store_->List(run_keys::Attempt(v, coord.attempt));
+    ASSERT_TRUE(objects.ok());
+    std::set<std::string> names;
+    for (const auto& o : *objects) names.insert(o.key.substr(run_keys::Attempt(v, coord.attempt).size()));
+    // Records do cross processes (both tp ranks of a stage are in different ones).
+    for (const char* pair : {"contrib/p1-p0.bin", "contrib/p0-p2.bin"}) {
+      auto bytes = store_->Get(run_keys::Attempt(v, coord.attempt) + pair);
+      ASSERT_TRUE(bytes.ok()) << pair;
+      EXPECT_GT(bytes->size(), kContributionHeaderBytes + 8) << pair << " holds no records";
+    }
+    for (uint32_t from = 0; from < 3; ++from) {
+      EXPECT_TRUE(names.count(fmt::format("procs/p{}.json", from))) << from;
+      for (uint32_t to = 0; to < 3; ++to)
+        if (to != from) {
+          EXPECT_TRUE(names.count(fmt::format("contrib/p{}-p{}.bin", from, to))) << from << "->" << to;
+        }
+    }
+  }
+  // Each process keeps only its own senders' baseline shards.
+  EXPECT_TRUE(fs::exists(Path("trainer-p0/shards/s0")) && fs::exists(Path("trainer-p0/shards/s3")));
+  EXPECT_FALSE(fs::exists(Path("trainer-p0/shards/s1")));
+  EXPECT_TRUE(fs::exists(Path("trainer-p1/shards/s1")) && !fs::exists(Path("trainer-p1/shards/s0")));
+  EXPECT_TRUE(fs::exists(Path("trainer-p2/shards/s2")));
+  // Each process's shards.json holds its senders' partial digest (computed
+  // from the change records at the commit), so the next publish trusts the
+  // files without a rebuild.
+  for (uint32_t p = 0; p < 3; ++p) {
+    std::ifstream in(Path(fmt::format("trainer-p{}/shards.json", p)));
+    auto doc = nlohmann::json::parse(in, nullptr, false);
+    ASSERT_TRUE(doc.is_object()) << p;
+    EXPECT_EQ(doc["version"], 3) << p;
+    Digest recorded, files;
+    ASSERT_TRUE(Digest::FromHex(doc["digest"].get<std::string>(), &recorded));
+    for (uint32_t k = 0; k < 4; ++k) {
+      if (kPlacement[k] != p) continue;
+      auto f = RankBufferFiles::Open(*maps_[k], Path(fmt::format("trainer-p{}/shards/s{}", p, k)));
+      ASSERT_TRUE(f.ok()) << f.status().ToString();
+      files += RankDigest(f->placed());
+    }
+    EXPECT_EQ(files, recorded) << "process " << p;
+  }
+  // A process told another placement is refused.
+  auto shards = Shards(3);
+  std::vector<ShardSource> mine = Local(shards, 0);
+  ShardProcesses two{0, 2, {0, 1, 1, 1}};
+  ShardPublisher wrong(*store_, Path("trainer-p0"), Trainer());
+  auto refused = wrong.Publish(4, maps_, mine, two);
+  EXPECT_EQ(refused.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("process 0 holds senders 0 (1), but 2 local sources were given"),
+            std::string::npos)
+      << refused.status().ToString();
+}
+
+// The fences a coordinator writes (GC removes fenced attempts once the
+// version commits), read back as they are written.
+struct FenceLog {
+  explicit FenceLog(Store& inner)
+      : inner_(inner), store(inner, [this](std::string_view op, std::string_view key, bool after) {
+          if (op == "write" && after && key.ends_with("/fence")) {
+            auto text = inner_.Get(key);
+            std::lock_guard lock(mu_);
+            reasons_.push_back(text.ok() ? *text : text.status().ToString());
+          }
+          return Status::Ok();
+        }) {}
+  std::vector<std::string> reasons() {
+    std::lock_guard lock(mu_);
+    return reasons_;
+  }
+  Store& inner_;
+  std::mutex mu_;
+  std::vector<std::string> reasons_;
+  HookStore store;
+};
+
+// A worker that dies mid-attempt and comes back only after the coordinator
+// gave up on it: the attempt is fenced, the overwrite retry commits, and the
+// receivers end bit-exact.
+TEST_F(ShardProcessTest, AWorkerFailingMidAttemptIsFencedAndTheOverwriteRetryCommits) {
+  Publisher canonical(*store_, Path("state"), Fast());
+  ASSERT_TRUE(canonical.Publish(0, Version(0)).ok());
+  Status followed;
+  std::thread receiver([&] { followed = Follower(*store_, Path("dense"), Receiver("dense")).Run(1); });
+  WaitForReceivers(1);
+  std::atomic<bool> failed{false};
+  FenceLog fences(*store_);
+  auto round = PublishFromProcesses(
+      1, [&](uint32_t p) -> Store& { return p == 0 ? fences.store : *store_; },
+      [&](uint32_t p) {
+        PublishOptions o = Trainer();
+        o.peer_timeout = std::chrono::milliseconds(p == 0 ? 2000 : 5000);
+        if (p == 2)
+          o.fault = [&](std::string_view point) {
+            return point == "contributions-written" && !failed.exchange(true) ? Aborted("injected: killed")
+                                                                             : Status::Ok();
+          };
+        return o;
+      },
+      [&](uint32_t, const Status& s) {
+        // Restarted once the coordinator has fenced the attempt.
+        if (s.code() != Code::kAborted) return false;
+        return WaitFor([&] {
+          auto a = store_->List(run_keys::Attempts(1));
+          return a.ok() && std::any_of(a->begin(), a->end(), [](const ObjectInfo& o) { return o.key.ends_with("/fence"); });
+        });
+      });
+  receiver.join();
+  for (uint32_t p = 0; p < 3; ++p) ASSERT_TRUE(round.results[p].ok()) << p << ": " << round.results[p].status().ToString();
+  ASSERT_TRUE(followed.ok()) << followed.ToString();
+  EXPECT_EQ(round.results[0]->attempts, 2u);
+  EXPECT_TRUE(round.results[0]->attempt.starts_with("0001-")) << round.results[0]->attempt;
+  ASSERT_EQ(fences.reasons().size(), 1u);
+  EXPECT_NE(fences.reasons()[0].find("process 2 wrote no record"), std::string::npos) << fences.reasons()[0];
+  auto manifest = store_->Get(run_keys::Attempt(1, round.results[0]->attempt) + "manifest.json");
+  ASSERT_TRUE(manifest.ok());
+  EXPECT_NE(manifest->find("\"class\": \"overwrite\""), std::string::npos);
+  ExpectIdentical(Path("dense"), 1);
+}
+
+// A contribution object forged between two processes (a sender index its
+// writer does not hold, checksum made to match) is refused: the attempt is
+// fenced before any manifest names it, the retry commits.
+TEST_F(ShardProcessTest, AForgedContributionObjectIsRefused) {
+  Publisher canonical(*store_, Path("state"), Fast());
+  ASSERT_TRUE(canonical.Publish(0, Version(0)).ok());
+  Status followed;
+  std::thread receiver([&] { followed = Follower(*store_, Path("dense"), Receiver("dense")).Run(1); });
+  WaitForReceivers(1);
+  std::atomic<bool> forged{false};
+  FenceLog fences(*store_);
+  HookStore coordinator(fences.store, [&](std::string_view op, std::string_view key, bool after) {
+    if (op == "read" && !after && key.find("/0000-") != std::string_view::npos &&
+        key.ends_with("contrib/p1-p0.bin") && !forged) {
+      auto bytes = store_->Get(key);
+      if (!bytes.ok()) return Status::Ok();  // not written yet
+      forged = true;
+      EXPECT_GE(bytes->size(), kContributionHeaderBytes + 48) << "process 1 contributes nothing to process 0";
+      if (bytes->size() < kContributionHeaderBytes + 48) return Status::Ok();
+      std::string b = *bytes;
+      const uint32_t sender = 3;  // process 2's
+      std::memcpy(b.data() + kContributionHeaderBytes + 8, &sender, 4);
+      const uint64_t sum = Xxh3_64(b.data(), b.size() - 8);
+      std::memcpy(b.data() + b.size() - 8, &sum, 8);
+      EXPECT_TRUE(store_->Put(key, b).ok());
+    }
+    return Status::Ok();
+  });
+  auto round = PublishFromProcesses(
+      1, [&](uint32_t p) -> Store& { return p == 0 ? static_cast<Store&>(coordinator) : *store_; },
+      [&](uint32_t) { return Trainer(); });
+  receiver.join();
+  for (uint32_t p = 0; p < 3; ++p) ASSERT_TRUE(round.results[p].ok()) << p << ": " << round.results[p].status().ToString();
+  ASSERT_TRUE(forged.load());
+  EXPECT_EQ(round.results[0]->attempts, 2u);
+  ASSERT_EQ(fences.reasons().size(), 1u);
+  EXPECT_NE(fences.reasons()[0].find("sender 3 is not one of process 1's senders"), std::string::npos)
+      << fences.reasons()[0];
+  // The refused attempt never got a manifest: nothing of it was committed.
+  auto attempts = store_->List(run_keys::Attempts(1));
+  ASSERT_TRUE(attempts.ok());
+  for (const auto& o : *attempts) EXPECT_FALSE(o.key.find("/0000-") != std::string::npos && o.key.ends_with("manifest.json"));
+  ASSERT_TRUE(followed.ok()) << followed.ToString();
+  ExpectIdentical(Path("dense"), 1);
+}
+
+// The manifest from the processes' records: objects in process order,
+// frames remapped to them, every chunk owned exactly once.
+TEST(AssembleLayoutManifestTest, BuildsTheManifestFromEveryProcessRecord) {
+  std::vector<TensorInfo> tensors = {{"a", DType::kBF16, {40}, 40, 80}, {"b", DType::kBF16, {8}, 8, 16}};
+  DeltaOptions opt;
+  opt.chunk_elements = 16;
+  opt.delta_id = 7;
+  const DeltaManifest layout = StartLayoutDelta(tensors, opt);
+  auto dig = [](uint64_t x) {
+    Digest d;
+    d.lane[0] = x;
+    d.lane[1] = 2 * x;
+    return d;
+  };
+  ProcessRecord p0, p1;
+  p0.process = 0;
+  p1.process = 1;
+  p0.processes = p1.processes = 2;
+  p0.objects = {"frames/p0.bin"};
+  p0.frames = {{0, 1, 0, 0, 120, Mode::kXor, Codec::kSparse, 2}};
+  p0.chunks = {{0, 0, dig(1), dig(1)}, {0, 1, dig(2), dig(3)}};
+  p1.objects = {"frames/p1.bin"};
+  p1.frames = {{0, 2, 0, 0, 100, Mode::kAdd, Codec::kRaw, 1}, {1, 0, 0, 100, 110, Mode::kXor, Codec::kSparse, 1}};
+  p1.chunks = {{0, 2, dig(4), dig(5)}, {1, 0, dig(6), dig(8)}};
+  DeltaManifest m = layout;
+  const ProcessRecord both[] = {p0, p1};
+  ASSERT_TRUE(AssembleLayoutManifest(m, both).ok());
+  EXPECT_EQ(m.objects, (std::vector<std::string>{"frames/p0.bin", "frames/p1.bin"}));
+  ASSERT_EQ(m.frames.size(), 3u);
+  EXPECT_EQ(m.frames[0].object, 0u);
+  EXPECT_EQ(m.frames[1].object, 1u);
+  EXPECT_EQ(m.frames[2].object, 1u);
+  EXPECT_EQ(m.frames[2].offset, 100u);
+  EXPECT_EQ(m.base_digest, dig(13));
+  EXPECT_EQ(m.target_digest, dig(17));
+  EXPECT_EQ(m.tensors[1].target_digest, dig(8));
+  EXPECT_EQ(m.frame_bytes, 330u);
+  // The manifest parses back as a delta manifest.
+  EXPECT_TRUE(DeltaManifest::FromJson(m.ToJson(), "assembled").ok());
+  // Every chunk exactly once; frames only of owned chunks.
+  ProcessRecord twice = p1;
+  twice.chunks.insert(twice.chunks.begin(), {0, 1, dig(2), dig(3)});
+  const ProcessRecord doubled[] = {p0, twice};
+  DeltaManifest m2 = layout;
+  Status s = AssembleLayoutManifest(m2, doubled);
+  EXPECT_EQ(s.code(), Code::kFailedPrecondition);
+  EXPECT_NE(s.message().find("tensor 'a' chunk 1 is owned by processes 0 and 1"), std::string::npos) << s.ToString();
+  const ProcessRecord one[] = {p0};
+  s = AssembleLayoutManifest(m2, one);
+  EXPECT_NE(s.message().find("tensor 'a' chunk 2 is owned by no process"), std::string::npos) << s.ToString();
+  ProcessRecord stray = p1;
+  stray.frames.insert(stray.frames.begin(), {0, 0, 0, 0, 100, Mode::kXor, Codec::kSparse, 1});
+  const ProcessRecord strays[] = {p0, stray};
+  s = AssembleLayoutManifest(m2, strays);
+  EXPECT_NE(s.message().find("frame of tensor 0 chunk 0, which it does not own"), std::string::npos) << s.ToString();
+  ProcessRecord outside = p1;
+  outside.chunks.push_back({1, 5, dig(1), dig(1)});
+  const ProcessRecord outsides[] = {p0, outside};
+  EXPECT_EQ(AssembleLayoutManifest(m2, outsides).code(), Code::kInvalidArgument);
+}
+
+TEST(ProcessRecordTest, RoundTripsAndRefusesBadRecords) {
+  ProcessRecord r;
+  r.attempt = "0000-abcdef01";
+  r.process = 1;
+  r.processes = 3;
+  r.senders = {2, 5};
+  r.baseline_digest.lane[0] = 9;
+  r.objects = {"frames/p1.bin"};
+  r.frames = {{0, 1, 0, 0, 120, Mode::kXor, Codec::kSparse, 2}};
+  r.chunks = {{0, 1, Digest(), Digest()}};
+  auto back = ProcessRecord::FromJson(r.ToJson(), "p1.json");
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->ToJson(), r.ToJson());
+  EXPECT_EQ(back->senders, r.senders);
+  EXPECT_EQ(back->frames[0].bytes, 120u);
+  auto refused = [&](const std::string& from, const std::string& to) {
+    std::string bad = r.ToJson();
+    const size_t at = bad.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    bad.replace(at, from.size(), to);
+    auto p = ProcessRecord::FromJson(bad, "p1.json");
+    EXPECT_EQ(p.status().code(), Code::kInvalidArgument) << from << " -> " << to;
+    EXPECT_NE(p.status().message().find("p1.json: does not parse"), std::string::npos) << p.status().ToString();
+  };
+  refused("\"process\": 1", "\"process\": 3");
+  refused("\"frames/p1.bin\"", "\"../p1.bin\"");
+  refused("\"sparse\"", "\"lz4\"");
+  refused("2,\n  5", "5,\n  2");
+  refused("\"dcr-process\"", "\"dcr-ack\"");
 }
 
 }  // namespace

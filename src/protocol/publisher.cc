@@ -1,5 +1,6 @@
 // The publisher: coordinator and senders in one process (docs/protocol.md).
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -16,6 +17,7 @@
 #include <set>
 #include <thread>
 
+#include "dcr/contribution.h"
 #include "dcr/layout_apply.h"
 #include "dcr/progress.h"
 #include "internal.h"
@@ -183,7 +185,7 @@ class PublishRun {
 
   Result<PublishReport> PublishSnapshot(const Checkpoint& next);
   Result<PublishReport> PublishDelta(uint64_t v, const Checkpoint& next, const RunRecord& run);
-  Result<PublishReport> PublishShards(uint64_t v, std::span<const ShardSource> senders, const RunRecord& run);
+  friend class ShardRun;
 
  private:
   struct AttemptResult {
@@ -209,10 +211,6 @@ class PublishRun {
   Status LoadBaseline(uint64_t at, const CommitRecord& want, const RunRecord& run, const DeltaManifest& layout,
                       std::optional<Checkpoint>* out, ChunkDigestTable* digests);
   Status RebuildBaseline(const CommitRecord& want, const RunRecord& run, const DeltaManifest& layout);
-  // The senders' baseline shards at committed version `want`: opened from
-  // state_dir/shards, or rebuilt from the newest snapshot and committed deltas.
-  Result<std::vector<RankBufferFiles>> ShardBaseline(std::span<const ShardSource> senders, const CommitRecord& want,
-                                                     const RunRecord& run);
 
   Store& store_;
   const std::string& state_dir_;
@@ -840,6 +838,8 @@ std::string ShardDir(const std::string& state_dir, size_t k) {
   return (fs::path(ShardsDir(state_dir)) / fmt::format("s{}", k)).string();
 }
 std::string ShardsRecord(const std::string& state_dir) { return (fs::path(state_dir) / "shards.json").string(); }
+std::string ContribKey(uint32_t from, uint32_t to) { return fmt::format("contrib/p{}-p{}.bin", from, to); }
+std::string ProcessKey(uint32_t p) { return fmt::format("procs/p{}.json", p); }
 
 std::vector<TensorInfo> RunTensorInfos(const RunRecord& run) {
   std::vector<TensorInfo> out;
@@ -854,27 +854,176 @@ Digest SendersDigest(std::vector<RankBufferFiles>& files) {
   return d;
 }
 
+// What attempt.json says to the processes of a trainer.
+struct AttemptDoc {
+  DeltaClass cls = DeltaClass::kXorClass;
+  uint64_t delta_id = 0;
+  uint64_t processes = 1, senders = 0;
+};
+
+Result<AttemptDoc> ParseAttemptDoc(std::string_view text, const std::string& where) {
+  auto doc = nlohmann::json::parse(text.begin(), text.end(), nullptr, false);
+  AttemptDoc a;
+  if (doc.is_discarded() || !doc.is_object() || doc.value("format", "") != "dcr-attempt" || !doc["class"].is_string() ||
+      !doc["delta_id"].is_string() || !doc["processes"].is_number_unsigned() || !doc["senders"].is_number_unsigned())
+    return InvalidArgument(where + ": does not parse as the attempt of trainer processes (format, class, delta_id, "
+                                   "processes, senders)");
+  const std::string cls = doc["class"].get<std::string>(), id = doc["delta_id"].get<std::string>();
+  if (cls != "xor" && cls != "overwrite") return InvalidArgument(where + ": unknown class '" + cls + "'");
+  a.cls = cls == "xor" ? DeltaClass::kXorClass : DeltaClass::kOverwrite;
+  char* end = nullptr;
+  a.delta_id = std::strtoull(id.c_str(), &end, 16);
+  if (id.size() != 16 || *end != '\0' || a.delta_id == 0) return InvalidArgument(where + ": bad delta_id");
+  a.processes = doc["processes"].get<uint64_t>();
+  a.senders = doc["senders"].get<uint64_t>();
+  return a;
+}
+
 }  // namespace
 
-Result<std::vector<RankBufferFiles>> PublishRun::ShardBaseline(std::span<const ShardSource> senders,
-                                                                const CommitRecord& want, const RunRecord& run) {
-  std::vector<RankBufferFiles> files;
-  // The recorded baseline, if it is at the version.
+namespace {
+
+// One ShardPublisher::Publish call of one process of a trainer.
+class ShardRun {
+ public:
+  ShardRun(PublishRun& run, Store& store, const std::string& state_dir, const PublishOptions& o,
+           const RunRecord& record, std::span<const CompiledLayout* const> maps, std::span<const ShardSource> local,
+           ShardProcesses procs)
+      : run_(run), store_(store), state_dir_(state_dir), o_(o), record_(record), maps_(maps.begin(), maps.end()),
+        local_(local), procs_(std::move(procs)) {}
+
+  Status Prepare();
+  Result<PublishReport> Coordinate(uint64_t v);
+  Result<PublishReport> Work(uint64_t v);
+
+ private:
+  enum class Outcome { kRecorded, kAbandoned, kStalled };
+  struct Participation {
+    Outcome outcome = Outcome::kAbandoned;
+    ProcessRecord record;
+  };
+  // Takes part in attempt `id`: projects the local senders, exchanges
+  // contribution objects, encodes the chunks they own, writes the frame
+  // object and the process record. Waits for peers until `deadline`: then
+  // the coordinator fails (kUnavailable), a worker reports kStalled.
+  Result<Participation> Participate(uint64_t v, const std::string& id, const AttemptDoc& doc,
+                                    Clock::time_point deadline);
+  // Fenced, superseded by a newer attempt, or v committed.
+  Result<bool> Abandoned(uint64_t v, const std::string& id);
+  // The local senders' baseline at committed version `want` (opened,
+  // caught up, or rebuilt), into baseline_.
+  Status LoadShards(const CommitRecord& want);
+  Status ApplyCommitted(uint64_t from, uint64_t to);
+  Status WriteShardsRecord(uint64_t version, const Digest& digest);
+  // Commit of an attempt this process recorded: the baseline becomes the
+  // current shards, at `partial`.
+  Status MoveBaseline(uint64_t v, const Digest& partial);
+  uint32_t P() const { return procs_.processes; }
+  uint32_t Me() const { return procs_.process; }
+
+  PublishRun& run_;
+  Store& store_;
+  const std::string& state_dir_;
+  const PublishOptions& o_;
+  const RunRecord& record_;
+  std::vector<const CompiledLayout*> maps_;
+  std::span<const ShardSource> local_;
+  ShardProcesses procs_;
+  std::vector<uint32_t> local_ids_;                  // global index of each local sender
+  std::vector<std::vector<uint32_t>> senders_of_;  // per process
+  std::vector<TensorInfo> infos_;
+  std::vector<RankBufferFiles> baseline_;
+  PublishReport report_;
+};
+
+Status ShardRun::Prepare() {
+  infos_ = RunTensorInfos(record_);
+  std::vector<std::string> unmapped;
+  DCR_RETURN_IF_ERROR(ValidateEngine(maps_, infos_, &unmapped).WithContext("the senders' maps"));
+  if (!unmapped.empty())
+    return InvalidArgument(fmt::format("no sender maps tensor '{}' ({} unmapped); residual tensors are not published "
+                                       "from shards yet",
+                                       unmapped.front(), unmapped.size()));
+  const size_t senders = maps_.size();
+  if (P() == 0 || Me() >= P())
+    return InvalidArgument(fmt::format("process {} of {}: need 0 <= process < processes", Me(), P()));
+  if (P() > senders)
+    return InvalidArgument(fmt::format("{} processes for {} senders: every process needs a sender", P(), senders));
+  if (procs_.sender_process.empty())
+    for (size_t k = 0; k < senders; ++k) procs_.sender_process.push_back(static_cast<uint32_t>(k * P() / senders));
+  if (procs_.sender_process.size() != senders)
+    return InvalidArgument(fmt::format("the placement names {} senders' processes, there are {} sender maps",
+                                       procs_.sender_process.size(), senders));
+  senders_of_.assign(P(), {});
+  for (size_t k = 0; k < senders; ++k) {
+    if (procs_.sender_process[k] >= P())
+      return InvalidArgument(fmt::format("sender {} is placed in process {} of {}", k, procs_.sender_process[k], P()));
+    senders_of_[procs_.sender_process[k]].push_back(static_cast<uint32_t>(k));
+  }
+  for (uint32_t q = 0; q < P(); ++q)
+    if (senders_of_[q].empty()) return InvalidArgument(fmt::format("process {} holds no sender", q));
+  local_ids_ = senders_of_[Me()];
+  if (local_.size() != local_ids_.size())
+    return InvalidArgument(fmt::format("process {} holds senders {} ({}), but {} local sources were given", Me(),
+                                       fmt::join(local_ids_, ","), local_ids_.size(), local_.size()));
+  for (size_t i = 0; i < local_.size(); ++i)
+    if (local_[i].layout != maps_[local_ids_[i]] && !(local_[i].layout->map() == maps_[local_ids_[i]]->map()))
+      return InvalidArgument(fmt::format("local sender {} (global sender {}) has another map than sender {}'s", i,
+                                         local_ids_[i], local_ids_[i]));
+  for (const DeltaTensor& t : record_.tensors) report_.total_bytes += t.elements * BitsPerElement(t.dtype) / 8;
+  return Status::Ok();
+}
+
+Status ShardRun::WriteShardsRecord(uint64_t version, const Digest& digest) {
+  nlohmann::json doc = {{"run_id", record_.run_id}, {"version", version}, {"senders", local_ids_},
+                        {"digest", digest.ToHex()}};
+  return WriteFileAtomically(ShardsRecord(state_dir_), doc.dump(1) + "\n");
+}
+
+Status ShardRun::ApplyCommitted(uint64_t from, uint64_t to) {
+  std::vector<uint8_t> scratch;
+  for (uint64_t v = from + 1; v <= to; ++v) {
+    DCR_ASSIGN_OR_RETURN(CommitRecord c, ReadCommit(store_, v));
+    DCR_ASSIGN_OR_RETURN(DeltaReader delta, LoadAttempt(store_, v, c.attempt));
+    for (size_t i = 0; i < delta.manifest().frames.size(); ++i) {
+      DCR_ASSIGN_OR_RETURN(FrameView frame, delta.Frame(i));
+      for (RankBufferFiles& f : baseline_) {
+        PlacedRank placed = f.placed();
+        DCR_RETURN_IF_ERROR(ApplyRankFrame(placed, delta.manifest(), frame, &scratch).status());
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+Status ShardRun::LoadShards(const CommitRecord& want) {
+  baseline_.clear();
+  // The recorded baseline, when its files still hold the recorded digest.
   if (auto f = MappedFile::Open(ShardsRecord(state_dir_), false); f.ok()) {
     auto doc = nlohmann::json::parse(f->data().begin(), f->data().end(), nullptr, false);
-    if (!doc.is_discarded() && doc.is_object() && doc.value("run_id", "") == run.run_id &&
-        doc["version"].is_number_unsigned() && doc["version"].get<uint64_t>() == want.version &&
-        doc["senders"].is_number_unsigned() && doc["senders"].get<uint64_t>() == senders.size()) {
-      for (size_t k = 0; k < senders.size(); ++k) {
-        auto opened = RankBufferFiles::Open(*senders[k].layout, ShardDir(state_dir_, k));
+    Digest recorded;
+    if (!doc.is_discarded() && doc.is_object() && doc.value("run_id", "") == record_.run_id &&
+        doc["version"].is_number_unsigned() && doc["version"].get<uint64_t>() <= want.version &&
+        doc["senders"] == nlohmann::json(local_ids_) && doc["digest"].is_string() &&
+        Digest::FromHex(doc["digest"].get<std::string>(), &recorded)) {
+      for (size_t i = 0; i < local_ids_.size(); ++i) {
+        auto opened = RankBufferFiles::Open(*local_[i].layout, ShardDir(state_dir_, local_ids_[i]));
         if (!opened.ok()) break;
-        files.push_back(std::move(*opened));
+        baseline_.push_back(std::move(*opened));
       }
-      if (files.size() == senders.size() && SendersDigest(files) == want.target_digest) return files;
+      const uint64_t at = doc["version"].get<uint64_t>();
+      if (baseline_.size() == local_ids_.size() && SendersDigest(baseline_) == recorded) {
+        Status caught = ApplyCommitted(at, want.version);
+        if (caught.ok() && (P() > 1 || SendersDigest(baseline_) == want.target_digest)) {
+          if (at < want.version) DCR_RETURN_IF_ERROR(WriteShardsRecord(want.version, SendersDigest(baseline_)));
+          return Status::Ok();
+        }
+        if (Transient(caught)) return caught;
+      }
     }
   }
   // Rebuilt: the newest snapshot through the maps, then the committed deltas.
-  files.clear();
+  baseline_.clear();
   std::error_code ec;
   fs::remove(ShardsRecord(state_dir_), ec);
   fs::remove_all(ShardsDir(state_dir_), ec);
@@ -884,121 +1033,331 @@ Result<std::vector<RankBufferFiles>> PublishRun::ShardBaseline(std::span<const S
   DCR_RETURN_IF_ERROR(DownloadSnapshot(store_, snap, tmp, nullptr));
   {
     DCR_ASSIGN_OR_RETURN(Checkpoint ckpt, Checkpoint::Open(tmp));
-    DCR_RETURN_IF_ERROR(CheckRunTensors(ckpt, run));
-    for (size_t k = 0; k < senders.size(); ++k) {
-      DCR_ASSIGN_OR_RETURN(RankBufferFiles f, RankBufferFiles::Create(*senders[k].layout, ShardDir(state_dir_, k)));
+    DCR_RETURN_IF_ERROR(CheckRunTensors(ckpt, record_));
+    for (size_t i = 0; i < local_ids_.size(); ++i) {
+      DCR_ASSIGN_OR_RETURN(RankBufferFiles f,
+                           RankBufferFiles::Create(*local_[i].layout, ShardDir(state_dir_, local_ids_[i])));
       PlacedRank placed = f.placed();
       DCR_RETURN_IF_ERROR(LoadDense(CheckpointBytes(ckpt), placed));
-      files.push_back(std::move(f));
+      baseline_.push_back(std::move(f));
     }
   }
   fs::remove_all(tmp, ec);
-  std::vector<uint8_t> scratch;
-  for (uint64_t v = snap.version + 1; v <= want.version; ++v) {
-    DCR_ASSIGN_OR_RETURN(CommitRecord c, ReadCommit(store_, v));
-    DCR_ASSIGN_OR_RETURN(DeltaReader delta, LoadAttempt(store_, v, c.attempt));
-    for (size_t i = 0; i < delta.manifest().frames.size(); ++i) {
-      DCR_ASSIGN_OR_RETURN(FrameView frame, delta.Frame(i));
-      for (RankBufferFiles& f : files) {
-        PlacedRank placed = f.placed();
-        DCR_RETURN_IF_ERROR(ApplyRankFrame(placed, delta.manifest(), frame, &scratch).status());
-      }
-    }
-  }
-  if (SendersDigest(files) != want.target_digest)
+  DCR_RETURN_IF_ERROR(ApplyCommitted(snap.version, want.version));
+  // With every sender here the rebuild is checked now; with several
+  // processes, by the coordinator's sum of the processes' partials.
+  const Digest digest = SendersDigest(baseline_);
+  if (P() == 1 && digest != want.target_digest)
     return DataLoss(fmt::format("{}: the senders' shards rebuilt from the snapshot of version {} and the committed "
                                 "deltas do not add up to version {}'s digest",
                                 store_.url(), snap.version, want.version));
-  return files;
+  return WriteShardsRecord(want.version, digest);
 }
 
-Result<PublishReport> PublishRun::PublishShards(uint64_t v, std::span<const ShardSource> senders, const RunRecord& run) {
+Status ShardRun::MoveBaseline(uint64_t v, const Digest& partial) {
+  std::error_code ec;
+  fs::remove(ShardsRecord(state_dir_), ec);
+  for (size_t i = 0; i < local_.size(); ++i) {
+    PlacedRank base = baseline_[i].placed();
+    for (size_t b = 0; b < base.buffers.size(); ++b)
+      std::copy(local_[i].current[b].begin(), local_[i].current[b].end(), base.buffers[b].begin());
+  }
+  return WriteShardsRecord(v, partial);
+}
+
+Result<bool> ShardRun::Abandoned(uint64_t v, const std::string& id) {
+  DCR_ASSIGN_OR_RETURN(auto commit, GetIfPresent(store_, run_keys::Commit(v)));
+  if (commit) return true;
+  DCR_ASSIGN_OR_RETURN(auto attempts, ListAttempts(store_, v));
+  for (const AttemptInfo& a : attempts)
+    if ((a.id == id && a.fenced) || a.id > id) return true;
+  return false;
+}
+
+Result<ShardRun::Participation> ShardRun::Participate(uint64_t v, const std::string& id, const AttemptDoc& doc,
+                                                      Clock::time_point deadline) {
+  const std::string prefix = run_keys::Attempt(v, id);
+  const auto encode_start = Clock::now();
+  DeltaOptions options = o_.delta;
+  options.encode.delta_class = doc.cls;
+  options.chunk_elements = record_.chunk_elements;
+  options.delta_id = doc.delta_id;
+  const DeltaManifest m = StartLayoutDelta(infos_, options);
+  // Project the local senders; each record goes to its chunk owner's process.
+  std::vector<std::vector<ChunkContribution>> to(P());
+  Participation out;
+  ProcessRecord& rec = out.record;
+  for (size_t i = 0; i < local_.size(); ++i) {
+    PlacedRank base = baseline_[i].placed();
+    SenderRank rank{local_[i].layout, {}, local_[i].current};
+    for (auto b : base.buffers) rank.baseline.push_back(b);
+    DCR_ASSIGN_OR_RETURN(auto contributions, ProjectSender(rank, local_ids_[i], m));
+    for (ChunkContribution& c : contributions) {
+      // The local partials, before and after: the target is the baseline's
+      // digest with each changed element's term moved from old to new bits.
+      const DeltaTensor& t = m.tensors[c.tensor];
+      const DigestKey key = MakeDigestKey(t.name);
+      const uint64_t eb = BitsPerElement(t.dtype) / 8, first = uint64_t{c.chunk} * m.chunk_elements;
+      rec.baseline_digest += c.base_digest;
+      rec.target_digest += c.base_digest;
+      for (size_t j = 0; j < c.positions.size(); ++j) {
+        const uint64_t at = (first + c.positions[j]) * eb;
+        rec.target_digest -= DigestBytes(key, at, {c.old_bits.data() + j * eb, eb});
+        rec.target_digest += DigestBytes(key, at, {c.new_bits.data() + j * eb, eb});
+      }
+      DCR_ASSIGN_OR_RETURN(uint32_t owner, ChunkOwner(maps_, m, c.tensor, c.chunk));
+      to[procs_.sender_process[owner]].push_back(std::move(c));
+    }
+  }
+  // One object per peer, written even when empty (the peer waits for it).
+  for (uint32_t q = 0; q < P(); ++q) {
+    if (q == Me()) continue;
+    DCR_ASSIGN_OR_RETURN(std::string bytes, WriteContributions({doc.delta_id, doc.cls, Me(), q}, m, to[q]));
+    DCR_RETURN_IF_ERROR(store_.Put(prefix + ContribKey(Me(), q), bytes));
+  }
+  DCR_RETURN_IF_ERROR(Fault(o_, "contributions-written"));
+  std::vector<ChunkContribution> mine = std::move(to[Me()]);
+  std::set<uint32_t> missing;
+  for (uint32_t q = 0; q < P(); ++q)
+    if (q != Me()) missing.insert(q);
+  while (!missing.empty()) {
+    for (auto it = missing.begin(); it != missing.end();) {
+      const std::string key = prefix + ContribKey(*it, Me());
+      DCR_ASSIGN_OR_RETURN(auto bytes, GetIfPresent(store_, key));
+      if (!bytes) {
+        ++it;
+        continue;
+      }
+      DCR_ASSIGN_OR_RETURN(auto records,
+                           ParseContributions({reinterpret_cast<const uint8_t*>(bytes->data()), bytes->size()},
+                                              {doc.delta_id, doc.cls, *it, Me()}, m, senders_of_[*it],
+                                              StoreContext(store_.url(), key)));
+      for (ChunkContribution& c : records) {
+        DCR_ASSIGN_OR_RETURN(uint32_t owner, ChunkOwner(maps_, m, c.tensor, c.chunk));
+        if (procs_.sender_process[owner] != Me())
+          return InvalidArgument(fmt::format("{}: a contribution to tensor {} chunk {}, which process {} does not own",
+                                             StoreContext(store_.url(), key), c.tensor, c.chunk, Me()));
+        mine.push_back(std::move(c));
+      }
+      it = missing.erase(it);
+    }
+    if (missing.empty()) break;
+    DCR_ASSIGN_OR_RETURN(bool abandoned, Abandoned(v, id));
+    if (abandoned) return out;
+    if (Clock::now() >= deadline) {
+      if (Me() != 0) {
+        out.outcome = Outcome::kStalled;
+        return out;
+      }
+      return Unavailable(fmt::format("process {} wrote no contributions for attempt {} within the peer timeout ({} "
+                                     "ms); is it running, with --process {}/{}?",
+                                     *missing.begin(), id, o_.peer_timeout.count(), *missing.begin(), P()));
+    }
+    std::this_thread::sleep_for(o_.peer_poll);
+  }
+  DCR_ASSIGN_OR_RETURN(OwnedFrames owned, EncodeOwnedChunks(m, mine, options.encode));
+  // The frames of the owned chunks, back to back in (tensor, chunk) order.
+  std::string bytes;
+  for (size_t i = 0; i < owned.chunks.size(); ++i) {
+    rec.chunks.push_back({owned.chunks[i].tensor, owned.chunks[i].chunk, owned.base_digests[i], owned.target_digests[i]});
+    if (owned.frame_of[i] < 0) continue;
+    const std::string& f = owned.frames[static_cast<size_t>(owned.frame_of[i])];
+    DCR_ASSIGN_OR_RETURN(FrameView fv, ParseFrame({reinterpret_cast<const uint8_t*>(f.data()), f.size()}));
+    rec.frames.push_back({owned.chunks[i].tensor, owned.chunks[i].chunk, 0, bytes.size(), f.size(), fv.header.mode,
+                          fv.header.codec, fv.header.changed});
+    bytes += f;
+  }
+  if (!bytes.empty()) {
+    rec.objects = {fmt::format("frames/p{}.bin", Me())};
+    DCR_RETURN_IF_ERROR(store_.Put(prefix + rec.objects[0], bytes));
+    if (o_.relay) o_.relay->Object(prefix + rec.objects[0], bytes);
+  }
+  rec.attempt = id;
+  rec.process = Me();
+  rec.processes = P();
+  rec.senders = local_ids_;
+  DCR_RETURN_IF_ERROR(store_.Put(prefix + ProcessKey(Me()), rec.ToJson()));
+  DCR_RETURN_IF_ERROR(Fault(o_, "record-written"));
+  report_.encode_seconds += Seconds(encode_start);
+  out.outcome = Outcome::kRecorded;
+  return out;
+}
+
+Result<PublishReport> ShardRun::Coordinate(uint64_t v) {
   const auto start = Clock::now();
-  PublishReport report;
-  report.version = v;
-  const std::vector<TensorInfo> infos = RunTensorInfos(run);
-  std::vector<const CompiledLayout*> maps;
-  for (const ShardSource& s : senders) maps.push_back(s.layout);
-  std::vector<std::string> unmapped;
-  DCR_RETURN_IF_ERROR(ValidateEngine(maps, infos, &unmapped).WithContext("the senders' maps"));
-  if (!unmapped.empty())
-    return InvalidArgument(fmt::format("no sender maps tensor '{}' ({} unmapped); residual tensors are not published "
-                                       "from shards yet",
-                                       unmapped.front(), unmapped.size()));
-  for (const DeltaTensor& t : run.tensors) report.total_bytes += t.elements * BitsPerElement(t.dtype) / 8;
+  report_.version = v;
   DCR_ASSIGN_OR_RETURN(CommitRecord base_commit, ReadCommit(store_, v - 1));
-  DCR_ASSIGN_OR_RETURN(std::vector<RankBufferFiles> baseline, ShardBaseline(senders, base_commit, run));
+  DCR_RETURN_IF_ERROR(LoadShards(base_commit));
   DCR_ASSIGN_OR_RETURN(auto prior, ListAttempts(store_, v));
   Status last_failure;
   for (uint32_t n = 0; n < std::max<uint32_t>(o_.max_attempts, 1); ++n) {
     DeltaClass cls;
     const std::string id = NextAttempt(prior.size() + n, &cls);
     const std::string prefix = run_keys::Attempt(v, id);
-    auto attempt = [&]() -> Result<AttemptResult> {
+    Digest partial;  // this process's senders at v
+    auto attempt = [&]() -> Result<PublishRun::AttemptResult> {
+      AttemptDoc doc{cls, std::strtoull(RandomHex(16).c_str(), nullptr, 16) | 1, P(), maps_.size()};
+      nlohmann::json attempt_doc = {{"format", "dcr-attempt"},
+                                    {"version", v},
+                                    {"class", cls == DeltaClass::kXorClass ? "xor" : "overwrite"},
+                                    {"delta_id", fmt::format("{:016x}", doc.delta_id)},
+                                    {"coordinator", o_.coordinator_id},
+                                    {"processes", P()},
+                                    {"senders", maps_.size()},
+                                    {"time", UnixNow()}};
+      DCR_RETURN_IF_ERROR(store_.Put(prefix + "attempt.json", attempt_doc.dump(1) + "\n", WriteMode::kCreateIfAbsent));
+      DCR_ASSIGN_OR_RETURN(Participation own, Participate(v, id, doc, Clock::now() + o_.peer_timeout));
+      if (own.outcome != Outcome::kRecorded)
+        return PublishRun::AttemptResult{false, Aborted("the attempt was fenced or superseded while it ran")};
+      partial = own.record.target_digest;
+      // Every process's record.
+      std::vector<ProcessRecord> records(P());
+      records[Me()] = std::move(own.record);
+      const auto deadline = Clock::now() + o_.peer_timeout;
+      for (uint32_t q = 1; q < P();) {
+        const std::string key = prefix + ProcessKey(q);
+        DCR_ASSIGN_OR_RETURN(auto text, GetIfPresent(store_, key));
+        if (!text) {
+          if (Clock::now() >= deadline)
+            return PublishRun::AttemptResult{
+                false, Unavailable(fmt::format("process {} wrote no record for attempt {} within the peer timeout ({} ms)",
+                                               q, id, o_.peer_timeout.count()))};
+          std::this_thread::sleep_for(o_.peer_poll);
+          continue;
+        }
+        DCR_ASSIGN_OR_RETURN(ProcessRecord r, ProcessRecord::FromJson(*text, StoreContext(store_.url(), key)));
+        if (r.attempt != id || r.process != q || r.processes != P() || r.senders != senders_of_[q])
+          return FailedPrecondition(fmt::format(
+              "{}: the record is of attempt {}, process {} of {}, senders {}; expected attempt {}, process {} of {}, "
+              "senders {}: give every process the same --maps and placement",
+              StoreContext(store_.url(), key), r.attempt, r.process, r.processes, fmt::join(r.senders, ","), id, q, P(),
+              fmt::join(senders_of_[q], ",")));
+        records[q] = std::move(r);
+        ++q;
+      }
+      Digest base_sum, target_sum;
+      for (const ProcessRecord& r : records) base_sum += r.baseline_digest, target_sum += r.target_digest;
+      if (base_sum != base_commit.target_digest) {
+        std::string parts;
+        for (const ProcessRecord& r : records) parts += fmt::format(" p{}={}", r.process, r.baseline_digest.ToHex());
+        return FailedPrecondition(fmt::format(
+            "the processes' baseline partial digests ({}) add up to {}, not version {}'s digest {}: a process's "
+            "baseline shards are not version {}; remove that process's state directory (it is rebuilt from the store)",
+            parts.substr(1), base_sum.ToHex(), v - 1, base_commit.target_digest.ToHex(), v - 1));
+      }
       DeltaOptions options = o_.delta;
       options.encode.delta_class = cls;
-      options.chunk_elements = run.chunk_elements;
-      options.delta_id = std::strtoull(RandomHex(16).c_str(), nullptr, 16) | 1;
-      nlohmann::json attempt_doc = {{"format", "dcr-attempt"}, {"version", v},
-                                    {"class", cls == DeltaClass::kXorClass ? "xor" : "overwrite"},
-                                    {"delta_id", fmt::format("{:016x}", options.delta_id)},
-                                    {"coordinator", o_.coordinator_id}, {"time", UnixNow()}};
-      DCR_RETURN_IF_ERROR(store_.Put(prefix + "attempt.json", attempt_doc.dump(1) + "\n", WriteMode::kCreateIfAbsent));
-      const auto encode_start = Clock::now();
-      DeltaManifest m = StartLayoutDelta(infos, options);
-      // Every sender projects; each contribution goes to its chunk's owner.
-      std::map<uint32_t, std::vector<ChunkContribution>> to_owner;
-      for (uint32_t k = 0; k < senders.size(); ++k) {
-        PlacedRank base = baseline[k].placed();
-        SenderRank rank{senders[k].layout, {}, senders[k].current};
-        for (auto b : base.buffers) rank.baseline.push_back(b);
-        DCR_ASSIGN_OR_RETURN(auto contributions, ProjectSender(rank, k, m));
-        for (ChunkContribution& c : contributions) {
-          DCR_ASSIGN_OR_RETURN(uint32_t owner, ChunkOwner(maps, m, c.tensor, c.chunk));
-          to_owner[owner].push_back(std::move(c));
-        }
-      }
-      std::vector<OwnedFrames> owned;
-      for (auto& [owner, records] : to_owner) {
-        DCR_ASSIGN_OR_RETURN(OwnedFrames frames, EncodeOwnedChunks(m, records, options.encode));
-        owned.push_back(std::move(frames));
-      }
-      DCR_ASSIGN_OR_RETURN(std::string bytes, AssembleLayoutDelta(m, owned));
-      m.objects = {"frames/s0-0000.bin"};
-      DCR_RETURN_IF_ERROR(store_.Put(prefix + m.objects[0], bytes));
-      if (o_.relay) o_.relay->Object(prefix + m.objects[0], bytes);
-      report.encode_seconds += Seconds(encode_start);
-      report.attempt = id;
-      report.frame_bytes = m.frame_bytes;
-      report.payload_bytes = m.payload_bytes;
-      report.changed_words = m.changed_words;
+      options.chunk_elements = record_.chunk_elements;
+      options.delta_id = doc.delta_id;
+      DeltaManifest m = StartLayoutDelta(infos_, options);
+      DCR_RETURN_IF_ERROR(AssembleLayoutManifest(m, records));
+      if (m.base_digest != base_commit.target_digest || m.target_digest != target_sum)
+        return PublishRun::AttemptResult{
+            false, Aborted(fmt::format("attempt {}: the chunk digests of the processes' records disagree with their "
+                                       "partials (base {} vs {}, target {} vs {})",
+                                       id, m.base_digest.ToHex(), base_commit.target_digest.ToHex(),
+                                       m.target_digest.ToHex(), target_sum.ToHex()))};
+      report_.attempt = id;
+      report_.frame_bytes = m.frame_bytes;
+      report_.payload_bytes = m.payload_bytes;
+      report_.changed_words = m.changed_words;
       DCR_RETURN_IF_ERROR(Fault(o_, "frames-written"));
       DCR_RETURN_IF_ERROR(store_.Put(prefix + std::string(kManifestFileName), m.ToJson(), WriteMode::kCreateIfAbsent));
       DCR_RETURN_IF_ERROR(Fault(o_, "manifest-written"));
       DeltaManifest committed;
-      return AwaitAcksAndCommit(v, id, std::move(m), &report, &committed);
+      return run_.AwaitAcksAndCommit(v, id, std::move(m), &report_, &committed);
     };
-    ++report.attempts;
-    DCR_ASSIGN_OR_RETURN(bool committed, Settle(v, id, attempt(), &last_failure));
+    ++report_.attempts;
+    DCR_ASSIGN_OR_RETURN(bool committed, run_.Settle(v, id, attempt(), &last_failure));
     if (!committed) continue;
-    // Committed: the baseline shards become the current ones, then the record.
     DCR_RETURN_IF_ERROR(Fault(o_, "committed"));
-    std::error_code ec;
-    fs::remove(ShardsRecord(state_dir_), ec);
-    for (size_t k = 0; k < senders.size(); ++k) {
-      PlacedRank base = baseline[k].placed();
-      for (size_t b = 0; b < base.buffers.size(); ++b)
-        std::copy(senders[k].current[b].begin(), senders[k].current[b].end(), base.buffers[b].begin());
-    }
-    nlohmann::json doc = {{"run_id", run.run_id}, {"version", v}, {"senders", senders.size()}};
-    DCR_RETURN_IF_ERROR(WriteFileAtomically(ShardsRecord(state_dir_), doc.dump(1) + "\n"));
+    DCR_RETURN_IF_ERROR(MoveBaseline(v, partial));
     CollectGarbage(store_, o_.keep_versions, o_.heartbeat_timeout).IgnoreError();
-    report.total_seconds = Seconds(start);
-    return report;
+    report_.total_seconds = Seconds(start);
+    return report_;
   }
-  return Aborted(fmt::format("version {} was not committed after {} attempts; last failure: {}", v, report.attempts,
+  return Aborted(fmt::format("version {} was not committed after {} attempts; last failure: {}", v, report_.attempts,
                              last_failure.ToString()));
 }
+
+Result<PublishReport> ShardRun::Work(uint64_t v) {
+  const auto start = Clock::now();
+  report_.version = v;
+  DCR_ASSIGN_OR_RETURN(CommitRecord base_commit, ReadCommit(store_, v - 1));
+  DCR_RETURN_IF_ERROR(LoadShards(base_commit));
+  std::map<std::string, Digest> recorded;  // attempts this process recorded -> its partial at v
+  std::set<std::string> tried;             // attempts it took part in, or refused
+  std::string joined;                      // the attempt last joined
+  auto idle_until = Clock::now() + o_.peer_timeout;
+  for (;;) {
+    DCR_ASSIGN_OR_RETURN(auto commit_text, GetIfPresent(store_, run_keys::Commit(v)));
+    if (commit_text) {
+      DCR_ASSIGN_OR_RETURN(CommitRecord c,
+                           CommitRecord::FromJson(*commit_text, StoreContext(store_.url(), run_keys::Commit(v))));
+      report_.attempt = c.attempt;
+      report_.acked = c.acked;
+      report_.retired = c.retired;
+      if (auto it = recorded.find(c.attempt); it != recorded.end()) {
+        DCR_RETURN_IF_ERROR(Fault(o_, "committed"));
+        DCR_RETURN_IF_ERROR(MoveBaseline(v, it->second));
+      } else {
+        // Committed without this incarnation's record (an earlier one wrote
+        // it): the baseline follows the committed delta.
+        DCR_RETURN_IF_ERROR(LoadShards(c));
+        report_.already_committed = true;
+      }
+      report_.total_seconds = Seconds(start);
+      return report_;
+    }
+    DCR_ASSIGN_OR_RETURN(auto attempts, ListAttempts(store_, v));
+    const AttemptInfo* newest = nullptr;
+    for (const AttemptInfo& a : attempts)
+      if (!a.fenced) newest = &a;
+    if (newest && !tried.count(newest->id)) {
+      const std::string key = run_keys::Attempt(v, newest->id) + "attempt.json";
+      DCR_ASSIGN_OR_RETURN(auto text, GetIfPresent(store_, key));
+      if (text) {
+        DCR_ASSIGN_OR_RETURN(AttemptDoc doc, ParseAttemptDoc(*text, StoreContext(store_.url(), key)));
+        if (doc.processes != P() || doc.senders != maps_.size())
+          return FailedPrecondition(fmt::format("{}: the coordinator runs {} processes of {} senders, this process was "
+                                                "told {} of {}",
+                                                StoreContext(store_.url(), key), doc.processes, doc.senders, P(),
+                                                maps_.size()));
+        const std::string id = newest->id;
+        if (id != joined) idle_until = Clock::now() + o_.peer_timeout;  // a new attempt: progress
+        joined = id;
+        auto part = Participate(v, id, doc, Clock::now() + o_.peer_timeout);
+        if (!part.ok()) {
+          if (!Transient(part.status())) {
+            // A bad peer object (or a fault): this attempt cannot be recorded
+            // here; the coordinator fences it after its peer timeout.
+            fmt::print(stderr, "dcr publish (process {}/{}): attempt {}: {}\n", Me(), P(), id,
+                       part.status().ToString());
+            if (part.status().code() == Code::kAborted) return part.status();  // an injected fault: as a crash
+            tried.insert(id);
+          }
+          continue;
+        }
+        if (part->outcome == Outcome::kRecorded) {
+          tried.insert(id);
+          recorded[id] = part->record.target_digest;
+          ++report_.attempts;
+          report_.attempt = id;
+          idle_until = Clock::now() + 2 * o_.peer_timeout + o_.ack_timeout;
+        }
+        if (part->outcome == Outcome::kAbandoned) tried.insert(id);
+        if (part->outcome != Outcome::kStalled) continue;
+      }
+    }
+    if (Clock::now() >= idle_until)
+      return Unavailable(fmt::format("process {}/{}: no {} of version {} from the coordinator within the peer timeout; "
+                                     "is process 0 running?",
+                                     Me(), P(), recorded.empty() ? "attempt to join" : "commit", v));
+    std::this_thread::sleep_for(o_.peer_poll);
+  }
+}
+
+}  // namespace
 
 ShardPublisher::ShardPublisher(Store& store, std::string state_dir, PublishOptions options)
     : store_(store), state_dir_(std::move(state_dir)), options_(std::move(options)) {
@@ -1006,12 +1365,21 @@ ShardPublisher::ShardPublisher(Store& store, std::string state_dir, PublishOptio
 }
 
 Result<PublishReport> ShardPublisher::Publish(uint64_t version, std::span<const ShardSource> senders) {
+  std::vector<const CompiledLayout*> maps;
+  for (const ShardSource& s : senders) maps.push_back(s.layout);
+  return Publish(version, maps, senders, ShardProcesses{});
+}
+
+Result<PublishReport> ShardPublisher::Publish(uint64_t version, std::span<const CompiledLayout* const> maps,
+                                              std::span<const ShardSource> local, const ShardProcesses& procs) {
   if (version == 0)
     return FailedPrecondition("version 0 is the run's snapshot, a canonical checkpoint: publish it with dcr publish");
-  if (senders.empty()) return InvalidArgument("no senders given");
+  if (maps.empty() || local.empty()) return InvalidArgument("no senders given");
   DCR_ASSIGN_OR_RETURN(RunState state, ReadRunState(store_));
   if (!state.run) return FailedPrecondition(fmt::format("{} holds no run; publish version 0 first", store_.url()));
-  if (!state.latest || *state.latest != version - 1)
+  // A worker may find v committed already (restarted after the commit).
+  const bool worker = procs.process != 0;
+  if (!state.latest || (*state.latest != version - 1 && !(worker && *state.latest == version)))
     return FailedPrecondition(fmt::format("the newest committed version is {}; publish version {}",
                                           state.latest ? std::to_string(*state.latest) : "none",
                                           state.latest ? *state.latest + 1 : 0));
@@ -1019,7 +1387,9 @@ Result<PublishReport> ShardPublisher::Publish(uint64_t version, std::span<const 
   fs::create_directories(state_dir_, ec);
   if (ec) return ErrnoError(ec.value(), "cannot create " + state_dir_);
   PublishRun run(store_, state_dir_, options_, nullptr);
-  return run.PublishShards(version, senders, *state.run);
+  ShardRun shards(run, store_, state_dir_, options_, *state.run, maps, local, procs);
+  DCR_RETURN_IF_ERROR(shards.Prepare());
+  return worker ? shards.Work(version) : shards.Coordinate(version);
 }
 
 Result<PublishReport> Publisher::Publish(uint64_t version, const Checkpoint& next, Progress* progress) {

@@ -1,8 +1,11 @@
 // Keys and the JSON records of the protocol (docs/protocol.md).
 #include <fmt/format.h>
 
+#include <cctype>
+#include <map>
 #include <nlohmann/json.hpp>
 
+#include "dcr/frame.h"
 #include "dcr/protocol.h"
 
 namespace dcr {
@@ -279,6 +282,157 @@ Result<RunState> ReadRunState(Store& store) {
     if (!state.latest || v > *state.latest) state.latest = v;
   }
   return state;
+}
+
+}  // namespace dcr
+
+namespace dcr {
+
+namespace {
+
+using json = nlohmann::ordered_json;
+
+// A process record's object name: "frames/" then [A-Za-z0-9._-]+, not "." or "..".
+bool IsFrameObjectName(const std::string& name) {
+  constexpr std::string_view kPrefix = "frames/";
+  if (!name.starts_with(kPrefix) || name.size() == kPrefix.size() || name.size() > 200) return false;
+  const std::string_view leaf = std::string_view(name).substr(kPrefix.size());
+  if (leaf == "." || leaf == "..") return false;
+  for (char c : leaf)
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) return false;
+  return true;
+}
+
+}  // namespace
+
+std::string ProcessRecord::ToJson() const {
+  json doc;
+  doc["format"] = "dcr-process";
+  doc["attempt"] = attempt;
+  doc["process"] = process;
+  doc["processes"] = processes;
+  doc["senders"] = senders;
+  doc["baseline_digest"] = baseline_digest.ToHex();
+  doc["target_digest"] = target_digest.ToHex();
+  doc["objects"] = objects;
+  json& fs = doc["frames"] = json::array();
+  for (const DeltaFrameEntry& f : frames)
+    fs.push_back({f.tensor, f.chunk, f.object, f.offset, f.bytes, ModeName(f.mode), CodecName(f.codec), f.changed});
+  json& cs = doc["chunks"] = json::array();
+  for (const Chunk& c : chunks) cs.push_back({c.tensor, c.chunk, c.base.ToHex(), c.target.ToHex()});
+  return Dump(doc);
+}
+
+Result<ProcessRecord> ProcessRecord::FromJson(std::string_view text, const std::string& where) {
+  DCR_ASSIGN_OR_RETURN(json doc, Parse(text, where, "dcr-process"));
+  ProcessRecord r;
+  DCR_ASSIGN_OR_RETURN(r.attempt, Str(doc, "attempt", where));
+  DCR_ASSIGN_OR_RETURN(uint64_t process, U64(doc, "process", where));
+  DCR_ASSIGN_OR_RETURN(uint64_t processes, U64(doc, "processes", where));
+  if (processes == 0 || processes > (1u << 16) || process >= processes)
+    return Bad(where, "'process' and 'processes' need 0 <= process < processes <= 65536");
+  r.process = static_cast<uint32_t>(process);
+  r.processes = static_cast<uint32_t>(processes);
+  auto ss = doc.find("senders");
+  if (ss == doc.end() || !ss->is_array() || ss->empty()) return Bad(where, "'senders' must be a non-empty array");
+  for (const auto& s : *ss) {
+    if (!s.is_number_unsigned() || s.get<uint64_t>() > 0xFFFFFFFFu ||
+        (!r.senders.empty() && s.get<uint64_t>() <= r.senders.back()))
+      return Bad(where, "'senders' must be increasing sender indices");
+    r.senders.push_back(s.get<uint32_t>());
+  }
+  DCR_ASSIGN_OR_RETURN(r.baseline_digest, Dig(doc, "baseline_digest", where));
+  DCR_ASSIGN_OR_RETURN(r.target_digest, Dig(doc, "target_digest", where));
+  DCR_ASSIGN_OR_RETURN(r.objects, Strs(doc, "objects", where));
+  for (const std::string& o : r.objects)
+    if (!IsFrameObjectName(o)) return Bad(where, "each of 'objects' must be frames/<name> ([A-Za-z0-9._-])");
+  auto fs = doc.find("frames");
+  if (fs == doc.end() || !fs->is_array()) return Bad(where, "'frames' must be an array");
+  for (const auto& f : *fs) {
+    if (!f.is_array() || f.size() != 8 || !f[0].is_number_unsigned() || !f[1].is_number_unsigned() ||
+        !f[2].is_number_unsigned() || !f[3].is_number_unsigned() || !f[4].is_number_unsigned() || !f[5].is_string() ||
+        !f[6].is_string() || !f[7].is_number_unsigned())
+      return Bad(where, "each frame must be [tensor, chunk, object, offset, bytes, mode, codec, changed]");
+    DeltaFrameEntry e;
+    const uint64_t tensor = f[0], chunk = f[1], object = f[2], changed = f[7];
+    e.offset = f[3];
+    e.bytes = f[4];
+    if (tensor > 0xFFFFFFFFu || chunk > 0xFFFFFFFFu || changed > 0xFFFFFFFFu || object >= r.objects.size() ||
+        e.bytes < kFrameHeaderBytes || e.bytes > (1ull << 32) || e.offset > (1ull << 62))
+      return Bad(where, fmt::format("frame (tensor {}, chunk {}) has impossible indices or sizes", tensor, chunk));
+    e.tensor = static_cast<uint32_t>(tensor);
+    e.chunk = static_cast<uint32_t>(chunk);
+    e.object = static_cast<uint32_t>(object);
+    e.changed = static_cast<uint32_t>(changed);
+    const std::string mode = f[5], codec = f[6];
+    if (!ModeFromName(mode, &e.mode)) return Bad(where, fmt::format("frame mode '{}'", mode));
+    if (!CodecFromName(codec, &e.codec)) return Bad(where, fmt::format("frame codec '{}'", codec));
+    if (!r.frames.empty() && std::pair(r.frames.back().tensor, r.frames.back().chunk) >= std::pair(e.tensor, e.chunk))
+      return Bad(where, "frames must be sorted by (tensor, chunk) and unique");
+    r.frames.push_back(e);
+  }
+  auto cs = doc.find("chunks");
+  if (cs == doc.end() || !cs->is_array()) return Bad(where, "'chunks' must be an array");
+  for (const auto& c : *cs) {
+    Chunk x;
+    if (!c.is_array() || c.size() != 4 || !c[0].is_number_unsigned() || !c[1].is_number_unsigned() ||
+        c[0].get<uint64_t>() > 0xFFFFFFFFu || c[1].get<uint64_t>() > 0xFFFFFFFFu || !c[2].is_string() ||
+        !c[3].is_string() || !Digest::FromHex(c[2].get<std::string>(), &x.base) ||
+        !Digest::FromHex(c[3].get<std::string>(), &x.target))
+      return Bad(where, "each chunk must be [tensor, chunk, base digest, target digest]");
+    x.tensor = c[0].get<uint32_t>();
+    x.chunk = c[1].get<uint32_t>();
+    if (!r.chunks.empty() && std::pair(r.chunks.back().tensor, r.chunks.back().chunk) >= std::pair(x.tensor, x.chunk))
+      return Bad(where, "chunks must be sorted by (tensor, chunk) and unique");
+    r.chunks.push_back(x);
+  }
+  return r;
+}
+
+Status AssembleLayoutManifest(DeltaManifest& m, std::span<const ProcessRecord> records) {
+  struct Owned {
+    const ProcessRecord* record;
+    const ProcessRecord::Chunk* chunk;
+  };
+  std::map<ChunkId, Owned> owned;
+  for (const ProcessRecord& r : records)
+    for (const ProcessRecord::Chunk& c : r.chunks) {
+      if (c.tensor >= m.tensors.size() || c.chunk >= m.ChunkCount(c.tensor))
+        return InvalidArgument(fmt::format("process {}'s record names tensor {} chunk {}, outside the delta", r.process,
+                                           c.tensor, c.chunk));
+      if (auto [it, fresh] = owned.emplace(ChunkId{c.tensor, c.chunk}, Owned{&r, &c}); !fresh)
+        return FailedPrecondition(fmt::format("tensor '{}' chunk {} is owned by processes {} and {}; every process "
+                                              "must be given the same sender maps and placement",
+                                              m.tensors[c.tensor].name, c.chunk, it->second.record->process, r.process));
+    }
+  m.objects.clear();
+  m.frames.clear();
+  for (const ProcessRecord& r : records) {
+    const uint32_t first = static_cast<uint32_t>(m.objects.size());
+    for (const std::string& o : r.objects) m.objects.push_back(o);
+    for (DeltaFrameEntry f : r.frames) {
+      auto it = owned.find(ChunkId{f.tensor, f.chunk});
+      if (it == owned.end() || it->second.record != &r)
+        return FailedPrecondition(fmt::format("process {}'s record has a frame of tensor {} chunk {}, which it does not "
+                                              "own", r.process, f.tensor, f.chunk));
+      if (f.object >= r.objects.size())
+        return InvalidArgument(fmt::format("process {}'s record names object {} of {}", r.process, f.object,
+                                           r.objects.size()));
+      f.object += first;
+      m.frames.push_back(f);
+    }
+  }
+  std::vector<Digest> base, target;
+  for (const ChunkId& id : AllChunks(m)) {
+    auto it = owned.find(id);
+    if (it == owned.end())
+      return FailedPrecondition(fmt::format("tensor '{}' chunk {} is owned by no process's senders",
+                                            m.tensors[id.tensor].name, id.chunk));
+    base.push_back(it->second.chunk->base);
+    target.push_back(it->second.chunk->target);
+  }
+  FinishDelta(m, base, target);
+  return Status::Ok();
 }
 
 }  // namespace dcr

@@ -8,7 +8,9 @@ OUT/s3_response_fuzz (scripted S3 exchanges) and OUT/store_config_fuzz
 (store URLs, AWS environment and profile files, fault specs); for layout
 maps, OUT/layout_map_fuzz (valid and subtly broken maps); for the refit
 protocol, OUT/records_fuzz (store records: run, commit, ack, receiver,
-snapshot; the first byte picks the type) and OUT/journals_fuzz (the
+snapshot, trainer process; the first byte picks the type),
+OUT/contribution_fuzz (contribution objects, dummy checksums: the target
+recomputes them when byte 0 says so) and OUT/journals_fuzz (the
 receivers' local journals). Standard library only.
 
 usage: seeds.py OUT DCR_BINARY
@@ -264,7 +266,7 @@ def relay_message_seeds(frame_dir):
 
 def records_seeds():
     """The protocol's store records (docs/protocol.md); byte 0 picks the parser:
-    0 run, 1 commit, 2 ack, 3 receiver, 4 snapshot."""
+    0 run, 1 commit, 2 ack, 3 receiver, 4 snapshot, 5 trainer process."""
     import json
     d = "0123456789abcdef" * 2
     recs = {
@@ -282,8 +284,47 @@ def records_seeds():
                               "heartbeat": 1764648001.0, "engine": {"id": "eng", "rank": 0, "ranks": 4}}),
         "snapshot": (4, {"format": "dcr-snapshot", "version": 0, "digest": d,
                          "files": [{"name": "model.safetensors", "bytes": 4096}]}),
+        "process": (5, {"format": "dcr-process", "attempt": "0000-0123abcd", "process": 1, "processes": 3,
+                        "senders": [1, 2], "baseline_digest": d, "target_digest": d,
+                        "objects": ["frames/p1.bin"],
+                        "frames": [[0, 0, 0, 0, 120, "xor", "sparse", 3], [0, 2, 0, 120, 200, "add", "zstd", 9]],
+                        "chunks": [[0, 0, d, d], [0, 1, d, d], [0, 2, d, d]]}),
+        "process_empty": (5, {"format": "dcr-process", "attempt": "0001-0123abcd", "process": 0, "processes": 1,
+                              "senders": [0], "baseline_digest": d, "target_digest": d, "objects": [],
+                              "frames": [], "chunks": []}),
     }
     return {name: bytes([t]) + json.dumps(doc).encode() for name, (t, doc) in recs.items()}
+
+
+def contribution_seeds():
+    """Contribution objects (docs/format.md section 5) for contribution_fuzz's
+    fixed delta: tensor 0 "a" F32 [12, 10], tensor 1 "b" BF16 [20], chunks of
+    16. Byte 0: bit 0 overwrite class, bit 1 the writer also holds sender 1,
+    bit 2 recompute the checksum (written here as zeros)."""
+    def obj(cls, records):
+        body = b""
+        for tensor, chunk, sender, ranges, positions, eb, covered_bits in records:
+            body += struct.pack("<6I", tensor, chunk, sender, len(ranges), len(positions), 0)
+            body += struct.pack("<2Q", 12345, 67890)
+            for lo, n in ranges:
+                body += struct.pack("<2I", lo, n)
+            for p in positions:
+                body += struct.pack("<I", p)
+            body += bytes(range(len(positions) * eb)) + bytes(reversed(range(len(positions) * eb)))
+            if cls == 2:
+                body += bytes((7 * i) & 0xFF for i in range(sum(n for _, n in ranges) * eb))
+        head = b"DCRCONTR" + struct.pack("<2IQ2I2Q", 1, cls, 0x1234, 1, 0, len(records), len(body))
+        return head + body + b"\0" * 8
+    recs = [(0, 0, 0, [(0, 5), (10, 5)], [1, 4, 12], 4, True), (0, 1, 0, [(4, 5), (14, 2)], [], 4, True),
+            (1, 1, 1, [(0, 4)], [0, 3], 2, True)]
+    out = {}
+    for cls, name in ((1, "xor"), (2, "overwrite")):
+        flag = 0 if cls == 1 else 1
+        out[f"{name}-one"] = bytes([flag | 4]) + obj(cls, recs[:1])
+        out[f"{name}-three"] = bytes([flag | 2 | 4]) + obj(cls, recs)
+        out[f"{name}-empty"] = bytes([flag | 4]) + obj(cls, [])
+        out[f"{name}-unsealed"] = bytes([flag]) + obj(cls, recs[:2])
+    return out
 
 
 def journals_seeds():
@@ -342,6 +383,7 @@ def main():
     write_all(os.path.join(sys.argv[1], "store_config_fuzz"), store_config_seeds())
     write_all(os.path.join(sys.argv[1], "layout_map_fuzz"), layout_map_seeds(sys.argv[2]))
     write_all(os.path.join(sys.argv[1], "records_fuzz"), records_seeds())
+    write_all(os.path.join(sys.argv[1], "contribution_fuzz"), contribution_seeds())
     write_all(os.path.join(sys.argv[1], "journals_fuzz"), journals_seeds())
     write_all(os.path.join(sys.argv[1], "relay_message_fuzz"), relay_message_seeds(os.path.join(sys.argv[1], "frame_fuzz")))
 

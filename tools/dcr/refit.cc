@@ -83,8 +83,90 @@ struct PublishArgs {
   std::string relay_key, relay_pub;
   double relay_mbps = 0;
   bool no_relay_acks = false;
-  std::vector<std::string> shard_senders;  // MAP=DIR: publish from trainer shards
+  std::vector<std::string> shard_senders;  // [K:]MAP=DIR: publish from trainer shards
+  // Trainer senders in several processes: "p/P", every sender's map, the
+  // placement (process per sender; empty: contiguous blocks).
+  std::string process, maps, sender_processes;
+  double peer_timeout = 60;
 };
+
+// "a,b,c" -> {a, b, c}; empty parts are refused by the callers' checks.
+std::vector<std::string> SplitCommas(const std::string& s) {
+  std::vector<std::string> out;
+  size_t at = 0;
+  for (;;) {
+    const size_t comma = s.find(',', at);
+    out.push_back(s.substr(at, comma == std::string::npos ? std::string::npos : comma - at));
+    if (comma == std::string::npos) return out;
+    at = comma + 1;
+  }
+}
+
+Result<uint32_t> ParseIndex(const std::string& s, const std::string& what) {
+  if (s.empty() || s.size() > 9 || s.find_first_not_of("0123456789") != std::string::npos)
+    return InvalidArgument(fmt::format("{}: '{}' is not an index", what, s));
+  return static_cast<uint32_t>(std::stoul(s));
+}
+
+Result<std::unique_ptr<CompiledLayout>> LoadMap(const std::string& path) {
+  DCR_ASSIGN_OR_RETURN(LayoutMap map, ReadLayoutFile(path));
+  auto compiled = CompiledLayout::Compile(std::move(map));
+  if (!compiled.ok()) return compiled.status().WithContext(path);
+  return std::make_unique<CompiledLayout>(std::move(*compiled));
+}
+
+// Publishes as one process of a trainer: --process p/P, --maps (every
+// sender's map, in global order), --sender K:MAP=DIR for each local sender K
+// (MAP must be the same map as the K-th of --maps).
+Result<PublishReport> PublishFromProcess(const PublishArgs& a, Store& store, const std::string& state,
+                                         const PublishOptions& o) {
+  ShardProcesses procs;
+  const size_t slash = a.process.find('/');
+  if (slash == std::string::npos) return InvalidArgument(fmt::format("--process '{}': expected p/P", a.process));
+  DCR_ASSIGN_OR_RETURN(procs.process, ParseIndex(a.process.substr(0, slash), "--process"));
+  DCR_ASSIGN_OR_RETURN(procs.processes, ParseIndex(a.process.substr(slash + 1), "--process"));
+  if (procs.processes == 0 || procs.process >= procs.processes)
+    return InvalidArgument(fmt::format("--process '{}': need 0 <= p < P", a.process));
+  if (a.maps.empty()) return InvalidArgument("--process needs --maps M0.json,M1.json,... (every sender's map)");
+  std::vector<std::unique_ptr<CompiledLayout>> layouts;
+  std::vector<const CompiledLayout*> maps;
+  for (const std::string& path : SplitCommas(a.maps)) {
+    if (path.empty()) return InvalidArgument(fmt::format("--maps '{}': an empty map path", a.maps));
+    DCR_ASSIGN_OR_RETURN(auto l, LoadMap(path));
+    maps.push_back(l.get());
+    layouts.push_back(std::move(l));
+  }
+  if (!a.sender_processes.empty())
+    for (const std::string& q : SplitCommas(a.sender_processes)) {
+      DCR_ASSIGN_OR_RETURN(uint32_t x, ParseIndex(q, "--sender-processes"));
+      procs.sender_process.push_back(x);
+    }
+  std::map<uint32_t, RankBufferFiles> files;  // by global sender index
+  for (const std::string& spec : a.shard_senders) {
+    const size_t colon = spec.find(':'), eq = spec.find('=');
+    if (colon == std::string::npos || eq == std::string::npos || eq < colon || eq == colon + 1 || eq + 1 == spec.size())
+      return InvalidArgument(fmt::format("--sender '{}': with --process, expected K:MAP.json=DIR", spec));
+    DCR_ASSIGN_OR_RETURN(uint32_t k, ParseIndex(spec.substr(0, colon), "--sender " + spec));
+    if (k >= maps.size())
+      return InvalidArgument(fmt::format("--sender '{}': sender {} of the {} in --maps", spec, k, maps.size()));
+    const std::string map_path = spec.substr(colon + 1, eq - colon - 1), dir = spec.substr(eq + 1);
+    DCR_ASSIGN_OR_RETURN(auto l, LoadMap(map_path));
+    if (!(l->map() == maps[k]->map()))
+      return InvalidArgument(fmt::format("--sender '{}': {} is not the map of sender {} in --maps", spec, map_path, k));
+    auto opened = RankBufferFiles::Open(*maps[k], dir);
+    if (!opened.ok()) return opened.status().WithContext("--sender " + spec);
+    if (!files.emplace(k, std::move(*opened)).second)
+      return InvalidArgument(fmt::format("--sender '{}': sender {} given twice", spec, k));
+  }
+  std::vector<ShardSource> local;
+  for (auto& [k, f] : files) {
+    ShardSource src{maps[k], {}};
+    for (auto b : f.placed().buffers) src.current.push_back(b);
+    local.push_back(std::move(src));
+  }
+  ShardPublisher publisher(store, state, o);
+  return publisher.Publish(a.version, maps, local, procs);
+}
 
 // Publishes from trainer shards: each --sender MAP=DIR is one sender's map
 // and its shard buffer files (as dcr layout load writes them).
@@ -114,6 +196,7 @@ Result<PublishReport> PublishFromShards(const PublishArgs& a, Store& store, cons
   ShardPublisher publisher(store, state, o);
   return publisher.Publish(a.version, senders);
 }
+
 
 // Relay client options from the CLI's flags (shared by publish and follow).
 Result<RelayClientOptions> RelayClient(const std::string& id, const std::vector<std::string>& addresses,
@@ -147,6 +230,7 @@ int RunPublish(const PublishArgs& a) {
   o.heartbeat_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.heartbeat_timeout * 1000));
   o.snapshot_every = a.snapshot_every;
   o.fault = TestCrashHook();
+  o.peer_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.peer_timeout * 1000));
   std::unique_ptr<RelaySender> relay;
   if (!a.relays.empty()) {
     char host[256] = {0};
@@ -164,7 +248,11 @@ int RunPublish(const PublishArgs& a) {
   }
   const std::string state = a.state.empty() ? DefaultStateDir((*store)->url()) : a.state;
   Result<PublishReport> r = Aborted("not published");
-  if (!a.shard_senders.empty()) {
+  if (!a.process.empty()) {
+    r = PublishFromProcess(a, **store, state, o);
+  } else if (!a.maps.empty() || !a.sender_processes.empty()) {
+    return Fail("publish", InvalidArgument("--maps and --sender-processes go with --process p/P"));
+  } else if (!a.shard_senders.empty()) {
     r = PublishFromShards(a, **store, state, o);
   } else {
     auto ckpt = Checkpoint::Open(a.checkpoint);
@@ -366,7 +454,14 @@ void AddRefitCommands(CLI::App& app) {
   pub->add_option("checkpoint", pa->checkpoint, "The checkpoint to publish (or --sender)");
   pub->add_option("--sender", pa->shard_senders,
                   "Publish from trainer shards instead (versions > 0): MAP.json=DIR, a sender map and its shard "
-                  "buffer files; repeat for every sender");
+                  "buffer files; repeat for every sender (with --process: K:MAP.json=DIR, this process's senders)");
+  pub->add_option("--process", pa->process,
+                  "Trainer senders in several processes: this process is p of P (0 coordinates; docs/protocol.md)");
+  pub->add_option("--maps", pa->maps, "With --process: every sender's map, comma-separated, in sender order");
+  pub->add_option("--sender-processes", pa->sender_processes,
+                  "With --process: the process of each sender, comma-separated (default: contiguous blocks)");
+  pub->add_option("--peer-timeout", pa->peer_timeout,
+                  "With --process: seconds to wait for the other processes' objects");
   pub->add_option("--state", pa->state, "Publisher state directory (the baseline); default $DCR_STATE_DIR or ~/.cache/dcr/publish/<store>");
   pub->add_option("--senders", pa->senders, "Senders (chunk owners)")->check(CLI::Range(1, 1024));
   pub->add_option("--attempts", pa->attempts, "Attempts before giving up (retries are overwrite)")->check(CLI::Range(1, 100));
