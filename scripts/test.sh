@@ -2,15 +2,44 @@
 # Runs every test dcr has: C++ unit tests (ctest), Python interoperability
 # and CLI tests (pytest), and each fuzz target for a short bounded time.
 # Installs and builds what it needs first (scripts/setup.sh).
+#
+#   scripts/test.sh                the suite
+#   scripts/test.sh --under-load   the same suite with a CPU hog on every core
+#                                  beside it (stress-ng, installed if missing),
+#                                  stopped on exit whatever happens: the tests
+#                                  must hold on a busy machine too
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+under_load=0
+case "${1:-}" in
+  "") ;;
+  --under-load) under_load=1 ;;
+  *) echo "usage: scripts/test.sh [--under-load]" >&2; exit 2 ;;
+esac
+
 scripts/setup.sh --python --fuzz
+
+hog_pid=""
+stop_hog() { if [ -n "$hog_pid" ]; then kill "$hog_pid" 2>/dev/null || true; wait "$hog_pid" 2>/dev/null || true; fi; }
+if [ "$under_load" = 1 ]; then
+  if ! command -v stress-ng >/dev/null; then
+    sudo_cmd=""
+    [ "$(id -u)" = 0 ] || sudo_cmd="sudo"
+    $sudo_cmd apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends stress-ng >/dev/null
+  fi
+  echo "== under load: stress-ng --cpu $(nproc) beside the tests"
+  stress-ng --cpu "$(nproc)" --quiet &
+  hog_pid=$!
+  trap stop_hog EXIT
+  trap 'exit 130' INT TERM  # so that the EXIT trap runs then too
+fi
 
 # A real S3 server for the store tests: a single-node Ceph cluster with
 # radosgw (tests/s3/radosgw.sh), stopped on exit whatever happens.
 s3_dir=$(mktemp -d /tmp/dcr-radosgw.XXXXXX)
-trap 'tests/s3/radosgw.sh stop "$s3_dir" >/dev/null 2>&1 || true' EXIT
+trap 'tests/s3/radosgw.sh stop "$s3_dir" >/dev/null 2>&1 || true; stop_hog' EXIT
 echo "== starting radosgw (Ceph, single node) for the S3 tests"
 tests/s3/radosgw.sh start "$s3_dir"
 set -a
