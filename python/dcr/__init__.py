@@ -303,6 +303,10 @@ class Receiver:
     full values of each residual tensor the delta changed to ``loader``, which
     overwrites the parameters derived from them.
 
+    ``residuals_primary=False``: the residual copies do not count in this
+    receiver's digest (a rank of an engine whose residual tensors another
+    rank counts).
+
     ``post_update(report)``, if given, is called after each applied delta
     (after the loader), e.g. to re-derive absorbed weights or FP8 scales.
 
@@ -316,8 +320,10 @@ class Receiver:
     def __init__(self, tensors: Mapping[str, Any], layout: Union[str, Mapping[str, Any], None] = None,
                  residuals: Union[Iterable[str], Mapping[str, Any]] = (),
                  loader: Optional[Callable[[Iterable], Any]] = None,
-                 post_update: Optional[Callable[[dict], Any]] = None, stage: Optional[bool] = None):
+                 post_update: Optional[Callable[[dict], Any]] = None, stage: Optional[bool] = None,
+                 residuals_primary: bool = True):
         self.layout_json = identity_layout(tensors) if layout is None else _layout_json(layout)
+        self._residuals_primary = residuals_primary
         self._tensors = dict(tensors)
         self._staging = Staging(self._tensors, stage, "Receiver")
         self._loader, self._post_update = loader, post_update
@@ -356,7 +362,8 @@ class Receiver:
             bid = self._SHADOW + name
             doc.setdefault("buffers", []).append({"id": bid, "dtype": spec["dtype"], "shape": shape})
             doc.setdefault("copies", []).append({"tensor": name, "offset": [0] * len(shape), "extent": shape,
-                                                 "buffer": bid, "buffer_offset": [0] * len(shape)})
+                                                 "buffer": bid, "buffer_offset": [0] * len(shape),
+                                                 "primary": self._residuals_primary})
             self._shadow[name] = shadow
         return json.dumps(doc)
 
@@ -414,7 +421,8 @@ class Receiver:
         loader) that changed since the last one (all of them after a join
         from a snapshot or a reopen) are handed to the loader, staged buffers
         that changed are copied back to the device, then ``post_update`` gets
-        ``{"version": v, "residuals_loaded": names}``. Residuals without a
+        ``{"version": v, "residuals_loaded": names, "tensors_changed": names}``
+        (the canonical tensors changed since the previous call). Residuals without a
         loader cannot be followed: the rank's partial digest would lack them."""
         if self._skipped:
             raise InvalidArgumentError(f"Receiver.follow: residual tensor '{self._skipped[0]}' is not mapped and has "
@@ -429,7 +437,7 @@ class Receiver:
             if loaded:
                 self._loader([(n, self._shadow[n]) for n in loaded])
             if self._post_update is not None:
-                self._post_update({"version": v, "residuals_loaded": loaded})
+                self._post_update({"version": v, "residuals_loaded": loaded, "tensors_changed": changed})
 
         hook = on_version if (self._shadow or self._post_update is not None or self._staging.mirrors) else None
         try:
@@ -485,14 +493,20 @@ class ShardPublisher:
     The GIL is released while publishing; Ctrl-C while the coordinator waits
     for acks raises KeyboardInterrupt within some 20 ms, the attempt fenced
     and nothing committed (the next :meth:`publish` of the version starts a
-    new attempt); elsewhere it is seen once the call returns."""
+    new attempt); elsewhere it is seen once the call returns.
+
+    ``inject_failures`` (tests of retries): ``"POINT:N"`` makes the N-th
+    time the publisher reaches fault point POINT (``frames-written``,
+    ``manifest-written``, ``acked``, ``before-commit``) fail as a store
+    outage would, so that attempt is fenced and retried as an overwrite."""
 
     def __init__(self, store: Store, state_dir: PathLike, senders: Sequence[Any], max_attempts: int = 3,
                  ack_timeout_s: float = 60.0, heartbeat_timeout_s: float = 10.0, snapshot_every: int = 0,
                  chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
                  conversions: Optional[Mapping[str, Callable[[], Any]]] = None, stage: Optional[bool] = None,
                  process: int = 0, processes: int = 1, layouts: Optional[Sequence[Any]] = None,
-                 placement: Optional[Sequence[int]] = None, peer_timeout_s: float = 60.0):
+                 placement: Optional[Sequence[int]] = None, peer_timeout_s: float = 60.0,
+                 inject_failures: Sequence[str] = ()):
         self.store, self.state_dir = store, os.fspath(state_dir)
         self._options = dict(max_attempts=max_attempts, ack_timeout_s=ack_timeout_s,
                              heartbeat_timeout_s=heartbeat_timeout_s, snapshot_every=snapshot_every,
@@ -528,7 +542,7 @@ class ShardPublisher:
         self._p = _dcr.ShardPublisher(store, self.state_dir, self._layouts, 1, max_attempts, ack_timeout_s,
                                       heartbeat_timeout_s, snapshot_every, chunk_elements, process, processes,
                                       [_layout_json(m) for m in (layouts or [])], list(placement or []),
-                                      peer_timeout_s)
+                                      peer_timeout_s, list(inject_failures))
 
     def _convert(self, name: str, held: Any) -> Any:
         """Conversion ``name``'s output now: a new CPU buffer (``held`` None),

@@ -68,7 +68,10 @@ class _Recorder(TorchDispatchMode):
         self.taint: dict = {}  # storage pointer -> names of the checkpoint tensors it was computed from
         self.copies: list = []
         self.residual: set = set()
-        self.clobbered: set = set()  # parameters written by something other than a recorded copy
+        # Regions of parameters written by something other than a recorded
+        # copy, in op order: (parameter, offset, extent, sequence number).
+        self.writes: list = []
+        self.seq = 0
 
     def _names(self, t: torch.Tensor) -> set:
         ptr = t.untyped_storage().data_ptr()
@@ -91,8 +94,9 @@ class _Recorder(TorchDispatchMode):
                 if arg.alias_info is not None and arg.alias_info.is_write:
                     a = args[i] if i < len(args) else kwargs.get(arg.name)
                     if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self.params:
-                        self.clobbered.add(self.params[a.untyped_storage().data_ptr()][0])
-                        self.residual |= names
+                        if a.numel() > 0:  # writing nothing (an empty padding slice) clobbers nothing
+                            self._write(a)
+                            self.residual |= names
         if names:
             for o in tree_flatten(out)[0]:
                 if isinstance(o, torch.Tensor):
@@ -101,17 +105,30 @@ class _Recorder(TorchDispatchMode):
                         self.taint.setdefault(ptr, set()).update(names)
         return out
 
+    def _write(self, dst: torch.Tensor) -> None:
+        """Records a write of ``dst`` (a view of a parameter) that is not a
+        recorded copy: its box, or the whole parameter when it is not one."""
+        pname, param = self.params[dst.untyped_storage().data_ptr()]
+        self.seq += 1
+        box = _box(dst, param)
+        if box is None:
+            offset, extent = [0] * param.dim(), [int(d) for d in param.shape]
+        else:
+            offset, extent = box, [1] * (param.dim() - dst.dim()) + [int(d) for d in dst.shape]
+        self.writes.append((pname, offset, extent, self.seq))
+
     def _copy(self, dst: torch.Tensor, src: Any) -> None:
         pname, param = self.params[dst.untyped_storage().data_ptr()]
         if not isinstance(src, torch.Tensor):
-            self.clobbered.add(pname)
+            if dst.numel() > 0:
+                self._write(dst)
             return
         names = self._names(src)
         sptr = src.untyped_storage().data_ptr()
         if sptr not in self.weights:  # computed: every checkpoint tensor it came from is residual
             self.residual |= names
-            if not names:
-                self.clobbered.add(pname)
+            if not names and dst.numel() > 0:
+                self._write(dst)
             return
         wname, w = self.weights[sptr]
         src_box = _box(src, w) if src.dim() == w.dim() else None
@@ -120,8 +137,9 @@ class _Recorder(TorchDispatchMode):
                 or src_box is None or dst_box is None):
             self.residual.add(wname)
             return
+        self.seq += 1
         self.copies.append({"tensor": wname, "offset": src_box, "extent": [int(x) for x in src.shape],
-                            "buffer": pname, "buffer_offset": dst_box})
+                            "buffer": pname, "buffer_offset": dst_box, "seq": self.seq})
 
 
 def record_layout(params: Mapping[str, torch.Tensor], loader: Callable[[Iterable], Any],
@@ -135,9 +153,15 @@ def record_layout(params: Mapping[str, torch.Tensor], loader: Callable[[Iterable
     with torch.no_grad(), rec:
         loader(weights.items())
     residual = set(rec.residual)
-    for c in rec.copies:
-        if c["buffer"] in rec.clobbered:
-            residual.add(c["tensor"])
+    for c in rec.copies:  # a copy that a later write overlaps does not hold the final bits
+        rank = len(c["buffer_offset"])
+        lo = c["buffer_offset"]
+        ext = [1] * (rank - len(c["extent"])) + c["extent"]
+        for pname, offset, extent, seq in rec.writes:
+            if pname == c["buffer"] and seq > c["seq"] and all(
+                    a < b + m and b < a + n for a, n, b, m in zip(lo, ext, offset, extent)):
+                residual.add(c["tensor"])
+                break
     copied = {c["tensor"] for c in rec.copies}
     residual |= set(weights) - copied
     copies, seen = [], set()
@@ -146,6 +170,7 @@ def record_layout(params: Mapping[str, torch.Tensor], loader: Callable[[Iterable
             continue
         key = (c["tensor"], tuple(c["offset"]), tuple(c["extent"]))
         c = dict(c)
+        del c["seq"]
         if key in seen:
             c["primary"] = False  # the same canonical box again: a replica
         seen.add(key)

@@ -23,10 +23,12 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <charconv>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -409,6 +411,31 @@ dcr::PublishOptions MakePublishOptions(uint32_t senders, uint32_t max_attempts, 
   return o;
 }
 
+// Failures injected on purpose (tests of retries): each "point:n" makes the
+// n-th time the publisher reaches fault point `point` fail as a transient
+// store error would (the attempt is fenced and retried).
+std::function<dcr::Status(std::string_view)> InjectedFailures(const std::vector<std::string>& specs) {
+  if (specs.empty()) return {};
+  auto counts = std::make_shared<std::map<std::string, uint64_t>>();
+  std::map<std::string, uint64_t> at;
+  for (const std::string& spec : specs) {
+    const size_t colon = spec.rfind(':');
+    uint64_t n = 0;
+    const char* first = colon == std::string::npos ? nullptr : spec.data() + colon + 1;
+    const char* last = spec.data() + spec.size();
+    if (!first || first == last || std::from_chars(first, last, n).ptr != last || n == 0)
+      Raise(dcr::InvalidArgument("inject_failures: '" + spec + "' is not POINT:N (N >= 1)"));
+    at[spec.substr(0, colon)] = n;
+  }
+  return [counts, at](std::string_view point) {
+    const std::string p(point);
+    auto it = at.find(p);
+    if (it != at.end() && ++(*counts)[p] == it->second)
+      return dcr::Unavailable("injected failure at " + p + " (inject_failures)");
+    return dcr::Status::Ok();
+  };
+}
+
 dcr::FollowOptions MakeFollowOptions(const std::string& id, double poll_s, bool quiet) {
   dcr::FollowOptions o;
   o.id = id;
@@ -725,7 +752,7 @@ NB_MODULE(_dcr, m) {
                           double ack_timeout_s, double heartbeat_timeout_s, uint64_t snapshot_every,
                           uint64_t chunk_elements, uint32_t process, uint32_t processes,
                           const std::vector<std::string>& all_layouts, const std::vector<uint32_t>& placement,
-                          double peer_timeout_s) {
+                          double peer_timeout_s, const std::vector<std::string>& inject_failures) {
         std::vector<std::unique_ptr<dcr::CompiledLayout>> compiled, all;
         for (size_t k = 0; k < layouts.size(); ++k)
           compiled.push_back(std::make_unique<dcr::CompiledLayout>(
@@ -738,13 +765,14 @@ NB_MODULE(_dcr, m) {
                                                    snapshot_every, chunk_elements);
         o.peer_timeout = std::chrono::milliseconds(static_cast<int64_t>(peer_timeout_s * 1000));
         o.cancel = interrupt.Hook();
+        o.fault = InjectedFailures(inject_failures);
         auto publisher = std::make_unique<dcr::ShardPublisher>(*store.store, state_dir, std::move(o));
         new (self) PyShardPublisher{std::move(compiled), std::move(all), dcr::ShardProcesses{process, processes, placement},
                                     std::move(publisher), interrupt};
       }, "store"_a, "state_dir"_a, "layouts"_a, "senders"_a, "max_attempts"_a, "ack_timeout_s"_a,
            "heartbeat_timeout_s"_a, "snapshot_every"_a, "chunk_elements"_a, "process"_a = 0, "processes"_a = 1,
            "all_layouts"_a = std::vector<std::string>{}, "placement"_a = std::vector<uint32_t>{},
-           "peer_timeout_s"_a = 60.0, nb::keep_alive<1, 2>())
+           "peer_timeout_s"_a = 60.0, "inject_failures"_a = std::vector<std::string>{}, nb::keep_alive<1, 2>())
       .def("publish", [](PyShardPublisher& p, uint64_t version, const std::vector<std::vector<nb::ndarray<>>>& buffers) {
         if (buffers.size() != p.layouts.size())
           Raise(dcr::InvalidArgument("ShardPublisher.publish: " + std::to_string(buffers.size()) +

@@ -129,6 +129,39 @@ def test_traced_loader_records_the_fused_layout_and_flags_conversions():
     dcr.validate_layout(layout2)
 
 
+def test_trace_counts_only_writes_that_overlap_a_copy_and_follow_it():
+    # vLLM's vocab-parallel loader: copy the rank's rows, then zero the rest
+    # of the padded parameter (an empty slice when there is no padding).
+    w = {"emb": torch.arange(24, dtype=torch.float32).reshape(6, 4), "other": torch.ones(3)}
+    for padded in (6, 8):
+        params = {"p": torch.full((padded, 4), 7.0), "q": torch.zeros(3)}
+
+        def loader(weights):
+            for name, t in weights:
+                if name == "emb":
+                    params["p"][: t.shape[0]].data.copy_(t)
+                    params["p"][t.shape[0]:].data.fill_(0)
+                else:
+                    params["q"].fill_(5)  # before the copy: the copy holds the final bits
+                    params["q"].copy_(t)
+
+        layout, residuals = record_layout(params, loader, w)
+        assert residuals == [], padded
+        assert {c["tensor"] for c in layout["copies"]} == {"emb", "other"}
+        assert torch.equal(params["p"][6:], torch.zeros(padded - 6, 4))
+
+    # A write after the copy into its region: residual; next to it: not.
+    params = {"p": torch.zeros(8, 4)}
+
+    def clobbering(weights):
+        for _, t in weights:
+            params["p"][:6].copy_(t)
+            params["p"][5:7].mul_(2)
+
+    layout, residuals = record_layout(params, clobbering, {"emb": w["emb"]})
+    assert residuals == ["emb"] and layout["copies"] == []
+
+
 @pytest.mark.parametrize("layout_from", ["handwritten", "traced"])
 @pytest.mark.parametrize("mode", ["xor", "overwrite"])
 def test_llama_refit_into_fused_layout_equals_a_dense_load(mode, layout_from):

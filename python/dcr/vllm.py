@@ -1,0 +1,602 @@
+"""dcr as a vLLM weight-transfer backend (docs/vllm.md).
+
+``pip install`` of the dcr package registers the backend ``"dcr"`` through
+the ``vllm.general_plugins`` entry point (:func:`register`), on both sides:
+
+- :class:`DcrWeightTransferEngine` runs in every vLLM worker. It is a rank
+  of one engine of the run in the store (``docs/protocol.md``, "Engines of
+  several ranks"): ``init_info = {"store": URL, ...}`` (:class:`DcrInitInfo`)
+  joins the run, ``update_info = {"version": N}`` returns once version N is
+  committed and the engine's parameters hold exactly its bits.
+- :class:`DcrTrainerWeightTransferEngine` runs in the trainer: it publishes
+  each version of a vLLM ``WeightSource`` with :class:`dcr.ShardPublisher`
+  and drives start / update / finish on a ``VLLMWeightSyncClient``.
+
+Placement comes from the model's own ``load_weights``, traced once at
+``init_info`` time (:func:`dcr.trace.record_layout`) into host tensors in
+the parameters' *load form* (the shapes ``load_weights`` writes, recorded
+by vLLM before loading). dcr applies every frame to those host tensors;
+once a version is whole, the parameters that changed are copied into the
+live parameters and each changed layer's post-load processing is run again
+(CPU GEMM packing, for instance, replaces a linear layer's weight by a
+packed copy). So the engine's parameters only ever move from one whole
+version to the next, inside the ``update_weights`` call, when vLLM runs no
+forward pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Optional
+
+import torch
+
+from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+import dcr
+from ._tensors import torch_dtype
+from .trace import record_layout
+
+BACKEND = "dcr"
+
+__all__ = [
+    "BACKEND", "register", "DcrInitInfo", "DcrUpdateInfo", "DcrWeightTransferEngine", "DcrTrainerInitInfo",
+    "DcrTrainerWeightTransferEngine", "LLMClient", "load_form_digests", "fresh_load_form_digests",
+]
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: registers backend ``"dcr"``
+    with vLLM's worker-side and trainer-side factories (lazily: this module
+    is imported only where the backend is used). Idempotent."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "DcrWeightTransferEngine")
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(BACKEND, __name__, "DcrTrainerWeightTransferEngine")
+
+
+# ---- The run in the store --------------------------------------------------------
+
+def _open_run(url: str, run_id: Optional[str]) -> tuple:
+    """(store, run record) of the run at ``url``; ValueError when there is
+    none or it is another run than ``run_id``."""
+    try:
+        store = dcr.open_store(url, create_root=False)
+        run = json.loads(store.get("run.json"))
+    except dcr.NotFoundError as e:
+        raise ValueError(f"dcr: no run at store '{url}' (run.json not found): {e.message}") from e
+    except dcr.DcrError as e:
+        raise ValueError(f"dcr: cannot read the run at store '{url}': {e.message}") from e
+    if run_id is not None and run.get("run_id") != run_id:
+        raise ValueError(f"dcr: the store '{url}' holds run '{run.get('run_id')}', not run '{run_id}'")
+    return store, run
+
+
+def _latest_commit(store: "dcr.Store") -> int:
+    """The newest committed version in the store (-1 when none)."""
+    newest = -1
+    for key, _, _ in store.list("commits/"):
+        stem = key.rsplit("/", 1)[-1]
+        if stem.startswith("v") and stem.endswith(".json") and stem[1:-5].isdigit():
+            newest = max(newest, int(stem[1:-5]))
+    return newest
+
+
+# ---- The worker side ---------------------------------------------------------------
+
+@dataclass
+class DcrInitInfo(WeightTransferInitInfo):
+    """``init_info`` of the worker engine.
+
+    store: the run's store URL (``file://``, ``s3://``; docs/stores.md).
+    run_id: refuse a store that holds another run (None: any).
+    engine: the engine's name in the run, the same on every rank (default:
+        the host and the engine process).
+    state_dir: where each rank keeps its journal (``<state_dir>/rank<r>``;
+        default: a directory under the system's temporary directory).
+    poll_s: how often the store is polled while following.
+    join_timeout_s: the longest init may take to join the run.
+    """
+
+    store: str
+    run_id: Optional[str] = None
+    engine: Optional[str] = None
+    state_dir: Optional[str] = None
+    poll_s: float = 0.05
+    join_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.store, str) or not self.store:
+            raise ValueError("dcr: init_info 'store' must be a store URL")
+        if self.engine is not None and (not isinstance(self.engine, str) or not self.engine or "/" in self.engine):
+            raise ValueError(f"dcr: init_info 'engine' must be a name without '/', not {self.engine!r}")
+        if not (isinstance(self.poll_s, (int, float)) and 0 < self.poll_s <= 60):
+            raise ValueError(f"dcr: init_info 'poll_s' must be in (0, 60], not {self.poll_s!r}")
+
+
+@dataclass
+class DcrUpdateInfo(WeightTransferUpdateInfo):
+    """``update_info``: the version to reach, and how long to wait for it."""
+
+    version: int
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
+            raise ValueError(f"dcr: update_info 'version' must be a version number, not {self.version!r}")
+        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+            raise ValueError(f"dcr: update_info 'timeout_s' must be positive, not {self.timeout_s!r}")
+
+
+# Post-load processing that may run again on parameters in load form (it
+# rebuilds kernels or packed copies from them); any other is refused.
+_IDEMPOTENT_PROCESSING = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod")
+
+
+class _Slot:
+    """One live parameter: its module, attribute, load-form metadata (a meta
+    tensor carrying the loader's attributes, or None) and dcr's host copy
+    of it in load form."""
+
+    def __init__(self, module: torch.nn.Module, attr: str, meta: Optional[torch.Tensor], live: torch.Tensor):
+        self.module, self.attr, self.meta = module, attr, meta
+        spec = meta if meta is not None else live
+        self.host = torch.zeros(tuple(spec.shape), dtype=spec.dtype, device="cpu")
+
+    def materialize(self, device: torch.device) -> torch.Tensor:
+        """A fresh parameter in load form (with the loader's attributes) on ``device``."""
+        from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+        spec = self.meta if self.meta is not None else getattr(self.module, self.attr)
+        t = torch.empty(tuple(spec.shape), dtype=spec.dtype, device=device)
+        t.__class__ = spec.__class__
+        t.__dict__ = spec.__dict__.copy()
+        return restore_layer_refs(t, self.module)
+
+
+class _LoadForm:
+    """dcr's target in a vLLM worker: host tensors in the load form of every
+    parameter of ``model``, and the way back to the live parameters."""
+
+    def __init__(self, model: torch.nn.Module):
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        self.model = model
+        self.slots: dict = {}
+        for name, live in model.named_parameters():
+            mod_name, _, attr = name.rpartition(".")
+            module = model.get_submodule(mod_name) if mod_name else model
+            info = LAYERWISE_INFO.get(module)
+            meta = info.restore_metadata[0].get(attr) if info is not None else None
+            self.slots[name] = _Slot(module, attr, meta, live)
+        for name, s in self.slots.items():
+            qm = getattr(s.module, "quant_method", None)
+            if qm is not None and type(qm).__name__ not in _IDEMPOTENT_PROCESSING:
+                raise NotImplementedError(f"dcr: parameter '{name}' belongs to a layer quantized with "
+                                          f"{type(qm).__name__}; the dcr backend supports unquantized models")
+
+    @property
+    def tensors(self) -> dict:
+        return {n: s.host for n, s in self.slots.items()}
+
+    @contextlib.contextmanager
+    def loading_into(self, tensors: Mapping[str, torch.Tensor]):
+        """Within: the model's parameters are ``tensors`` (load form, host,
+        carrying the loader's attributes), so ``model.load_weights`` writes
+        there and not into the live parameters, which are put back after."""
+        saved = []
+        try:
+            for name, s in self.slots.items():
+                saved.append((s.module, s.attr, s.module._parameters[s.attr]))
+                p = s.materialize(torch.device("cpu"))
+                p.data = tensors[name]
+                s.module._parameters[s.attr] = p
+            yield
+        finally:
+            for module, attr, live in saved:
+                module._parameters[attr] = live
+
+    def trace(self, run_tensors: list) -> tuple:
+        """Records the receiver map of the model's ``load_weights`` into the
+        host tensors, with zero-filled tensors of the run (the live
+        parameters are not touched). Returns (layout, residual names)."""
+        weights = {t["name"]: torch.zeros(t["shape"], dtype=torch_dtype(t["dtype"])) for t in run_tensors}
+        hosts = self.tensors
+        with self.loading_into(hosts):
+            return record_layout(hosts, self.model.load_weights, weights)
+
+    def load(self, weights: Iterable) -> None:
+        """The residual tensors' loader: ``model.load_weights`` into the host tensors."""
+        with torch.no_grad(), self.loading_into(self.tensors):
+            self.model.load_weights(weights)
+
+    def refresh(self, names: Iterable[str], vllm_config: Any) -> None:
+        """Makes the live parameters ``names`` hold their host copies: copied
+        in place where the live parameter is in load form, else (its layer's
+        processing replaced it) the layer's parameters are rebuilt from the
+        host copies; then each layer's post-load processing runs again."""
+        from vllm.config import set_current_vllm_config
+
+        layers: dict = {}
+        for name in names:
+            s = self.slots[name]
+            layers.setdefault(id(s.module), (s.module, []))[1].append(name)
+        with torch.no_grad(), set_current_vllm_config(vllm_config):
+            for module, changed in layers.values():
+                own = [n for n, s in self.slots.items() if s.module is module]
+                rebuild = any(not _same_form(getattr(module, self.slots[n].attr), self.slots[n].host) for n in own)
+                for n in (own if rebuild else changed):
+                    s = self.slots[n]
+                    live = getattr(module, s.attr)
+                    if rebuild:
+                        device = live.device if live.device.type != "meta" else torch.device("cpu")
+                        p = s.materialize(device)
+                        p.data.copy_(s.host)
+                        module._parameters[s.attr] = p
+                    else:
+                        live.data.copy_(s.host, non_blocking=False)
+                qm = getattr(module, "quant_method", None)
+                if qm is not None:
+                    qm.process_weights_after_loading(module)
+                    if hasattr(module, "update_param_tp_status"):
+                        module.update_param_tp_status()
+
+    def digests(self) -> dict:
+        return {n: _sha256(s.host) for n, s in self.slots.items()}
+
+
+def _count_replicas_once(layout: dict, rank: int, group: Any) -> None:
+    """Elements placed on several ranks (norms and other replicated
+    parameters, KV heads replicated when heads < ranks) count in the
+    partial digest of the lowest rank only: the other ranks' copies of the
+    same canonical box are marked non-primary, so the ranks' partials add
+    up to the version's digest. Collective over the ranks of ``group``."""
+    import torch.distributed as dist
+
+    def boxes(copies):
+        return [(c["tensor"], tuple(c["offset"]), tuple(c["extent"])) for c in copies if c.get("primary", True)]
+
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, boxes(layout["copies"]), group=group)
+    lower: dict = {}
+    for theirs in every[:rank]:
+        for t, off, ext in theirs:
+            lower.setdefault(t, set()).add((off, ext))
+    for c in layout["copies"]:
+        held = lower.get(c["tensor"], ())
+        off, ext = tuple(c["offset"]), tuple(c["extent"])
+        if (off, ext) in held:
+            c["primary"] = False
+            continue
+        for o2, e2 in held:
+            if all(a < b + m and b < a + n for a, n, b, m in zip(off, ext, o2, e2)):
+                raise NotImplementedError(f"dcr: '{c['tensor']}' box {list(off)}+{list(ext)} on rank {rank} overlaps "
+                                          f"another rank's box {list(o2)}+{list(e2)} without being the same box")
+
+
+def _same_form(live: torch.Tensor, host: torch.Tensor) -> bool:
+    return tuple(live.shape) == tuple(host.shape) and live.dtype == host.dtype and live.device.type != "meta"
+
+
+def _sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+def _default_engine_name() -> str:
+    # The engine process: with several workers it is their parent; one
+    # worker runs inside it. Same on every rank of one engine.
+    import vllm.distributed.parallel_state as ps
+
+    single = ps.get_tensor_model_parallel_world_size() == 1
+    return f"vllm-{socket.gethostname()}-{os.getpid() if single else os.getppid()}"
+
+
+class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
+    """The worker side of backend ``"dcr"``: a rank of an engine that
+    follows a dcr run (module docstring; docs/vllm.md)."""
+
+    init_info_cls = DcrInitInfo
+    update_info_cls = DcrUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._info: Optional[DcrInitInfo] = None
+        self._store = None
+        self._form: Optional[_LoadForm] = None
+        self._receiver: Optional[dcr.Receiver] = None
+        self.version: Optional[int] = None
+
+    # -- init: join the run ---------------------------------------------------------
+
+    def init_transfer_engine(self, init_info: DcrInitInfo) -> None:
+        import vllm.distributed.parallel_state as ps
+
+        if self._receiver is not None:
+            if init_info == self._info:
+                return  # the same run again: already following
+            raise RuntimeError("dcr: this engine already follows a run; start a new engine for another")
+        if self.parallel_config.pipeline_parallel_size > 1:
+            raise NotImplementedError("dcr: pipeline-parallel engines are not supported (tensor parallel is)")
+        store, run = _open_run(init_info.store, init_info.run_id)
+        rank, ranks = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        engine = init_info.engine or _default_engine_name()
+        state_root = init_info.state_dir or os.path.join(tempfile.gettempdir(), "dcr-vllm", engine)
+        state_dir = os.path.join(state_root, f"rank{rank}")
+        os.makedirs(state_dir, exist_ok=True)
+
+        form = _LoadForm(self.model)
+        layout, residuals = form.trace(run["tensors"])
+        if ranks > 1:
+            _count_replicas_once(layout, rank, ps.get_tp_group().cpu_group)
+        if residuals:
+            hosts = {n: torch.zeros(t["shape"], dtype=torch_dtype(t["dtype"]))
+                     for t in run["tensors"] for n in [t["name"]] if n in residuals}
+            # Each rank keeps the residual tensors whole; rank 0's count.
+            receiver = dcr.Receiver(form.tensors, layout, residuals=hosts, loader=form.load,
+                                    post_update=self._on_version, stage=False, residuals_primary=rank == 0)
+        else:
+            receiver = dcr.Receiver(form.tensors, layout, post_update=self._on_version, stage=False)
+        self._store, self._form, self._receiver = store, form, receiver
+        self._buffers_of: dict = {}  # canonical tensor -> the parameters it is placed in
+        for c in layout.get("copies", []):
+            self._buffers_of.setdefault(c["tensor"], set()).add(c["buffer"])
+        self._follow = dict(engine=engine, rank=rank, ranks=ranks, poll_s=init_info.poll_s)
+        self._state_dir = state_dir
+        latest = _latest_commit(store)
+        if latest < 0:
+            raise ValueError(f"dcr: the run at '{init_info.store}' has no committed version yet")
+        try:
+            self._reach(latest, init_info.join_timeout_s)
+        except BaseException:
+            self._store = self._form = self._receiver = None
+            raise
+        self._info = init_info
+
+    # -- one update ---------------------------------------------------------------
+
+    def start_weight_update(self) -> None:
+        self._check_init()
+
+    def receive_weights(self, update_info: DcrUpdateInfo) -> None:
+        self._check_init()
+        v = update_info.version
+        if v < self.version:
+            raise ValueError(f"dcr: the engine holds version {self.version}; version {v} is behind it")
+        if v == self.version:
+            return
+        self._reach(v, update_info.timeout_s)
+
+    def update_weights(self, update_info: dict) -> None:
+        # The base class synchronizes the accelerator after receive_weights;
+        # refresh() copies synchronously, so this is the same contract.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def finish_weight_update(self) -> None:
+        self._check_init()
+
+    def shutdown(self) -> None:
+        self._store = self._form = self._receiver = None
+        self._info = None
+
+    # -- internals ----------------------------------------------------------------
+
+    def _check_init(self) -> None:
+        if self._receiver is None:
+            raise RuntimeError("dcr: init_weight_transfer_engine({'store': URL}) first")
+
+    def _on_version(self, report: dict) -> None:
+        # Called by Receiver.follow (inside update_weights or init, so no
+        # forward pass runs) whenever the host tensors hold a whole version:
+        # the live parameters move to it.
+        changed = set()
+        for t in report.get("tensors_changed", []):
+            changed |= self._buffers_of.get(t, set())
+        if report.get("residuals_loaded"):  # the loader wrote wherever the model's loader writes
+            changed = set(self._form.slots)
+        self._form.refresh(sorted(changed), self.vllm_config)
+        self.version = report["version"]
+
+    def _reach(self, version: int, timeout_s: float) -> None:
+        """Follows the run until ``version`` is held whole in the host
+        tensors, then moves the live parameters that changed."""
+        try:
+            self._receiver.follow(self._store, self._state_dir, until=version, timeout_s=timeout_s, **self._follow)
+        except dcr.DeadlineExceededError as e:
+            raise TimeoutError(f"dcr: version {version} was not reached within {timeout_s} s (is it being "
+                               f"published?); the engine keeps version {self.version}: {e.message}") from e
+
+    def load_form_digests(self) -> dict:
+        """SHA-256 of each parameter's load-form bytes held by dcr."""
+        self._check_init()
+        return self._form.digests()
+
+
+# ---- Checks the tests (and users) run through collective_rpc ----------------------
+
+def load_form_digests(worker: Any) -> dict:
+    """``llm.collective_rpc(load_form_digests)``: per rank, the SHA-256 of
+    every parameter in load form as the dcr backend holds it."""
+    return worker.weight_transfer_engine.load_form_digests()
+
+
+def fresh_load_form_digests(worker: Any, checkpoint_dir: str) -> dict:
+    """``llm.collective_rpc(fresh_load_form_digests, args=(dir,))``: per
+    rank, the SHA-256 of every parameter in load form after a fresh load of
+    the safetensors checkpoint in ``checkpoint_dir`` through the model's own
+    ``load_weights`` (into scratch tensors; the live parameters are not
+    touched)."""
+    from safetensors import safe_open
+
+    model = worker.weight_transfer_engine.model
+    form = _LoadForm(model)
+    files = sorted(f for f in os.listdir(checkpoint_dir) if f.endswith(".safetensors"))
+
+    def weights():
+        for f in files:
+            with safe_open(os.path.join(checkpoint_dir, f), framework="pt") as st:
+                for k in st.keys():
+                    yield k, st.get_tensor(k)
+
+    form.load(weights())
+    return form.digests()
+
+
+# ---- The trainer side --------------------------------------------------------------
+
+@dataclass
+class DcrTrainerInitInfo(TrainerInitInfo):
+    """``trainer_init`` info of backend ``"dcr"``.
+
+    store: the run's store URL; the run is created (version 0, the
+        snapshot of the source's tensors) when the store holds none.
+    state_dir: the publisher's state (docs/python.md, ShardPublisher).
+    engine_init: further worker ``init_info`` (engine, state_dir, poll_s,
+        join_timeout_s); ``store`` and ``run_id`` are filled in.
+    engines: the engine names to wait for before each version's publish
+        (every rank following in the store), so that they take part in its
+        attempts; None: the engine this client drives (``engine_init``'s
+        ``engine``, by default named after this host and process); []:
+        publish at once (engines then apply the committed version when
+        they reach it).
+    """
+
+    backend: ClassVar[str] = BACKEND
+
+    store: str
+    state_dir: str
+    engine_init: dict = field(default_factory=dict)
+    engines: Optional[list] = None
+    max_attempts: int = 3
+    ack_timeout_s: float = 120.0
+    heartbeat_timeout_s: float = 30.0
+    update_timeout_s: float = 600.0
+    inject_failures: list = field(default_factory=list)  # tests of retries: ShardPublisher(inject_failures=)
+
+
+class DcrTrainerWeightTransferEngine(TrainerWeightTransferEngine[DcrTrainerInitInfo]):
+    """The trainer side of backend ``"dcr"``: each :meth:`send_weights`
+    publishes the source's current tensors as the next version and drives
+    the engines' start / update / finish through the client."""
+
+    init_info_cls = DcrTrainerInitInfo
+
+    @classmethod
+    def trainer_init(cls, init_info: DcrTrainerInitInfo, *, client, source=None) -> "DcrTrainerWeightTransferEngine":
+        if source is None:
+            raise ValueError("dcr: trainer_init needs a WeightSource (e.g. ModuleSource(model))")
+        self = cls(client=client, source=source, is_sender=init_info.is_sender)
+        self.info = init_info
+        self.held = {name: t.detach() for name, t in source}
+        if not self.is_sender:
+            return self
+        store = dcr.open_store(init_info.store)
+        self.store = store
+        self.publisher = dcr.ShardPublisher(store, init_info.state_dir, senders=[self.held],
+                                            max_attempts=init_info.max_attempts,
+                                            ack_timeout_s=init_info.ack_timeout_s,
+                                            heartbeat_timeout_s=init_info.heartbeat_timeout_s,
+                                            inject_failures=init_info.inject_failures)
+        self.version = _latest_commit(store)
+        if self.version < 0:
+            self.publisher.publish_snapshot(self.held)
+            self.version = 0
+        run = json.loads(store.get("run.json"))
+        worker_info = dict(init_info.engine_init)
+        worker_info.update(store=init_info.store, run_id=run["run_id"])
+        worker_info.setdefault("engine", f"vllm-{socket.gethostname()}-{os.getpid()}")
+        self.engines = list(init_info.engines) if init_info.engines is not None else [worker_info["engine"]]
+        self.worker_info = worker_info
+        client.init_weight_transfer_engine(worker_info)
+        return self
+
+    def _refresh_held(self) -> None:
+        # A source may hand out new tensors each round (e.g. gathered
+        # shards): their values go into the tensors the publisher holds.
+        for name, t in self.source:
+            h = self.held[name]
+            if t.data_ptr() != h.data_ptr():
+                h.copy_(t.detach())
+
+    def send_weights(self, version: Optional[int] = None) -> dict:
+        """Publishes the next version (or ``version``) and returns the
+        publisher's report once it is committed and the engines hold it."""
+        self._refresh_held()
+        if not self.is_sender:
+            return {}
+        v = self.version + 1 if version is None else version
+        since = time.time()
+        self.client.start_weight_update()
+        errors: list = []
+
+        def update() -> None:
+            try:
+                self.client.update_weights({"version": v, "timeout_s": self.info.update_timeout_s})
+            except BaseException as e:  # handed to the caller below
+                errors.append(e)
+
+        updater = threading.Thread(target=update, name="dcr-update-weights", daemon=True)
+        updater.start()
+        self._await_engines(since, updater)
+        report = self.publisher.publish(v)
+        updater.join()
+        if errors:
+            raise errors[0]
+        self.client.finish_weight_update(weight_version=str(v))
+        self.version = v
+        return report
+
+    def _await_engines(self, since: float, updater: threading.Thread) -> None:
+        """Waits until every rank of each of ``engines`` is following in the
+        store with a heartbeat after ``since`` (or the update call ended)."""
+        want = set(self.engines)
+        deadline = time.monotonic() + self.info.update_timeout_s
+        while want and updater.is_alive() and time.monotonic() < deadline:
+            live: dict = {}
+            for key, _, _ in self.store.list("receivers/"):
+                try:
+                    r = json.loads(self.store.get(key))
+                except (dcr.NotFoundError, ValueError):
+                    continue
+                e = r.get("engine") or {}
+                if e.get("id") in want and r.get("state") in ("following", "applying") and r.get("heartbeat", 0) >= since:
+                    live.setdefault(e["id"], set()).add(e.get("rank"))
+                    if len(live[e["id"]]) == e.get("ranks"):
+                        want.discard(e["id"])
+            if want:
+                time.sleep(0.02)
+
+
+class LLMClient:
+    """A ``VLLMWeightSyncClient`` over an offline ``vllm.LLM`` in this process."""
+
+    def __init__(self, llm: Any):
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
+        self.llm.finish_weight_update(weight_version=weight_version)

@@ -1,0 +1,227 @@
+"""Real vLLM engines refit by the dcr backend, for tests/python/test_vllm.py.
+
+Each mode runs in a process of its own (vLLM spawns its workers, so ``LLM``
+is built under ``__main__``) and writes what it saw as JSON to ``--out``:
+
+- ``model``: writes a tiny Qwen3 (dense, tied embeddings) or Qwen3-MoE from
+  a transformers config to ``--dir`` (``save_pretrained``).
+- ``refit``: a trainer (the transformers model, real AdamW steps) and a
+  vLLM ``LLM`` with ``weight_transfer_config={"backend": "dcr"}`` in this
+  process; ``--steps`` versions published through ``--store`` with
+  ``DcrTrainerWeightTransferEngine``. After each version: the engine's
+  parameters (load form, every rank) against a fresh load of the trainer's
+  checkpoint through the model's own loader, the weight version, and greedy
+  tokens. ``--fail-at POINT:N`` fails the publisher at a fault point (the
+  attempt is fenced and retried as an overwrite). ``--bad-input`` also
+  tries the refusals and checks that the engine kept its bits.
+- ``fresh``: a vLLM ``LLM`` loading ``--dir`` from disk: greedy tokens and
+  the live parameters' digests, the reference for the refit engine.
+- ``trainer``: the trainer alone against a ``vllm serve`` at ``--url``
+  (HTTP routes); between versions ``--pause-file`` lets the test restart
+  the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+PROMPTS = [[1, 5, 9, 42, 7, 3], [100, 200, 33, 4]]
+
+
+def make_model(family: str, seed: int = 0):
+    import torch
+    import transformers
+
+    common = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, torch_dtype="bfloat16")
+    if family == "qwen3":
+        cfg = transformers.Qwen3Config(tie_word_embeddings=True, **common)
+        cls = transformers.Qwen3ForCausalLM
+    elif family == "qwen3-moe":
+        cfg = transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                          decoder_sparse_step=1, tie_word_embeddings=False, **common)
+        cls = transformers.Qwen3MoeForCausalLM
+    else:
+        raise SystemExit(f"unknown family {family}")
+    torch.manual_seed(seed)
+    model = cls(cfg).to(torch.bfloat16)
+    # Larger than the default init, so that AdamW steps change a few % of the bits.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0) if p.dim() > 1 else None
+    return model
+
+
+def train_step(model, optimizer, step: int) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, model.config.vocab_size, (4, 16), generator=g)
+    out = model(input_ids=tokens, labels=tokens)
+    out.loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def make_llm(model_dir: str, tp: int, backend: bool):
+    from vllm import LLM
+
+    kwargs = dict(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", tensor_parallel_size=tp,
+                  max_model_len=128, max_num_seqs=4, enforce_eager=True, seed=0)
+    if backend:
+        kwargs["weight_transfer_config"] = {"backend": "dcr"}
+    return LLM(**kwargs)
+
+
+def greedy(llm) -> list:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def live_digests(worker) -> dict:
+    """vLLM's own per-parameter digests of the live model (collective_rpc)."""
+    from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
+
+    return compute_tensor_digests(worker.get_model())
+
+
+def per_rank(results: list) -> list:
+    return [dict(sorted(r.items())) for r in results]
+
+
+def mode_refit(a) -> dict:
+    import torch
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    import dcr.vllm as dv
+
+    model = make_model(a.family)
+    model.save_pretrained(os.path.join(a.work, "v0"))
+    llm = make_llm(os.path.join(a.work, "v0"), a.tp, backend=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr)
+    out: dict = {}
+    if a.bad_input:  # before the engine joins: what it loaded from disk must stay
+        import dcr
+
+        a.other_store = "file://" + os.path.join(a.work, "other-store")  # another run of the same model
+        other = dcr.ShardPublisher(dcr.open_store(a.other_store), os.path.join(a.work, "other-trainer"),
+                                   senders=[{n: p.detach() for n, p in model.named_parameters()}])
+        other.publish_snapshot({n: p.detach() for n, p in model.named_parameters()})
+        live = lambda: per_rank(llm.collective_rpc(live_digests))  # noqa: E731
+        out["bad_init"] = bad_inputs(a, llm, None, ["no_run", "wrong_run_id", "unreachable"], live)
+    info = dv.DcrTrainerInitInfo(rank=0, store=a.store, state_dir=os.path.join(a.work, "trainer"),
+                                 engine_init={"engine": "e1", "state_dir": os.path.join(a.work, "engine")},
+                                 inject_failures=a.fail_at, heartbeat_timeout_s=60.0)
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=dv.LLMClient(llm), source=ModuleSource(model))
+    out.update(versions=[], joined_version=llm.get_weight_version())
+    check = lambda v: {  # noqa: E731
+        "version": v,
+        "weight_version": llm.get_weight_version(),
+        "engine": per_rank(llm.collective_rpc(dv.load_form_digests)),
+        "fresh": per_rank(llm.collective_rpc(dv.fresh_load_form_digests, args=(os.path.join(a.work, f"v{v}"),))),
+        "tokens": greedy(llm),
+    }
+    out["versions"].append(check(0))
+    for step in range(1, a.steps + 1):
+        with torch.no_grad():
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        train_step(model, optimizer, step)
+        changed = sum(int((before[n].view(torch.int16) != p.detach().view(torch.int16)).sum())
+                      for n, p in model.named_parameters())
+        total = sum(p.numel() for p in model.parameters())
+        report = trainer.send_weights()
+        model.save_pretrained(os.path.join(a.work, f"v{step}"))
+        entry = check(step)
+        entry.update(changed_fraction=changed / total, attempts=report.get("attempts"), acked=report.get("acked"))
+        out["versions"].append(entry)
+        print(f"version {step}: {changed / total:.2%} changed, attempts {report.get('attempts')}", flush=True)
+    if a.bad_input:
+        engine = lambda: per_rank(llm.collective_rpc(dv.load_form_digests))  # noqa: E731
+        out["bad_input"] = bad_inputs(a, llm, trainer, ["behind", "never_published", "bad_version", "another_run"],
+                                      engine)
+    out["final_live"] = per_rank(llm.collective_rpc(live_digests))
+    return out
+
+
+def bad_inputs(a, llm, trainer, cases: list, digests) -> dict:
+    """Each refusal: the error vLLM raises, and whether the engine kept its
+    bits (``digests()``), greedy tokens and weight version."""
+    results = {}
+
+    def attempt(name, fn):
+        before = digests()
+        tokens = greedy(llm)
+        try:
+            fn()
+            err = None
+        except Exception as e:  # the test checks the message
+            err = f"{type(e).__name__}: {e}"
+        # vLLM closes the update session of an update_weights that raised.
+        results[name] = {"error": err, "unchanged": digests() == before,
+                         "tokens_unchanged": greedy(llm) == tokens, "weight_version": llm.get_weight_version()}
+
+    def update(info):
+        llm.start_weight_update()
+        llm.update_weights({"update_info": info})
+
+    def init(info):
+        llm.init_weight_transfer_engine({"init_info": info})
+
+    empty = os.path.join(a.work, "empty-store")
+    os.makedirs(empty, exist_ok=True)
+    run = {
+        "behind": lambda: update({"version": 0}),
+        "never_published": lambda: update({"version": trainer.version + 5, "timeout_s": 2.0}),
+        "bad_version": lambda: update({"version": "seven"}),
+        "no_run": lambda: init({"store": "file://" + empty}),
+        "wrong_run_id": lambda: init({"store": a.other_store, "run_id": "not-this-run"}),
+        "unreachable": lambda: init({"store": "s3://bucket/run?endpoint=http://127.0.0.1:9&region=x"}),
+        "another_run": lambda: init({"store": a.other_store}),
+    }
+    for case in cases:
+        attempt(case, run[case])
+    return results
+
+
+def mode_fresh(a) -> dict:
+    llm = make_llm(a.dir, a.tp, backend=False)
+    return {"tokens": greedy(llm), "live": per_rank(llm.collective_rpc(live_digests))}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["refit", "fresh"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--work")
+    p.add_argument("--store")
+    p.add_argument("--dir")
+    p.add_argument("--family", default="qwen3")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    # AdamW moves every element by about lr: 1e-5 changes the stored bf16
+    # bits of the smaller weights only, a few % of them, as real steps do.
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--fail-at", action="append", default=[])
+    p.add_argument("--bad-input", action="store_true")
+    a = p.parse_args()
+    start = time.monotonic()
+    out = {"refit": mode_refit, "fresh": mode_fresh}[a.mode](a)
+    out["seconds"] = time.monotonic() - start
+    with open(a.out, "w") as f:
+        json.dump(out, f)
+    sys.stdout.flush()
+    os._exit(0)  # vLLM's workers and threads: do not wait for their teardown
+
+
+if __name__ == "__main__":
+    main()
