@@ -227,11 +227,19 @@ class _LoadForm:
             self.model.load_weights(weights)
 
     def refresh(self, names: Iterable[str], vllm_config: Any) -> None:
-        """Makes the live parameters ``names`` hold their host copies: copied
-        in place where the live parameter is in load form, else (its layer's
-        processing replaced it) the layer's parameters are rebuilt from the
-        host copies; then each layer's post-load processing runs again."""
+        """Makes the live parameters ``names`` hold their host copies, and
+        the state each layer's post-load processing derives from them.
+
+        A layer without processing (norms) is copied in place. A processed
+        layer on CPU is rebuilt as at its first load: parameters in load
+        form from the host copies, then its processing (which packs GEMM
+        and MoE weights into the kernels' layouts; vLLM's own weight-update
+        path skips the MoE prepack there). Elsewhere (GPU) parameters still
+        in load form are copied in place, keeping their addresses (CUDA
+        graphs), and the processing runs as vLLM's weight updates run it;
+        a layer whose processing replaced its parameters is rebuilt."""
         from vllm.config import set_current_vllm_config
+        from vllm.platforms import current_platform
 
         layers: dict = {}
         for name in names:
@@ -239,8 +247,10 @@ class _LoadForm:
             layers.setdefault(id(s.module), (s.module, []))[1].append(name)
         with torch.no_grad(), set_current_vllm_config(vllm_config):
             for module, changed in layers.values():
+                qm = getattr(module, "quant_method", None)
                 own = [n for n, s in self.slots.items() if s.module is module]
-                rebuild = any(not _same_form(getattr(module, self.slots[n].attr), self.slots[n].host) for n in own)
+                rebuild = qm is not None and (current_platform.is_cpu() or any(
+                    not _same_form(getattr(module, self.slots[n].attr), self.slots[n].host) for n in own))
                 for n in (own if rebuild else changed):
                     s = self.slots[n]
                     live = getattr(module, s.attr)
@@ -251,11 +261,13 @@ class _LoadForm:
                         module._parameters[s.attr] = p
                     else:
                         live.data.copy_(s.host, non_blocking=False)
-                qm = getattr(module, "quant_method", None)
-                if qm is not None:
-                    qm.process_weights_after_loading(module)
-                    if hasattr(module, "update_param_tp_status"):
-                        module.update_param_tp_status()
+                if qm is None:
+                    continue
+                if rebuild and getattr(qm, "moe_kernel", None) is not None:
+                    qm.moe_kernel = None  # processed as a first load: the kernel prepacks again
+                qm.process_weights_after_loading(module)
+                if hasattr(module, "update_param_tp_status"):
+                    module.update_param_tp_status()
 
     def digests(self) -> dict:
         return {n: _sha256(s.host) for n, s in self.slots.items()}

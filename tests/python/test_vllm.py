@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -31,10 +32,18 @@ def run_job(tmp_path, name: str, *args, tp: int = 1, timeout: int = 900) -> dict
     env.pop("DCR_STORE_FAULTS", None)
     log = tmp_path / f"{name}.log"
     with open(log, "w") as f:
-        p = subprocess.run([sys.executable, JOB, *args, "--out", str(out), "--tp", str(tp)], stdout=f,
-                           stderr=subprocess.STDOUT, env=env, timeout=timeout)  # guards against a hang only
+        p = subprocess.Popen([sys.executable, JOB, *args, "--out", str(out), "--tp", str(tp)], stdout=f,
+                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = p.wait(timeout=timeout)  # guards against a hang only
+        finally:  # vLLM's engine and workers are in the job's session: none outlives it
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
     text = log.read_text()
-    assert p.returncode == 0 and out.exists(), f"{name} failed ({p.returncode}):\n{text[-6000:]}"
+    assert rc == 0 and out.exists(), f"{name} failed ({rc}):\n{text[-6000:]}"
     return json.loads(out.read_text())
 
 
@@ -89,10 +98,13 @@ def test_vllm_engine_follows_a_trainer_bit_exact(tmp_path):
     assert fresh["live"] == r["final_live"]
 
 
-def test_vllm_tensor_parallel_engine_is_one_receiver_of_two_ranks(tmp_path):
+def test_vllm_tensor_parallel_moe_engine_is_one_receiver_of_two_ranks(tmp_path):
+    # A Qwen3-MoE (stacked experts, sharded over the ranks) on two ranks.
     steps = 2
     store = "file://" + str(tmp_path / "store")
-    r = run_job(tmp_path, "refit", "refit", "--work", str(tmp_path), "--store", store, "--steps", str(steps), tp=2)
+    r = run_job(tmp_path, "refit", "refit", "--work", str(tmp_path), "--store", store, "--steps", str(steps),
+                "--family", "qwen3-moe", tp=2)
+    assert any(".experts." in n for n in r["versions"][0]["engine"][0])
     check_versions(r, steps)
     assert all(len(v["engine"]) == 2 for v in r["versions"])
     assert all(sorted(v.get("acked")) == ["e1-r0", "e1-r1"] for v in r["versions"][1:])

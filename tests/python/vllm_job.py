@@ -124,6 +124,17 @@ def mode_refit(a) -> dict:
                                  inject_failures=a.fail_at, heartbeat_timeout_s=60.0)
     trainer = WeightTransferTrainerFactory.trainer_init(info, client=dv.LLMClient(llm), source=ModuleSource(model))
     out.update(versions=[], joined_version=llm.get_weight_version())
+    try:
+        return refit_versions(a, model, optimizer, llm, trainer, out)
+    finally:
+        shutdown(llm)
+
+
+def refit_versions(a, model, optimizer, llm, trainer, out: dict) -> dict:
+    import torch
+
+    import dcr.vllm as dv
+
     check = lambda v: {  # noqa: E731
         "version": v,
         "weight_version": llm.get_weight_version(),
@@ -195,7 +206,15 @@ def bad_inputs(a, llm, trainer, cases: list, digests) -> dict:
 
 def mode_fresh(a) -> dict:
     llm = make_llm(a.dir, a.tp, backend=False)
-    return {"tokens": greedy(llm), "live": per_rank(llm.collective_rpc(live_digests))}
+    try:
+        return {"tokens": greedy(llm), "live": per_rank(llm.collective_rpc(live_digests))}
+    finally:
+        shutdown(llm)
+
+
+def shutdown(llm) -> None:
+    """Stops the engine and its worker processes (an exit without it can leave them behind)."""
+    llm.llm_engine.engine_core.shutdown()
 
 
 def main() -> None:
@@ -220,7 +239,6 @@ def main() -> None:
     with open(a.out, "w") as f:
         json.dump(out, f)
     sys.stdout.flush()
-    os._exit(0)  # vLLM's workers and threads: do not wait for their teardown
 
 
 if __name__ == "__main__":
