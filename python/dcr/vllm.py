@@ -156,6 +156,7 @@ class _Slot:
 
     def __init__(self, module: torch.nn.Module, attr: str, meta: Optional[torch.Tensor], live: torch.Tensor):
         self.module, self.attr, self.meta = module, attr, meta
+        self.aliases: list = []  # other (module, attr) holding the same Parameter (tied embeddings)
         spec = meta if meta is not None else live
         self.host = torch.zeros(tuple(spec.shape), dtype=spec.dtype, device="cpu")
 
@@ -185,6 +186,13 @@ class _LoadForm:
             info = LAYERWISE_INFO.get(module)
             meta = info.restore_metadata[0].get(attr) if info is not None else None
             self.slots[name] = _Slot(module, attr, meta, live)
+        owner = {id(s.module._parameters[s.attr]): s for s in self.slots.values()}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            mod_name, _, attr = name.rpartition(".")
+            module = model.get_submodule(mod_name) if mod_name else model
+            s = owner.get(id(p))
+            if s is not None and (s.module is not module or s.attr != attr):
+                s.aliases.append((module, attr))
         for name, s in self.slots.items():
             qm = getattr(s.module, "quant_method", None)
             if qm is not None and type(qm).__name__ not in _IDEMPOTENT_PROCESSING:
@@ -251,6 +259,7 @@ class _LoadForm:
                 own = [n for n, s in self.slots.items() if s.module is module]
                 rebuild = qm is not None and (current_platform.is_cpu() or any(
                     not _same_form(getattr(module, self.slots[n].attr), self.slots[n].host) for n in own))
+                tied = []
                 for n in (own if rebuild else changed):
                     s = self.slots[n]
                     live = getattr(module, s.attr)
@@ -259,18 +268,29 @@ class _LoadForm:
                         p = s.materialize(device)
                         p.data.copy_(s.host)
                         module._parameters[s.attr] = p
+                        for m, attr in s.aliases:  # a tied lm_head gets the new parameter too
+                            m._parameters[attr] = p
                     else:
                         live.data.copy_(s.host, non_blocking=False)
-                if qm is None:
-                    continue
-                if rebuild and getattr(qm, "moe_kernel", None) is not None:
-                    qm.moe_kernel = None  # processed as a first load: the kernel prepacks again
-                qm.process_weights_after_loading(module)
-                if hasattr(module, "update_param_tp_status"):
-                    module.update_param_tp_status()
+                    tied += [m for m, _ in s.aliases]
+                for m in [module] + tied:  # tied modules derive their own state (the lm_head's GEMM)
+                    _process(m, rebuild)
 
     def digests(self) -> dict:
         return {n: _sha256(s.host) for n, s in self.slots.items()}
+
+
+def _process(module: torch.nn.Module, first_load: bool) -> None:
+    """Runs ``module``'s post-load processing again (as at a first load:
+    an MoE kernel is set up and prepacked anew)."""
+    qm = getattr(module, "quant_method", None)
+    if qm is None:
+        return
+    if first_load and getattr(qm, "moe_kernel", None) is not None:
+        qm.moe_kernel = None
+    qm.process_weights_after_loading(module)
+    if hasattr(module, "update_param_tp_status"):
+        module.update_param_tp_status()
 
 
 def _count_replicas_once(layout: dict, rank: int, group: Any) -> None:
@@ -612,3 +632,8 @@ class LLMClient:
 
     def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
         self.llm.finish_weight_update(weight_version=weight_version)
+
+
+# A trainer process is no vLLM engine, so vLLM's plugins are not loaded there:
+# importing this module (for DcrTrainerInitInfo) registers the backend too.
+register()

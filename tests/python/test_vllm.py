@@ -111,3 +111,20 @@ def test_vllm_tensor_parallel_moe_engine_is_one_receiver_of_two_ranks(tmp_path):
     fresh = run_job(tmp_path, "fresh", "fresh", "--dir", str(tmp_path / f"v{steps}"), tp=2)
     assert fresh["tokens"] == r["versions"][-1]["tokens"]
     assert fresh["live"] == r["final_live"]
+
+
+def test_vllm_serve_over_http_routes_and_a_killed_engine_rejoins(tmp_path):
+    # The trainer drives `vllm serve` through vLLM's HTTP routes; the server
+    # is SIGKILLed after version 1, started again from the version-0
+    # checkpoint, re-initialised, and must hold version 1 again.
+    steps = 2
+    store = "file://" + str(tmp_path / "store")
+    r = run_job(tmp_path, "serve", "serve", "--work", str(tmp_path), "--store", store, "--steps", str(steps))
+    v1, v2 = r["versions"]
+    assert [v1["weight_version"], v2["weight_version"]] == ["1", "2"]
+    assert v1["acked"] == ["srv-r0"] and v2["acked"] == ["srv-r0"]
+    assert r["restarted_from_disk"]["checksums"] != v1["checksums"]  # version 0 again, as loaded from disk
+    assert r["rejoined"]["checksums"] == v1["checksums"] and r["rejoined"]["tokens"] == v1["tokens"]
+    fresh = run_job(tmp_path, "fresh", "fresh", "--dir", str(tmp_path / f"v{steps}"))
+    assert v2["tokens"] == fresh["tokens"]
+    assert v2["checksums"] == fresh["checksums"]

