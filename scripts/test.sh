@@ -30,7 +30,8 @@ if [ "$under_load" = 1 ]; then
     DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends stress-ng >/dev/null
   fi
   echo "== under load: stress-ng --cpu $(nproc) beside the tests"
-  stress-ng --cpu "$(nproc)" --quiet &
+  # Dies with this script even when it is killed outright (SIGKILL, a CI timeout).
+  setpriv --pdeathsig TERM stress-ng --cpu "$(nproc)" --quiet &
   hog_pid=$!
   trap stop_hog EXIT
   trap 'exit 130' INT TERM  # so that the EXIT trap runs then too
