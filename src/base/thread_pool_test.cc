@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -75,14 +76,18 @@ TEST(ThreadPoolTest, NoWorkersRunsInOrderOnCaller) {
 }
 
 TEST(ThreadPoolTest, UsesWorkerThreads) {
-  // With slow items, workers must pick some up: more than one thread runs.
+  // While one item is held until another thread has run an item, workers
+  // must pick some up: more than one thread runs (a handshake, not a race
+  // against the caller; the wait is only a guard against a hang).
   ThreadPool pool(3);
   std::mutex mu;
+  std::condition_variable cv;
   std::set<std::thread::id> threads;
-  pool.ParallelFor(64, [&](size_t) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    std::lock_guard<std::mutex> lock(mu);
+  pool.ParallelFor(64, [&](size_t i) {
+    std::unique_lock<std::mutex> lock(mu);
     threads.insert(std::this_thread::get_id());
+    cv.notify_all();
+    if (i == 0) cv.wait_for(lock, std::chrono::seconds(120), [&] { return threads.size() > 1; });
   });
   EXPECT_GT(threads.size(), 1u);
   EXPECT_LE(threads.size(), 4u);  // 3 workers + the caller

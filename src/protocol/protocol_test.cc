@@ -123,8 +123,12 @@ class ProtocolTest : public testing::TempDirTest {
     PublishOptions o;
     o.delta.chunk_elements = 1 << 14;
     o.senders = 3;
-    o.ack_timeout = std::chrono::milliseconds(5000);
-    o.heartbeat_timeout = std::chrono::milliseconds(2000);
+    // Generous: no test here waits for these to pass, they only keep a
+    // receiver that is slow on a busy machine from being retired or counted
+    // dead (a test that needs a receiver retired sets its own ack_timeout,
+    // and its receiver is dead, so only the deadline's length is timed).
+    o.ack_timeout = kGuard;
+    o.heartbeat_timeout = kGuard;
     return o;
   }
   FollowOptions Receiver(const std::string& id) {
@@ -150,13 +154,17 @@ class ProtocolTest : public testing::TempDirTest {
       EXPECT_TRUE(read(e.path()) == read(fs::path(target) / e.path().filename())) << e.path().filename();
     }
   }
-  // Whether `cond` became true within 10 s.
+  // How long a test waits for something that must happen before it calls
+  // it a hang: only a guard, so generous enough for a busy machine.
+  static constexpr std::chrono::milliseconds kGuard{120'000};
+  // Whether `cond` became true within kGuard.
   static bool WaitFor(const std::function<bool()>& cond) {
-    for (int i = 0; i < 2000; ++i) {
+    const auto deadline = std::chrono::steady_clock::now() + kGuard;
+    while (std::chrono::steady_clock::now() < deadline) {
       if (cond()) return true;
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
-    return false;
+    return cond();
   }
   // The first of `lines` that starts with `prefix` (empty if none).
   static std::string FirstLine(const std::vector<std::string>& lines, const std::string& prefix) {
@@ -166,12 +174,11 @@ class ProtocolTest : public testing::TempDirTest {
   }
   // Waits until `n` receivers have registered.
   void WaitForReceivers(size_t n) {
-    for (int i = 0; i < 2000; ++i) {
-      auto l = store_->List("receivers/");
-      if (l.ok() && l->size() >= n) return;
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    FAIL() << "receivers did not register";
+    if (!WaitFor([&] {
+          auto l = store_->List("receivers/");
+          return l.ok() && l->size() >= n;
+        }))
+      FAIL() << "receivers did not register";
   }
 
   // The maps of the ranks of a vLLM-style tensor-parallel engine of `tp` ranks.
@@ -278,14 +285,14 @@ TEST_F(ProtocolTest, ReceiversDownloadSegmentsWhileTheAttemptStreams) {
     if (point != "frames-written") return Status::Ok();
     const auto keys = frame_objects();
     objects = keys.size();
-    for (int t = 0; t < 2000 && !prefetched_all; ++t) {
-      prefetched_all = true;
+    prefetched_all = WaitFor([&] {
+      bool all = true;
       for (auto& r : reads) {
         std::lock_guard lock(r.mu);
-        for (const auto& k : keys) prefetched_all = prefetched_all && r.n.count(k) == 1;
+        for (const auto& k : keys) all = all && r.n.count(k) == 1;
       }
-      if (!prefetched_all) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
+      return all;
+    });
     return Status::Ok();
   };
   Publisher pub(*store_, Path("state"), o);
@@ -323,12 +330,16 @@ TEST_F(ProtocolTest, ReceiversApplyFramesBeforeTheManifestExists) {
     auto c = Checkpoint::Open(dir);
     return c.ok() && DiffCheckpoints(*c, Version(v)).identical() == is;
   };
-  // Sender 1 opens its first object once receiver r1 applied some of sender
-  // 0's frames; r1 is killed at its next batch.
-  bool r1_started = false;
+  // Sender 1 opens its first object once receiver r1 applied some of the
+  // other senders' frames (a handshake: r1 reached a batch of streamed
+  // frames, so it has joined, and its bits are no longer v0); r1 is killed
+  // at its first batch after that, which must come, since it cannot hold
+  // version 1 without sender 1's frames and the manifest waits for that.
+  std::atomic<int> r1_batches{0};
+  std::atomic<bool> r1_started{false};
   HookStore pub_store(*store_, [&](std::string_view op, std::string_view key, bool after) {
     if (op == "write" && !after && key.find("/frames/s1-") != std::string_view::npos && !r1_started)
-      r1_started = WaitFor([&] { return holds(Path("r1"), 0, false); });
+      r1_started = WaitFor([&] { return r1_batches > 0 && holds(Path("r1"), 0, false); });
     return Status::Ok();
   });
   bool before_manifest = false;
@@ -345,7 +356,7 @@ TEST_F(ProtocolTest, ReceiversApplyFramesBeforeTheManifestExists) {
   ASSERT_TRUE(pub.Publish(0, Version(0)).ok());
   std::mutex mu;
   std::vector<std::string> lines;
-  std::atomic<int> batches{0};
+  std::atomic<bool> killed{false};
   Status r0, r1_first, r1_again;
   std::thread t0([&] {
     FollowOptions fo = Receiver("r0");
@@ -359,7 +370,9 @@ TEST_F(ProtocolTest, ReceiversApplyFramesBeforeTheManifestExists) {
   std::thread t1([&] {
     FollowOptions fo = Receiver("r1");
     fo.fault = [&](std::string_view point) {
-      return point == "stream-applying" && batches.fetch_add(1) == 1 ? Aborted("injected: killed") : Status::Ok();
+      if (point != "stream-applying") return Status::Ok();
+      ++r1_batches;
+      return r1_started && !killed.exchange(true) ? Aborted("injected: killed") : Status::Ok();
     };
     fo.log = [&](const std::string& l) {
       std::lock_guard lock(mu);
@@ -994,12 +1007,17 @@ TEST_F(ProtocolTest, RanksApplyFramesBeforeTheManifestExists) {
       same = same && std::equal(p.buffers[b].begin(), p.buffers[b].end(), dense[v][r][b].begin());
     return same == is;
   };
-  // Sender 1 opens its first object once rank 1 applied some of sender 0's
-  // frames; rank 1 is killed at its next batch.
-  bool r1_started = false;
+  // Sender 1 opens its first object once rank 1 applied some of the other
+  // senders' frames (a handshake: rank 1 reached a batch of streamed frames,
+  // so it has joined (its record is written while it joins), and its
+  // buffers no longer hold v0); rank 1 is killed at its first batch after
+  // that, which must come, since it cannot hold version 1 without sender
+  // 1's frames and the manifest waits for that.
+  std::atomic<int> r1_batches{0};
+  std::atomic<bool> r1_started{false};
   HookStore pub_store(*store_, [&](std::string_view op, std::string_view key, bool after) {
     if (op == "write" && !after && key.find("/frames/s1-") != std::string_view::npos && !r1_started)
-      r1_started = WaitFor([&] { return holds(1, 0, false); });
+      r1_started = WaitFor([&] { return r1_batches > 0 && holds(1, 0, false); });
     return Status::Ok();
   });
   bool before_manifest = false;
@@ -1017,7 +1035,7 @@ TEST_F(ProtocolTest, RanksApplyFramesBeforeTheManifestExists) {
       lines.push_back(who + ": " + l);
     };
   };
-  std::atomic<int> batches{0};
+  std::atomic<bool> killed{false};
   Status r0, r1_first, r1_again;
   std::thread t0([&] {
     FollowOptions fo = Receiver("e-r0");
@@ -1028,7 +1046,9 @@ TEST_F(ProtocolTest, RanksApplyFramesBeforeTheManifestExists) {
   std::thread t1([&] {
     FollowOptions fo = Receiver("e-r1");
     fo.fault = [&](std::string_view point) {
-      return point == "stream-applying" && batches.fetch_add(1) == 1 ? Aborted("injected: killed") : Status::Ok();
+      if (point != "stream-applying") return Status::Ok();
+      ++r1_batches;
+      return r1_started && !killed.exchange(true) ? Aborted("injected: killed") : Status::Ok();
     };
     fo.log = log_as("r1 first life");
     {
@@ -1060,7 +1080,7 @@ TEST_F(ProtocolTest, RanksApplyFramesBeforeTheManifestExists) {
   EXPECT_NE(applied("r0").find(" 0 already done, 0 left to the manifest"), std::string::npos) << applied("r0");
   // The restarted rank 1 found what its first life applied already done.
   const std::string again = applied("r1");
-  EXPECT_EQ(again.find(" 0 already done"), std::string::npos) << again;
+  EXPECT_EQ(again.find(" 0 already done"), std::string::npos) << again << "\n" << all;
   EXPECT_NE(again.find(", 0 left to the manifest"), std::string::npos) << again;
 }
 
@@ -1069,7 +1089,7 @@ TEST_F(ProtocolTest, RanksApplyFramesBeforeTheManifestExists) {
 // the next publish of the version commits once the receiver is gone.
 TEST_F(ProtocolTest, ACancelledPublishFencesItsAttemptAndCommitsNothing) {
   PublishOptions o = Fast();
-  o.ack_timeout = std::chrono::milliseconds(60000);
+  o.ack_timeout = std::chrono::minutes(10);  // far beyond the bound below: only the cancel ends the wait
   ASSERT_TRUE(Publisher(*store_, Path("state"), o).Publish(0, Version(0)).ok());
   ReceiverRecord rec{"silent", "following", 0, UnixNowForTest(), {}};
   ASSERT_TRUE(store_->Put(run_keys::Receiver(rec.id), rec.ToJson()).ok());
@@ -1077,7 +1097,7 @@ TEST_F(ProtocolTest, ACancelledPublishFencesItsAttemptAndCommitsNothing) {
   int polls = 0;
   o.cancel = [&] { return ++polls > 10; };
   auto r = Publisher(*store_, Path("state"), o).Publish(1, Version(1));
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, o.ack_timeout / 10) << "the publish waited for the ack deadline";
   ASSERT_EQ(r.status().code(), Code::kAborted) << r.status().ToString();
   EXPECT_NE(r.status().message().find("cancelled while waiting for acks"), std::string::npos) << r.status().ToString();
   EXPECT_EQ(store_->Head(run_keys::Commit(1)).status().code(), Code::kNotFound);
@@ -1187,7 +1207,7 @@ class ShardProcessTest : public ProtocolTest {
   PublishOptions Trainer() {
     PublishOptions o = Fast();
     o.peer_poll = std::chrono::milliseconds(5);
-    o.peer_timeout = std::chrono::milliseconds(3000);
+    o.peer_timeout = kGuard;  // a guard: no test here has a live peer timed out
     return o;
   }
   // Every sender's shards at version v.
@@ -1373,7 +1393,9 @@ struct FenceLog {
 
 // A worker that dies mid-attempt and comes back only after the coordinator
 // gave up on it: the attempt is fenced, the overwrite retry commits, and the
-// receivers end bit-exact.
+// receivers end bit-exact. The coordinator's short peer timeout is the only
+// clock in play and times only the dead worker: before each of its waits the
+// coordinator is held until the live processes' objects are in the store.
 TEST_F(ShardProcessTest, AWorkerFailingMidAttemptIsFencedAndTheOverwriteRetryCommits) {
   Publisher canonical(*store_, Path("state"), Fast());
   ASSERT_TRUE(canonical.Publish(0, Version(0)).ok());
@@ -1382,11 +1404,35 @@ TEST_F(ShardProcessTest, AWorkerFailingMidAttemptIsFencedAndTheOverwriteRetryCom
   WaitForReceivers(1);
   std::atomic<bool> failed{false};
   FenceLog fences(*store_);
+  // The prefix of the newest attempt of version 1 ("" when none).
+  auto newest_attempt = [&] {
+    std::string newest;
+    auto listed = store_->List(run_keys::Attempts(1));
+    if (listed.ok())
+      for (const ObjectInfo& i : *listed)
+        if (i.key.ends_with("/attempt.json")) newest = std::max(newest, i.key.substr(0, i.key.size() - 12));
+    return newest;
+  };
   auto round = PublishFromProcesses(
       1, [&](uint32_t p) -> Store& { return p == 0 ? fences.store : *store_; },
       [&](uint32_t p) {
         PublishOptions o = Trainer();
-        o.peer_timeout = std::chrono::milliseconds(p == 0 ? 2000 : 5000);
+        if (p == 0) {
+          o.peer_timeout = std::chrono::milliseconds(2000);
+          o.fault = [&](std::string_view point) {
+            // The newest attempt is the coordinator's own. Process 2 wrote its
+            // contributions in both attempts, its record only in the retry.
+            const std::string a = newest_attempt();
+            const bool retry = !a.empty() && !a.starts_with(run_keys::Attempts(1) + "0000-");
+            std::vector<std::string> wait;
+            if (point == "contributions-written") wait = {"contrib/p1-p0.bin", "contrib/p2-p0.bin"};
+            if (point == "record-written") wait = retry ? std::vector<std::string>{"procs/p1.json", "procs/p2.json"}
+                                                        : std::vector<std::string>{"procs/p1.json"};
+            for (const auto& k : wait)
+              EXPECT_TRUE(WaitFor([&] { return store_->Head(a + k).ok(); })) << a << k;
+            return Status::Ok();
+          };
+        }
         if (p == 2)
           o.fault = [&](std::string_view point) {
             return point == "contributions-written" && !failed.exchange(true) ? Aborted("injected: killed")

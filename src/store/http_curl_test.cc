@@ -275,7 +275,8 @@ TEST(CurlTransport, StalledBodyIsDeadlineExceeded) {
   const auto start = std::chrono::steady_clock::now();
   Status s = t->Send(HttpRequest{"GET", server.url(), {}, {}}, c);
   EXPECT_EQ(s.code(), Code::kDeadlineExceeded) << s.ToString();
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  // Not hung on the stalled body (a bound generous for a busy machine).
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60));
 }
 
 TEST(CurlTransport, RequestTimeout) {
