@@ -44,7 +44,7 @@ model, cfg = tiny_llama()
 live = {n: p.data for n, p in model.named_parameters()}
 names = sorted(live)
 senders = [{n: live[n] for n in names[0::2]}, {n: live[n] for n in names[1::2]}]
-pub = dcr.ShardPublisher(dcr.open_store(url), state, senders, ack_timeout_s=30, heartbeat_timeout_s=5,
+pub = dcr.ShardPublisher(dcr.open_store(url), state, senders, ack_timeout_s=120, heartbeat_timeout_s=120,
                          chunk_elements=512)
 def save(v):
     save_file({n: t.clone() for n, t in live.items()}, f"{out}/trainer-v{v}.safetensors")
@@ -222,9 +222,9 @@ def test_follow_hands_residuals_to_the_loader_and_calls_the_hook(tmp_path):
     t = threading.Thread(target=follow)
     t.start()
     try:
-        for _ in range(500):
-            if store.list("receivers/"):
-                break
+        deadline = time.monotonic() + 120  # a guard only: the publishes below must wait for this receiver
+        while not store.list("receivers/"):
+            assert t.is_alive() and time.monotonic() < deadline, f"the receiver did not register: {result}"
             time.sleep(0.01)
         for v in (1, 2):
             trainer["w"][v].add_(1)

@@ -40,8 +40,8 @@ names = sorted(live)
 halves = [{n: live[n] for n in names[0::2]}, {n: live[n] for n in names[1::2]}]
 layouts = [dcr.identity_layout(h) for h in halves]
 store = dcr.open_store(url)
-pub = dcr.ShardPublisher(store, state, [(halves[p], layouts[p])], ack_timeout_s=30, heartbeat_timeout_s=5,
-                         chunk_elements=512, process=p, processes=2, layouts=layouts, peer_timeout_s=30)
+pub = dcr.ShardPublisher(store, state, [(halves[p], layouts[p])], ack_timeout_s=120, heartbeat_timeout_s=120,
+                         chunk_elements=512, process=p, processes=2, layouts=layouts, peer_timeout_s=120)
 if p == 0:
     pub.publish_snapshot(live)
     print("committed 0", flush=True)

@@ -8,6 +8,7 @@ bytes against dense copies, never of dcr's own digests."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -40,9 +41,9 @@ def follow_in_thread(rx, store, state, **kw):
 
     t = threading.Thread(target=run)
     t.start()
-    for _ in range(1000):
-        if store.list("receivers/"):
-            break
+    deadline = time.monotonic() + 120  # a guard only: the publishes that follow must wait for this receiver
+    while not store.list("receivers/"):
+        assert t.is_alive() and time.monotonic() < deadline, f"the receiver did not register: {result}"
         time.sleep(0.01)
     return t, result
 
@@ -299,7 +300,7 @@ TRAINER = """
 import sys, time, torch, dcr
 url, state, out = sys.argv[1:4]
 t = {"w": torch.arange(4096, dtype=torch.float32).reshape(64, 64)}
-pub = dcr.ShardPublisher(dcr.open_store(url), state, [t], ack_timeout_s=120, heartbeat_timeout_s=120,
+pub = dcr.ShardPublisher(dcr.open_store(url), state, [t], ack_timeout_s=600, heartbeat_timeout_s=600,
                          chunk_elements=512)
 if sys.argv[4] == "snapshot":
     pub.publish_snapshot(t)
@@ -330,7 +331,10 @@ def test_ctrl_c_interrupts_a_publish_waiting_for_acks(tmp_path):
     heartbeat fresh) but stopped (SIGSTOP); SIGINT makes its publish raise
     KeyboardInterrupt promptly, with the attempt fenced and nothing
     committed. The receiver resumed, a new trainer process publishes the
-    version again and it commits, the receiver's bytes equal the trainer's."""
+    version again and it commits, the receiver's bytes equal the trainer's.
+    Ordered by handshakes: the receiver is stopped once the store shows it
+    following, and the trainer's heartbeat and ack timeouts (600 s) outlast
+    the test's set-up on a busy machine by far."""
     url = f"file://{tmp_path}/store"
     procs = []
 
@@ -348,24 +352,38 @@ def test_ctrl_c_interrupts_a_publish_waiting_for_acks(tmp_path):
     store = dcr.open_store(url)
     try:
         snap = spawn(TRAINER, tmp_path / "trainer", tmp_path, "snapshot")
-        assert line(snap) == ["snapshot"] and snap.wait(30) == 0
+        assert line(snap) == ["snapshot"] and snap.wait(120) == 0
         rx = spawn(RECEIVER, tmp_path / "rx", tmp_path)
         assert line(rx) == ["version", "0"]
+
+        def following():
+            for k, _, _ in store.list("receivers/"):
+                record = json.loads(store.get(k))
+                if record.get("state") == "following" and record.get("version") == 0:
+                    return True
+            return False
+
+        deadline = time.monotonic() + 120  # a guard only
+        while not following():
+            assert time.monotonic() < deadline, "the receiver never showed as following in the store"
+            time.sleep(0.01)
         os.kill(rx.pid, signal.SIGSTOP)
         trainer = spawn(TRAINER, tmp_path / "trainer", tmp_path, "publish")
-        for _ in range(3000):  # until its attempt's manifest is written: it waits for acks
-            if any(k.endswith("/manifest.json") for k, _, _ in store.list("attempts/")):
-                break
+        deadline = time.monotonic() + 120  # a guard only
+        # Until its attempt's manifest is written: it waits for acks (or is
+        # about to; a SIGINT before its first poll is seen at that poll).
+        while not any(k.endswith("/manifest.json") for k, _, _ in store.list("attempts/")):
+            if time.monotonic() > deadline or trainer.poll() is not None:
+                pytest.fail("the trainer wrote no attempt: " + (trainer.stderr.read() if trainer.poll() is not None
+                                                                 else "within 120 s"))
             time.sleep(0.01)
-        else:
-            pytest.fail("the trainer wrote no attempt: " + trainer.stderr.read())
-        time.sleep(0.3)
         sent = time.monotonic()
         trainer.send_signal(signal.SIGINT)
         got = line(trainer)
         assert got[0] == "interrupted", got
-        assert float(got[1]) - sent < 2.0, "KeyboardInterrupt took too long"
-        assert trainer.wait(30) == 0
+        # Promptly: long before the ack deadline (600 s) would have ended the wait.
+        assert float(got[1]) - sent < 60.0, "KeyboardInterrupt took too long"
+        assert trainer.wait(120) == 0
         keys = [k for k, _, _ in store.list("")]
         assert not any(k.startswith("commits/v0000000001") for k in keys), keys
         attempts = {k.split("/")[2] for k in keys if k.startswith("attempts/v0000000001/")}
@@ -375,7 +393,7 @@ def test_ctrl_c_interrupts_a_publish_waiting_for_acks(tmp_path):
         os.kill(rx.pid, signal.SIGCONT)
         again = spawn(TRAINER, tmp_path / "trainer", tmp_path, "publish")
         assert line(again)[0] == "committed"
-        assert again.wait(30) == 0
+        assert again.wait(120) == 0
         assert line(rx) == ["version", "1"]
         want = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
         want[5].add_(1)
