@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -119,7 +120,11 @@ def test_vllm_serve_over_http_routes_and_a_killed_engine_rejoins(tmp_path):
     # checkpoint, re-initialised, and must hold version 1 again.
     steps = 2
     store = "file://" + str(tmp_path / "store")
-    r = run_job(tmp_path, "serve", "serve", "--work", str(tmp_path), "--store", store, "--steps", str(steps))
+    with socket.socket() as sock:  # a free port (two suites may run side by side)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    r = run_job(tmp_path, "serve", "serve", "--work", str(tmp_path), "--store", store, "--steps", str(steps),
+                "--port", str(port))
     v1, v2 = r["versions"]
     assert [v1["weight_version"], v2["weight_version"]] == ["1", "2"]
     assert v1["acked"] == ["srv-r0"] and v2["acked"] == ["srv-r0"]
