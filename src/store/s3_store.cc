@@ -1066,13 +1066,14 @@ class S3Store final : public Store {
     auto all = c_->ListObjects(store_prefix + std::string(prefix));
     if (!all.ok()) return all.status().WithContext(c_->Context(std::string(prefix) + "*"));
     // Names under the store's prefix become keys; objects that are not valid
-    // keys (e.g. "dir/" markers made by other tools) are not listed.
+    // keys (e.g. "dir/" markers made by other tools), or that a server listed
+    // outside the prefix asked for, are not listed.
     std::vector<ObjectInfo> out;
     out.reserve(all->size());
     for (auto& o : *all) {
       if (!o.key.starts_with(store_prefix)) continue;
       o.key.erase(0, store_prefix.size());
-      if (ValidateKey(o.key).ok()) out.push_back(std::move(o));
+      if (o.key.starts_with(prefix) && ValidateKey(o.key).ok()) out.push_back(std::move(o));
     }
     return out;
   }

@@ -140,6 +140,8 @@ def s3_response_seeds():
                                             ("ETag", md5_hello)], "hel").replace("HTTP 206", "HTTP 206 drop 2")] + get),
         "list_pages": ("L La/", [reply(200, [], S3_XML["list_truncated"]), reply(200, [], S3_XML["list"]),
                                  reply(200, [], S3_XML["list_empty"])]),
+        # A server that lists keys outside the prefix asked for: not listed.
+        "list_outside_prefix": ("Lx/", [reply(200, [], S3_XML["list"])]),
         "put_create": ("P5 C5 C5", ok + [err(412, "PreconditionFailed")] + head +
                        [err(412, "PreconditionFailed"), reply(404, [])]),
         "multipart": ("W9000", [reply(200, [], S3_XML["initiate"]), reply(200, [("ETag", '"a' * 1 + "0" * 31 + '"')]),
