@@ -36,6 +36,11 @@ def _contiguous_strides(shape) -> list:
     return list(reversed(strides))
 
 
+def overlaps(offset_a, extent_a, offset_b, extent_b) -> bool:
+    """Whether two boxes (offset and extent per dimension) share an element."""
+    return all(a < b + m and b < a + n for a, n, b, m in zip(offset_a, extent_a, offset_b, extent_b))
+
+
 def _box(view: torch.Tensor, base: torch.Tensor):
     """The offset (one entry per base dimension) of ``view`` inside ``base``
     (same storage, base contiguous) when ``view`` is a box of it, with its
@@ -158,8 +163,7 @@ def record_layout(params: Mapping[str, torch.Tensor], loader: Callable[[Iterable
         lo = c["buffer_offset"]
         ext = [1] * (rank - len(c["extent"])) + c["extent"]
         for pname, offset, extent, seq in rec.writes:
-            if pname == c["buffer"] and seq > c["seq"] and all(
-                    a < b + m and b < a + n for a, n, b, m in zip(lo, ext, offset, extent)):
+            if pname == c["buffer"] and seq > c["seq"] and overlaps(lo, ext, offset, extent):
                 residual.add(c["tensor"])
                 break
     copied = {c["tensor"] for c in rec.copies}

@@ -49,7 +49,7 @@ from vllm.distributed.weight_transfer.base import (
 
 import dcr
 from ._tensors import torch_dtype
-from .trace import record_layout
+from .trace import overlaps, record_layout
 
 BACKEND = "dcr"
 
@@ -180,16 +180,16 @@ class _LoadForm:
 
         self.model = model
         self.slots: dict = {}
+        self.of_module: dict = {}  # id(module) -> the names of its slots
         for name, live in model.named_parameters():
-            mod_name, _, attr = name.rpartition(".")
-            module = model.get_submodule(mod_name) if mod_name else model
+            module, attr = _parameter_owner(model, name)
             info = LAYERWISE_INFO.get(module)
             meta = info.restore_metadata[0].get(attr) if info is not None else None
             self.slots[name] = _Slot(module, attr, meta, live)
+            self.of_module.setdefault(id(module), []).append(name)
         owner = {id(s.module._parameters[s.attr]): s for s in self.slots.values()}
         for name, p in model.named_parameters(remove_duplicate=False):
-            mod_name, _, attr = name.rpartition(".")
-            module = model.get_submodule(mod_name) if mod_name else model
+            module, attr = _parameter_owner(model, name)
             s = owner.get(id(p))
             if s is not None and (s.module is not module or s.attr != attr):
                 s.aliases.append((module, attr))
@@ -256,7 +256,7 @@ class _LoadForm:
         with torch.no_grad(), set_current_vllm_config(vllm_config):
             for module, changed in layers.values():
                 qm = getattr(module, "quant_method", None)
-                own = [n for n, s in self.slots.items() if s.module is module]
+                own = self.of_module[id(module)]
                 rebuild = qm is not None and (current_platform.is_cpu() or any(
                     not _same_form(getattr(module, self.slots[n].attr), self.slots[n].host) for n in own))
                 tied = []
@@ -278,6 +278,12 @@ class _LoadForm:
 
     def digests(self) -> dict:
         return {n: _sha256(s.host) for n, s in self.slots.items()}
+
+
+def _parameter_owner(model: torch.nn.Module, name: str) -> tuple:
+    """(module, attribute) of parameter ``name`` of ``model``."""
+    mod_name, _, attr = name.rpartition(".")
+    return (model.get_submodule(mod_name) if mod_name else model), attr
 
 
 def _process(module: torch.nn.Module, first_load: bool) -> None:
@@ -317,7 +323,7 @@ def _count_replicas_once(layout: dict, rank: int, group: Any) -> None:
             c["primary"] = False
             continue
         for o2, e2 in held:
-            if all(a < b + m and b < a + n for a, n, b, m in zip(off, ext, o2, e2)):
+            if overlaps(off, ext, o2, e2):
                 raise NotImplementedError(f"dcr: '{c['tensor']}' box {list(off)}+{list(ext)} on rank {rank} overlaps "
                                           f"another rank's box {list(o2)}+{list(e2)} without being the same box")
 
