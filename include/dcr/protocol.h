@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string_view>
 #include <optional>
 #include <span>
@@ -36,6 +37,10 @@
 namespace dcr {
 
 class CompiledLayout;
+namespace protocol_internal {
+class ReceiverTarget;
+class ReceiverWalk;
+}  // namespace protocol_internal
 struct PlacedRank;
 class Progress;
 class ThreadPool;
@@ -48,6 +53,8 @@ std::string VersionDir(uint64_t v);  // "v0000000042"
 std::string Commit(uint64_t v);
 std::string Attempts(uint64_t v);  // prefix, ends in '/'
 std::string Attempt(uint64_t v, std::string_view attempt);  // prefix, ends in '/'
+std::string Acks(uint64_t v, std::string_view attempt);     // prefix, ends in '/'
+std::string Ack(uint64_t v, std::string_view attempt, std::string_view receiver);
 std::string Snapshot(uint64_t v);  // prefix, ends in '/'
 std::string Receiver(std::string_view id);
 }  // namespace run_keys
@@ -367,24 +374,32 @@ struct FollowOptions {
   std::function<void(const std::string& line)> log;  // progress lines; default stderr
 };
 
+// The receiver id a Follower takes when none is given: "<host>-<pid>".
+std::string DefaultReceiverId();
+
 // A receiver holding a checkpoint directory `target` that it updates in
 // place. An empty or missing directory joins from the newest snapshot.
 class Follower {
  public:
   Follower(Store& store, std::string target, FollowOptions options);
+  Follower(Follower&&) noexcept;  // only before Run
+  ~Follower();
 
   // Follows until version `until` is committed and applied (forever when
   // nullopt, or until `stop` returns true). Survives restarts: its journal
-  // (TARGET/.dcr-follow.json) says what it holds.
+  // (TARGET/.dcr-follow.json) says what it holds. A Run after one that
+  // returned OK continues where it stopped, without reading the target
+  // again; after an error, Run reopens it.
   Status Run(std::optional<uint64_t> until, const std::function<bool()>& stop = {});
 
-  uint64_t version() const { return version_; }
+  uint64_t version() const;
 
  private:
   Store& store_;
   std::string target_;
   FollowOptions options_;
-  uint64_t version_ = 0;
+  std::unique_ptr<protocol_internal::ReceiverTarget> checkpoint_;
+  std::unique_ptr<protocol_internal::ReceiverWalk> walk_;
 };
 
 // ---- A rank of an engine (docs/protocol.md, "Engines of several ranks") -------
@@ -397,7 +412,9 @@ class Follower {
 // the engine as acknowledged once all `rank.ranks` ranks have acked and
 // their partials add up to the target. A directory without a journal joins
 // from the newest snapshot (downloaded beside the buffers, loaded through
-// the map, removed). `layout` must outlive Run. options.relay is not used.
+// the map, removed). `layout` must outlive the follower. With options.relay,
+// frame objects come from the relay as for a Follower; acks (partial
+// digests) go to the store only.
 class RankFollower {
  public:
   RankFollower(Store& store, const CompiledLayout& layout, std::string buffers_dir, EngineRank rank,
@@ -415,9 +432,11 @@ class RankFollower {
   // another run, engine or rank), store errors that are not transient.
   Status Run(std::optional<uint64_t> until, const std::function<bool()>& stop = {});
 
-  uint64_t version() const { return version_; }
+  RankFollower(RankFollower&&) noexcept;  // only before Run
+  ~RankFollower();
+  uint64_t version() const;
   // Whether the buffers hold version() (Run has joined or reopened them).
-  bool holds_version() const { return holds_version_; }
+  bool holds_version() const;
   // The map's tensors whose elements Run may have written since the last
   // call (a frame applied to them; every tensor when Run joined from a
   // snapshot or reopened the buffers), in map order; then forgets them. For
@@ -432,9 +451,9 @@ class RankFollower {
   FollowOptions options_;
   bool in_memory_ = false;
   std::vector<std::span<uint8_t>> given_;  // in memory: the caller's buffers
-  uint64_t version_ = 0;
-  bool holds_version_ = false;
   std::vector<bool> changed_;  // by map tensor index, since TakeChangedTensors
+  std::unique_ptr<protocol_internal::ReceiverTarget> target_;
+  std::unique_ptr<protocol_internal::ReceiverWalk> walk_;
 };
 
 // ---- Status -------------------------------------------------------------------

@@ -1173,6 +1173,49 @@ TEST_F(ProtocolTest, ARankSaysWhichTensorsEachVersionChanged) {
   EXPECT_TRUE(f.TakeChangedTensors().empty());
 }
 
+// A follower run again (for the next version) continues where it stopped:
+// it does not reopen its target, which would report every tensor changed
+// (and read every chunk again), and it ends at the version's exact bits.
+TEST_F(ProtocolTest, ARankFollowedAgainContinuesWhereItStopped) {
+  Publisher pub(*store_, Path("state"), Fast());
+  for (int v = 0; v <= 2; ++v) ASSERT_TRUE(pub.Publish(v, Version(v)).ok());
+  auto layouts = TpLayouts(1);
+  std::vector<std::vector<uint8_t>> memory, dense;
+  for (size_t b = 0; b < layouts[0]->map().buffers.size(); ++b) {
+    memory.emplace_back(layouts[0]->BufferBytes(b));
+    dense.emplace_back(layouts[0]->BufferBytes(b));
+  }
+  PlacedRank placed{layouts[0].get(), {}}, want{layouts[0].get(), {}};
+  for (auto& b : memory) placed.buffers.emplace_back(b);
+  for (auto& b : dense) want.buffers.emplace_back(b);
+  RankFollower f(*store_, placed, Path("rank"), EngineRank{"e", 0, 1}, Receiver("e-r0"));
+  Status s = f.Run(1);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(f.version(), 1u);
+  EXPECT_EQ(f.TakeChangedTensors().size(), layouts[0]->map().tensors.size());  // joined from the snapshot
+  s = f.Run(2);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(f.version(), 2u);
+  auto commit = store_->Get(run_keys::Commit(2));
+  ASSERT_TRUE(commit.ok());
+  auto c = CommitRecord::FromJson(*commit, "commit");
+  ASSERT_TRUE(c.ok());
+  auto text = store_->Get(run_keys::Attempt(2, c->attempt) + "manifest.json");
+  ASSERT_TRUE(text.ok());
+  auto m = DeltaManifest::FromJson(*text, "manifest");
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  std::set<std::string> framed;
+  for (const DeltaFrameEntry& e : m->frames) framed.insert(m->tensors[e.tensor].name);
+  std::vector<std::string> changed;
+  for (const LayoutTensor& t : layouts[0]->map().tensors)
+    if (framed.count(t.name)) changed.push_back(t.name);
+  ASSERT_LT(changed.size(), layouts[0]->map().tensors.size());  // meaningful only if some tensors did not change
+  EXPECT_EQ(f.TakeChangedTensors(), changed);
+  ASSERT_TRUE(LoadDense(CheckpointBytes(Version(2)), want).ok());
+  for (size_t b = 0; b < memory.size(); ++b)
+    EXPECT_TRUE(memory[b] == dense[b]) << "buffer " << layouts[0]->map().buffers[b].id << " differs from a dense load";
+}
+
 // ---- Trainer senders in several processes -----------------------------------
 
 // A trainer of 4 Megatron-style senders (tp 2 x pp 2), each sender's shard

@@ -654,7 +654,7 @@ Result<PublishRun::AttemptResult> PublishRun::AwaitAcksAndCommit(uint64_t v, con
   };
   auto poll = [&]() -> Status {
     waiting.clear();
-    DCR_ASSIGN_OR_RETURN(auto acks, store_.List(prefix + "acks/"));
+    DCR_ASSIGN_OR_RETURN(auto acks, store_.List(run_keys::Acks(v, id)));
     for (const auto& o : acks) {
       if (seen.count(o.key)) continue;
       DCR_ASSIGN_OR_RETURN(std::string text, store_.Get(o.key));

@@ -15,6 +15,10 @@ std::string VersionDir(uint64_t v) { return fmt::format("v{:010}", v); }
 std::string Commit(uint64_t v) { return "commits/" + VersionDir(v) + ".json"; }
 std::string Attempts(uint64_t v) { return "attempts/" + VersionDir(v) + "/"; }
 std::string Attempt(uint64_t v, std::string_view attempt) { return Attempts(v) + std::string(attempt) + "/"; }
+std::string Acks(uint64_t v, std::string_view attempt) { return Attempt(v, attempt) + "acks/"; }
+std::string Ack(uint64_t v, std::string_view attempt, std::string_view receiver) {
+  return Acks(v, attempt) + std::string(receiver) + ".json";
+}
 std::string Snapshot(uint64_t v) { return "snapshots/" + VersionDir(v) + "/"; }
 std::string Receiver(std::string_view id) { return "receivers/" + std::string(id) + ".json"; }
 }  // namespace run_keys

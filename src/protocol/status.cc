@@ -54,7 +54,7 @@ Result<RunStatusReport> ReadRunStatus(Store& store, std::chrono::milliseconds he
         as.frames = m.frames.size();
       }
       for (const auto& r : a.acks) {
-        auto text = store.Get(prefix + "acks/" + r + ".json");
+        auto text = store.Get(run_keys::Ack(v, a.id, r));
         if (!text.ok()) continue;
         auto ack = AckRecord::FromJson(*text, prefix);
         if (ack.ok() && ack->ok) as.acks.push_back(r);

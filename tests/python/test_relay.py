@@ -39,6 +39,10 @@ test_a_local_tree_in_one_command
     tree stops by itself once they hold it (--until), `dcr status
     --relay-stats` shows the relays under their upstreams with per-link
     bytes; without --until, SIGINT stops every child process.
+test_engine_ranks_take_their_frames_from_the_relay
+    two ranks of an engine (`dcr follow --layout`) below a relay: every frame
+    object through the relay, acks in the store, buffers equal to a dense
+    load through each rank's map.
 test_a_root_pulls_from_the_store
     `dcr relay --pull-store` at the root of a chain r0 <- r1, and a publish
     without --relay (the sender writes only to the store): the root reads
@@ -190,11 +194,15 @@ class Tree:
     # ---------------------------------------------------------------- receivers
 
     def start_receiver(self, rid: str, relay: str | None, until: int, key: Path | None = None,
-                       no_keys: bool = False) -> None:
+                       no_keys: bool = False, rank: tuple[Path, str, int, int] | None = None) -> None:
+        """A `dcr follow` receiver below `relay`; with `rank` (map, engine, rank, ranks), a rank of an
+        engine following into its buffer files."""
         target = self.root / f"target-{rid}"
         log = self.logs / f"follow-{rid}.log"
         args = [str(DCR_BIN), "follow", "--store", self.url, "--id", rid, "--poll", "0.05", "--heartbeat", "0.2",
                 "--until", str(until), str(target)]
+        if rank:
+            args += ["--layout", str(rank[0]), "--engine", rank[1], "--rank", str(rank[2]), "--ranks", str(rank[3])]
         if relay:
             n = self.relays[relay]
             for addr in [n["address"], *n["upstream"]]:
@@ -585,6 +593,46 @@ def test_a_local_tree_in_one_command(tree):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_engine_ranks_take_their_frames_from_the_relay(tree):
+    """Two ranks of a tensor-parallel engine (`dcr follow --layout`) below one
+    relay: the version's frame objects reach both through the relay, none from
+    the store, their partial acks go to the store, the engine commits, and
+    each rank's buffer files equal a dense load of the checkpoint through its
+    map (`dcr layout load`), compared as plain bytes."""
+    t = tree()
+    maps = {}
+    for r in range(2):
+        maps[r] = t.root / f"map-r{r}.json"
+        res = run_dcr("layout", "generate", "--side", "vllm", "--family", "qwen3-moe", "--size", SIZE, "--tp", 2,
+                      "--rank", r, "-o", maps[r])
+        assert res.returncode == 0, str(res)
+    t.plan(["r0"], 1)
+    t.publish_ok(0, relay=False)
+    t.start_relay("r0")
+    for r in range(2):
+        t.start_receiver(f"tp-r{r}", "r0", until=1, rank=(maps[r], "tp", r, 2))
+    t.wait_registered()
+    t.wait_attached({f"receiver tp-r{r}": "r0" for r in range(2)})
+    report = t.publish_ok(1)
+    assert report["version"] == 1
+    t.wait_receivers()
+    for r in range(2):
+        rid = f"tp-r{r}"
+        carried = t.carried(rid)
+        assert [c["version"] for c in carried] == [1], tail(t.receivers[rid]["log"])
+        assert carried[0]["relayed"] == carried[0]["total"] > 0 and carried[0]["store_objects"] == 0, carried
+        dense = t.root / f"dense-r{r}"
+        res = run_dcr("layout", "load", t.gen / "v1", maps[r], "-o", dense)
+        assert res.returncode == 0, str(res)
+        target = t.receivers[rid]["target"]
+        got = {p.name: p.read_bytes() for p in sorted(target.iterdir()) if p.is_file() and not p.name.startswith(".")}
+        want = {p.name: p.read_bytes() for p in sorted(dense.iterdir()) if p.is_file()}
+        assert got.keys() == want.keys() and got == want, f"rank {r}'s buffers differ from a dense load of v1"
+        ack = read_json(t.store / "attempts" / "v0000000001" / read_json(t.store / "commits" / "v0000000001.json")["attempt"]
+                        / "acks" / f"{rid}.json")
+        assert ack and ack["ok"] and ack["engine"] == {"id": "tp", "rank": r, "ranks": 2}, ack
 
 
 def test_a_root_pulls_from_the_store(tree):

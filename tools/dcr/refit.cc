@@ -296,39 +296,43 @@ struct FollowArgs {
   uint32_t rank = 0, ranks = 0;
 };
 
-int RunFollowRank(const FollowArgs& a, Store& store, const FollowOptions& o) {
-  if (a.engine.empty() || a.ranks == 0)
-    return Fail("follow", InvalidArgument("--layout needs --engine NAME, --rank R and --ranks N (the engine's rank count)"));
-  if (!a.relays.empty()) return Fail("follow", Unimplemented("--relay is not supported with --layout yet"));
-  auto map = ReadLayoutFile(a.layout);
-  if (!map.ok()) return Fail("follow", map.status());
-  auto layout = CompiledLayout::Compile(std::move(*map));
-  if (!layout.ok()) return Fail("follow", layout.status().WithContext(a.layout));
+// Follows into a's target: a checkpoint directory, or a rank's buffer files (--layout).
+Status Follow(const FollowArgs& a, Store& store, const FollowOptions& o, std::string* holds) {
+  const std::optional<uint64_t> until = a.until >= 0 ? std::optional<uint64_t>(a.until) : std::nullopt;
+  if (a.layout.empty()) {
+    Follower f(store, a.target, o);
+    DCR_RETURN_IF_ERROR(f.Run(until, [] { return g_stop.load(); }));
+    *holds = fmt::format("{} holds version {}", a.target, f.version());
+    return Status::Ok();
+  }
+  DCR_ASSIGN_OR_RETURN(LayoutMap map, ReadLayoutFile(a.layout));
+  auto layout = CompiledLayout::Compile(std::move(map));
+  if (!layout.ok()) return layout.status().WithContext(a.layout);
   RankFollower f(store, *layout, a.target, EngineRank{a.engine, a.rank, a.ranks}, o);
-  Status s = f.Run(a.until >= 0 ? std::optional<uint64_t>(a.until) : std::nullopt, [] { return g_stop.load(); });
-  if (!s.ok()) return Fail("follow", s);
-  fmt::print("{} (rank {} of {} of engine {}) holds version {}\n", a.target, a.rank, a.ranks, a.engine, f.version());
-  return kExitOk;
+  DCR_RETURN_IF_ERROR(f.Run(until, [] { return g_stop.load(); }));
+  *holds = fmt::format("{} (rank {} of {} of engine {}) holds version {}", a.target, a.rank, a.ranks, a.engine,
+                       f.version());
+  return Status::Ok();
 }
 
 int RunFollow(const FollowArgs& a) {
+  if (!a.layout.empty() && (a.engine.empty() || a.ranks == 0))
+    return Fail("follow", InvalidArgument("--layout needs --engine NAME, --rank R and --ranks N (the engine's rank count)"));
   auto store = OpenStore(a.store);
   if (!store.ok()) return Fail("follow", store.status());
   FollowOptions o;
+  // The receiver's id in the store, which the relay knows it by too.
   o.id = a.id;
+  if (o.id.empty()) o.id = a.layout.empty() ? DefaultReceiverId() : fmt::format("{}-r{}", a.engine, a.rank);
   o.poll = std::chrono::milliseconds(static_cast<int64_t>(a.poll * 1000));
   o.stream_poll = std::chrono::milliseconds(static_cast<int64_t>(a.stream_poll * 1000));
   o.heartbeat_every = std::chrono::milliseconds(static_cast<int64_t>(a.heartbeat * 1000));
   o.fault = TestCrashHook();
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
-  if (!a.layout.empty()) return RunFollowRank(a, **store, o);
   std::unique_ptr<RelayReceiver> relay;
   if (!a.relays.empty()) {
-    char host[256] = {0};
-    ::gethostname(host, sizeof host - 1);
-    // The relay knows the receiver by the id it has in the store (default host-pid).
-    auto ro = RelayClient(a.id.empty() ? fmt::format("{}-{}", host, ::getpid()) : a.id, a.relays, a.relay_key, a.relay_pub);
+    auto ro = RelayClient(o.id, a.relays, a.relay_key, a.relay_pub);
     if (!ro.ok()) return Fail("follow", ro.status());
     ro->dead_after = std::chrono::milliseconds(static_cast<int64_t>(a.relay_dead_after * 1000));
     auto started = RelayReceiver::Start(*ro);
@@ -337,8 +341,8 @@ int RunFollow(const FollowArgs& a) {
     o.relay = relay.get();
     o.relay_quiet = std::chrono::milliseconds(static_cast<int64_t>(a.relay_quiet * 1000));
   }
-  Follower f(**store, a.target, o);
-  Status s = f.Run(a.until >= 0 ? std::optional<uint64_t>(a.until) : std::nullopt, [] { return g_stop.load(); });
+  std::string holds;
+  Status s = Follow(a, **store, o, &holds);
   if (relay) {
     const RelayClientStats rs = relay->Stats();
     std::cerr << fmt::format("dcr follow: relay: {} objects ({} bytes) received, {} corrupt, {} duplicates, {} fenced, "
@@ -347,7 +351,7 @@ int RunFollow(const FollowArgs& a) {
               << std::endl;
   }
   if (!s.ok()) return Fail("follow", s);
-  fmt::print("{} holds version {}\n", a.target, f.version());
+  fmt::print("{}\n", holds);
   return kExitOk;
 }
 

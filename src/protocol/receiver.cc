@@ -1,0 +1,265 @@
+// The receiver's walk of the protocol (receiver.h; docs/protocol.md, "Receivers").
+#include "receiver.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
+namespace dcr::protocol_internal {
+
+ReceiverWalk::ReceiverWalk(Store& store, ReceiverTarget& target, FollowOptions options)
+    : store_(store), target_(target), o_(std::move(options)),
+      heartbeat_(store, o_.id, target.Engine(), o_.heartbeat_every, [this](const std::string& l) { Log(l); }) {}
+
+Status ReceiverWalk::Run(std::optional<uint64_t> until, const std::function<bool()>& stop) {
+  Status s = FollowLoop(
+      heartbeat_, o_, [&] { return started_ ? Status::Ok() : Start(stop); }, [&] { return Step(); },
+      [&] { return until && version_ >= *until; }, stop, [this](const std::string& l) { Log(l); });
+  // After an error the target is reopened by the next Run: what it holds is
+  // whatever its journal and bits say.
+  started_ = s.ok();
+  return s;
+}
+
+Status ReceiverWalk::Start(const std::function<bool()>& stop) {
+  RunState state;
+  for (;;) {  // wait for the run to exist
+    DCR_ASSIGN_OR_RETURN(state, ReadRunState(store_));
+    if (state.run && state.latest) break;
+    if (stop && stop()) return Aborted("stopped before the run started");
+    std::this_thread::sleep_for(o_.poll);
+  }
+  run_ = *state.run;
+  shape_ = LayoutOf(run_);
+  handled_.clear();
+  commit_failures_.clear();
+  prefetched_.clear();
+  from_relay_.clear();
+  streamed_.clear();
+  std::string why;
+  DCR_ASSIGN_OR_RETURN(auto held, target_.Resume(store_, run_, *state.latest, &why));
+  if (!held) DCR_RETURN_IF_ERROR(Join(*state.latest, why));
+  else {
+    version_ = *held;
+    heartbeat_.SetVersion(version_);
+  }
+  started_ = true;
+  return Status::Ok();
+}
+
+// Replaces the target's bits with the newest snapshot at or below `at_most`.
+Status ReceiverWalk::Join(uint64_t at_most, const std::string& why) {
+  DCR_ASSIGN_OR_RETURN(SnapshotRecord snap, NewestSnapshot(store_, at_most));
+  Log(fmt::format("joining from the snapshot of version {} ({})", snap.version, why));
+  SetState("joining").IgnoreError();
+  DCR_RETURN_IF_ERROR(target_.Join(store_, run_, snap));
+  return Commit(snap.version);
+}
+
+Status ReceiverWalk::Commit(uint64_t v) {
+  version_ = v;
+  heartbeat_.SetVersion(v);
+  prefetched_.clear();
+  from_relay_.clear();
+  streamed_.clear();
+  if (o_.relay) o_.relay->Take(run_keys::Attempts(v));  // late copies of what it now holds
+  return target_.Commit(v);
+}
+
+void ReceiverWalk::TakeFromRelay(const std::string& prefix) {
+  if (!o_.relay) return;
+  for (auto& [key, bytes] : o_.relay->Take(prefix)) {
+    if (prefetched_.count(key)) continue;  // already downloaded from the store
+    from_relay_.insert(key);
+    prefetched_.emplace(key, std::move(bytes));
+  }
+}
+
+Status ReceiverWalk::AwaitRelay(const std::string& prefix, const std::vector<std::string>& objects,
+                                const std::function<Status()>& arrived) {
+  if (!o_.relay) return Status::Ok();
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    TakeFromRelay(prefix);
+    DCR_RETURN_IF_ERROR(arrived());
+    const bool complete =
+        std::all_of(objects.begin(), objects.end(), [&](const std::string& k) { return prefetched_.count(k) > 0; });
+    // Also while the relay is detached: its client re-attaches upstream
+    // within its dead_after, and the new parent sends what is missing.
+    if (complete) return Status::Ok();
+    const auto now = std::chrono::steady_clock::now();
+    if (now - std::max(start, o_.relay->LastDelivery()) > o_.relay_quiet) {
+      Log(fmt::format("the relay delivered nothing for {} ms; downloading the missing frame objects of {} from the store",
+                      o_.relay_quiet.count(), prefix));
+      return Status::Ok();
+    }
+    std::this_thread::sleep_for(std::min(o_.stream_poll, o_.poll));
+  }
+}
+
+std::pair<size_t, uint64_t> ReceiverWalk::Relayed(const std::string& prefix) const {
+  std::pair<size_t, uint64_t> r{0, 0};
+  for (const auto& [key, bytes] : prefetched_)
+    if (key.starts_with(prefix) && from_relay_.count(key)) {
+      ++r.first;
+      r.second += bytes.size();
+    }
+  return r;
+}
+
+// Frames of a streaming attempt are applied as their objects arrive (also
+// those the relay delivers after the manifest is in). Each is checked by
+// ForEachStreamedFrame (header and payload checksums, attempt.json's delta
+// id, a mode of its class, the run's shape of its chunk); the target applies
+// only what it can prove safe and leaves the rest to the manifest. The
+// journal names the attempt before the first write, so a restarted receiver
+// knows its bits may be between versions. Nothing is applied once the
+// attempt is fenced.
+Status ReceiverWalk::StreamApply(uint64_t v, const AttemptInfo& a) {
+  auto it = streamed_.find(a.id);
+  if (it == streamed_.end()) {
+    DCR_ASSIGN_OR_RETURN(auto attempt, ReadStreamedAttempt(store_, v, a.id, [this](const std::string& l) { Log(l); }));
+    if (!attempt) return Status::Ok();
+    Streamed st{*attempt, shape_, {}, {}};
+    st.shape.delta_id = attempt->delta_id;
+    st.shape.delta_class = attempt->cls;
+    it = streamed_.emplace(a.id, std::move(st)).first;
+  }
+  Streamed& st = it->second;
+  if (!st.attempt.usable || !target_.MayStream(a.id, st.attempt.cls)) return Status::Ok();
+  DCR_ASSIGN_OR_RETURN(auto todo, StreamedObjectsToApply(store_, v, a, prefetched_, &st.objects));
+  if (todo.empty()) return Status::Ok();
+  DCR_RETURN_IF_ERROR(target_.Begin(a.id));
+  SetState("applying").IgnoreError();
+  DCR_RETURN_IF_ERROR(Fault("stream-applying"));
+  std::vector<FrameView> frames;  // views into prefetched_, which stays put until the target applied them
+  for (const auto& key : todo)
+    ForEachStreamedFrame(
+        key, prefetched_.at(key), st.shape, st.attempt, [&](const FrameView& f, size_t) { frames.push_back(f); },
+        [this](const std::string& l) { Log(l); });
+  return target_.ApplyStreamed(st.shape, frames, &st.counts);
+}
+
+// Catches up to committed version v through its committed attempt (a late
+// or retired receiver); when that fails, once from the newest snapshot.
+Status ReceiverWalk::CatchUp(uint64_t v, const CommitRecord& c) {
+  TakeFromRelay(run_keys::Attempt(v, c.attempt));
+  auto delta = LoadAttempt(store_, v, c.attempt, &prefetched_);
+  Status s = delta.status();
+  ApplyCounts counts;
+  if (s.ok()) s = target_.ApplyAttempt(c.attempt, *delta, &counts);
+  if (s.ok() && !target_.AtCommit(c)) s = DataLoss("the committed delta did not reach its digest");
+  if (s.ok()) return Commit(v);
+  if (Transient(s)) return s;
+  // If the committed delta fails again after a rejoin, the store's copy of
+  // version v is damaged and rejoining would loop.
+  if (++commit_failures_[v] > 1)
+    return DataLoss(fmt::format(
+        "{}: committed version {} (attempt {}) cannot be applied even after rejoining from a snapshot: {}. The "
+        "store's copy of that version is damaged; receivers can only pass it from a newer snapshot",
+        store_.url(), v, c.attempt, s.ToString()));
+  DCR_ASSIGN_OR_RETURN(RunState state, ReadRunState(store_));
+  return Join(*state.latest, "cannot apply committed version " + std::to_string(v) + ": " + s.ToString());
+}
+
+Status ReceiverWalk::ApplyAndAck(uint64_t v, const AttemptInfo& a) {
+  const std::string prefix = run_keys::Attempt(v, a.id);
+  // The manifest may be in long before the relay tree delivers the last
+  // objects (the store is not the tree's link): apply them as they come.
+  DCR_RETURN_IF_ERROR(AwaitRelay(prefix, a.frame_objects, [&] { return StreamApply(v, a); }));
+  const auto [relayed, relayed_bytes] = Relayed(prefix);
+  auto delta = LoadAttempt(store_, v, a.id, &prefetched_);
+  const auto ready = std::chrono::steady_clock::now();  // the manifest and every frame object are here
+  if (Transient(delta.status())) return delta.status();
+  if (o_.relay && delta.ok()) {
+    const uint64_t frame_bytes = delta->manifest().frame_bytes;
+    Log(fmt::format("version {} attempt {}: frame objects {}/{} ({} bytes) from the relay, {} ({} bytes) from the store",
+                    v, a.id, relayed, a.frame_objects.size(), relayed_bytes,
+                    a.frame_objects.size() - std::min(a.frame_objects.size(), relayed),
+                    frame_bytes - std::min(frame_bytes, relayed_bytes)));
+  }
+  SetState("applying").IgnoreError();
+  DCR_RETURN_IF_ERROR(Fault("applying"));
+  Status s = delta.status();
+  ApplyCounts counts;
+  if (s.ok()) s = target_.ApplyAttempt(a.id, *delta, &counts);
+  DCR_RETURN_IF_ERROR(Fault("applied"));
+  AckRecord ack;
+  ack.receiver = o_.id;
+  ack.ok = s.ok();
+  ack.digest = target_.AckDigest();
+  ack.error = s.ok() ? "" : s.ToString();
+  ack.engine = target_.Engine();
+  const ApplyCounts& st = streamed_[a.id].counts;
+  Log(s.ok() ? fmt::format("applied version {} attempt {} ({:.3f} s after the manifest and frame objects were in; "
+                           "streamed frames: {} applied as they arrived, {} already done, {} left to the manifest)",
+                           v, a.id, std::chrono::duration<double>(std::chrono::steady_clock::now() - ready).count(),
+                           st.applied, st.already, st.left)
+             : fmt::format("cannot apply version {} attempt {}: {}", v, a.id, s.ToString()));
+  DCR_RETURN_IF_ERROR(store_.Put(run_keys::Ack(v, a.id, o_.id), ack.ToJson()));
+  // In the store first (the record), then up the relay tree (the fast path
+  // to the coordinator). A rank's partial ack goes through the store only:
+  // the tree's ACK carries no engine.
+  if (o_.relay && ack.engine.ranks == 0) o_.relay->Ack(prefix, ack);
+  DCR_RETURN_IF_ERROR(Fault("acked"));
+  handled_.insert(a.id);
+  SetState("following").IgnoreError();
+  return Status::Ok();
+}
+
+// One step towards version_ + 1: apply its commit, or its open attempts.
+Status ReceiverWalk::Step() {
+  if (!target_.Open()) {  // a join was interrupted by a store failure
+    DCR_ASSIGN_OR_RETURN(RunState state, ReadRunState(store_));
+    return Join(*state.latest, "resuming an interrupted join");
+  }
+  const uint64_t v = version_ + 1;
+  DCR_ASSIGN_OR_RETURN(auto commit_text, GetIfPresent(store_, run_keys::Commit(v)));
+  if (commit_text) {
+    DCR_ASSIGN_OR_RETURN(CommitRecord c,
+                         CommitRecord::FromJson(*commit_text, StoreContext(store_.url(), run_keys::Commit(v))));
+    if (std::find(c.retired.begin(), c.retired.end(), o_.id) != c.retired.end())
+      Log(fmt::format("retired from version {} (no ack before the deadline): catching up from the committed delta, "
+                      "or the newest snapshot if that is impossible",
+                      v));
+    if (target_.AtCommit(c)) DCR_RETURN_IF_ERROR(Commit(v));
+    else DCR_RETURN_IF_ERROR(CatchUp(v, c));
+    if (version_ != v) return Status::Ok();  // rejoined from a snapshot
+    SetState("following").IgnoreError();
+    Log(fmt::format("at version {} (attempt {})", v, c.attempt.empty() ? "snapshot" : c.attempt));
+    return Status::Ok();
+  }
+  DCR_ASSIGN_OR_RETURN(auto attempts, ListAttempts(store_, v));
+  bool progressed = false, streaming = false;
+  for (const auto& a : attempts) {
+    const std::string prefix = run_keys::Attempt(v, a.id);
+    if (a.fenced || handled_.count(a.id) || std::find(a.acks.begin(), a.acks.end(), o_.id) != a.acks.end()) {
+      std::erase_if(prefetched_, [&](const auto& kv) { return kv.first.starts_with(prefix); });
+      if (o_.relay) o_.relay->Take(prefix);  // dropped
+      continue;
+    }
+    if (a.has_manifest) {
+      DCR_RETURN_IF_ERROR(ApplyAndAck(v, a));
+      progressed = true;
+      continue;
+    }
+    // Streaming: take what the relay delivered; without one attached,
+    // download the frame objects written so far, so that only the last one
+    // or two remain when the manifest appears.
+    streaming = true;
+    const size_t before = prefetched_.size();
+    TakeFromRelay(prefix);
+    if (prefetched_.size() != before) progressed = true;
+    if (!o_.relay || !o_.relay->Attached())
+      DCR_RETURN_IF_ERROR(PrefetchFrameObjects(store_, a, &prefetched_, &progressed));
+    // Only the newest attempt: an older one is being replaced (a takeover or
+    // retry), and its frames would only be overwritten.
+    if (a.id == attempts.back().id) DCR_RETURN_IF_ERROR(StreamApply(v, a));
+  }
+  if (!progressed) std::this_thread::sleep_for(streaming ? std::min(o_.stream_poll, o_.poll) : o_.poll);
+  return Status::Ok();
+}
+
+}  // namespace dcr::protocol_internal

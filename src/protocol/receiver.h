@@ -1,0 +1,125 @@
+// The receiver: one walk of the protocol (docs/protocol.md, "Receivers")
+// for every kind of receiver. The walk decides what to apply and when, acks
+// and commits; a ReceiverTarget holds the bits (a checkpoint directory, or
+// one rank's buffers) and its journal. Follower and RankFollower are this
+// walk over their targets. Not public API.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+
+#include "internal.h"
+
+namespace dcr::protocol_internal {
+
+// Frames applied, found already at their target, left to the manifest.
+struct ApplyCounts {
+  uint64_t applied = 0, already = 0, left = 0;
+};
+
+// What a receiver applies versions to. It owns its bits and its journal;
+// the walk calls it from one thread.
+class ReceiverTarget {
+ public:
+  virtual ~ReceiverTarget() = default;
+
+  // At start: opens what the target holds for `run` (whose newest committed
+  // version is `latest`). Returns the committed version it holds (its bits
+  // may be part way to the next: the journal names the attempt), or nullopt
+  // and in `*join_why` why it must join from a snapshot. Errors refuse to
+  // follow (the directory belongs to another run or rank).
+  virtual Result<std::optional<uint64_t>> Resume(Store& store, const RunRecord& run, uint64_t latest,
+                                                 std::string* join_why) = 0;
+  // Replaces the bits with `snapshot`, checked against its digest; journaled
+  // first, so that a kill part way through joins again.
+  virtual Status Join(Store& store, const RunRecord& run, const SnapshotRecord& snapshot) = 0;
+  // Whether the bits are open (not after a failed join: the walk joins again).
+  virtual bool Open() const = 0;
+  // The bits are committed version v, which the journal now says.
+  virtual Status Commit(uint64_t v) = 0;
+  // Whether the bits are already commit `c`'s.
+  virtual bool AtCommit(const CommitRecord& c) const = 0;
+  // What an ack carries: the whole digest, or a rank's partial and its engine.
+  virtual Digest AckDigest() const = 0;
+  virtual EngineRank Engine() const = 0;
+  // Whether frames of attempt `id` (class `cls`) may be applied before its
+  // manifest: an xor frame needs bits it can prove are its base.
+  virtual bool MayStream(const std::string& id, DeltaClass cls) const = 0;
+  // Journals attempt `id` as the one about to touch the bits.
+  virtual Status Begin(const std::string& id) = 0;
+  // Applies attempt `id`'s delta (journaled first). Errors: why the bits are
+  // not its target (the attempt is nacked with it), or journal I/O.
+  virtual Status ApplyAttempt(const std::string& id, const DeltaReader& delta, ApplyCounts* counts) = 0;
+  // Applies frames of the journaled attempt that arrived before its manifest
+  // (each already checked by ForEachStreamedFrame against `shape`: the run's
+  // tensors with the attempt's delta id and class). Frames it cannot prove
+  // safe are logged and left to the manifest; errors are journal I/O only.
+  virtual Status ApplyStreamed(const DeltaManifest& shape, std::span<const FrameView> frames,
+                               ApplyCounts* counts) = 0;
+};
+
+// The walk: waits for the run, resumes or joins the target, then step by
+// step applies version + 1's commit or its open attempts (streamed frames as
+// they arrive, from the store or a relay), acks each attempt in the store
+// (and up the relay tree for a whole receiver), and commits. It keeps its
+// state between Run calls: a Run after a Run that returned OK continues
+// without reopening the target.
+class ReceiverWalk {
+ public:
+  ReceiverWalk(Store& store, ReceiverTarget& target, FollowOptions options);
+
+  // As Follower::Run; `version` is set as versions are committed.
+  Status Run(std::optional<uint64_t> until, const std::function<bool()>& stop);
+  uint64_t version() const { return version_; }
+
+ private:
+  void Log(const std::string& line) { FollowLog(o_, line); }
+  Status Fault(std::string_view point) { return o_.fault ? o_.fault(point) : Status::Ok(); }
+  Status SetState(const std::string& state) { return heartbeat_.Set(state); }
+
+  Status Start(const std::function<bool()>& stop);
+  Status Join(uint64_t at_most, const std::string& why);
+  Status Commit(uint64_t v);
+  Status Step();
+  Status CatchUp(uint64_t v, const CommitRecord& c);
+  // Applies and acks attempt `a` of version v, whose manifest is in.
+  Status ApplyAndAck(uint64_t v, const AttemptInfo& a);
+  void TakeFromRelay(const std::string& prefix);
+  // Waits for the relay to deliver `objects`; `arrived` runs after each take.
+  Status AwaitRelay(const std::string& prefix, const std::vector<std::string>& objects,
+                    const std::function<Status()>& arrived);
+  // The objects (and bytes) under `prefix` in prefetched_ that the relay delivered.
+  std::pair<size_t, uint64_t> Relayed(const std::string& prefix) const;
+  // Applies the frames of attempt `a` of version v that are in prefetched_
+  // and not yet looked at, ahead of the manifest's apply (while the attempt
+  // streams, or while the relay still delivers).
+  Status StreamApply(uint64_t v, const AttemptInfo& a);
+
+  Store& store_;
+  ReceiverTarget& target_;
+  const FollowOptions o_;
+  bool started_ = false;
+  uint64_t version_ = 0;
+  RunRecord run_;
+  DeltaManifest shape_;  // the run's tensors and chunking
+  std::set<std::string> handled_;            // attempts acked (or nacked) by this receiver
+  std::map<uint64_t, int> commit_failures_;  // committed versions that failed to apply
+  // Frame objects of version_ + 1's attempts downloaded before their
+  // manifest (full key -> bytes); LoadAttempt takes them from here.
+  std::map<std::string, std::string> prefetched_;
+  std::set<std::string> from_relay_;  // keys in prefetched_ that the relay delivered
+  struct Streamed {
+    StreamedAttempt attempt;
+    DeltaManifest shape;            // the run's shape with the attempt's delta id and class
+    std::set<std::string> objects;  // frame objects looked at
+    ApplyCounts counts;
+  };
+  std::map<std::string, Streamed> streamed_;  // per attempt of version_ + 1
+  Heartbeat heartbeat_;
+};
+
+}  // namespace dcr::protocol_internal
