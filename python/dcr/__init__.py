@@ -177,11 +177,17 @@ class Publisher:
 
 class Follower:
     """A receiver keeping checkpoint directory ``target`` at the newest committed
-    version, in place (C++ dcr::Follower); an empty directory joins from a snapshot."""
+    version, in place (C++ dcr::Follower); an empty directory joins from a snapshot.
+    ``relay``: relay addresses (its relay, then ancestors; ``dcr relay``) to take
+    frame objects from, what none delivers coming from the store; ``relay_key`` and
+    ``relay_pub``: CURVE key files (``dcr relay keygen``), as ``dcr follow``'s
+    ``--relay-key`` and ``--relay-pub``."""
 
-    def __init__(self, store: Store, target: PathLike, id: str = "", poll_s: float = 0.1, quiet: bool = True):
+    def __init__(self, store: Store, target: PathLike, id: str = "", poll_s: float = 0.1, quiet: bool = True,
+                 relay: Sequence[str] = (), relay_key: PathLike = "", relay_pub: PathLike = ""):
         self.store = store
-        self._f = _dcr.Follower(store, os.fspath(target), id, poll_s, quiet)
+        self._f = _dcr.Follower(store, os.fspath(target), id, poll_s, quiet, list(relay), os.fspath(relay_key),
+                                os.fspath(relay_pub))
 
     def run(self, until: Optional[int] = None, timeout_s: Optional[float] = None,
             on_version: Optional[Callable[[int], Any]] = None) -> int:
@@ -401,7 +407,8 @@ class Receiver:
 
     def follow(self, store: Store, state_dir: PathLike, *, engine: str, rank: int = 0, ranks: int = 1,
                until: Optional[int] = None, timeout_s: Optional[float] = None, id: str = "", poll_s: float = 0.1,
-               quiet: bool = True) -> int:
+               quiet: bool = True, relay: Sequence[str] = (), relay_key: PathLike = "",
+               relay_pub: PathLike = "") -> int:
         """Follows the run in ``store`` into these live tensors, in place, as
         rank ``rank`` of ``ranks`` of engine ``engine`` (C++ dcr::RankFollower
         over in-memory buffers): every attempt's frames are applied through
@@ -422,13 +429,22 @@ class Receiver:
         from a snapshot or a reopen) are handed to the loader, staged buffers
         that changed are copied back to the device, then ``post_update`` gets
         ``{"version": v, "residuals_loaded": names, "tensors_changed": names}``
-        (the canonical tensors changed since the previous call). Residuals without a
+        (the canonical tensors changed since the previous call). ``relay``,
+        ``relay_key``, ``relay_pub``: frame objects from a relay tree, as for
+        :class:`Follower` (acks go through the store). Calling it
+        again with the same arguments continues where the last call stopped
+        (after one that raised, from the journal and a digest pass). Residuals without a
         loader cannot be followed: the rank's partial digest would lack them."""
         if self._skipped:
             raise InvalidArgumentError(f"Receiver.follow: residual tensor '{self._skipped[0]}' is not mapped and has "
                                        "no loader; the engine's partial digests would never add up (give a loader)")
-        self._follower = _dcr.RankFollower(store, self.layout_json, self._buffers, os.fspath(state_dir), engine,
-                                           rank, ranks, id, poll_s, quiet)
+        # The same run followed again (the next version) continues where the
+        # last call stopped, without a digest pass over the tensors.
+        args = (store, os.fspath(state_dir), engine, rank, ranks, id, poll_s, quiet, list(relay), os.fspath(relay_key),
+                os.fspath(relay_pub))
+        if self._follower is None or self._follow_args[0] is not store or self._follow_args[1:] != args[1:]:
+            self._follower = _dcr.RankFollower(store, self.layout_json, self._buffers, *args[1:])
+            self._follow_args = args
 
         def on_version(v: int) -> None:
             changed = self._follower.take_changed()

@@ -112,6 +112,11 @@ class DcrInitInfo(WeightTransferInitInfo):
         default: a directory under the system's temporary directory).
     poll_s: how often the store is polled while following.
     join_timeout_s: the longest init may take to join the run.
+    relay: relay addresses (``tcp://host:port``: the node's relay, then its
+        ancestors; ``dcr relay``) from which every rank takes the frame
+        objects; what none delivers comes from the store. Acks go through
+        the store.
+    relay_key, relay_pub: CURVE key files for the relays (``dcr relay keygen``).
     """
 
     store: str
@@ -120,6 +125,9 @@ class DcrInitInfo(WeightTransferInitInfo):
     state_dir: Optional[str] = None
     poll_s: float = 0.05
     join_timeout_s: float = 600.0
+    relay: Optional[list] = None
+    relay_key: Optional[str] = None
+    relay_pub: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, str) or not self.store:
@@ -128,6 +136,13 @@ class DcrInitInfo(WeightTransferInitInfo):
             raise ValueError(f"dcr: init_info 'engine' must be a name without '/', not {self.engine!r}")
         if not (isinstance(self.poll_s, (int, float)) and 0 < self.poll_s <= 60):
             raise ValueError(f"dcr: init_info 'poll_s' must be in (0, 60], not {self.poll_s!r}")
+        if self.relay is not None and (not isinstance(self.relay, (list, tuple)) or not self.relay or
+                                       not all(isinstance(a, str) and a for a in self.relay)):
+            raise ValueError(f"dcr: init_info 'relay' must be a list of relay addresses, not {self.relay!r}")
+        for k in ("relay_key", "relay_pub"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, str) or not v or self.relay is None):
+                raise ValueError(f"dcr: init_info '{k}' must be a key file path, given with 'relay', not {v!r}")
 
 
 @dataclass
@@ -395,7 +410,9 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         self._buffers_of: dict = {}  # canonical tensor -> the parameters it is placed in
         for c in layout.get("copies", []):
             self._buffers_of.setdefault(c["tensor"], set()).add(c["buffer"])
-        self._follow = dict(engine=engine, rank=rank, ranks=ranks, poll_s=init_info.poll_s)
+        self._follow = dict(engine=engine, rank=rank, ranks=ranks, poll_s=init_info.poll_s,
+                            relay=list(init_info.relay or ()), relay_key=init_info.relay_key or "",
+                            relay_pub=init_info.relay_pub or "")
         self._state_dir = state_dir
         latest = _latest_commit(store)
         if latest < 0:

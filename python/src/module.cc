@@ -41,6 +41,7 @@
 #include "dcr/layout_apply.h"
 #include "dcr/mapped_file.h"
 #include "dcr/protocol.h"
+#include "dcr/relay.h"
 #include "dcr/status.h"
 #include "dcr/store.h"
 
@@ -344,8 +345,26 @@ nb::dict PublishReportDict(const dcr::PublishReport& r) {
   return d;
 }
 
+// A receiver's relay client (frame objects from the relay tree), started
+// under the receiver's id; null without addresses.
+std::unique_ptr<dcr::RelayReceiver> StartRelay(const std::string& id, const std::vector<std::string>& addresses,
+                                               const std::string& key, const std::string& pub, bool quiet) {
+  if (addresses.empty()) {
+    if (!key.empty() || !pub.empty()) Raise(dcr::InvalidArgument("relay_key and relay_pub need relay addresses"));
+    return nullptr;
+  }
+  dcr::RelayClientOptions o;
+  o.id = id;
+  o.addresses = addresses;
+  o.security = Take(dcr::LoadRelaySecurity(key, pub, ""));
+  if (quiet) o.log = [](const std::string&) {};
+  return Take(dcr::RelayReceiver::Start(std::move(o)));
+}
+
+// The relay (declared first) outlives the follower that takes from it.
 struct PyFollower {
-  dcr::Follower follower;
+  std::unique_ptr<dcr::RelayReceiver> relay;
+  std::unique_ptr<dcr::Follower> follower;
 };
 
 // One rank of an engine following the run into live buffers (the arrays are
@@ -353,6 +372,7 @@ struct PyFollower {
 struct PyRankFollower {
   std::unique_ptr<dcr::CompiledLayout> layout;
   std::vector<nb::ndarray<>> arrays;
+  std::unique_ptr<dcr::RelayReceiver> relay;
   std::unique_ptr<dcr::RankFollower> follower;
 };
 
@@ -457,7 +477,13 @@ uint64_t RunFollowing(F& follower, const std::string& who, std::optional<uint64_
   dcr::Status s;
   bool timed_out = false, py_error = false;
   std::optional<uint64_t> seen;
-  if constexpr (!requires { follower.holds_version(); }) seen = follower.version();
+  // A RankFollower reports the version it joins or reopens, but not again
+  // the one a previous call already reported (a call continuing it).
+  if constexpr (requires { follower.holds_version(); }) {
+    if (follower.holds_version()) seen = follower.version();
+  } else {
+    seen = follower.version();
+  }
   auto poll_python = [&]() -> bool {
     if (py_error) return true;  // an exception is pending: no more Python calls
     nb::gil_scoped_acquire acquire;
@@ -717,27 +743,37 @@ NB_MODULE(_dcr, m) {
 
   nb::class_<PyFollower>(m, "Follower")
       .def("__init__", [](PyFollower* self, PyStore& store, const std::string& target, const std::string& id,
-                          double poll_s, bool quiet) {
-        new (self) PyFollower{dcr::Follower(*store.store, target, MakeFollowOptions(id, poll_s, quiet))};
-      }, "store"_a, "target"_a, "id"_a, "poll_s"_a, "quiet"_a, nb::keep_alive<1, 2>())
+                          double poll_s, bool quiet, const std::vector<std::string>& relay, const std::string& relay_key,
+                          const std::string& relay_pub) {
+        dcr::FollowOptions o = MakeFollowOptions(id.empty() ? dcr::DefaultReceiverId() : id, poll_s, quiet);
+        auto relayed = StartRelay(o.id, relay, relay_key, relay_pub, quiet);
+        o.relay = relayed.get();
+        auto follower = std::make_unique<dcr::Follower>(*store.store, target, std::move(o));
+        new (self) PyFollower{std::move(relayed), std::move(follower)};
+      }, "store"_a, "target"_a, "id"_a, "poll_s"_a, "quiet"_a, "relay"_a, "relay_key"_a, "relay_pub"_a,
+           nb::keep_alive<1, 2>())
       .def("run", [](PyFollower& f, std::optional<uint64_t> until, std::optional<double> timeout_s,
-                     nb::object on_version) { return RunFollowing(f.follower, "Follower.run", until, timeout_s, on_version);
+                     nb::object on_version) { return RunFollowing(*f.follower, "Follower.run", until, timeout_s, on_version);
       }, "until"_a = nb::none(), "timeout_s"_a = nb::none(), "on_version"_a = nb::none())
-      .def_prop_ro("version", [](const PyFollower& f) { return f.follower.version(); });
+      .def_prop_ro("version", [](const PyFollower& f) { return f.follower->version(); });
 
   nb::class_<PyRankFollower>(m, "RankFollower")
       .def("__init__", [](PyRankFollower* self, PyStore& store, const std::string& layout_json,
                           std::vector<nb::ndarray<>> buffers, const std::string& state_dir, const std::string& engine,
-                          uint32_t rank, uint32_t ranks, const std::string& id, double poll_s, bool quiet) {
+                          uint32_t rank, uint32_t ranks, const std::string& id, double poll_s, bool quiet,
+                          const std::vector<std::string>& relay, const std::string& relay_key,
+                          const std::string& relay_pub) {
         auto layout = std::make_unique<dcr::CompiledLayout>(CompileJson(layout_json, "receiver layout"));
         std::vector<std::span<uint8_t>> spans = RankBuffers(*layout, buffers, "Receiver.follow");
         const dcr::PlacedRank placed{layout.get(), spans};
+        dcr::FollowOptions o = MakeFollowOptions(id.empty() ? engine + "-r" + std::to_string(rank) : id, poll_s, quiet);
+        auto relayed = StartRelay(o.id, relay, relay_key, relay_pub, quiet);
+        o.relay = relayed.get();
         auto follower = std::make_unique<dcr::RankFollower>(*store.store, placed, state_dir,
-                                                            dcr::EngineRank{engine, rank, ranks},
-                                                            MakeFollowOptions(id, poll_s, quiet));
-        new (self) PyRankFollower{std::move(layout), std::move(buffers), std::move(follower)};
+                                                            dcr::EngineRank{engine, rank, ranks}, std::move(o));
+        new (self) PyRankFollower{std::move(layout), std::move(buffers), std::move(relayed), std::move(follower)};
       }, "store"_a, "layout"_a, "buffers"_a, "state_dir"_a, "engine"_a, "rank"_a, "ranks"_a, "id"_a, "poll_s"_a,
-           "quiet"_a, nb::keep_alive<1, 2>())
+           "quiet"_a, "relay"_a, "relay_key"_a, "relay_pub"_a, nb::keep_alive<1, 2>())
       .def("run", [](PyRankFollower& f, std::optional<uint64_t> until, std::optional<double> timeout_s,
                      nb::object on_version) {
         return RunFollowing(*f.follower, "Receiver.follow", until, timeout_s, on_version);

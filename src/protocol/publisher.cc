@@ -1168,7 +1168,7 @@ Result<ShardRun::Participation> ShardRun::Participate(uint64_t v, const std::str
     bytes += f;
   }
   if (!bytes.empty()) {
-    rec.objects = {fmt::format("frames/p{}.bin", Me())};
+    rec.objects = {fmt::format("frames/s{}-0000.bin", Me())};  // a segment name: relays carry it
     DCR_RETURN_IF_ERROR(store_.Put(prefix + rec.objects[0], bytes));
     if (o_.relay) o_.relay->Object(prefix + rec.objects[0], bytes);
   }

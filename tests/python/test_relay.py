@@ -43,6 +43,9 @@ test_engine_ranks_take_their_frames_from_the_relay
     two ranks of an engine (`dcr follow --layout`) below a relay: every frame
     object through the relay, acks in the store, buffers equal to a dense
     load through each rank's map.
+test_python_followers_take_their_frames_from_the_relay
+    `dcr.Follower` and `dcr.Receiver.follow` below a relay: frames through
+    it, bits exact.
 test_a_root_pulls_from_the_store
     `dcr relay --pull-store` at the root of a chain r0 <- r1, and a publish
     without --relay (the sender writes only to the store): the root reads
@@ -633,6 +636,69 @@ def test_engine_ranks_take_their_frames_from_the_relay(tree):
         ack = read_json(t.store / "attempts" / "v0000000001" / read_json(t.store / "commits" / "v0000000001.json")["attempt"]
                         / "acks" / f"{rid}.json")
         assert ack and ack["ok"] and ack["engine"] == {"id": "tp", "rank": r, "ranks": 2}, ack
+
+
+def test_python_followers_take_their_frames_from_the_relay(tree):
+    """The Python package's receivers take a relay too: a `dcr.Follower` and
+    a `dcr.Receiver` (rank 0 of 1, live torch tensors) below one relay, with
+    CURVE keys. Every frame object reaches both through the relay (the
+    relay's links to them carry the payload), the whole receiver's ack comes
+    up the tree, and both end exact: the checkpoint by `dcr diff`, the tensors
+    against the checkpoint's, compared as bytes."""
+    import threading
+
+    import torch
+    from safetensors.torch import load_file
+
+    import dcr
+    t = tree(versions=1)
+    t.plan(["r0"], 1)
+    t.publish_ok(0, relay=False)
+    t.start_relay("r0")
+    addr = t.relays["r0"]["address"]
+    keys = dict(relay=[addr], relay_key=t.client_key, relay_pub=t.relay_pub)
+    store = dcr.open_store(t.url)
+    follower = dcr.Follower(store, t.root / "py-follower", id="py-follower", poll_s=0.05, **keys)
+    v0 = {}
+    for f in sorted((t.gen / "v0").glob("*.safetensors")):
+        v0.update(load_file(f))
+    live = {name: torch.empty_like(x) for name, x in v0.items()}
+    receiver = dcr.Receiver(live)
+    results, errors = {}, []
+
+    def run(name, fn):
+        try:
+            results[name] = fn()
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append((name, e))
+
+    threads = [threading.Thread(target=run, args=("follower", lambda: follower.run(until=1, timeout_s=TIMEOUT_S))),
+               threading.Thread(target=run, args=("receiver", lambda: receiver.follow(
+                   store, t.root / "py-rank", engine="py", until=1, timeout_s=TIMEOUT_S, poll_s=0.05, **keys)))]
+    for th in threads:
+        th.start()
+    deadline = time.monotonic() + 30
+    for rid in ("py-follower", "py-r0"):
+        while not ((rec := read_json(t.store / "receivers" / f"{rid}.json")) and rec.get("state") == "following"):
+            assert not errors and time.monotonic() < deadline, (rid, errors)
+            time.sleep(0.05)
+    t.wait_attached({"receiver py-follower": "r0", "receiver py-r0": "r0"})
+    report = t.publish_ok(1)
+    for th in threads:
+        th.join(timeout=TIMEOUT_S)
+    assert not errors and results == {"follower": 1, "receiver": 1}, (results, errors)
+    assert report["relay_acks"] == 1 and sorted(report["acked"]) == ["py-follower", "py-r0"], report
+    res = run_dcr("diff", "--json", "--summary", t.gen / "v1", t.root / "py-follower")
+    assert res.returncode == 0, str(res)
+    v1 = {}
+    for f in sorted((t.gen / "v1").glob("*.safetensors")):
+        v1.update(load_file(f))
+    for name, x in v1.items():
+        assert live[name].view(torch.uint8).equal(x.view(torch.uint8)), f"tensor {name} differs from v1"
+    payload = t.committed_frame_bytes(1)
+    stats = t.stop_relays()
+    out = {link["peer"]: link["bytes_out"] for link in stats["r0"]["links"] if link["kind"] == "receiver"}
+    assert out == {"py-follower": payload, "py-r0": payload}, (out, payload)
 
 
 def test_a_root_pulls_from_the_store(tree):

@@ -99,16 +99,43 @@ def test_vllm_engine_follows_a_trainer_bit_exact(tmp_path):
     assert fresh["live"] == r["final_live"]
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_vllm_tensor_parallel_moe_engine_is_one_receiver_of_two_ranks(tmp_path):
-    # A Qwen3-MoE (stacked experts, sharded over the ranks) on two ranks.
+    # A Qwen3-MoE (stacked experts, sharded over the ranks) on two ranks, which
+    # take the frame objects from a relay that pulls them from the store.
+    from conftest import DCR_BIN
+
     steps = 2
-    store = "file://" + str(tmp_path / "store")
-    r = run_job(tmp_path, "refit", "refit", "--work", str(tmp_path), "--store", store, "--steps", str(steps),
-                "--family", "qwen3-moe", tp=2)
+    store_dir = tmp_path / "store"
+    store = "file://" + str(store_dir)
+    address, stats = f"tcp://127.0.0.1:{free_port()}", tmp_path / "relay-stats.json"
+    with open(tmp_path / "relay.log", "wb") as log:
+        relay = subprocess.Popen([str(DCR_BIN), "relay", "--id", "root", "--listen", address, "--pull-store", store,
+                                  "--stats", str(stats)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        r = run_job(tmp_path, "refit", "refit", "--work", str(tmp_path), "--store", store, "--steps", str(steps),
+                    "--family", "qwen3-moe", "--relay", address, tp=2)
+    finally:
+        relay.send_signal(signal.SIGTERM)
+        relay.wait(timeout=30)
     assert any(".experts." in n for n in r["versions"][0]["engine"][0])
     check_versions(r, steps)
     assert all(len(v["engine"]) == 2 for v in r["versions"])
     assert all(sorted(v.get("acked")) == ["e1-r0", "e1-r1"] for v in r["versions"][1:])
+    # Every frame object of every committed version reached both ranks through the relay.
+    payload = 0
+    for v in range(1, steps + 1):
+        commit = json.loads((store_dir / "commits" / f"v{v:010}.json").read_text())
+        payload += sum(p.stat().st_size for p in (store_dir / "attempts" / f"v{v:010}" / commit["attempt"] /
+                                                  "frames").iterdir())
+    out = {link["peer"]: link["bytes_out"] for link in json.loads(stats.read_text())["links"]
+           if link["kind"] == "receiver"}
+    assert out == {"e1-r0": payload, "e1-r1": payload}, (out, payload)
     fresh = run_job(tmp_path, "fresh", "fresh", "--dir", str(tmp_path / f"v{steps}"), tp=2)
     assert fresh["tokens"] == r["versions"][-1]["tokens"]
     assert fresh["live"] == r["final_live"]

@@ -8,7 +8,8 @@ is built under ``__main__``) and writes what it saw as JSON to ``--out``:
 - ``refit``: a trainer (the transformers model, real AdamW steps) and a
   vLLM ``LLM`` with ``weight_transfer_config={"backend": "dcr"}`` in this
   process; ``--steps`` versions published through ``--store`` with
-  ``DcrTrainerWeightTransferEngine``. After each version: the engine's
+  ``DcrTrainerWeightTransferEngine`` (``--relay``: the engine's ranks take
+  the frame objects from a relay). After each version: the engine's
   parameters (load form, every rank) against a fresh load of the trainer's
   checkpoint through the model's own loader, the weight version, and greedy
   tokens. ``--fail-at POINT:N`` fails the publisher at a fault point (the
@@ -120,8 +121,11 @@ def mode_refit(a) -> dict:
         other.publish_snapshot({n: p.detach() for n, p in model.named_parameters()})
         live = lambda: per_rank(llm.collective_rpc(live_digests))  # noqa: E731
         out["bad_init"] = bad_inputs(a, llm, None, ["no_run", "wrong_run_id", "unreachable"], live)
+    engine_init = {"engine": "e1", "state_dir": os.path.join(a.work, "engine")}
+    if a.relay:
+        engine_init["relay"] = [a.relay]
     info = dv.DcrTrainerInitInfo(rank=0, store=a.store, state_dir=os.path.join(a.work, "trainer"),
-                                 engine_init={"engine": "e1", "state_dir": os.path.join(a.work, "engine")},
+                                 engine_init=engine_init,
                                  inject_failures=a.fail_at, heartbeat_timeout_s=60.0)
     trainer = WeightTransferTrainerFactory.trainer_init(info, client=dv.LLMClient(llm), source=ModuleSource(model))
     out.update(versions=[], joined_version=llm.get_weight_version())
@@ -339,6 +343,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--fail-at", action="append", default=[])
     p.add_argument("--bad-input", action="store_true")
+    p.add_argument("--relay", help="the engine's ranks take frame objects from this relay (engine_init 'relay')")
     a = p.parse_args()
     start = time.monotonic()
     out = {"refit": mode_refit, "fresh": mode_fresh, "serve": mode_serve}[a.mode](a)
