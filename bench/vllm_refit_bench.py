@@ -31,6 +31,10 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "python"))
+# vLLM's CPU worker reserves most of the machine's memory unless told its KV
+# cache size (GiB); and collective_rpc with callables needs this.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 
 def sparse_patch(worker, patches):

@@ -425,7 +425,8 @@ void RelayServer::Accept(RelayMessage m, const std::string& from, Link* link) {
   auto prefix = FrameObjectPrefix(obj->key);
   obj->prefix = prefix.ok() ? *prefix : "";
   if (fenced_.count(obj->prefix)) {
-    ++fenced_drops_;
+    if (++fenced_drops_ == 1 || fenced_drops_ % 1000 == 0)
+      Log(fmt::format("refused object {} of a fenced attempt ({} refused so far)", obj->key, fenced_drops_));
     return;
   }
   if (index_.count(obj->key)) {
