@@ -49,6 +49,9 @@ set -a
 set +a
 export DCR_S3_TEST_URL="s3://dcr-conformance?create_bucket=1"
 
+echo "== module dependencies along the data path"
+python3 scripts/check_includes.py
+
 echo "== C++ unit tests"
 ctest --test-dir build --output-on-failure -j "$(nproc)"
 

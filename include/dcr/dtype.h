@@ -59,4 +59,12 @@ inline uint64_t FromOrderedImage(uint64_t image, uint32_t bits) {
   return image ^ ((was_negative & mask) | sign);
 }
 
+// Rounds an FP32 value's bits to BF16 bits, round-to-nearest-even; NaNs stay
+// NaN (quietened).
+inline uint16_t Fp32BitsToBf16Bits(uint32_t f) {
+  if ((f & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((f >> 16) | 0x40);
+  const uint32_t rounding = ((f >> 16) & 1u) + 0x7FFFu;
+  return static_cast<uint16_t>((f + rounding) >> 16);
+}
+
 }  // namespace dcr

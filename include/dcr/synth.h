@@ -10,6 +10,7 @@
 #include <string_view>
 #include <vector>
 
+#include "dcr/dtype.h"
 #include "dcr/safetensors.h"
 #include "dcr/status.h"
 
@@ -89,13 +90,5 @@ struct GenReport {
 // (options and report). Memory is O(threads x chunk), whatever the size.
 Result<GenReport> GenerateVersions(const std::string& out_dir, const GenOptions& options,
                                    Progress* progress = nullptr);
-
-// Rounds an FP32 value's bits to BF16 bits, round-to-nearest-even; NaNs stay
-// NaN (quietened).
-inline uint16_t Fp32BitsToBf16Bits(uint32_t f) {
-  if ((f & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((f >> 16) | 0x40);
-  const uint32_t rounding = ((f >> 16) & 1u) + 0x7FFFu;
-  return static_cast<uint16_t>((f + rounding) >> 16);
-}
 
 }  // namespace dcr

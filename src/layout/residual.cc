@@ -8,7 +8,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "dcr/synth.h"
+#include "dcr/dtype.h"
 
 namespace dcr {
 namespace {
