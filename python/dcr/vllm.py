@@ -388,6 +388,9 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         if self.parallel_config.pipeline_parallel_size > 1:
             raise NotImplementedError("dcr: pipeline-parallel engines are not supported (tensor parallel is)")
         store, run = _open_run(init_info.store, init_info.run_id)
+        latest = _latest_commit(store)
+        if latest < 0:
+            raise ValueError(f"dcr: the run at '{init_info.store}' has no committed version yet")
         rank, ranks = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
         engine = init_info.engine or _default_engine_name()
         state_root = init_info.state_dir or os.path.join(tempfile.gettempdir(), "dcr-vllm", engine)
@@ -414,9 +417,6 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
                             relay=list(init_info.relay or ()), relay_key=init_info.relay_key or "",
                             relay_pub=init_info.relay_pub or "")
         self._state_dir = state_dir
-        latest = _latest_commit(store)
-        if latest < 0:
-            raise ValueError(f"dcr: the run at '{init_info.store}' has no committed version yet")
         try:
             self._reach(latest, init_info.join_timeout_s)
         except BaseException:

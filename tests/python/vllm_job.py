@@ -120,7 +120,7 @@ def mode_refit(a) -> dict:
                                    senders=[{n: p.detach() for n, p in model.named_parameters()}])
         other.publish_snapshot({n: p.detach() for n, p in model.named_parameters()})
         live = lambda: per_rank(llm.collective_rpc(live_digests))  # noqa: E731
-        out["bad_init"] = bad_inputs(a, llm, None, ["no_run", "wrong_run_id", "unreachable"], live)
+        out["bad_init"] = bad_inputs(a, llm, None, ["no_run", "wrong_run_id", "unreachable", "wrong_key"], live)
     engine_init = {"engine": "e1", "state_dir": os.path.join(a.work, "engine")}
     if a.relay:
         engine_init["relay"] = [a.relay]
@@ -195,6 +195,9 @@ def bad_inputs(a, llm, trainer, cases: list, digests) -> dict:
 
     empty = os.path.join(a.work, "empty-store")
     os.makedirs(empty, exist_ok=True)
+    not_a_key = os.path.join(a.work, "not-a-key")
+    with open(not_a_key, "w") as f:
+        f.write("public nothing\n")
     run = {
         "behind": lambda: update({"version": 0}),
         "never_published": lambda: update({"version": trainer.version + 5, "timeout_s": 2.0}),
@@ -203,6 +206,7 @@ def bad_inputs(a, llm, trainer, cases: list, digests) -> dict:
         "wrong_run_id": lambda: init({"store": a.other_store, "run_id": "not-this-run"}),
         "unreachable": lambda: init({"store": "s3://bucket/run?endpoint=http://127.0.0.1:9&region=x"}),
         "another_run": lambda: init({"store": a.other_store}),
+        "wrong_key": lambda: init({"store": a.other_store, "relay": ["tcp://127.0.0.1:9"], "relay_key": not_a_key}),
     }
     for case in cases:
         attempt(case, run[case])
