@@ -10,6 +10,11 @@ It also watches the store while things run (a thread): every attempt it sees
 that must hold at every instant: no baseline and no receiver journal is ahead
 of the newest commit, and no commit record ever changes.
 
+The store is a file:// directory by default; an S3 store (tests/s3/radosgw.sh)
+works too, given its URL and a read-only view of it (s3_faults.S3View): the
+harness reads the store only through `Harness.view`, except for the frame
+damage of test_refit.py's frames:* kinds, which need the file store.
+
 Used by tests/python/test_refit.py. Independent of dcr's own code except for
 running the binary."""
 
@@ -65,6 +70,38 @@ def read_json(path: Path):
         return None
 
 
+class FileView:
+    """Reads a file:// store: objects are files under its root."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def read(self, key: str) -> bytes | None:
+        try:
+            return (self.root / key).read_bytes()
+        except OSError:
+            return None
+
+    def keys(self, prefix: str = "") -> dict[str, str | None]:
+        """Every key under `prefix`; no ETags (None): compare the bytes."""
+        base = self.root / prefix if prefix else self.root
+        out: dict[str, str | None] = {}
+        for dirpath, dirs, files in os.walk(base):
+            dirs[:] = [d for d in dirs if not d.startswith(".dcr-")]  # .dcr-tmp: writes in progress
+            for name in files:
+                if not name.startswith(".dcr-"):
+                    out[str(Path(dirpath, name).relative_to(self.root))] = None
+        return out
+
+
+def view_json(view, key: str):
+    data = view.read(key)
+    try:
+        return None if data is None else json.loads(data)
+    except ValueError:
+        return None
+
+
 def checkpoint_files(d: Path) -> dict[str, bytes]:
     """The visible top-level files of a checkpoint directory (what a
     snapshot carries), by name."""
@@ -81,6 +118,7 @@ class Receiver:
         self.lives = 0
         self.env: dict = {}
         self.paused = False
+        self.started_at = 0.0  # time.time() when this life started
         self.expect_death = False  # started with a crash hook
         self.log: Path | None = None
         self.logs: list[Path] = []
@@ -88,6 +126,7 @@ class Receiver:
     def start(self, env: dict | None = None) -> None:
         assert not self.alive(), f"receiver {self.id} is running"
         self.lives += 1
+        self.started_at = time.time()
         self.env = dict(env or {})
         self.expect_death = "DCR_TEST_CRASH_AT" in self.env
         self.log = self.h.logs / f"follow-{self.id}-{self.lives}.log"
@@ -112,10 +151,21 @@ class Receiver:
         self.paused = False
 
     def stop(self) -> int:
-        """Graceful stop (SIGTERM): the follower records itself as stopped."""
+        """Graceful stop (SIGTERM): the follower records itself as stopped.
+        Waits first until this life has written its record (its SIGTERM
+        handler is in place by then): a follower signalled while it starts
+        dies of the signal, which a loaded machine makes likely."""
         if not self.alive():
             return self.returncode()
         self.resume()
+        deadline = time.monotonic() + 30
+        while self.alive() and time.monotonic() < deadline:
+            rec = self.record()
+            if rec and rec.get("heartbeat", 0) >= self.started_at:
+                break
+            time.sleep(0.02)
+        if not self.alive():
+            return self.returncode()
         os.kill(self.proc.pid, signal.SIGTERM)
         return self.proc.wait(timeout=30)
 
@@ -133,7 +183,7 @@ class Receiver:
         return read_json(self.target / ".dcr-follow.json")
 
     def record(self) -> dict | None:
-        return read_json(self.h.store / "receivers" / f"{self.id}.json")
+        return view_json(self.h.view, f"receivers/{self.id}.json")
 
     def version(self) -> int | None:
         """The committed version the target holds, by its journal: None while
@@ -196,12 +246,16 @@ class Counts:
 class Harness:
     """A run in a file store under `root`, with its publisher state and receivers."""
 
-    def __init__(self, root: Path, gen: Path, gen_versions: int, log=print):
+    def __init__(self, root: Path, gen: Path, gen_versions: int, log=print, url: str | None = None, view=None,
+                 watch_every_s: float = 0.03):
         self.root = root
         self.gen = gen
         self.gen_versions = gen_versions
-        self.store = root / "store"
-        self.url = f"file://{self.store}"
+        self.store = root / "store"  # a file store's directory (when url is None)
+        self.url = url or f"file://{self.store}"
+        self.view = view or FileView(self.store)
+        self.watch_every_s = watch_every_s
+        self._etags: dict[str, str] = {}
         self.state = root / "state"
         self.logs = root / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -258,7 +312,9 @@ class Harness:
     def restart(self, r: Receiver, env: dict | None = None) -> None:
         if r.alive():
             rc = r.stop()
-            assert rc == 0, f"receiver {r.id} did not stop cleanly (rc {rc}):\n{r.describe()}"
+            # One started with a crash hook may reach its crash point first.
+            assert rc == 0 or (rc == -9 and r.expect_death), (
+                f"receiver {r.id} did not stop cleanly (rc {rc}):\n{r.describe()}")
         r.start(env)
         self.counts.receiver_restarts += 1
 
@@ -283,11 +339,10 @@ class Harness:
         return self.store / "commits" / f"v{v:010}.json"
 
     def commit(self, v: int) -> dict | None:
-        return read_json(self.commit_path(v))
+        return view_json(self.view, f"commits/v{v:010}.json")
 
     def latest(self) -> int | None:
-        d = self.store / "commits"
-        vs = [int(p.name[1:11]) for p in d.glob("v*.json")] if d.is_dir() else []
+        vs = [int(k[9:19]) for k in self.view.keys("commits/") if k.startswith("commits/v") and k.endswith(".json")]
         return max(vs) if vs else None
 
     def attempt_dirs(self, v: int) -> list[Path]:
@@ -349,7 +404,7 @@ class Harness:
                 self.violations.append(text)
 
     def _watch(self) -> None:
-        while not self._watch_stop.wait(0.03):
+        while not self._watch_stop.wait(self.watch_every_s):
             try:
                 self.watch_once()
             except Exception as e:  # pragma: no cover - a harness bug must not pass silently
@@ -373,41 +428,45 @@ class Harness:
             if latest is None or v > latest:
                 self._violation(f"{who} is at version {v}, past the newest commit {latest}")
         # Attempts (their manifests disappear when GC removes losing attempts).
-        root = self.store / "attempts"
-        if not root.is_dir():
-            return
-        for vdir in root.iterdir():
-            try:
-                v = int(vdir.name[1:])
-                adirs = list(vdir.iterdir())
-            except (OSError, ValueError):
+        names: dict[tuple[int, str], set[str]] = {}
+        for k in self.view.keys("attempts/"):
+            parts = k.split("/")
+            if len(parts) < 4:
                 continue
-            for adir in adirs:
-                key = (v, adir.name)
-                seen = self.attempts_seen.get(key)
-                if seen is None:
-                    doc = read_json(adir / "attempt.json")
-                    if doc is None:
-                        continue
-                    seen = self.attempts_seen[key] = {"class": doc.get("class"), "frame_bytes": None, "fenced": False}
-                if seen["frame_bytes"] is None:
-                    m = read_json(adir / "manifest.json")
-                    if m is not None:
-                        seen["frame_bytes"] = m["totals"]["frame_bytes"]
-                if (adir / "fence").exists():
-                    seen["fenced"] = True
+            try:
+                v = int(parts[1][1:])
+            except ValueError:
+                continue
+            names.setdefault((v, parts[2]), set()).add("/".join(parts[3:]))
+        for key, files in names.items():
+            prefix = f"attempts/v{key[0]:010}/{key[1]}/"
+            seen = self.attempts_seen.get(key)
+            if seen is None:
+                doc = view_json(self.view, prefix + "attempt.json") if "attempt.json" in files else None
+                if doc is None:
+                    continue
+                seen = self.attempts_seen[key] = {"class": doc.get("class"), "frame_bytes": None, "fenced": False}
+            if seen["frame_bytes"] is None and "manifest.json" in files:
+                m = view_json(self.view, prefix + "manifest.json")
+                if m is not None:
+                    seen["frame_bytes"] = m["totals"]["frame_bytes"]
+            if "fence" in files:
+                seen["fenced"] = True
 
     def check_commits(self) -> None:
-        d = self.store / "commits"
-        if not d.is_dir():
-            return
-        for p in d.glob("v*.json"):
-            try:
-                data = p.read_bytes()
-            except OSError:
-                self._violation(f"commit record {p.name} disappeared")
+        for k, etag in self.view.keys("commits/").items():
+            name = k.split("/")[-1]
+            if not (name.startswith("v") and name.endswith(".json")):
                 continue
-            v = int(p.name[1:11])
+            v = int(name[1:11])
+            if etag is not None and self._etags.get(k) == etag and v in self.commits_seen:
+                continue  # an S3 object that has not changed (a new write gets a new ETag)
+            data = self.view.read(k)
+            if data is None:
+                self._violation(f"commit record {name} disappeared")
+                continue
+            if etag is not None:
+                self._etags[k] = etag
             with self._lock:
                 old = self.commits_seen.setdefault(v, data)
             if old != data:

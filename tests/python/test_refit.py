@@ -6,6 +6,10 @@ test_two_coordinators_at_once       two publishers race on every version
 test_failure_campaign               faults at random points, episode after
                                     episode, with the invariants checked after
                                     each one and the counts printed
+test_failure_campaign_s3            the same on a real radosgw, with HTTP 5xx,
+                                    timeouts and lost responses injected by a
+                                    proxy (s3_faults.py); runs when
+                                    DCR_CAMPAIGN_S3_EPISODES is set (scripts/soak.sh)
 
 The campaign is replayable: it prints its seed; DCR_CAMPAIGN_SEED runs the
 same episodes (kinds, order, victims, damage, fault rates) again, though a
@@ -15,6 +19,10 @@ DCR_CAMPAIGN_KINDS=kind,... limits it to some kinds, and
 DCR_CAMPAIGN_TIME_BOUND_S overrides the time bound (60 s + 10 s an episode):
 
   DCR_CAMPAIGN_SEED=1234 DCR_CAMPAIGN_EPISODES=40 pytest -s tests/python/test_refit.py -k campaign
+
+DCR_CAMPAIGN_REPORT=FILE appends a JSON line per episode to FILE (and one at
+the end, or at a failure, classed: divergence, double commit, hang, error;
+tests/python/campaign_report.py): what scripts/soak.sh adds up.
 
 The crash points inside the processes use the test-only DCR_TEST_CRASH_AT
 hook of tools/dcr/refit.cc.
@@ -31,6 +39,7 @@ import time
 from pathlib import Path
 
 import pytest
+from campaign_report import CampaignReport
 from conftest import dcr_json, dcr_ok, run_dcr
 from refit_harness import HEARTBEAT_TIMEOUT_S, Harness, checkpoint_files, damage_frames, half_advance
 
@@ -51,8 +60,8 @@ def gen(out: Path, versions: int, seed: int = 7, shard_size: str | None = None) 
 def harness(tmp):
     made = []
 
-    def make(versions: int, seed: int = 7, shard_size: str | None = None, log=print) -> Harness:
-        h = Harness(tmp / "run", gen(tmp / "gen", versions, seed, shard_size), versions, log)
+    def make(versions: int, seed: int = 7, shard_size: str | None = None, log=print, **kw) -> Harness:
+        h = Harness(tmp / "run", gen(tmp / "gen", versions, seed, shard_size), versions, log, **kw)
         made.append(h)
         return h
 
@@ -198,8 +207,10 @@ def campaign_settings() -> tuple[int, int, float]:
 
 
 class Campaign:
-    def __init__(self, h: Harness, seed: int, scratch: Path):
+    def __init__(self, h: Harness, seed: int, scratch: Path, report: CampaignReport | None = None, proxy=None):
         self.h = h
+        self.report = report
+        self.proxy = proxy  # s3_faults.FaultProxy, for the s3:* kinds
         self.rng = random.Random(seed)
         self.seed = seed
         self.scratch = scratch
@@ -226,6 +237,7 @@ class Campaign:
     def episode(self, n: int, v: int, kind: str) -> None:
         h, rng = self.h, self.rng
         start = time.monotonic()
+        faults_before = dict(h.counts.faults)
         runs = []
         detail = ""
         if kind == "kill-receiver-random":
@@ -257,6 +269,11 @@ class Campaign:
             h.wait_registered([r.id])
             runs.append(h.publish(v))
             runs[0].wait()
+            # The publish may end before the receiver reaches its point (at
+            # "acked", it kills itself after its ack is in the store).
+            deadline = time.monotonic() + 5
+            while r.alive() and time.monotonic() < deadline:
+                time.sleep(0.01)
             crashed = r.returncode() == -9
             detail = f"{r.id} " + ("crashed at " + point if crashed else "did not reach " + point)
             if crashed:
@@ -404,6 +421,19 @@ class Campaign:
             detail = f"killed {r.id} holding {files}"
             self.faults(kind)
             runs.append(h.publish(v))
+        elif kind.startswith("s3:"):
+            # HTTP faults for every process while the version publishes; the
+            # receivers' own requests (polls, heartbeats, frame reads) too.
+            what = kind.split(":", 1)[1]
+            p = rng.choice([0.01, 0.03, 0.08])
+            rates = {"mixed": {"5xx": p / 2, "timeout": p / 4, "lost": p / 4}}.get(what, {what: p})
+            self.proxy.set_faults(seed=rng.randrange(1 << 30), **rates)
+            runs.append(h.publish(v))
+            runs[0].wait()
+            injected = self.proxy.set_faults()
+            for name, count in injected.items():
+                h.counts.faults[f"s3:{name}"] += count
+            detail = f"rates {rates}: injected {dict(injected)}"
         elif kind == "two-coordinators":
             state_b = h.root / "state-b"
             shutil.rmtree(state_b, ignore_errors=True)
@@ -429,7 +459,7 @@ class Campaign:
         for run in runs:
             rc = run.wait()
             results.append(rc)
-            assert rc in (0, -9) or run.env or kind.startswith(("frames:", "store:")), (
+            assert rc in (0, -9) or run.env or kind.startswith(("frames:", "store:", "s3:")), (
                 f"publish failed without a crash or store faults:\n{run.text()}")
             if run.state != h.state and run.state.exists():
                 shutil.rmtree(run.state)
@@ -459,6 +489,11 @@ class Campaign:
         t_recover = time.monotonic() - start
         self.check(v)
         commit = h.commit(v)
+        if self.report:
+            faults = {k: c - faults_before.get(k, 0) for k, c in h.counts.faults.items() if c > faults_before.get(k, 0)}
+            self.report.episode(episode=n, version=v, kind=kind, faults=faults, receivers_checked=len(h.receivers),
+                                committed=True, attempt=commit["attempt"], retired=commit["retired"], reruns=reruns,
+                                seconds=round(time.monotonic() - start, 2), detail=detail)
         self.say(f"  episode {n:3} v{v:<3} {kind:34} {detail}; publish rc {results}"
                  f"{f', {reruns} re-run(s)' if reruns else ''}; committed {commit['attempt']}"
                  f"{' retired ' + ','.join(commit['retired']) if commit['retired'] else ''}"
@@ -494,25 +529,23 @@ class Campaign:
         assert h.violations == [], "invariants broken while running:\n" + "\n".join(h.violations)
 
 
-def test_failure_campaign(harness, tmp):
-    seed, episodes, bound = campaign_settings()
-    print(f"\nrefit failure campaign: DCR_CAMPAIGN_SEED={seed} DCR_CAMPAIGN_EPISODES={episodes} "
-          f"(time bound {bound:.0f} s)", flush=True)
-    # DCR_CAMPAIGN_KINDS=kind,kind... limits the campaign to those kinds (debugging).
-    kinds = os.environ.get("DCR_CAMPAIGN_KINDS", "").split(",") if os.environ.get("DCR_CAMPAIGN_KINDS") else KINDS
-    assert set(kinds) <= set(KINDS), f"unknown kinds: {set(kinds) - set(KINDS)}"
+def run_campaign(h: Harness, tmp: Path, name: str, seed: int, episodes: int, bound: float, kinds: list[str],
+                 replay: str, proxy=None) -> dict:
+    """Runs `episodes` episodes of `kinds` on `h` (every kind once per round, in
+    a seeded order), then the final checks; the counters. Writes the
+    campaign's report lines (campaign_report.py)."""
     started = time.monotonic()
-    # Sharded (three files and an index), so snapshots carry several objects.
-    h = harness(min(episodes, 24), seed=seed % 1000, shard_size="800KB")
     h.snapshot_every = 4  # snapshots at v4, v8, ...: GC drops older ones, rejoins start from newer ones
-    c = Campaign(h, seed, tmp)
-    publish_ok(h, 0)
-    for rid in RECEIVERS:
-        h.add_receiver(rid)
-    h.wait_registered(RECEIVERS)
-    h.start_watching()
+    report = CampaignReport(name, seed, replay)
+    c = Campaign(h, seed, tmp, report, proxy)
     order: list[str] = []
+    n, kind = 0, "start"
     try:
+        publish_ok(h, 0)
+        for rid in RECEIVERS:
+            h.add_receiver(rid)
+        h.wait_registered(RECEIVERS)
+        h.start_watching()
         for n in range(1, episodes + 1):
             if not order:  # every kind once per round, in a seeded order
                 order = list(kinds)
@@ -521,31 +554,125 @@ def test_failure_campaign(harness, tmp):
             try:
                 c.episode(n, n, kind)
             except BaseException:
-                print(f"\nepisode {n} ({kind}) failed; replay with DCR_CAMPAIGN_SEED={seed} "
-                      f"DCR_CAMPAIGN_EPISODES={episodes}", flush=True)
+                print(f"\nepisode {n} ({kind}) failed; replay with {replay}", flush=True)
                 raise
             assert time.monotonic() - started < bound, (
                 f"campaign over its time bound of {bound:.0f} s after {n} episodes (seed {seed})")
+        n, kind = n + 1, "final-check"
         latest = h.latest()
         # A receiver that follows into a fresh directory equals the newest version too.
         fresh = tmp / "fresh"
         dcr_ok("follow", "--store", h.url, "--id", "fresh", "--until", latest, "--poll", "0.05", fresh)
-        assert checkpoint_files(fresh) == checkpoint_files(h.checkpoint(latest))
+        assert checkpoint_files(fresh) == checkpoint_files(h.checkpoint(latest)), (
+            f"a fresh follower's files differ from version {latest}'s")
         for r in h.receivers.values():
-            assert r.stop() == 0, r.describe()
-            dcr_ok("diff", r.target, h.checkpoint(latest))
+            assert r.stop() == 0, f"receiver {r.id} did not stop cleanly: {r.describe()}"
+            res = run_dcr("diff", r.target, h.checkpoint(latest))
+            assert res.returncode == 0, f"receiver {r.id} differs from version {latest}: {res}"
         h.stop_watching()
         assert h.violations == [], "\n".join(h.violations)
         st = h.status()
         assert st["latest"] == latest
         for x in st["versions"]:
             assert x["version"] > latest or x["committed"], x
-            assert sum(a["state"] == "committed" for a in x["attempts"]) <= 1, x
+            assert sum(a["state"] == "committed" for a in x["attempts"]) <= 1, f"two commits: {x}"
+    except BaseException as e:
+        report.failure(n, kind, e)
+        raise
     finally:
         h.stop_watching()
     counts = h.counters()
     counts["seed"] = seed
     counts["episodes"] = episodes
     counts["seconds"] = round(time.monotonic() - started, 1)
-    print("refit failure campaign counts: " + json.dumps(counts, indent=1), flush=True)
+    counts["final_receivers_checked"] = len(h.receivers) + 1  # and the fresh follower
+    report.end(episodes, counts)
+    print(f"{name} failure campaign counts: " + json.dumps(counts, indent=1), flush=True)
+    return counts
+
+
+def test_failure_campaign(harness, tmp):
+    seed, episodes, bound = campaign_settings()
+    print(f"\nrefit failure campaign: DCR_CAMPAIGN_SEED={seed} DCR_CAMPAIGN_EPISODES={episodes} "
+          f"(time bound {bound:.0f} s)", flush=True)
+    # DCR_CAMPAIGN_KINDS=kind,kind... limits the campaign to those kinds (debugging).
+    kinds = os.environ.get("DCR_CAMPAIGN_KINDS", "").split(",") if os.environ.get("DCR_CAMPAIGN_KINDS") else KINDS
+    assert set(kinds) <= set(KINDS), f"unknown kinds: {set(kinds) - set(KINDS)}"
+    # Sharded (three files and an index), so snapshots carry several objects.
+    h = harness(min(episodes, 24), seed=seed % 1000, shard_size="800KB")
+    replay = (f"DCR_CAMPAIGN_SEED={seed} DCR_CAMPAIGN_EPISODES={episodes}"
+              + (f" DCR_CAMPAIGN_KINDS={','.join(kinds)}" if kinds != KINDS else "")
+              + " .venv/bin/python -m pytest -s tests/python/test_refit.py -k 'campaign and not s3'")
+    counts = run_campaign(h, tmp, "refit", seed, episodes, bound, kinds, replay)
     assert counts["faults_total"] > 0
+
+
+# ---------------------------------------------------------------- the campaign on S3
+
+# On the radosgw of tests/s3/radosgw.sh, every dcr process talks to it through
+# s3_faults.FaultProxy. The s3:* kinds inject HTTP faults into every request
+# of every process during the publish (then none during the recovery); the
+# others are refit kinds that need no access to the store's files.
+S3_KINDS = [
+    "s3:5xx",      # 500 InternalError / 503 SlowDown instead of the server's reply
+    "s3:timeout",  # no reply: held, then the connection closed; the server never saw it
+    "s3:lost",     # done by the server, the reply lost
+    "s3:mixed",    # all three
+    "kill-publisher-random",
+    "crash-publisher:before-commit",
+    "kill-receiver-random",
+    "crash-receiver:applied",
+    "two-coordinators",
+]
+
+
+def s3_settings() -> dict | None:
+    """The radosgw that tests/s3/radosgw.sh started (its env file loaded), or None."""
+    need = ("DCR_S3_ENDPOINT", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+    if not all(os.environ.get(k) for k in need):
+        return None
+    return {"endpoint": os.environ["DCR_S3_ENDPOINT"], "access_key": os.environ["AWS_ACCESS_KEY_ID"],
+            "secret_key": os.environ["AWS_SECRET_ACCESS_KEY"],
+            "region": os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "default"}
+
+
+def test_failure_campaign_s3(harness, tmp):
+    """The campaign on a real S3 server with HTTP faults between it and dcr.
+    Runs when DCR_CAMPAIGN_S3_EPISODES is set (scripts/soak.sh sets it) and a
+    radosgw is running (DCR_S3_ENDPOINT, AWS_ACCESS_KEY_ID, ...: what
+    scripts/test.sh and scripts/soak.sh export); DCR_CAMPAIGN_SEED,
+    DCR_CAMPAIGN_KINDS and DCR_CAMPAIGN_TIME_BOUND_S as for the campaign above."""
+    from s3_faults import FaultProxy, S3View
+
+    if not os.environ.get("DCR_CAMPAIGN_S3_EPISODES"):
+        pytest.skip("DCR_CAMPAIGN_S3_EPISODES is not set (scripts/soak.sh runs this campaign)")
+    s3 = s3_settings()
+    if s3 is None:
+        pytest.skip("no radosgw: DCR_S3_ENDPOINT is not set (tests/s3/radosgw.sh)")
+    seed_text = os.environ.get("DCR_CAMPAIGN_SEED")
+    seed = int(seed_text) if seed_text else random.SystemRandom().randrange(1, 1 << 31)
+    episodes = int(os.environ["DCR_CAMPAIGN_S3_EPISODES"])
+    bound = float(os.environ.get("DCR_CAMPAIGN_TIME_BOUND_S", 120 + 30 * episodes))
+    kinds = os.environ.get("DCR_CAMPAIGN_KINDS", "").split(",") if os.environ.get("DCR_CAMPAIGN_KINDS") else S3_KINDS
+    assert set(kinds) <= set(S3_KINDS), f"unknown kinds: {set(kinds) - set(S3_KINDS)}"
+    print(f"\nS3 failure campaign: DCR_CAMPAIGN_SEED={seed} DCR_CAMPAIGN_S3_EPISODES={episodes} on "
+          f"{s3['endpoint']} (time bound {bound:.0f} s)", flush=True)
+    proxy = FaultProxy(s3["endpoint"])
+    bucket, prefix = "dcr-soak", f"run-{seed}-{os.getpid()}-{int(time.time())}/"
+    # Retries bounded so that an episode's faults end within seconds; the S3
+    # driver's defaults otherwise (backoff 100 ms doubling up to 10 s).
+    url = f"s3://{bucket}/{prefix}?endpoint={proxy.endpoint}&addressing=path&create_bucket=1&max_attempts=6"
+    view = S3View(s3["endpoint"], bucket, prefix, s3["access_key"], s3["secret_key"], s3["region"])
+    h = harness(min(episodes, 24), seed=seed % 1000, shard_size="800KB", url=url, view=view, watch_every_s=0.1)
+    replay = (f"DCR_CAMPAIGN_SEED={seed} DCR_CAMPAIGN_S3_EPISODES={episodes}"
+              + (f" DCR_CAMPAIGN_KINDS={','.join(kinds)}" if kinds != S3_KINDS else "")
+              + " .venv/bin/python -m pytest -s tests/python/test_refit.py -k campaign_s3"
+              " (with a radosgw: see scripts/soak.sh)")
+    try:
+        counts = run_campaign(h, tmp, "s3", seed, episodes, bound, kinds, replay, proxy)
+    finally:
+        proxy.close()
+    print(f"S3 proxy: {proxy.requests} requests, injected {dict(proxy.total_injected)}", flush=True)
+    assert counts["faults_total"] > 0
+    h.stop_all()
+    print(f"removed the run's {view.delete_all()} objects from s3://{bucket}/{prefix}", flush=True)
