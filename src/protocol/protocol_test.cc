@@ -206,6 +206,23 @@ class ProtocolTest : public testing::TempDirTest {
     return buffers;
   }
 
+  // The map's tensors (in map order) that attempt `attempt` of version v
+  // has a frame for.
+  std::vector<std::string> FramedTensors(uint64_t v, const std::string& attempt, const CompiledLayout& layout) {
+    auto text = store_->Get(run_keys::Attempt(v, attempt) + "manifest.json");
+    EXPECT_TRUE(text.ok()) << text.status().ToString();
+    if (!text.ok()) return {};
+    auto m = DeltaManifest::FromJson(*text, "manifest");
+    EXPECT_TRUE(m.ok()) << m.status().ToString();
+    if (!m.ok()) return {};
+    std::set<std::string> framed;
+    for (const DeltaFrameEntry& e : m->frames) framed.insert(m->tensors[e.tensor].name);
+    std::vector<std::string> out;
+    for (const LayoutTensor& t : layout.map().tensors)
+      if (framed.count(t.name)) out.push_back(t.name);
+    return out;
+  }
+
   ModelShape shape_ = ShapeForSize(Family::kQwen3Moe, 1 << 20);
   std::string store_url_;
   std::unique_ptr<Store> store_;
@@ -1158,15 +1175,7 @@ TEST_F(ProtocolTest, ARankSaysWhichTensorsEachVersionChanged) {
   ASSERT_TRUE(p && p->ok()) << (p ? p->status().ToString() : "not published");
   EXPECT_EQ(joined, all);
   EXPECT_TRUE(again.empty());
-  auto text = store_->Get(run_keys::Attempt(1, (*p)->attempt) + "manifest.json");
-  ASSERT_TRUE(text.ok());
-  auto m = DeltaManifest::FromJson(*text, "manifest");
-  ASSERT_TRUE(m.ok()) << m.status().ToString();
-  std::set<std::string> framed;
-  for (const DeltaFrameEntry& e : m->frames) framed.insert(m->tensors[e.tensor].name);
-  std::vector<std::string> want;
-  for (const auto& name : all)
-    if (framed.count(name)) want.push_back(name);
+  const std::vector<std::string> want = FramedTensors(1, (*p)->attempt, *layouts[0]);
   ASSERT_FALSE(want.empty());
   ASSERT_LT(want.size(), all.size());  // the test means something only if some tensors did not change
   EXPECT_EQ(f.TakeChangedTensors(), want);
@@ -1180,14 +1189,10 @@ TEST_F(ProtocolTest, ARankFollowedAgainContinuesWhereItStopped) {
   Publisher pub(*store_, Path("state"), Fast());
   for (int v = 0; v <= 2; ++v) ASSERT_TRUE(pub.Publish(v, Version(v)).ok());
   auto layouts = TpLayouts(1);
-  std::vector<std::vector<uint8_t>> memory, dense;
-  for (size_t b = 0; b < layouts[0]->map().buffers.size(); ++b) {
-    memory.emplace_back(layouts[0]->BufferBytes(b));
-    dense.emplace_back(layouts[0]->BufferBytes(b));
-  }
-  PlacedRank placed{layouts[0].get(), {}}, want{layouts[0].get(), {}};
+  std::vector<std::vector<uint8_t>> memory;
+  for (size_t b = 0; b < layouts[0]->map().buffers.size(); ++b) memory.emplace_back(layouts[0]->BufferBytes(b));
+  PlacedRank placed{layouts[0].get(), {}};
   for (auto& b : memory) placed.buffers.emplace_back(b);
-  for (auto& b : dense) want.buffers.emplace_back(b);
   RankFollower f(*store_, placed, Path("rank"), EngineRank{"e", 0, 1}, Receiver("e-r0"));
   Status s = f.Run(1);
   ASSERT_TRUE(s.ok()) << s.ToString();
@@ -1200,18 +1205,10 @@ TEST_F(ProtocolTest, ARankFollowedAgainContinuesWhereItStopped) {
   ASSERT_TRUE(commit.ok());
   auto c = CommitRecord::FromJson(*commit, "commit");
   ASSERT_TRUE(c.ok());
-  auto text = store_->Get(run_keys::Attempt(2, c->attempt) + "manifest.json");
-  ASSERT_TRUE(text.ok());
-  auto m = DeltaManifest::FromJson(*text, "manifest");
-  ASSERT_TRUE(m.ok()) << m.status().ToString();
-  std::set<std::string> framed;
-  for (const DeltaFrameEntry& e : m->frames) framed.insert(m->tensors[e.tensor].name);
-  std::vector<std::string> changed;
-  for (const LayoutTensor& t : layouts[0]->map().tensors)
-    if (framed.count(t.name)) changed.push_back(t.name);
+  const std::vector<std::string> changed = FramedTensors(2, c->attempt, *layouts[0]);
   ASSERT_LT(changed.size(), layouts[0]->map().tensors.size());  // meaningful only if some tensors did not change
   EXPECT_EQ(f.TakeChangedTensors(), changed);
-  ASSERT_TRUE(LoadDense(CheckpointBytes(Version(2)), want).ok());
+  const auto dense = DenseRank(*layouts[0], 2);
   for (size_t b = 0; b < memory.size(); ++b)
     EXPECT_TRUE(memory[b] == dense[b]) << "buffer " << layouts[0]->map().buffers[b].id << " differs from a dense load";
 }

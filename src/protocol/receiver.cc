@@ -45,7 +45,6 @@ Status ReceiverWalk::Start(const std::function<bool()>& stop) {
     version_ = *held;
     heartbeat_.SetVersion(version_);
   }
-  started_ = true;
   return Status::Ok();
 }
 

@@ -689,10 +689,13 @@ def test_python_followers_take_their_frames_from_the_relay(tree):
     keys = dict(relay=[addr], relay_key=t.client_key, relay_pub=t.relay_pub)
     store = dcr.open_store(t.url)
     follower = dcr.Follower(store, t.root / "py-follower", id="py-follower", poll_s=0.05, **keys)
-    v0 = {}
-    for f in sorted((t.gen / "v0").glob("*.safetensors")):
-        v0.update(load_file(f))
-    live = {name: torch.empty_like(x) for name, x in v0.items()}
+    def tensors(v: int) -> dict:
+        out = {}
+        for f in sorted((t.gen / f"v{v}").glob("*.safetensors")):
+            out.update(load_file(f))
+        return out
+
+    live = {name: torch.empty_like(x) for name, x in tensors(0).items()}
     receiver = dcr.Receiver(live)
     results, errors = {}, []
 
@@ -720,10 +723,7 @@ def test_python_followers_take_their_frames_from_the_relay(tree):
     assert report["relay_acks"] == 1 and sorted(report["acked"]) == ["py-follower", "py-r0"], report
     res = run_dcr("diff", "--json", "--summary", t.gen / "v1", t.root / "py-follower")
     assert res.returncode == 0, str(res)
-    v1 = {}
-    for f in sorted((t.gen / "v1").glob("*.safetensors")):
-        v1.update(load_file(f))
-    for name, x in v1.items():
+    for name, x in tensors(1).items():
         assert live[name].view(torch.uint8).equal(x.view(torch.uint8)), f"tensor {name} differs from v1"
     payload = t.committed_frame_bytes(1)
     stats = t.stop_relays()

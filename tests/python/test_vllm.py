@@ -147,9 +147,7 @@ def test_vllm_serve_over_http_routes_and_a_killed_engine_rejoins(tmp_path):
     # checkpoint, re-initialised, and must hold version 1 again.
     steps = 2
     store = "file://" + str(tmp_path / "store")
-    with socket.socket() as sock:  # a free port (two suites may run side by side)
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # two suites may run side by side
     r = run_job(tmp_path, "serve", "serve", "--work", str(tmp_path), "--store", store, "--steps", str(steps),
                 "--port", str(port))
     v1, v2 = r["versions"]
