@@ -23,7 +23,7 @@ done
 
 # C++ dependencies come from Debian's -dev packages (DESIGN.md, house rule 10).
 packages=(g++ cmake ninja-build pkg-config libzstd-dev libxxhash-dev nlohmann-json3-dev libcli11-dev
-          libfmt-dev libzmq3-dev cppzmq-dev libgtest-dev libgmock-dev libbenchmark-dev python3-venv python3-dev libcurl4-openssl-dev
+          libfmt-dev libzmq3-dev cppzmq-dev libsodium-dev libgtest-dev libgmock-dev libbenchmark-dev python3-venv python3-dev libcurl4-openssl-dev
           libssl-dev libexpat1-dev)
 if [ "$want_fuzz" = 1 ]; then packages+=(clang libclang-rt-14-dev); fi
 missing=()

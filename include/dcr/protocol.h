@@ -21,6 +21,7 @@
 #pragma once
 
 #include <chrono>
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -167,6 +168,52 @@ struct RunState {
 };
 Result<RunState> ReadRunState(Store& store);
 
+// ---- Frame object signatures (docs/format.md, "Frame objects") -------------
+// Every frame object an attempt writes ends with a trailer: the Ed25519
+// signature, by a key its publisher made for the attempt, of BLAKE2b-256 over
+// the object's key and frames. The public half is in the store (attempt.json,
+// or procs/p<P>.pub for a trainer process); receivers verify every object
+// that did not come from the store before using it. The secret half never
+// leaves the publisher's process.
+
+inline constexpr size_t kObjectTrailerBytes = 72;  // magic u32, version u8, algorithm u8, reserved u16, signature
+
+// The frames of a frame object: all of it but its trailer, if it has one.
+std::string_view ObjectFrames(std::string_view object);
+
+class ObjectSigner {
+ public:
+  // A fresh key pair (libsodium). Errors: kInternal when libsodium cannot start.
+  static Result<ObjectSigner> Generate();
+  // The public key as 64 lowercase hex digits (what the store records).
+  const std::string& public_hex() const { return public_hex_; }
+
+  // Signs one object incrementally: Begin with its key, Update with its
+  // frames in order, then Trailer() is the bytes to append.
+  class Object {
+   public:
+    void Update(std::string_view frames);
+    std::string Trailer();
+
+   private:
+    friend class ObjectSigner;
+    const ObjectSigner* signer_ = nullptr;
+    alignas(64) std::array<uint8_t, 384> state_{};  // a crypto_generichash_state
+  };
+  Object Begin(std::string_view key) const;
+  // Frames plus trailer, in one call.
+  std::string Sign(std::string_view key, std::string frames) const;
+
+ private:
+  std::array<uint8_t, 64> secret_{};
+  std::string public_hex_;
+};
+
+// Whether `object` (stored under `key`) ends with a trailer that public key
+// `signer_hex` signed. kDataLoss naming the key: no trailer, or a signature
+// that does not verify; kInvalidArgument: `signer_hex` is not a public key.
+Status VerifyObjectSignature(std::string_view signer_hex, std::string_view key, std::string_view object);
+
 // ---- Other transports for frame objects (the relay tree, include/dcr/relay.h) --
 // The store stays the control plane (manifests, acks, fences, commits) and
 // the record of every frame object; these interfaces let a faster transport
@@ -241,8 +288,8 @@ struct PublishOptions {
   // `store_ack_poll`; otherwise the store is polled every 20 ms.
   bool relay_acks = true;
   std::chrono::milliseconds store_ack_poll{250};
-  // Fault injection for tests: called at named points ("frames-written",
-  // "manifest-written", "acked", "before-commit"; and "committed", after the
+  // Fault injection for tests: called at named points ("attempt-opened",
+  // after attempt.json; "frames-written", "manifest-written", "acked", "before-commit"; and "committed", after the
   // commit and before the baseline moves); a non-OK status fails the attempt
   // (after "committed": the publish) there as a crash would.
   std::function<Status(std::string_view point)> fault;
@@ -270,6 +317,9 @@ struct PublishReport {
   uint64_t frame_bytes = 0, payload_bytes = 0, changed_words = 0, total_bytes = 0;
   std::vector<std::string> acked, retired;
   uint64_t relay_acks = 0;  // of the committing attempt's acks, those that came up the relay tree first
+  // Acks the tree carried that the store did not hold when they arrived
+  // (forged, or ahead of the store): not counted; the store's record is.
+  uint64_t relay_acks_unconfirmed = 0;
   double encode_seconds = 0, wait_seconds = 0, total_seconds = 0;
   bool already_committed = false;  // the commit record existed with this target
 };

@@ -87,6 +87,11 @@ inline constexpr size_t kRelayMaxKeyBytes = 1024;
 inline constexpr uint32_t kRelayMaxHave = 1 << 16;
 inline constexpr uint64_t kRelayMaxObjectBytes = 1ull << 30;
 inline constexpr uint32_t kRelayMaxAcks = 1 << 16;         // entries in one ACK
+// Per socket: no part of a message may be larger (ZMQ_MAXMSGSIZE; a peer
+// that sends one is disconnected before anything is allocated for it), and
+// a message of more parts is read, dropped and counted malformed.
+inline constexpr uint64_t kRelayMaxPartBytes = kRelayMaxObjectBytes + (64ull << 20);
+inline constexpr size_t kRelayMaxParts = 4;  // route, header, data, and one to tell a longer message
 inline constexpr size_t kRelayMaxAckErrorBytes = 1024;     // a failed ack's error, truncated to this
 
 enum class RelayMessageType : uint8_t {
@@ -141,7 +146,9 @@ Status ValidateAttemptPrefix(std::string_view prefix);
 // What every hop checks before storing, forwarding or handing out an
 // object: the data has the size and CRC32C the message claims, and it is a
 // sequence of whole frames each of which parses with valid header and
-// payload checksums (ParseFrame). kDataLoss naming the key and the offset.
+// payload checksums (ParseFrame), then the publisher's signature trailer if
+// any (checked by receivers, who hold the key: VerifyObjectSignature).
+// kDataLoss naming the key and the offset.
 Status VerifyFrameObject(const RelayMessage& object);
 
 // ---- Security -------------------------------------------------------------------
@@ -200,6 +207,12 @@ struct RelayOptions {
   std::chrono::milliseconds ping_every{250};
   std::chrono::milliseconds dead_after{1500};  // an upstream silent this long is left
   std::string stats_path;  // JSON rewritten about every second, and at exit
+  // Bounds on what peers make a relay keep: attached children (HELLOs
+  // beyond are refused), senders heard from, and the per-peer link counters
+  // kept for stats (detached links are forgotten first beyond it).
+  size_t max_children = 1024;
+  size_t max_senders = 64;
+  size_t max_links = 4096;
   // Benchmarks: pace each child link to this many bytes per second (an
   // in-process throttle standing in for a network link); 0: unlimited.
   double link_bytes_per_second = 0;

@@ -60,7 +60,18 @@ struct StreamedAttempt {
   bool usable = false;
   uint64_t delta_id = 0;
   DeltaClass cls = DeltaClass::kXorClass;
+  // Who signs its frame objects (protocol.h, "Frame object signatures"):
+  // object_key for all of them, or else, for an attempt of `processes`
+  // trainer processes, each process its own (procs/p<P>.pub). Neither: an
+  // older publisher that signs nothing.
+  std::string object_key;
+  uint64_t processes = 0;
 };
+// The public key that signs frame object `key` of attempt `st` (prefix
+// `attempt_prefix`): empty when the attempt signs nothing, nullopt while the
+// store does not show it yet.
+Result<std::optional<std::string>> ObjectSignerOf(Store& store, const std::string& attempt_prefix,
+                                                  const StreamedAttempt& st, const std::string& key);
 // Attempt `id` of version v's attempt.json; nullopt while it is not visible.
 Result<std::optional<StreamedAttempt>> ReadStreamedAttempt(Store& store, uint64_t v, const std::string& id,
                                                            const std::function<void(const std::string&)>& log);

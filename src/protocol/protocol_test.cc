@@ -1641,3 +1641,218 @@ TEST(ProcessRecordTest, RoundTripsAndRefusesBadRecords) {
 
 }  // namespace
 }  // namespace dcr
+
+namespace dcr {
+namespace {
+
+// Frame object signatures: a round trip, and every way an object can fail.
+TEST(ObjectSignatureTest, VerifiesOnlyTheSignersFramesUnderTheirKey) {
+  auto signer = ObjectSigner::Generate();
+  ASSERT_TRUE(signer.ok()) << signer.status().ToString();
+  auto other = ObjectSigner::Generate();
+  ASSERT_TRUE(other.ok());
+  ASSERT_NE(signer->public_hex(), other->public_hex());
+  const std::string key = "attempts/v0000000001/0000-ab/frames/s0-0000.bin";
+  const std::string frames = EncodeFrame(FrameHeader{}, {});
+  const std::string object = signer->Sign(key, frames);
+  ASSERT_EQ(object.size(), frames.size() + kObjectTrailerBytes);
+  EXPECT_EQ(ObjectFrames(object), frames);
+  EXPECT_EQ(ObjectFrames(frames), frames);  // no trailer: all frames
+  // Signed incrementally, the same bytes.
+  ObjectSigner::Object parts = signer->Begin(key);
+  parts.Update(std::string_view(frames).substr(0, 10));
+  parts.Update(std::string_view(frames).substr(10));
+  EXPECT_EQ(frames + parts.Trailer(), object);
+  EXPECT_TRUE(VerifyObjectSignature(signer->public_hex(), key, object).ok());
+  // Another key, another object name, a changed byte anywhere, no trailer.
+  EXPECT_EQ(VerifyObjectSignature(other->public_hex(), key, object).code(), Code::kDataLoss);
+  EXPECT_EQ(VerifyObjectSignature(signer->public_hex(), "attempts/v0000000001/0000-ab/frames/s0-0001.bin", object).code(),
+            Code::kDataLoss);
+  for (size_t i = 0; i < object.size(); ++i) {
+    std::string bad = object;
+    bad[i] ^= 1;
+    EXPECT_FALSE(VerifyObjectSignature(signer->public_hex(), key, bad).ok()) << "byte " << i;
+  }
+  const Status unsigned_object = VerifyObjectSignature(signer->public_hex(), key, frames);
+  EXPECT_EQ(unsigned_object.code(), Code::kDataLoss);
+  EXPECT_NE(unsigned_object.message().find("not signed"), std::string::npos) << unsigned_object.ToString();
+  for (const std::string& bad_key : std::vector<std::string>{"", "00", std::string(64, 'g'), std::string(63, '0')})
+    EXPECT_EQ(VerifyObjectSignature(bad_key, key, object).code(), Code::kInvalidArgument) << bad_key;
+}
+
+// A relay that an attacker feeds: for every frame object key of an attempt
+// it delivers a forged object whose frames are valid (the attempt's delta id
+// and class, the receiver's base digests, checksums right) but move the
+// receiver to the attacker's bits. Three kinds, key by key: unsigned,
+// signed by the attacker's own key, and the attacker's frames under a
+// genuine trailer copied from the store.
+class ForgingRelay final : public FrameObjectSource {
+ public:
+  ForgingRelay(Store& store, std::function<std::string(const std::string& prefix)> forge)
+      : store_(store), forge_(std::move(forge)) {}
+
+  std::map<std::string, std::string> Take(std::string_view prefix) override {
+    std::lock_guard lock(mu_);
+    std::map<std::string, std::string> out;
+    const std::string p(prefix);
+    if (!p.ends_with("/") || p.find("/frames/") != std::string::npos) return out;
+    auto listed = store_.List(p + "frames/");
+    if (!listed.ok()) return out;
+    for (const ObjectInfo& o : *listed) {
+      if (!delivered_.insert(o.key).second) continue;
+      const std::string frames = forge_(p);
+      if (frames.empty()) continue;
+      std::string object;
+      switch ((delivered_.size() - 1) % 3) {
+        case 0: object = frames; break;
+        case 1: object = attacker_.Sign(o.key, frames); break;
+        case 2: {
+          auto genuine = store_.Get(o.key);
+          if (!genuine.ok() || genuine->size() < kObjectTrailerBytes) continue;
+          object = frames + genuine->substr(genuine->size() - kObjectTrailerBytes);
+          break;
+        }
+      }
+      out[o.key] = std::move(object);
+      last_ = std::chrono::steady_clock::now();
+    }
+    return out;
+  }
+  bool Attached() override { return true; }
+  std::chrono::steady_clock::time_point LastDelivery() override {
+    std::lock_guard lock(mu_);
+    return last_;
+  }
+  size_t delivered() {
+    std::lock_guard lock(mu_);
+    return delivered_.size();
+  }
+
+ private:
+  Store& store_;
+  std::function<std::string(const std::string&)> forge_;
+  ObjectSigner attacker_ = *ObjectSigner::Generate();
+  std::mutex mu_;
+  std::set<std::string> delivered_;
+  std::chrono::steady_clock::time_point last_{};
+};
+
+TEST_F(ProtocolTest, ForgedRelayedObjectsAreRefusedAndTheCommittedBitsApplied) {
+  PublishOptions o = Fast();
+  o.segment_bytes = 4096;  // many frame objects, each forged
+  ASSERT_TRUE(Publisher(*store_, Path("state"), o).Publish(0, Version(0)).ok());
+  // The attacker's frames: version 3's bits against version 0 (what the
+  // receiver holds), in the attempt's chunking, class and delta id.
+  auto forge = [&](const std::string& prefix) -> std::string {
+    auto text = store_->Get(prefix + "attempt.json");
+    if (!text.ok()) return "";
+    auto doc = nlohmann::json::parse(*text);
+    DeltaOptions d;
+    d.chunk_elements = o.delta.chunk_elements;
+    d.delta_id = std::strtoull(doc["delta_id"].get<std::string>().c_str(), nullptr, 16);
+    d.encode.delta_class = DeltaClass::kXorClass;
+    Checkpoint base = Version(0), next = Version(3);
+    auto m = StartDelta(base, next, d);
+    EXPECT_TRUE(m.ok()) << m.status().ToString();
+    std::string frames;
+    const auto chunks = AllChunks(*m);
+    auto enc = EncodeFrames(base, next, *m, chunks, d.encode, [&](std::string_view f) {
+      frames.append(f);
+      return Status::Ok();
+    });
+    EXPECT_TRUE(enc.ok()) << enc.status().ToString();
+    return frames;
+  };
+  ForgingRelay relay(*store_, forge);
+  std::mutex mu;
+  std::vector<std::string> lines;
+  Status followed;
+  std::thread t([&] {
+    FollowOptions fo = Receiver("r");
+    fo.relay = &relay;
+    fo.relay_quiet = std::chrono::milliseconds(50);  // then the store: the forger never delivers the real objects
+    fo.log = [&](const std::string& l) {
+      std::lock_guard lock(mu);
+      lines.push_back(l);
+    };
+    Follower f(*store_, Path("r"), fo);
+    followed = f.Run(1);
+  });
+  WaitForReceivers(1);
+  auto r = Publisher(*store_, Path("state"), o).Publish(1, Version(1));
+  t.join();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_TRUE(followed.ok()) << followed.ToString();
+  EXPECT_EQ(r->attempts, 1u) << "the receiver nacked the first attempt";
+  EXPECT_EQ(r->acked, std::vector<std::string>{"r"});
+  ExpectIdentical(Path("r"), 1);
+  EXPECT_GE(relay.delivered(), 6u) << "too few frame objects to forge every kind";
+  std::lock_guard lock(mu);
+  const std::string refused = FirstLine(lines, "refused an object the relay delivered");
+  EXPECT_NE(refused.find("not signed"), std::string::npos) << fmt::format("{}", fmt::join(lines, "\n"));
+  size_t forged_signature = 0;
+  for (const auto& l : lines)
+    if (l.starts_with("refused an object") && l.find("not by the attempt's publisher") != std::string::npos)
+      ++forged_signature;
+  EXPECT_GE(forged_signature, 1u) << fmt::format("{}", fmt::join(lines, "\n"));
+  const std::string used = FirstLine(lines, "version 1 attempt");
+  EXPECT_NE(used.find(": frame objects 0/"), std::string::npos) << "an object from the forging relay was used: " << used;
+  EXPECT_NE(used.find(fmt::format("; {} relayed objects refused", relay.delivered())), std::string::npos) << used;
+}
+
+// Acks that come up the relay tree count only as the store holds them: a
+// forged nack does not abort the attempt, and a forged ack for a receiver
+// that never acked is not listed in the commit.
+class ForgingAckTransport final : public FrameObjectSink {
+ public:
+  explicit ForgingAckTransport(Store& store) : store_(store) {}
+  void Object(const std::string&, std::string_view) override {}
+  void Fence(const std::string&) override {}
+  bool CarriesAcks() override { return true; }
+  std::vector<AckRecord> TakeAcks(const std::string& prefix, std::chrono::milliseconds) override {
+    // Once r's real ack is in (so that what the forged nack names is fixed).
+    if (forged_.count(prefix) || !store_.Head(prefix + "acks/r.json").ok()) return {};
+    forged_.insert(prefix);
+    auto text = store_.Get(prefix + "manifest.json");
+    EXPECT_TRUE(text.ok());
+    if (!text.ok()) return {};
+    auto m = DeltaManifest::FromJson(*text, "manifest");
+    AckRecord nack{"r", false, {}, "forged: apply failed", {}};
+    AckRecord ghost{"ghost", true, m->target_digest, "", {}};
+    AckRecord traversal{"../../../receivers/r", true, m->target_digest, "", {}};
+    return {nack, ghost, traversal};
+  }
+
+ private:
+  Store& store_;
+  std::set<std::string> forged_;
+};
+
+TEST_F(ProtocolTest, AcksFromTheTreeCountOnlyAsTheStoreHoldsThem) {
+  PublishOptions o = Fast();
+  ASSERT_TRUE(Publisher(*store_, Path("state"), o).Publish(0, Version(0)).ok());
+  ForgingAckTransport tree(*store_);
+  o.relay = &tree;
+  Status followed;
+  std::thread t([&] {
+    Follower f(*store_, Path("r"), Receiver("r"));
+    followed = f.Run(1);
+  });
+  WaitForReceivers(1);
+  auto r = Publisher(*store_, Path("state"), o).Publish(1, Version(1));
+  t.join();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_TRUE(followed.ok()) << followed.ToString();
+  EXPECT_EQ(r->attempts, 1u) << "a forged nack aborted the attempt";
+  EXPECT_EQ(r->acked, std::vector<std::string>{"r"});
+  EXPECT_EQ(r->relay_acks_unconfirmed, 2u);  // ghost and the traversal; r's forged nack led to r's real ack
+  auto commit = store_->Get(run_keys::Commit(1));
+  ASSERT_TRUE(commit.ok());
+  auto c = CommitRecord::FromJson(*commit, "commit");
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->acked, std::vector<std::string>{"r"});
+  ExpectIdentical(Path("r"), 1);
+}
+
+}  // namespace
+}  // namespace dcr

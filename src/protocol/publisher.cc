@@ -478,9 +478,9 @@ namespace {
 class SegmentedFrameWriter {
  public:
   SegmentedFrameWriter(Store& store, std::string prefix, uint32_t sender, uint64_t segment_bytes,
-                       FrameObjectSink* relay)
+                       const ObjectSigner& signer, FrameObjectSink* relay)
       : store_(store), prefix_(std::move(prefix)), sender_(sender), segment_bytes_(std::max<uint64_t>(segment_bytes, 1)),
-        relay_(relay) {}
+        signer_(signer), relay_(relay) {}
   // Without Close (an attempt that failed): nothing more is published.
   ~SegmentedFrameWriter() {
     if (writer_) writer_->Abort();
@@ -497,9 +497,11 @@ class SegmentedFrameWriter {
       names_.push_back(fmt::format("frames/s{}-{:04}.bin", sender_, names_.size()));
       starts_.push_back(written_);
       DCR_ASSIGN_OR_RETURN(writer_, store_.OpenWriter(prefix_ + names_.back(), WriteMode::kOverwrite));
+      signing_ = signer_.Begin(prefix_ + names_.back());
       in_segment_ = 0;
     }
     DCR_RETURN_IF_ERROR(writer_->Write(frame));
+    signing_.Update(frame);
     if (relay_) buffer_.append(frame);
     in_segment_ += frame.size();
     written_ += frame.size();
@@ -540,6 +542,9 @@ class SegmentedFrameWriter {
     std::unique_lock lock(mu_);
     if (!failure_.ok()) return failure_;
     if (!writer_) return Status::Ok();
+    const std::string trailer = signing_.Trailer();
+    if (Status s = writer_->Write(trailer); !s.ok()) return failure_ = s;
+    if (relay_) buffer_.append(trailer);
     cv_.wait(lock, [&] { return pending_.size() < kClosesInFlight; });
     pending_.push_back({std::move(writer_), prefix_ + names_.back(), std::move(buffer_)});
     buffer_.clear();
@@ -574,6 +579,8 @@ class SegmentedFrameWriter {
   const std::string prefix_;
   const uint32_t sender_;
   const uint64_t segment_bytes_;
+  const ObjectSigner& signer_;
+  ObjectSigner::Object signing_;  // of the open segment
   FrameObjectSink* const relay_;
   std::string buffer_;  // the open segment's bytes, with a relay
   std::unique_ptr<ObjectWriter> writer_;
@@ -688,6 +695,36 @@ Result<PublishRun::AttemptResult> PublishRun::AwaitAcksAndCommit(uint64_t v, con
   // store_ack_poll and the tree's acks are taken as they arrive (the commit
   // then follows the last ack by a few ms instead of up to a poll period
   // plus a listing and a read per receiver).
+  // An ack that comes up the relay tree only says where to look: it counts
+  // as the store holds it (a receiver writes it there first), never as the
+  // tree says. Any peer can send the tree an ack for any receiver id.
+  uint64_t tree_refused = 0;
+  auto confirm = [&](const AckRecord& tree_ack) -> Status {
+    const std::string key = run_keys::Ack(v, id, tree_ack.receiver);
+    if (seen.count(key)) return Status::Ok();
+    if (tree_ack.receiver.find('/') != std::string::npos || !ValidateKey(key).ok()) {
+      ++tree_refused;
+      return Status::Ok();
+    }
+    DCR_ASSIGN_OR_RETURN(auto text, GetIfPresent(store_, key));
+    if (!text) {  // not (yet) in the store: the store poll decides
+      ++tree_refused;
+      return Status::Ok();
+    }
+    DCR_ASSIGN_OR_RETURN(AckRecord ack, AckRecord::FromJson(*text, StoreContext(store_.url(), key)));
+    seen[key] = true;
+    if (ack.receiver != tree_ack.receiver)
+      return DataLoss(fmt::format("{}: names receiver '{}', not '{}'", key, ack.receiver, tree_ack.receiver));
+    take(ack, true);
+    return Status::Ok();
+  };
+  auto take_tree = [&](std::chrono::milliseconds wait) -> Status {
+    for (const auto& ack : o_.relay->TakeAcks(prefix, wait)) {
+      DCR_RETURN_IF_ERROR(confirm(ack));
+      if (refused) break;
+    }
+    return Status::Ok();
+  };
   const bool tree_acks = o_.relay && o_.relay_acks && o_.relay->CarriesAcks();
   const auto store_every = tree_acks ? o_.store_ack_poll : std::chrono::milliseconds(0);
   Status polled;
@@ -699,8 +736,7 @@ Result<PublishRun::AttemptResult> PublishRun::AwaitAcksAndCommit(uint64_t v, con
       polled = poll();
       next_poll = Clock::now() + store_every;
     }
-    if (tree_acks)
-      for (const auto& ack : o_.relay->TakeAcks(prefix, std::chrono::milliseconds(0))) take(ack, true);
+    if (tree_acks && polled.ok()) polled = take_tree(std::chrono::milliseconds(0));
     if (refused) return AttemptResult{false, *refused};
     if (polled.ok() && (waiting.empty() || committed)) break;
     if (o_.cancel && o_.cancel()) {
@@ -717,7 +753,7 @@ Result<PublishRun::AttemptResult> PublishRun::AwaitAcksAndCommit(uint64_t v, con
     if (tree_acks) {
       const auto wait = std::clamp(std::chrono::duration_cast<std::chrono::milliseconds>(next_poll - Clock::now()),
                                    std::chrono::milliseconds(0), std::chrono::milliseconds(20));
-      for (const auto& ack : o_.relay->TakeAcks(prefix, wait)) take(ack, true);
+      if (Status t = take_tree(wait); !t.ok()) polled = t;
     } else {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
@@ -760,6 +796,7 @@ Result<PublishRun::AttemptResult> PublishRun::AwaitAcksAndCommit(uint64_t v, con
   report->acked = c.acked;
   report->retired = c.retired;
   report->relay_acks = from_tree.size();
+  report->relay_acks_unconfirmed = tree_refused;
   *manifest_out = std::move(m);
   return AttemptResult{true, Status::Ok()};
 }
@@ -772,14 +809,19 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
   const std::string prefix = run_keys::Attempt(v, id);
   // The delta id is in attempt.json so that receivers can check (and apply)
   // frames that arrive before the manifest.
+  // So is the public key that signs its frame objects, made for this
+  // attempt: receivers verify what any other transport brings.
   const uint64_t delta_id = std::strtoull(RandomHex(16).c_str(), nullptr, 16) | 1;
+  DCR_ASSIGN_OR_RETURN(const ObjectSigner signer, ObjectSigner::Generate());
   nlohmann::json attempt_doc = {{"format", "dcr-attempt"},
                                 {"version", v},
                                 {"class", cls == DeltaClass::kXorClass ? "xor" : "overwrite"},
                                 {"delta_id", fmt::format("{:016x}", delta_id)},
+                                {"object_key", signer.public_hex()},
                                 {"coordinator", o_.coordinator_id},
                                 {"time", UnixNow()}};
   DCR_RETURN_IF_ERROR(store_.Put(prefix + "attempt.json", attempt_doc.dump(1) + "\n", WriteMode::kCreateIfAbsent));
+  DCR_RETURN_IF_ERROR(Fault(o_, "attempt-opened"));
 
   // Senders: each encodes the chunks it owns, streaming frames into its object.
   const auto encode_start = Clock::now();
@@ -796,7 +838,7 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
   for (uint32_t k = 0; k < plan.size(); ++k) {
     std::vector<Digest> tracked;
     for (const auto& c : plan[k]) tracked.push_back(base_digests[c.tensor][c.chunk]);
-    SegmentedFrameWriter segments(store_, prefix, k, segment_bytes, o_.relay);
+    SegmentedFrameWriter segments(store_, prefix, k, segment_bytes, signer, o_.relay);
     DCR_ASSIGN_OR_RETURN(EncodedFrames encoded,
                          EncodeFrames(baseline, next, m, plan[k], options.encode,
                                       [&](std::string_view frame) { return segments.Write(frame); }, &tracked,
@@ -840,6 +882,7 @@ std::string ShardDir(const std::string& state_dir, size_t k) {
 std::string ShardsRecord(const std::string& state_dir) { return (fs::path(state_dir) / "shards.json").string(); }
 std::string ContribKey(uint32_t from, uint32_t to) { return fmt::format("contrib/p{}-p{}.bin", from, to); }
 std::string ProcessKey(uint32_t p) { return fmt::format("procs/p{}.json", p); }
+std::string ProcessSignerKey(uint32_t p) { return fmt::format("procs/p{}.pub", p); }
 
 std::vector<TensorInfo> RunTensorInfos(const RunRecord& run) {
   std::vector<TensorInfo> out;
@@ -1168,7 +1211,12 @@ Result<ShardRun::Participation> ShardRun::Participate(uint64_t v, const std::str
     bytes += f;
   }
   if (!bytes.empty()) {
+    // Signed by a key of this process for this attempt, whose public half
+    // is in the store before the object: receivers verify relayed copies.
     rec.objects = {fmt::format("frames/s{}-0000.bin", Me())};  // a segment name: relays carry it
+    DCR_ASSIGN_OR_RETURN(const ObjectSigner signer, ObjectSigner::Generate());
+    DCR_RETURN_IF_ERROR(store_.Put(prefix + ProcessSignerKey(Me()), signer.public_hex() + "\n"));
+    bytes = signer.Sign(prefix + rec.objects[0], std::move(bytes));
     DCR_RETURN_IF_ERROR(store_.Put(prefix + rec.objects[0], bytes));
     if (o_.relay) o_.relay->Object(prefix + rec.objects[0], bytes);
   }

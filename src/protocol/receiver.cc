@@ -37,6 +37,8 @@ Status ReceiverWalk::Start(const std::function<bool()>& stop) {
   commit_failures_.clear();
   prefetched_.clear();
   from_relay_.clear();
+  relayed_.clear();
+  attempt_docs_.clear();
   streamed_.clear();
   std::string why;
   DCR_ASSIGN_OR_RETURN(auto held, target_.Resume(store_, run_, *state.latest, &why));
@@ -62,26 +64,58 @@ Status ReceiverWalk::Commit(uint64_t v) {
   heartbeat_.SetVersion(v);
   prefetched_.clear();
   from_relay_.clear();
+  relayed_.clear();
   streamed_.clear();
+  attempt_docs_.clear();
   if (o_.relay) o_.relay->Take(run_keys::Attempts(v));  // late copies of what it now holds
   return target_.Commit(v);
 }
 
-void ReceiverWalk::TakeFromRelay(const std::string& prefix) {
-  if (!o_.relay) return;
-  for (auto& [key, bytes] : o_.relay->Take(prefix)) {
-    if (prefetched_.count(key)) continue;  // already downloaded from the store
-    from_relay_.insert(key);
-    prefetched_.emplace(key, std::move(bytes));
-  }
+Result<const StreamedAttempt*> ReceiverWalk::AttemptDoc(uint64_t v, const std::string& id) {
+  auto it = attempt_docs_.find(id);
+  if (it != attempt_docs_.end()) return &it->second;
+  DCR_ASSIGN_OR_RETURN(auto attempt, ReadStreamedAttempt(store_, v, id, [this](const std::string& l) { Log(l); }));
+  if (!attempt) return static_cast<const StreamedAttempt*>(nullptr);
+  return &attempt_docs_.emplace(id, std::move(*attempt)).first->second;
 }
 
-Status ReceiverWalk::AwaitRelay(const std::string& prefix, const std::vector<std::string>& objects,
+Status ReceiverWalk::TakeFromRelay(uint64_t v, const std::string& id) {
+  if (!o_.relay) return Status::Ok();
+  const std::string prefix = run_keys::Attempt(v, id);
+  for (auto& [key, bytes] : o_.relay->Take(prefix)) relayed_.insert_or_assign(key, std::move(bytes));
+  for (auto it = relayed_.lower_bound(prefix); it != relayed_.end() && it->first.starts_with(prefix);) {
+    if (prefetched_.count(it->first)) {  // already downloaded from the store
+      it = relayed_.erase(it);
+      continue;
+    }
+    DCR_ASSIGN_OR_RETURN(const StreamedAttempt* attempt, AttemptDoc(v, id));
+    if (!attempt) return Status::Ok();  // attempt.json is not visible yet
+    DCR_ASSIGN_OR_RETURN(auto signer, ObjectSignerOf(store_, prefix, *attempt, it->first));
+    if (!signer) {  // its process's key is not visible yet
+      ++it;
+      continue;
+    }
+    if (Status s = VerifyObjectSignature(*signer, it->first, it->second); !s.ok()) {
+      const uint64_t n = ++refused_objects_;
+      if ((n & (n - 1)) == 0)  // the 1st, 2nd, 4th... refusal
+        Log(fmt::format("refused an object the relay delivered ({} so far): {}; the store's copy is used", n,
+                        s.ToString()));
+    } else {
+      from_relay_.insert(it->first);
+      prefetched_.emplace(it->first, std::move(it->second));
+    }
+    it = relayed_.erase(it);
+  }
+  return Status::Ok();
+}
+
+Status ReceiverWalk::AwaitRelay(uint64_t v, const std::string& id, const std::vector<std::string>& objects,
                                 const std::function<Status()>& arrived) {
   if (!o_.relay) return Status::Ok();
+  const std::string prefix = run_keys::Attempt(v, id);
   const auto start = std::chrono::steady_clock::now();
   for (;;) {
-    TakeFromRelay(prefix);
+    DCR_RETURN_IF_ERROR(TakeFromRelay(v, id));
     DCR_RETURN_IF_ERROR(arrived());
     const bool complete =
         std::all_of(objects.begin(), objects.end(), [&](const std::string& k) { return prefetched_.count(k) > 0; });
@@ -119,15 +153,15 @@ std::pair<size_t, uint64_t> ReceiverWalk::Relayed(const std::string& prefix) con
 Status ReceiverWalk::StreamApply(uint64_t v, const AttemptInfo& a) {
   auto it = streamed_.find(a.id);
   if (it == streamed_.end()) {
-    DCR_ASSIGN_OR_RETURN(auto attempt, ReadStreamedAttempt(store_, v, a.id, [this](const std::string& l) { Log(l); }));
+    DCR_ASSIGN_OR_RETURN(const StreamedAttempt* attempt, AttemptDoc(v, a.id));
     if (!attempt) return Status::Ok();
-    Streamed st{*attempt, shape_, {}, {}};
+    Streamed st{attempt, shape_, {}, {}};
     st.shape.delta_id = attempt->delta_id;
     st.shape.delta_class = attempt->cls;
     it = streamed_.emplace(a.id, std::move(st)).first;
   }
   Streamed& st = it->second;
-  if (!st.attempt.usable || !target_.MayStream(a.id, st.attempt.cls)) return Status::Ok();
+  if (!st.attempt->usable || !target_.MayStream(a.id, st.attempt->cls)) return Status::Ok();
   DCR_ASSIGN_OR_RETURN(auto todo, StreamedObjectsToApply(store_, v, a, prefetched_, &st.objects));
   if (todo.empty()) return Status::Ok();
   DCR_RETURN_IF_ERROR(target_.Begin(a.id));
@@ -136,7 +170,7 @@ Status ReceiverWalk::StreamApply(uint64_t v, const AttemptInfo& a) {
   std::vector<FrameView> frames;  // views into prefetched_, which stays put until the target applied them
   for (const auto& key : todo)
     ForEachStreamedFrame(
-        key, prefetched_.at(key), st.shape, st.attempt, [&](const FrameView& f, size_t) { frames.push_back(f); },
+        key, prefetched_.at(key), st.shape, *st.attempt, [&](const FrameView& f, size_t) { frames.push_back(f); },
         [this](const std::string& l) { Log(l); });
   return target_.ApplyStreamed(st.shape, frames, &st.counts);
 }
@@ -144,7 +178,7 @@ Status ReceiverWalk::StreamApply(uint64_t v, const AttemptInfo& a) {
 // Catches up to committed version v through its committed attempt (a late
 // or retired receiver); when that fails, once from the newest snapshot.
 Status ReceiverWalk::CatchUp(uint64_t v, const CommitRecord& c) {
-  TakeFromRelay(run_keys::Attempt(v, c.attempt));
+  DCR_RETURN_IF_ERROR(TakeFromRelay(v, c.attempt));
   auto delta = LoadAttempt(store_, v, c.attempt, &prefetched_);
   Status s = delta.status();
   ApplyCounts counts;
@@ -167,17 +201,18 @@ Status ReceiverWalk::ApplyAndAck(uint64_t v, const AttemptInfo& a) {
   const std::string prefix = run_keys::Attempt(v, a.id);
   // The manifest may be in long before the relay tree delivers the last
   // objects (the store is not the tree's link): apply them as they come.
-  DCR_RETURN_IF_ERROR(AwaitRelay(prefix, a.frame_objects, [&] { return StreamApply(v, a); }));
+  DCR_RETURN_IF_ERROR(AwaitRelay(v, a.id, a.frame_objects, [&] { return StreamApply(v, a); }));
   const auto [relayed, relayed_bytes] = Relayed(prefix);
   auto delta = LoadAttempt(store_, v, a.id, &prefetched_);
   const auto ready = std::chrono::steady_clock::now();  // the manifest and every frame object are here
   if (Transient(delta.status())) return delta.status();
   if (o_.relay && delta.ok()) {
     const uint64_t frame_bytes = delta->manifest().frame_bytes;
-    Log(fmt::format("version {} attempt {}: frame objects {}/{} ({} bytes) from the relay, {} ({} bytes) from the store",
+    Log(fmt::format("version {} attempt {}: frame objects {}/{} ({} bytes) from the relay, {} ({} bytes) from the "
+                    "store; {} relayed objects refused so far (signatures that do not verify)",
                     v, a.id, relayed, a.frame_objects.size(), relayed_bytes,
                     a.frame_objects.size() - std::min(a.frame_objects.size(), relayed),
-                    frame_bytes - std::min(frame_bytes, relayed_bytes)));
+                    frame_bytes - std::min(frame_bytes, relayed_bytes), refused_objects_));
   }
   SetState("applying").IgnoreError();
   DCR_RETURN_IF_ERROR(Fault("applying"));
@@ -236,6 +271,7 @@ Status ReceiverWalk::Step() {
     const std::string prefix = run_keys::Attempt(v, a.id);
     if (a.fenced || handled_.count(a.id) || std::find(a.acks.begin(), a.acks.end(), o_.id) != a.acks.end()) {
       std::erase_if(prefetched_, [&](const auto& kv) { return kv.first.starts_with(prefix); });
+      std::erase_if(relayed_, [&](const auto& kv) { return kv.first.starts_with(prefix); });
       if (o_.relay) o_.relay->Take(prefix);  // dropped
       continue;
     }
@@ -249,7 +285,7 @@ Status ReceiverWalk::Step() {
     // or two remain when the manifest appears.
     streaming = true;
     const size_t before = prefetched_.size();
-    TakeFromRelay(prefix);
+    DCR_RETURN_IF_ERROR(TakeFromRelay(v, a.id));
     if (prefetched_.size() != before) progressed = true;
     if (!o_.relay || !o_.relay->Attached())
       DCR_RETURN_IF_ERROR(PrefetchFrameObjects(store_, a, &prefetched_, &progressed));

@@ -88,9 +88,16 @@ class ReceiverWalk {
   Status CatchUp(uint64_t v, const CommitRecord& c);
   // Applies and acks attempt `a` of version v, whose manifest is in.
   Status ApplyAndAck(uint64_t v, const AttemptInfo& a);
-  void TakeFromRelay(const std::string& prefix);
+  // Moves the objects of attempt `id` of version v that the relay delivered
+  // into prefetched_ once their signatures verify against the keys the
+  // store records (relayed_ holds them until those are visible); drops
+  // (logged) those that do not verify: the store has the publisher's copy.
+  Status TakeFromRelay(uint64_t v, const std::string& id);
+  // What attempt.json of attempt `id` of version v says (cached); nullptr
+  // while it is not visible.
+  Result<const StreamedAttempt*> AttemptDoc(uint64_t v, const std::string& id);
   // Waits for the relay to deliver `objects`; `arrived` runs after each take.
-  Status AwaitRelay(const std::string& prefix, const std::vector<std::string>& objects,
+  Status AwaitRelay(uint64_t v, const std::string& id, const std::vector<std::string>& objects,
                     const std::function<Status()>& arrived);
   // The objects (and bytes) under `prefix` in prefetched_ that the relay delivered.
   std::pair<size_t, uint64_t> Relayed(const std::string& prefix) const;
@@ -112,8 +119,11 @@ class ReceiverWalk {
   // manifest (full key -> bytes); LoadAttempt takes them from here.
   std::map<std::string, std::string> prefetched_;
   std::set<std::string> from_relay_;  // keys in prefetched_ that the relay delivered
+  std::map<std::string, std::string> relayed_;  // delivered, waiting for the key that signs them
+  std::map<std::string, StreamedAttempt> attempt_docs_;  // by attempt id, of version_ + 1
+  uint64_t refused_objects_ = 0;  // relayed objects whose signature did not verify
   struct Streamed {
-    StreamedAttempt attempt;
+    const StreamedAttempt* attempt = nullptr;  // in attempt_docs_
     DeltaManifest shape;            // the run's shape with the attempt's delta id and class
     std::set<std::string> objects;  // frame objects looked at
     ApplyCounts counts;

@@ -21,12 +21,29 @@ Result<std::optional<StreamedAttempt>> ReadStreamedAttempt(Store& store, uint64_
     st.usable = delta_id.size() == 16 && delta_id.find_first_not_of("0123456789abcdef") == std::string::npos;
     st.delta_id = std::strtoull(delta_id.c_str(), nullptr, 16);
     st.cls = doc["class"] == "xor" ? DeltaClass::kXorClass : DeltaClass::kOverwrite;
+    if (doc["object_key"].is_string()) st.object_key = doc["object_key"].get<std::string>();
+    if (doc["processes"].is_number_unsigned()) st.processes = doc["processes"].get<uint64_t>();
   }
   if (!st.usable)
     log(fmt::format("{}attempt.json names no delta id and class (an older publisher?); its frames are applied once its "
                     "manifest exists",
                     prefix));
   return std::optional<StreamedAttempt>(st);
+}
+
+Result<std::optional<std::string>> ObjectSignerOf(Store& store, const std::string& attempt_prefix,
+                                                  const StreamedAttempt& st, const std::string& key) {
+  if (!st.object_key.empty() || st.processes == 0) return std::optional<std::string>(st.object_key);
+  // frames/s<P>-<NNNN>.bin: process P's object.
+  const std::string_view name = std::string_view(key).substr(std::min(key.size(), attempt_prefix.size()));
+  const size_t dash = name.find('-');
+  if (!name.starts_with("frames/s") || dash == std::string_view::npos) return std::optional<std::string>("");
+  const std::string process(name.substr(8, dash - 8));
+  if (process.empty() || process.find_first_not_of("0123456789") != std::string::npos) return std::optional<std::string>("");
+  DCR_ASSIGN_OR_RETURN(auto text, GetIfPresent(store, attempt_prefix + "procs/p" + process + ".pub"));
+  if (!text) return std::optional<std::string>();
+  while (!text->empty() && text->back() == '\n') text->pop_back();
+  return std::optional<std::string>(std::move(*text));
 }
 
 Status PrefetchFrameObjects(Store& store, const AttemptInfo& a, std::map<std::string, std::string>* prefetched,
@@ -61,7 +78,8 @@ Result<std::vector<std::string>> StreamedObjectsToApply(Store& store, uint64_t v
 void ForEachStreamedFrame(const std::string& key, const std::string& blob, const DeltaManifest& layout,
                           const StreamedAttempt& st, const std::function<void(const FrameView&, size_t offset)>& fn,
                           const std::function<void(const std::string&)>& log) {
-  const auto bytes = std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(blob.data()), blob.size());
+  const std::string_view frames = ObjectFrames(blob);
+  const auto bytes = std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(frames.data()), frames.size());
   size_t offset = 0;
   while (offset < bytes.size()) {
     size_t consumed = 0;

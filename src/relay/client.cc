@@ -187,7 +187,7 @@ void RelayReceiver::State::Loop() {
       if (!w.ok() || w->empty()) break;
     }
     for (int i = 0; sock.ok() && i < 256 && (items[1].revents & ZMQ_POLLIN); ++i) {
-      auto parts = RecvParts(sock->get());
+      auto parts = RecvParts(sock->get(), kRelayMaxParts);
       if (!parts.ok() || parts->empty()) break;
       OnMessage(sock->get(), std::move(*parts));
     }
@@ -365,7 +365,7 @@ void RelaySender::State::Loop() {
     for (size_t i = 0; i < roots.size(); ++i) {
       Root& r = roots[i];
       for (int n = 0; n < 256 && (items[i].revents & ZMQ_POLLIN); ++n) {
-        auto parts = RecvParts(r.sock.get());
+        auto parts = RecvParts(r.sock.get(), kRelayMaxParts);
         if (!parts.ok() || parts->empty()) break;
         std::vector<std::string_view> views(parts->begin(), parts->end());
         auto m = DecodeMessage(views);
@@ -432,8 +432,12 @@ void RelaySender::State::Loop() {
         r.queue.pop_front();
       }
       if (now - last_ping >= o.ping_every) {
+        // A sender's ping is its HELLO again: a root that restarted takes
+        // objects and fences only from peers that said HELLO as senders.
         RelayMessage ping;
-        ping.type = RelayMessageType::kPing;
+        ping.type = RelayMessageType::kHello;
+        ping.role = RelayRole::kSender;
+        ping.id = o.id;
         SendParts(r.sock.get(), "", EncodeMessage(ping)).IgnoreError();
       }
     }

@@ -81,7 +81,9 @@ class RelayServer {
   // line is logged the 1st, 10th, 100th... time.
   void Refused(const std::string& line) {
     ++refused_;
-    const uint64_t n = ++refusals_[line];
+    // Bounded: past 1024 distinct lines, new ones are counted together.
+    const bool known = refusals_.count(line) || refusals_.size() < 1024;
+    const uint64_t n = ++refusals_[known ? line : "other refusals (too many distinct ones to keep)"];
     for (uint64_t p = 1; p <= n; p *= 10)
       if (p == n) Log(n == 1 ? line : fmt::format("{} ({} times)", line, n));
   }
@@ -105,6 +107,9 @@ class RelayServer {
   // Sends what the child's window allows; false when the child is gone.
   bool Pump(Child& c);
   void Detach(const std::string& route, const std::string& why);
+  // The counters of link `name`, created if new; beyond max_links a
+  // detached link's are forgotten to make room.
+  Link& LinkOf(const std::string& name);
   void Timers();
   void WriteStats();
   std::string StatsJson();
@@ -214,12 +219,12 @@ Status RelayServer::Run(const std::function<bool()>& stop) {
     }
     if (mo >= 0 && (items[mo].revents & ZMQ_POLLIN)) OnMonitor();
     for (int i = 0; i < 512 && (items[0].revents & ZMQ_POLLIN); ++i) {
-      auto parts = RecvParts(router_.get());
+      auto parts = RecvParts(router_.get(), kRelayMaxParts);
       if (!parts.ok() || parts->empty()) break;
       OnRouter(std::move(*parts));
     }
     for (int i = 0; up >= 0 && upstream_ && i < 512 && (items[up].revents & ZMQ_POLLIN); ++i) {
-      auto parts = RecvParts(upstream_.get());
+      auto parts = RecvParts(upstream_.get(), kRelayMaxParts);
       if (!parts.ok() || parts->empty()) break;
       OnUpstream(std::move(*parts));
     }
@@ -259,9 +264,18 @@ void RelayServer::OnRouter(std::vector<std::string> parts) {
   switch (m->type) {
     case RelayMessageType::kHello: {
       if (m->role == RelayRole::kSender) {
+        if (!senders_.count(route) && senders_.size() >= o_.max_senders) {
+          Refused(fmt::format("refused sender {}: {} senders are attached already (the limit)", m->id, senders_.size()));
+          return;
+        }
+        auto known = senders_.find(route);
+        if (known != senders_.end() && known->second.id == m->id) {  // its ping
+          known->second.heard = Clock::now();
+          return;
+        }
         senders_[route] = Sender{m->id, Clock::now()};
-        links_["sender:" + m->id].role = "sender";
-        links_["sender:" + m->id].attached = true;
+        LinkOf("sender:" + m->id).role = "sender";
+        LinkOf("sender:" + m->id).attached = true;
         Log(fmt::format("sender {} attached", m->id));
         if (o_.upstream.empty())  // a root: the acks it holds, for a coordinator that restarted
           for (const auto& [prefix, by_receiver] : acks_) {
@@ -274,6 +288,11 @@ void RelayServer::OnRouter(std::vector<std::string> parts) {
       for (auto it = children_.begin(); it != children_.end();)
         if (it->second.id == m->id && it->first != route) it = children_.erase(it);
         else ++it;
+      if (!children_.count(route) && children_.size() >= o_.max_children) {
+        Refused(fmt::format("refused {} {}: {} children are attached already (the limit)", RelayRoleName(m->role), m->id,
+                            children_.size()));
+        return;
+      }
       Child& c = children_[route];
       c = Child{};
       c.route = route;
@@ -283,7 +302,7 @@ void RelayServer::OnRouter(std::vector<std::string> parts) {
       c.heard = Clock::now();
       for (const auto& obj : cache_)
         if (!c.have.count(obj->key)) c.queue.push_back(obj);
-      Link& l = links_["child:" + m->id];
+      Link& l = LinkOf("child:" + m->id);
       l.role = std::string(RelayRoleName(m->role));
       l.attached = true;
       Log(fmt::format("{} {} attached: {} held objects sent now, {} it already holds", RelayRoleName(m->role), m->id,
@@ -296,14 +315,19 @@ void RelayServer::OnRouter(std::vector<std::string> parts) {
                         child->second.id));
         return;
       }
-      Sender& sender = senders_[route];
+      auto known = senders_.find(route);
+      if (known == senders_.end()) {
+        Refused("a peer that did not say HELLO as a sender sent an object: refused");
+        return;
+      }
+      Sender& sender = known->second;
       sender.heard = Clock::now();
       RelayMessage credit;
       credit.type = RelayMessageType::kCredit;
       credit.credit_bytes = m->size;
       credit.credit_objects = 1;
       SendParts(router_.get(), route, EncodeMessage(credit)).IgnoreError();
-      Link* link = &links_["sender:" + sender.id];
+      Link* link = &LinkOf("sender:" + sender.id);
       link->role = "sender";
       Accept(std::move(*m), "sender " + sender.id, link);
       return;
@@ -315,7 +339,8 @@ void RelayServer::OnRouter(std::vector<std::string> parts) {
       }
       return;
     case RelayMessageType::kFence:
-      if (child == children_.end()) ApplyFence(m->key);
+      if (senders_.count(route)) ApplyFence(m->key);
+      else Refused("a peer that is not an attached sender sent a fence: refused");
       return;
     case RelayMessageType::kPing:
       if (child != children_.end()) child->second.heard = Clock::now();
@@ -463,11 +488,11 @@ void RelayServer::Evict() {
       }
       if (spooled) {
         *it = spooled;
-        ++links_["child:" + c.id].spooled;
+        ++LinkOf("child:" + c.id).spooled;
         continue;
       }
       c.queue.erase(it);
-      ++links_["child:" + c.id].evicted;
+      ++LinkOf("child:" + c.id).evicted;
       Log(fmt::format("{} {} is too slow: object {} left the cache before it was sent{}; it fetches it from the store",
                       RelayRoleName(c.role), c.id, old->key, o_.spool_dir.empty() ? "" : " and the spool is full"));
     }
@@ -571,7 +596,7 @@ bool RelayServer::Pump(Child& c) {
     if (c.queue.front()->spooled) {
       ObjectPtr back = Unspool(*c.queue.front());
       if (!back) {
-        ++links_["child:" + c.id].evicted;
+        ++LinkOf("child:" + c.id).evicted;
         c.queue.pop_front();
         continue;
       }
@@ -597,7 +622,7 @@ bool RelayServer::Pump(Child& c) {
       c.next_send = std::max(Clock::now(), c.next_send) +
                     std::chrono::duration_cast<Clock::duration>(
                         std::chrono::duration<double>(p->data.size() / o_.link_bytes_per_second));
-    Link& l = links_["child:" + c.id];
+    Link& l = LinkOf("child:" + c.id);
     l.bytes_out += p->data.size();
     ++l.objects_out;
     c.queue.pop_front();
@@ -605,10 +630,22 @@ bool RelayServer::Pump(Child& c) {
   return true;
 }
 
+Link& RelayServer::LinkOf(const std::string& name) {
+  auto it = links_.find(name);
+  if (it != links_.end()) return it->second;
+  if (links_.size() >= o_.max_links)
+    for (auto old = links_.begin(); old != links_.end(); ++old)
+      if (!old->second.attached) {
+        links_.erase(old);
+        break;
+      }
+  return links_[name];
+}
+
 void RelayServer::Detach(const std::string& route, const std::string& why) {
   auto it = children_.find(route);
   if (it == children_.end()) return;
-  links_["child:" + it->second.id].attached = false;
+  LinkOf("child:" + it->second.id).attached = false;
   Log(fmt::format("{} {} detached: {}", RelayRoleName(it->second.role), it->second.id, why));
   children_.erase(it);
 }

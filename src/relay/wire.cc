@@ -252,12 +252,15 @@ Status VerifyFrameObject(const RelayMessage& object) {
     return DataLoss(fmt::format("frame object {}: CRC32C {:08x}, the sender computed {:08x}: damaged on the way; "
                                 "dropped (receivers fetch it from the store)",
                                 object.key, crc, object.crc));
-  if (d.empty()) return DataLoss(fmt::format("frame object {}: empty", object.key));
-  const auto* p = reinterpret_cast<const uint8_t*>(d.data());
+  // Frames, then the publisher's signature trailer: only receivers hold
+  // the key that checks it (the store's record of the attempt).
+  const std::string_view frames = ObjectFrames(d);
+  if (frames.empty()) return DataLoss(fmt::format("frame object {}: no frames", object.key));
+  const auto* p = reinterpret_cast<const uint8_t*>(frames.data());
   size_t off = 0;
-  while (off < d.size()) {
+  while (off < frames.size()) {
     size_t consumed = 0;
-    auto f = ParseFrame(std::span<const uint8_t>(p + off, d.size() - off), &consumed);
+    auto f = ParseFrame(std::span<const uint8_t>(p + off, frames.size() - off), &consumed);
     if (!f.ok())
       return DataLoss(fmt::format("frame object {}: the frame at offset {} fails its checks ({}); dropped (receivers "
                                   "fetch it from the store)",

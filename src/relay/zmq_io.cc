@@ -20,6 +20,8 @@ Result<Socket> OpenSocket(void* ctx, int type) {
   Socket s(zmq_socket(ctx, type));
   if (!s) return Internal(ZmqError("cannot create a ZeroMQ socket"));
   const int zero = 0, hwm = 100000;
+  const int64_t max_part = static_cast<int64_t>(kRelayMaxPartBytes);
+  zmq_setsockopt(s.get(), ZMQ_MAXMSGSIZE, &max_part, sizeof max_part);
   zmq_setsockopt(s.get(), ZMQ_LINGER, &zero, sizeof zero);
   zmq_setsockopt(s.get(), ZMQ_SNDHWM, &hwm, sizeof hwm);
   zmq_setsockopt(s.get(), ZMQ_RCVHWM, &hwm, sizeof hwm);
@@ -104,7 +106,7 @@ bool FirstIsBack(std::unique_ptr<Probe>& probe, void* ctx, size_t index, const s
   return true;
 }
 
-Result<std::vector<std::string>> RecvParts(void* socket) {
+Result<std::vector<std::string>> RecvParts(void* socket, size_t max_parts) {
   std::vector<std::string> parts;
   for (;;) {
     zmq_msg_t msg;
@@ -115,7 +117,10 @@ Result<std::vector<std::string>> RecvParts(void* socket) {
       if (err == EAGAIN && parts.empty()) return parts;
       return Unavailable(ZmqError("receive"));
     }
-    parts.emplace_back(static_cast<const char*>(zmq_msg_data(&msg)), zmq_msg_size(&msg));
+    // Parts past the limit are read and dropped; the last one kept stays
+    // empty, so that the message fails to decode.
+    if (parts.size() < max_parts) parts.emplace_back(static_cast<const char*>(zmq_msg_data(&msg)), zmq_msg_size(&msg));
+    else parts.back().clear();
     const bool more = zmq_msg_more(&msg);
     zmq_msg_close(&msg);
     if (!more) return parts;

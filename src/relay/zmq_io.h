@@ -5,6 +5,7 @@
 #include <zmq.h>
 
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <set>
@@ -41,7 +42,9 @@ Status ConfigureCurveServer(void* socket, const RelaySecurity& security);
 // ROUTER peer is gone.
 Status SendParts(void* socket, std::string_view route, const std::vector<std::string>& parts);
 // Receives one message if one is waiting; an empty vector when none is.
-Result<std::vector<std::string>> RecvParts(void* socket);
+// Beyond `max_parts`, parts are read and dropped (and the last kept is
+// emptied): peers' messages are read with kRelayMaxParts.
+Result<std::vector<std::string>> RecvParts(void* socket, size_t max_parts = SIZE_MAX);
 
 // Watches whether a relay that was left (silent) is back: a DEALER that
 // connects to it and sends nothing, and a monitor of its handshakes. Up()

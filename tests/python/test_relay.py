@@ -55,6 +55,14 @@ test_a_root_pulls_from_the_store
 test_unauthenticated_clients_are_refused
     a receiver with an unknown key and one without keys get nothing from the
     relay (the relay logs the refusals) and still end exact from the store.
+test_a_forged_object_pushed_ahead_of_the_publisher_is_refused
+    an allow-listed client key (the one receivers share) pushes, while the
+    publisher stands after attempt.json (DCR_TEST_PAUSE_AT), objects under
+    the attempt's real keys with valid frames that move receivers to other
+    bits (the attempt's delta id, their base digests), unsigned and with a
+    made-up signature: the relay keeps those first copies, the receiver
+    refuses every one (its signature does not verify against attempt.json's
+    key), takes the store's, and the first attempt commits exact.
 test_a_corrupt_frame_is_dropped_never_forwarded
     an object damaged on arrival at the root (test hook) and a damaged real
     frame object pushed into a middle relay are dropped there: the links below
@@ -70,6 +78,7 @@ import random
 import re
 import signal
 import socket
+import struct
 import subprocess
 import time
 from pathlib import Path
@@ -818,3 +827,81 @@ def test_a_corrupt_frame_is_dropped_never_forwarded(tree):
         stats["r1"]["accepted_bytes"] == r0_out  # nor r1
     assert stats["r2"]["dropped_corrupt"] == 0
     assert f"frame object {key}: the frame at offset" in (t.logs / "relay-r1.log").read_text()
+
+
+def crc32c_table() -> list[int]:
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
+        table.append(c)
+    return table
+
+
+CRC32C_TABLE = crc32c_table()
+
+
+def crc32c(data: bytes) -> int:
+    """CRC32C (Castagnoli), for rewriting frame headers (docs/format.md)."""
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc = CRC32C_TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+def with_delta_id(frames: bytes, delta_id: int) -> bytes:
+    """The frames with another delta id (header bytes 80..87) and header checksums redone."""
+    out, off = bytearray(), 0
+    while off < len(frames):
+        header = bytearray(frames[off:off + 96])
+        payload = struct.unpack_from("<I", header, 40)[0]
+        struct.pack_into("<Q", header, 80, delta_id)
+        struct.pack_into("<I", header, 92, crc32c(bytes(header[:92])))
+        out += header + frames[off + 96:off + 96 + payload]
+        off += 96 + payload
+    return bytes(out)
+
+
+def test_a_forged_object_pushed_ahead_of_the_publisher_is_refused(tree):
+    t = tree(versions=2)
+    t.plan(["r0"], 2)
+    t.publish_ok(0, relay=False)
+    t.start_relay("r0")
+    t.start_receiver("victim", "r0", 1)
+    t.wait_registered()
+    t.wait_attached({"receiver victim": "r0"})
+    go = t.root / "go"
+    pub = t.publish(1, extra_env={"DCR_TEST_PAUSE_AT": f"attempt-opened:{go}"})
+    attempts = t.store / "attempts" / f"v{1:010}"
+    wait_logged(pub.log, "DCR_TEST_PAUSE_AT: waiting at attempt-opened")
+    (attempt,) = [d.name for d in attempts.iterdir()]
+    delta_id = int(read_json(attempts / attempt / "attempt.json")["delta_id"], 16)
+    # The attacker's bits: v2 against the v0 the victim holds, in the run's chunking.
+    res = run_dcr("delta", "make", t.gen / "v0", t.gen / "v2", "-o", t.root / "attacker", "--chunk", CHUNK)
+    assert res.returncode == 0, str(res)
+    frames = with_delta_id(b"".join(p.read_bytes() for p in sorted((t.root / "attacker").glob("*.bin"))), delta_id)
+    made_up = b"DCRS\x01\x01\x00\x00" + bytes(range(64))  # a trailer whose signature is nobody's
+    forged = {"s0-0000": frames, "s1-0000": frames + made_up}
+    for name, data in forged.items():
+        path = t.root / f"forged-{name}.bin"
+        path.write_bytes(data)
+        res = run_dcr("relay", "push", "--to", t.relays["r0"]["address"], "--object-key",
+                      f"attempts/v{1:010}/{attempt}/frames/{name}.bin", "--key", t.client_key, "--relay-pub",
+                      t.relay_pub, path)
+        assert res.returncode == 0, str(res)
+    wait_logged(t.receivers["victim"]["log"], "frame object attempts/v0000000001/" + attempt + "/frames/s1-0000.bin")
+    go.touch()
+    assert pub.wait(timeout=TIMEOUT_S) == 0, tail(pub.log)
+    t.wait_receivers()
+    t.assert_exact(1)
+    text = pub.log.read_text()
+    report = json.loads(text[text.index("\n{") + 1:text.rindex("}") + 1])
+    assert report["attempts"] == 1 and report["acked"] == ["victim"], report
+    log = t.receivers["victim"]["log"].read_text()
+    assert "frames/s0-0000.bin: not signed" in log, log
+    assert "frames/s1-0000.bin: its signature is not by the attempt's publisher" in log, log
+    (carried,) = t.carried("victim")
+    assert carried["store_objects"] >= 2, carried  # the two keys the relay holds forged copies of
+    stats = t.stop_relays()
+    assert stats["r0"]["duplicates"] >= 2, stats["r0"]  # the publisher's copies of those two keys

@@ -160,7 +160,11 @@ def test_senders_in_separate_processes(tmp_path, run):
             assert commit["attempt"] == coord["attempt"]
             attempt = tmp_path / "store" / "attempts" / f"v{v:010}" / coord["attempt"]
             assert json.loads((attempt / "attempt.json").read_text())["processes"] == PROCS
-            assert sorted(p.name for p in (attempt / "procs").iterdir()) == ["p0.json", "p1.json", "p2.json"]
+            procs_dir = sorted(p.name for p in (attempt / "procs").iterdir())
+            # Each process's record, and the key that signs its frame object (one per process with frames).
+            assert [n for n in procs_dir if n.endswith(".json")] == ["p0.json", "p1.json", "p2.json"], procs_dir
+            assert {n for n in procs_dir if n.endswith(".pub")} <= {"p0.pub", "p1.pub", "p2.pub"}, procs_dir
+            assert all(len((attempt / "procs" / n).read_text().strip()) == 64 for n in procs_dir if n.endswith(".pub"))
             assert (attempt / "contrib" / "p1-p0.bin").stat().st_size > 56  # records did cross processes
             wait_until(lambda: receivers_at(v), f"the receivers at version {v}\n{log_tail()}")
             want = checkpoint_files(run / f"v{v}")

@@ -6,11 +6,13 @@
 #include <atomic>
 #include <csignal>
 #include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <iostream>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "cli.h"
 #include "dcr/checkpoint.h"
@@ -37,7 +39,22 @@ void OnSignal(int) { g_stop = true; }
 // hit reliably. DCR_TEST_FAIL_AT (same syntax) makes that point fail with
 // an error instead, as a failed store operation would (the publisher fences
 // the attempt and retries). Not for production use: nothing else reads them.
+// DCR_TEST_PAUSE_AT=<point>:<file> waits at the point (its first time)
+// until <file> exists: a handshake for tests that act while a process stands
+// at a known place.
 std::function<Status(std::string_view)> TestCrashHook() {
+  if (const char* pause = std::getenv("DCR_TEST_PAUSE_AT"); pause && *pause) {
+    const std::string spec = pause;
+    const size_t colon = spec.find(':');
+    const std::string point = spec.substr(0, colon), file = colon == std::string::npos ? "" : spec.substr(colon + 1);
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    return [point, file, done](std::string_view at) {
+      if (at != point || done->exchange(true)) return Status::Ok();
+      std::cerr << "DCR_TEST_PAUSE_AT: waiting at " << point << " for " << file << std::endl;
+      while (!std::filesystem::exists(file) && !g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      return Status::Ok();
+    };
+  }
   const char* spec = std::getenv("DCR_TEST_CRASH_AT");
   const bool fail = !spec || !*spec;
   if (fail) spec = std::getenv("DCR_TEST_FAIL_AT");
@@ -270,6 +287,7 @@ int RunPublish(const PublishArgs& a) {
                 {"payload_bytes", r->payload_bytes}, {"changed_words", r->changed_words},
                 {"acked", r->acked},             {"retired", r->retired},
                 {"relay_acks", r->relay_acks},
+                {"relay_acks_unconfirmed", r->relay_acks_unconfirmed},
                 {"encode_seconds", r->encode_seconds}, {"wait_seconds", r->wait_seconds},
                 {"total_seconds", r->total_seconds}};
     std::cout << doc.dump(1) << "\n";
