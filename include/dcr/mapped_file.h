@@ -47,7 +47,8 @@ class MappedFile {
 };
 
 // Writes `data` to the file `path` atomically: a temporary file beside it,
-// fsync, rename. Readers see the old file or the new one, never a mix.
-Status WriteFileAtomically(const std::string& path, std::string_view data);
+// fsync, rename. Readers see the old file or the new one, never a mix. The
+// file is created with `mode` (less the umask) before its first byte.
+Status WriteFileAtomically(const std::string& path, std::string_view data, unsigned mode = 0644);
 
 }  // namespace dcr

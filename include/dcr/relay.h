@@ -157,23 +157,35 @@ struct CurveKeyPair {
   std::string public_key, secret_key;  // Z85, 40 characters each
 };
 Result<CurveKeyPair> GenerateCurveKeyPair();
-// STEM.key (the pair, mode 0600) and STEM.pub (the public key).
+// STEM.key (the pair, created mode 0600, atomically) and STEM.pub (the public key).
 Status WriteCurveKeyFiles(const std::string& stem, const CurveKeyPair& pair);
-// A .key file written by WriteCurveKeyFiles.
+// A .key file written by WriteCurveKeyFiles. Refused (kPermissionDenied,
+// as ssh does) when others than its owner may read it.
 Result<CurveKeyPair> ReadCurveKeyPair(const std::string& path);
 // A .pub file, or the public key of a .key file.
 Result<std::string> ReadCurvePublicKey(const std::string& path);
-// Public keys one per line (lines starting with '#' are comments; Z85 keys
-// may contain '#' themselves), blank lines allowed: the peers
-// a relay admits.
-Result<std::set<std::string>> ReadCurveAllowList(const std::string& path);
+// The roles a peer's key may take at a relay: a bit per RelayRole.
+using RelayRoles = uint8_t;
+constexpr RelayRoles RoleBit(RelayRole role) { return static_cast<RelayRoles>(1u << static_cast<uint8_t>(role)); }
+inline constexpr RelayRoles kAnyRelayRole =
+    RoleBit(RelayRole::kRelay) | RoleBit(RelayRole::kReceiver) | RoleBit(RelayRole::kSender);
+// "sender, receiver", "any role", "no role".
+std::string RelayRolesName(RelayRoles roles);
+
+// The peers a relay admits, one per line: "ROLE KEY" (ROLE: sender, relay or
+// receiver; a key on several lines takes each role), or a bare "KEY", which
+// takes any role. Lines starting with '#' are comments (Z85 keys may contain
+// '#' themselves); blank lines are allowed.
+Result<std::map<std::string, RelayRoles>> ReadCurveAllowList(const std::string& path);
 
 // No keys: plain TCP, anyone who can connect is served (trusted networks
-// only). With keys: every connection is CurveZMQ (authenticated, encrypted).
+// only). With keys: every connection is CurveZMQ (authenticated, encrypted),
+// and a relay takes a HELLO in a role only from a key its allow list admits
+// in that role.
 struct RelaySecurity {
   std::optional<CurveKeyPair> own;  // this process's keys
   std::string server_public;        // the relays it connects to (clients)
-  std::set<std::string> allowed;    // client keys a relay admits (servers)
+  std::map<std::string, RelayRoles> allowed;  // client keys a relay admits, and as what (servers)
   bool enabled() const { return own.has_value(); }
 };
 

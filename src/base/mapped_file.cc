@@ -106,9 +106,10 @@ Status MappedFile::Sync(uint64_t offset, uint64_t len) {
   return Status::Ok();
 }
 
-Status WriteFileAtomically(const std::string& path, std::string_view text) {
+Status WriteFileAtomically(const std::string& path, std::string_view text, unsigned mode) {
   const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  ::unlink(tmp.c_str());  // created anew, so that it has `mode` from its first byte
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, static_cast<mode_t>(mode));
   if (fd < 0) return ErrnoError(errno, "cannot create " + tmp);
   size_t done = 0;
   while (done < text.size()) {

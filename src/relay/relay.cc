@@ -50,6 +50,7 @@ using ObjectPtr = std::shared_ptr<const Object>;
 // A peer that receives objects (a relay or a receiver), by its routing id.
 struct Child {
   std::string route, id;
+  std::string key;  // its CURVE key (empty without CURVE): its id stays its own
   RelayRole role = RelayRole::kReceiver;
   std::set<std::string> have;  // from its HELLO: never send these
   std::deque<ObjectPtr> queue;
@@ -88,7 +89,8 @@ class RelayServer {
       if (p == n) Log(n == 1 ? line : fmt::format("{} ({} times)", line, n));
   }
   Status Attach(size_t index);
-  void OnRouter(std::vector<std::string> parts);
+  // A message from a peer below (a child or a sender); `key`: its CURVE key.
+  void OnRouter(std::vector<std::string> parts, const std::string& key);
   void OnUpstream(std::vector<std::string> parts);
   void OnMonitor();
   void Accept(RelayMessage m, const std::string& from, Link* link);
@@ -131,6 +133,7 @@ class RelayServer {
   std::map<std::string, Child> children_;       // by route
   struct Sender {
     std::string id = "unnamed";  // from its HELLO
+    std::string key;
     Clock::time_point heard;
   };
   std::map<std::string, Sender> senders_;  // by route
@@ -198,6 +201,11 @@ Status RelayServer::Run(const std::function<bool()>& stop) {
   Log(fmt::format("listening on {}{}", o_.listen,
                   o_.security.enabled() ? fmt::format(" (CURVE, {} peers admitted)", o_.security.allowed.size())
                                         : " (no authentication: trusted networks only)"));
+  if (const auto any = std::count_if(o_.security.allowed.begin(), o_.security.allowed.end(),
+                                     [](const auto& kv) { return kv.second == kAnyRelayRole; }))
+    Log(fmt::format("{} admitted keys may take any role (allow-list lines without one): each may send objects and "
+                    "fences as a sender; give each line its role (sender, relay or receiver)",
+                    any));
   DCR_RETURN_IF_ERROR(OpenSpool());
   if (!o_.upstream.empty()) DCR_RETURN_IF_ERROR(Attach(0));
   last_stats_ = Clock::now();
@@ -219,9 +227,10 @@ Status RelayServer::Run(const std::function<bool()>& stop) {
     }
     if (mo >= 0 && (items[mo].revents & ZMQ_POLLIN)) OnMonitor();
     for (int i = 0; i < 512 && (items[0].revents & ZMQ_POLLIN); ++i) {
-      auto parts = RecvParts(router_.get(), kRelayMaxParts);
+      std::string key;
+      auto parts = RecvParts(router_.get(), kRelayMaxParts, &key);
       if (!parts.ok() || parts->empty()) break;
-      OnRouter(std::move(*parts));
+      OnRouter(std::move(*parts), key);
     }
     for (int i = 0; up >= 0 && upstream_ && i < 512 && (items[up].revents & ZMQ_POLLIN); ++i) {
       auto parts = RecvParts(upstream_.get(), kRelayMaxParts);
@@ -251,7 +260,7 @@ void RelayServer::OnMonitor() {
                       (*ev)[1], event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH ? "authentication" : "no or another security mechanism"));
 }
 
-void RelayServer::OnRouter(std::vector<std::string> parts) {
+void RelayServer::OnRouter(std::vector<std::string> parts, const std::string& key) {
   if (parts.size() < 2) return;
   const std::string route = parts[0];
   std::vector<std::string_view> views(parts.begin() + 1, parts.end());
@@ -263,6 +272,15 @@ void RelayServer::OnRouter(std::vector<std::string> parts) {
   auto child = children_.find(route);
   switch (m->type) {
     case RelayMessageType::kHello: {
+      if (o_.security.enabled()) {
+        auto admitted = o_.security.allowed.find(key);
+        const RelayRoles roles = admitted == o_.security.allowed.end() ? 0 : admitted->second;
+        if (!(roles & RoleBit(m->role))) {
+          Refused(fmt::format("refused HELLO as {} {} (CURVE key {}): the allow list admits that key as {}",
+                              RelayRoleName(m->role), m->id, key, RelayRolesName(roles)));
+          return;
+        }
+      }
       if (m->role == RelayRole::kSender) {
         if (!senders_.count(route) && senders_.size() >= o_.max_senders) {
           Refused(fmt::format("refused sender {}: {} senders are attached already (the limit)", m->id, senders_.size()));
@@ -273,7 +291,7 @@ void RelayServer::OnRouter(std::vector<std::string> parts) {
           known->second.heard = Clock::now();
           return;
         }
-        senders_[route] = Sender{m->id, Clock::now()};
+        senders_[route] = Sender{m->id, key, Clock::now()};
         LinkOf("sender:" + m->id).role = "sender";
         LinkOf("sender:" + m->id).attached = true;
         Log(fmt::format("sender {} attached", m->id));
@@ -285,6 +303,14 @@ void RelayServer::OnRouter(std::vector<std::string> parts) {
           }
         return;
       }
+      // The same id on a new connection is the child re-attaching, unless
+      // another key says it: an id stays with the key that attached it.
+      for (auto it = children_.begin(); it != children_.end(); ++it)
+        if (it->second.id == m->id && it->second.key != key) {
+          Refused(fmt::format("refused HELLO as {} {} (CURVE key {}): a child of that id is attached with another key",
+                              RelayRoleName(m->role), m->id, key));
+          return;
+        }
       for (auto it = children_.begin(); it != children_.end();)
         if (it->second.id == m->id && it->first != route) it = children_.erase(it);
         else ++it;
@@ -297,6 +323,7 @@ void RelayServer::OnRouter(std::vector<std::string> parts) {
       c = Child{};
       c.route = route;
       c.id = m->id;
+      c.key = key;
       c.role = m->role;
       c.have.insert(m->have.begin(), m->have.end());
       c.heard = Clock::now();

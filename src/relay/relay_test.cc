@@ -378,7 +378,7 @@ TEST(Relay, CurveAdmitsListedPeersAndRefusesOthers) {
   const std::string addr = FreeAddress();
   RelayOptions ro = Options("root", addr);
   ro.security.own = *relay_keys;
-  ro.security.allowed = {good->public_key};
+  ro.security.allowed = {{good->public_key, kAnyRelayRole}};
   RunningRelay root(ro);
   Lines log;
   auto make = [&](const std::string& id, std::optional<CurveKeyPair> keys) {
@@ -434,8 +434,95 @@ TEST(Relay, KeyFilesRoundTrip) {
   }
   auto two = ReadCurveAllowList(stem + ".allow");
   ASSERT_TRUE(two.ok()) << two.status().ToString();
-  EXPECT_EQ(*two, (std::set<std::string>{hashed, pair->public_key}));
+  EXPECT_EQ(*two, (std::map<std::string, RelayRoles>{{hashed, kAnyRelayRole}, {pair->public_key, kAnyRelayRole}}));
   EXPECT_EQ(ReadCurveKeyPair(stem + ".missing").status().code(), Code::kNotFound);
+  // Roles: a key on several lines takes each; an unknown role is refused.
+  {
+    std::FILE* f = std::fopen((stem + ".roles").c_str(), "w");
+    std::fprintf(f, "sender %s\nreceiver\t%s\nrelay %s\n", hashed.c_str(), pair->public_key.c_str(), hashed.c_str());
+    std::fclose(f);
+  }
+  auto roles = ReadCurveAllowList(stem + ".roles");
+  ASSERT_TRUE(roles.ok()) << roles.status().ToString();
+  EXPECT_EQ(*roles, (std::map<std::string, RelayRoles>{{hashed, RoleBit(RelayRole::kSender) | RoleBit(RelayRole::kRelay)},
+                                                      {pair->public_key, RoleBit(RelayRole::kReceiver)}}));
+  EXPECT_EQ(RelayRolesName(roles->at(hashed)), "sender, relay");
+  {
+    std::FILE* f = std::fopen((stem + ".badrole").c_str(), "w");
+    std::fprintf(f, "admin %s\n", hashed.c_str());
+    std::fclose(f);
+  }
+  EXPECT_EQ(ReadCurveAllowList(stem + ".badrole").status().code(), Code::kInvalidArgument);
+}
+
+// The secret key file is 0600 from its first byte, and one others may read
+// is refused, as ssh does.
+TEST(Relay, SecretKeyFilesAreTheOwnersOnly) {
+  auto pair = GenerateCurveKeyPair();
+  ASSERT_TRUE(pair.ok());
+  const std::string stem = ::testing::TempDir() + "/dcr-relay-key-mode-test";
+  std::filesystem::remove(stem + ".key");
+  ASSERT_TRUE(WriteCurveKeyFiles(stem, *pair).ok());
+  EXPECT_EQ(std::filesystem::status(stem + ".key").permissions() & std::filesystem::perms::all,
+            std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  ASSERT_TRUE(ReadCurveKeyPair(stem + ".key").ok());
+  std::filesystem::permissions(stem + ".key", std::filesystem::perms::group_read, std::filesystem::perm_options::add);
+  auto refused = ReadCurveKeyPair(stem + ".key");
+  EXPECT_EQ(refused.status().code(), Code::kPermissionDenied) << refused.status().ToString();
+  EXPECT_NE(refused.status().message().find("chmod 600"), std::string::npos) << refused.status().ToString();
+  // Written again over it: 0600 again (the old file's mode does not carry over).
+  ASSERT_TRUE(WriteCurveKeyFiles(stem, *pair).ok());
+  EXPECT_TRUE(ReadCurveKeyPair(stem + ".key").ok());
+}
+
+// Roles are tied to keys: a key admitted as a receiver cannot send objects
+// or fences, nor attach as a sender; a child's id stays with its key.
+TEST(Relay, RolesAreTiedToKeys) {
+  auto relay_keys = GenerateCurveKeyPair(), sender_keys = GenerateCurveKeyPair(), receiver_keys = GenerateCurveKeyPair(),
+       other_receiver = GenerateCurveKeyPair();
+  ASSERT_TRUE(relay_keys.ok() && sender_keys.ok() && receiver_keys.ok() && other_receiver.ok());
+  const std::string addr = FreeAddress();
+  RelayOptions ro = Options("root", addr);
+  ro.security.own = *relay_keys;
+  ro.security.allowed = {{sender_keys->public_key, RoleBit(RelayRole::kSender)},
+                         {receiver_keys->public_key, RoleBit(RelayRole::kReceiver)},
+                         {other_receiver->public_key, RoleBit(RelayRole::kReceiver)}};
+  RunningRelay root(ro);
+  Lines log;
+  auto make = [&](const std::string& id, const CurveKeyPair& keys) {
+    RelayClientOptions o = Client(id, {addr}, &log);
+    o.security.own = keys;
+    o.security.server_public = relay_keys->public_key;
+    return o;
+  };
+  auto good = RelayReceiver::Start(make("good", *receiver_keys));
+  ASSERT_TRUE(good.ok());
+  ASSERT_TRUE(WaitFor([&] { return root.lines.Has("receiver good attached"); }));
+  // A receiver's key pushing objects and a fence, as a sender would.
+  auto impostor = RelaySender::Start(make("impostor", *receiver_keys));
+  ASSERT_TRUE(impostor.ok());
+  (*impostor)->Object(ObjectKey(1, 0), MakeFrame(0, 4));
+  (*impostor)->Fence(AttemptPrefix(2));  // another attempt: a fence drops its own attempt's queued objects
+  EXPECT_TRUE(WaitFor([&] {
+    return root.lines.Has("refused HELLO as sender impostor (CURVE key " + receiver_keys->public_key +
+                          "): the allow list admits that key as receiver");
+  }));
+  EXPECT_TRUE(WaitFor([&] { return root.lines.Has("did not say HELLO as a sender sent an object: refused"); }));
+  EXPECT_TRUE(WaitFor([&] { return root.lines.Has("not an attached sender sent a fence: refused"); }));
+  // Another admitted receiver key claiming good's id is refused.
+  auto takeover = RelayReceiver::Start(make("good", *other_receiver));
+  ASSERT_TRUE(takeover.ok());
+  EXPECT_TRUE(WaitFor([&] { return root.lines.Has("refused HELLO as receiver good (CURVE key " + other_receiver->public_key); }));
+  // The sender's key: its objects reach good, whose attachment stands.
+  auto sender = RelaySender::Start(make("pub", *sender_keys));
+  ASSERT_TRUE(sender.ok());
+  (*sender)->Object(ObjectKey(1, 1), MakeFrame(1, 4));
+  EXPECT_TRUE((*sender)->Flush(kGuard));
+  auto got = TakeAll(**good, AttemptPrefix(1), 1);
+  EXPECT_EQ(got.size(), 1u);
+  EXPECT_EQ(got.count(ObjectKey(1, 1)), 1u) << "an object of the impostor was delivered";
+  EXPECT_FALSE(root.lines.Has("attempt " + AttemptPrefix(2) + " fenced"));
+  EXPECT_TRUE((*takeover)->Take("").empty());
 }
 
 TEST(Relay, RefusesBadOptions) {

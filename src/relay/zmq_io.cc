@@ -106,7 +106,7 @@ bool FirstIsBack(std::unique_ptr<Probe>& probe, void* ctx, size_t index, const s
   return true;
 }
 
-Result<std::vector<std::string>> RecvParts(void* socket, size_t max_parts) {
+Result<std::vector<std::string>> RecvParts(void* socket, size_t max_parts, std::string* peer_key) {
   std::vector<std::string> parts;
   for (;;) {
     zmq_msg_t msg;
@@ -122,12 +122,17 @@ Result<std::vector<std::string>> RecvParts(void* socket, size_t max_parts) {
     if (parts.size() < max_parts) parts.emplace_back(static_cast<const char*>(zmq_msg_data(&msg)), zmq_msg_size(&msg));
     else parts.back().clear();
     const bool more = zmq_msg_more(&msg);
+    if (peer_key && !more) {
+      const char* user = zmq_msg_gets(&msg, "User-Id");
+      *peer_key = user ? user : "";
+    }
     zmq_msg_close(&msg);
     if (!more) return parts;
   }
 }
 
-void AnswerZap(void* zap, const std::set<std::string>& allowed, const std::function<void(const std::string&)>& log) {
+void AnswerZap(void* zap, const std::map<std::string, RelayRoles>& allowed,
+               const std::function<void(const std::string&)>& log) {
   auto req = RecvParts(zap);
   if (!req.ok() || req->empty()) return;
   const auto& p = *req;
@@ -175,13 +180,19 @@ bool Z85Key(const std::string& s) {
 }  // namespace
 
 Status WriteCurveKeyFiles(const std::string& stem, const CurveKeyPair& pair) {
-  DCR_RETURN_IF_ERROR(WriteFileAtomically(stem + ".key", fmt::format("# dcr relay CURVE key pair: keep secret\npublic {}\nsecret {}\n",
-                                                                     pair.public_key, pair.secret_key)));
-  if (::chmod((stem + ".key").c_str(), 0600) != 0) return ErrnoError(errno, "chmod 0600 " + stem + ".key");
+  DCR_RETURN_IF_ERROR(WriteFileAtomically(stem + ".key",
+                                          fmt::format("# dcr relay CURVE key pair: keep secret\npublic {}\nsecret {}\n",
+                                                      pair.public_key, pair.secret_key),
+                                          0600));
   return WriteFileAtomically(stem + ".pub", pair.public_key + "\n");
 }
 
 Result<CurveKeyPair> ReadCurveKeyPair(const std::string& path) {
+  struct stat st{};
+  if (::stat(path.c_str(), &st) == 0 && (st.st_mode & 077) != 0)
+    return PermissionDenied(fmt::format("{}: a secret key file that others may read (mode {:04o}) is refused; chmod "
+                                        "600 {} (and make a new pair if others may have read it)",
+                                        path, st.st_mode & 07777, path));
   DCR_ASSIGN_OR_RETURN(std::string text, ReadText(path));
   CurveKeyPair pair;
   std::istringstream in(text);
@@ -209,9 +220,17 @@ Result<std::string> ReadCurvePublicKey(const std::string& path) {
   return text;
 }
 
-Result<std::set<std::string>> ReadCurveAllowList(const std::string& path) {
+std::string RelayRolesName(RelayRoles roles) {
+  if (roles == kAnyRelayRole) return "any role";
+  std::string out;
+  for (RelayRole r : {RelayRole::kSender, RelayRole::kRelay, RelayRole::kReceiver})
+    if (roles & RoleBit(r)) out += (out.empty() ? "" : ", ") + std::string(RelayRoleName(r));
+  return out.empty() ? "no role" : out;
+}
+
+Result<std::map<std::string, RelayRoles>> ReadCurveAllowList(const std::string& path) {
   DCR_ASSIGN_OR_RETURN(std::string text, ReadText(path));
-  std::set<std::string> keys;
+  std::map<std::string, RelayRoles> keys;
   std::istringstream in(text);
   std::string line;
   for (int n = 1; std::getline(in, line); ++n) {
@@ -219,9 +238,18 @@ Result<std::set<std::string>> ReadCurveAllowList(const std::string& path) {
     while (!line.empty() && (line.back() == ' ' || line.back() == '\t' || line.back() == '\r')) line.pop_back();
     while (!line.empty() && (line.front() == ' ' || line.front() == '\t')) line.erase(0, 1);
     if (line.empty() || line.front() == '#') continue;
+    RelayRoles roles = kAnyRelayRole;
+    if (const size_t space = line.find_first_of(" \t"); space != std::string::npos) {
+      const std::string role = line.substr(0, space);
+      if (role == "sender") roles = RoleBit(RelayRole::kSender);
+      else if (role == "relay") roles = RoleBit(RelayRole::kRelay);
+      else if (role == "receiver") roles = RoleBit(RelayRole::kReceiver);
+      else return InvalidArgument(fmt::format("{}:{}: unknown role '{}' (sender, relay or receiver, then the key)", path, n, role));
+      line.erase(0, line.find_first_not_of(" \t", space));
+    }
     if (!Z85Key(line))
       return InvalidArgument(fmt::format("{}:{}: not a CURVE public key (40 Z85 characters)", path, n));
-    keys.insert(line);
+    keys[line] |= roles;
   }
   return keys;
 }

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -44,7 +45,9 @@ Status SendParts(void* socket, std::string_view route, const std::vector<std::st
 // Receives one message if one is waiting; an empty vector when none is.
 // Beyond `max_parts`, parts are read and dropped (and the last kept is
 // emptied): peers' messages are read with kRelayMaxParts.
-Result<std::vector<std::string>> RecvParts(void* socket, size_t max_parts = SIZE_MAX);
+// `peer_key`, when given, is set to the sender's CURVE public key (Z85, the
+// ZAP handler's user id; empty without CURVE).
+Result<std::vector<std::string>> RecvParts(void* socket, size_t max_parts = SIZE_MAX, std::string* peer_key = nullptr);
 
 // Watches whether a relay that was left (silent) is back: a DEALER that
 // connects to it and sends nothing, and a monitor of its handshakes. Up()
@@ -69,7 +72,9 @@ bool FirstIsBack(std::unique_ptr<Probe>& probe, void* ctx, size_t index, const s
 
 // The ZAP handler: answers one request on `zap` (a REP socket bound to
 // inproc://zeromq.zap.01), admitting CURVE clients whose key is in
-// `allowed`; refusals are logged with the peer's address and key.
-void AnswerZap(void* zap, const std::set<std::string>& allowed, const std::function<void(const std::string&)>& log);
+// `allowed` (their user id is the key, so that each message names it);
+// refusals are logged with the peer's address and key.
+void AnswerZap(void* zap, const std::map<std::string, RelayRoles>& allowed,
+               const std::function<void(const std::string&)>& log);
 
 }  // namespace dcr::relay_internal

@@ -56,13 +56,15 @@ test_unauthenticated_clients_are_refused
     a receiver with an unknown key and one without keys get nothing from the
     relay (the relay logs the refusals) and still end exact from the store.
 test_a_forged_object_pushed_ahead_of_the_publisher_is_refused
-    an allow-listed client key (the one receivers share) pushes, while the
-    publisher stands after attempt.json (DCR_TEST_PAUSE_AT), objects under
-    the attempt's real keys with valid frames that move receivers to other
-    bits (the attempt's delta id, their base digests), unsigned and with a
-    made-up signature: the relay keeps those first copies, the receiver
-    refuses every one (its signature does not verify against attempt.json's
-    key), takes the store's, and the first attempt commits exact.
+    while the publisher stands after attempt.json (DCR_TEST_PAUSE_AT),
+    objects under the attempt's real keys with valid frames that move
+    receivers to other bits (the attempt's delta id, their base digests) are
+    pushed into the root: with the receivers' key, the relay refuses the
+    HELLO as a sender and the objects; with a sender's key (unsigned, and
+    with a made-up signature) the relay keeps those first copies, the
+    receiver refuses each (its signature does not verify against
+    attempt.json's key) and takes the store's; the first attempt commits
+    exact.
 test_a_corrupt_frame_is_dropped_never_forwarded
     an object damaged on arrival at the root (test hook) and a damaged real
     frame object pushed into a middle relay are dropped there: the links below
@@ -138,14 +140,18 @@ class Tree:
         self.logs.mkdir()
         keys = root / "keys"
         keys.mkdir()
-        for name in ("relays", "clients", "stranger"):
+        for name in ("relays", "clients", "senders", "stranger"):
             res = run_dcr("relay", "keygen", keys / name)
             assert res.returncode == 0, str(res)
         self.relay_key, self.relay_pub = keys / "relays.key", keys / "relays.pub"
         self.client_key, self.stranger_key = keys / "clients.key", keys / "stranger.key"
+        self.sender_key = keys / "senders.key"
+        # Each role its own key: receivers share one, and cannot act as senders.
         self.allow = keys / "allow"
-        self.allow.write_text("# relays and trusted clients\n" + (keys / "relays.pub").read_text() +
-                              (keys / "clients.pub").read_text())
+        self.allow.write_text("# the relays, their receivers, the publishers\n" +
+                              "".join(f"{role} {(keys / f'{name}.pub').read_text()}"
+                                      for role, name in (("relay", "relays"), ("receiver", "clients"),
+                                                         ("sender", "senders"))))
         self.relays: dict[str, dict] = {}  # id -> plan node
         self.relay_procs: dict[str, subprocess.Popen] = {}
         self.receivers: dict[str, dict] = {}
@@ -295,7 +301,7 @@ class Tree:
                 "--heartbeat-timeout", "3", "--json", *extra, str(self.gen / f"v{v}")]
         if relay:
             root = next(n for n in self.relays.values() if n["parent"] is None)
-            args[2:2] = ["--relay", root["address"], "--relay-key", str(self.client_key), "--relay-pub",
+            args[2:2] = ["--relay", root["address"], "--relay-key", str(self.sender_key), "--relay-pub",
                          str(self.relay_pub)]
         log = self.logs / f"publish-v{v}.log"
         e = env()
@@ -532,7 +538,7 @@ def test_frames_of_a_fenced_attempt_are_dropped_by_every_relay(tree):
     assert frames
     before = {rid: fresh_stats(t, rid) for rid in ("r3", "r4")}
     key = prefix + "frames/" + frames[0].name
-    res = run_dcr("relay", "push", "--to", t.relays["r1"]["address"], "--object-key", key, "--key", t.client_key,
+    res = run_dcr("relay", "push", "--to", t.relays["r1"]["address"], "--object-key", key, "--key", t.sender_key,
                   "--relay-pub", t.relay_pub, frames[0])
     assert res.returncode == 0, str(res)
     wait_logged(t.logs / "relay-r1.log", f"refused object {key} of a fenced attempt")
@@ -814,7 +820,7 @@ def test_a_corrupt_frame_is_dropped_never_forwarded(tree):
     bad = t.root / "damaged.bin"
     bad.write_bytes(bytes(damaged))
     key = f"attempts/v{1:010}/{commit['attempt']}/frames/s9-0000.bin"
-    res = run_dcr("relay", "push", "--to", t.relays["r1"]["address"], "--object-key", key, "--key", t.client_key,
+    res = run_dcr("relay", "push", "--to", t.relays["r1"]["address"], "--object-key", key, "--key", t.sender_key,
                   "--relay-pub", t.relay_pub, bad)
     assert res.returncode == 0, str(res)
     wait_logged(t.logs / "relay-r1.log", "dropped a corrupt object")
@@ -884,11 +890,23 @@ def test_a_forged_object_pushed_ahead_of_the_publisher_is_refused(tree):
     made_up = b"DCRS\x01\x01\x00\x00" + bytes(range(64))  # a trailer whose signature is nobody's
     forged = {"s0-0000": frames, "s1-0000": frames + made_up}
     for name, data in forged.items():
-        path = t.root / f"forged-{name}.bin"
-        path.write_bytes(data)
-        res = run_dcr("relay", "push", "--to", t.relays["r0"]["address"], "--object-key",
-                      f"attempts/v{1:010}/{attempt}/frames/{name}.bin", "--key", t.client_key, "--relay-pub",
-                      t.relay_pub, path)
+        (t.root / f"forged-{name}.bin").write_bytes(data)
+
+    def push(name: str, key: Path):
+        return run_dcr("relay", "push", "--to", t.relays["r0"]["address"], "--object-key",
+                       f"attempts/v{1:010}/{attempt}/frames/{name}.bin", "--key", key, "--relay-pub", t.relay_pub,
+                       t.root / f"forged-{name}.bin")
+
+    # The receivers' key is not a sender's: refused at the relay.
+    res = push("s0-0000", t.client_key)
+    assert res.returncode != 0, str(res)
+    client_pub = t.client_key.with_suffix(".pub").read_text().strip()
+    wait_logged(t.logs / "relay-r0.log",
+                f"refused HELLO as sender push (CURVE key {client_pub}): the allow list admits that key as receiver")
+    wait_logged(t.logs / "relay-r0.log", "did not say HELLO as a sender sent an object: refused")
+    # A sender's key gets them into the relay, ahead of the publisher's.
+    for name in forged:
+        res = push(name, t.sender_key)
         assert res.returncode == 0, str(res)
     wait_logged(t.receivers["victim"]["log"], "frame object attempts/v0000000001/" + attempt + "/frames/s1-0000.bin")
     go.touch()

@@ -63,6 +63,8 @@ int RunRelayDaemon(const RelayArgs& a) {
   if (sec->enabled() && sec->allowed.empty())
     return Fail("relay", InvalidArgument("--key without --allow: no peer could attach; list their public keys in a file"));
   o.security = *sec;
+  // A root that pulls from the store pushes with its own pair, as a sender.
+  if (!a.pull_store.empty() && o.security.enabled()) o.security.allowed[o.security.own->public_key] |= RoleBit(RelayRole::kSender);
   // TEST ONLY: DCR_TEST_CORRUPT_NTH=N damages the Nth object received
   // (tests/python/test_relay.py); nothing else reads it.
   if (const char* n = std::getenv("DCR_TEST_CORRUPT_NTH"); n && *n) o.test_corrupt_nth = std::strtoull(n, nullptr, 10);
@@ -269,9 +271,11 @@ void AddRelayCommand(CLI::App& app) {
       return;
     }
     (*sender)->Object(ua->object_key, *data);
-    if (!(*sender)->Flush(std::chrono::seconds(10))) {
+    // Pushed once the relay credited it: a relay that refuses the peer (its
+    // key is not a sender's) or stays silent has it written off.
+    if (!(*sender)->Flush(std::chrono::seconds(10)) || (*sender)->Stats().objects == 0) {
       ExitCode() = Fail("relay push", Unavailable(fmt::format("{} did not acknowledge {} within 10 s (is it running, "
-                                                              "and are the keys right?)",
+                                                              "and are the keys right: a sender's?)",
                                                               ua->to, ua->object_key)));
       return;
     }
