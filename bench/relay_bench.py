@@ -160,7 +160,8 @@ def one(dcr: str, work: Path, v0: Path, v1: Path, receivers: int, fanout: int | 
             (root / "relays.json").write_text(json.dumps(listing))
             plan = json.loads(run(dcr, "relay", "plan", "--relays", root / "relays.json", "--fanout", fanout))
             for n in plan["relays"]:
-                args = [dcr, "relay", "--id", n["id"], "--listen", n["address"]]
+                # Local links: plain TCP, said explicitly (relays are CURVE by default).
+                args = [dcr, "relay", "--id", n["id"], "--listen", n["address"], "--insecure"]
                 if not net:
                     args += ["--link-mbps", link]
                 for up in n["upstream"]:
@@ -186,6 +187,7 @@ def one(dcr: str, work: Path, v0: Path, v1: Path, receivers: int, fanout: int | 
                 n = plan["relays"][i // 2]
                 for addr in [n["address"], *n["upstream"]]:
                     args += ["--relay", addr]
+                args += ["--relay-insecure"]
             else:
                 e["DCR_STORE_FAULTS"] = f"mbps={link / receivers}"
             if net:
@@ -208,7 +210,8 @@ def one(dcr: str, work: Path, v0: Path, v1: Path, receivers: int, fanout: int | 
         args = ["publish", "--store", store, "--version", 1, "--state", root / "state", "--segment", SEGMENT,
                 "--json", v1]
         if plan:
-            args[1:1] = ["--relay", plan["relays"][0]["address"]] + ([] if net else ["--relay-mbps", link])
+            args[1:1] = ["--relay", plan["relays"][0]["address"], "--relay-insecure"] + \
+                ([] if net else ["--relay-mbps", link])
         command = [dcr, *args]
         if net:
             pub_ns, _ = net.node("pub")

@@ -191,10 +191,17 @@ struct RelaySecurity {
 
 // From key files (empty names: not given): `key_file` this process's pair,
 // `server_public_file` the relays' public key (default: the pair's own, for
-// relays sharing one pair), `allow_file` the admitted peers (relays). No key
-// file: security off, and then neither other file may be given.
+// relays sharing one pair), `allow_file` the admitted peers (relays).
+// Secure by default: no key file is refused unless `insecure` (plain TCP,
+// no authentication; the relay and its clients warn at every start), and
+// then neither other file may be given; a key file with `insecure` is refused.
 Result<RelaySecurity> LoadRelaySecurity(const std::string& key_file, const std::string& server_public_file,
-                                        const std::string& allow_file);
+                                        const std::string& allow_file, bool insecure);
+// The line the relay and its clients log at every start without keys.
+inline constexpr std::string_view kRelayInsecureWarning =
+    "WARNING: insecure relay link (plain TCP): no peer is authenticated and nothing is encrypted; anyone who can "
+    "connect can attach in any role (bits stay safe: receivers verify every object's signature). Use CURVE keys "
+    "(dcr relay keygen) outside a trusted network";
 
 // ---- The daemon ----------------------------------------------------------------
 

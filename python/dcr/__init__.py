@@ -181,13 +181,16 @@ class Follower:
     ``relay``: relay addresses (its relay, then ancestors; ``dcr relay``) to take
     frame objects from, what none delivers coming from the store; ``relay_key`` and
     ``relay_pub``: CURVE key files (``dcr relay keygen``), as ``dcr follow``'s
-    ``--relay-key`` and ``--relay-pub``."""
+    ``--relay-key`` and ``--relay-pub``; required with ``relay`` unless
+    ``relay_insecure`` (plain TCP to relays run with ``--insecure``, trusted
+    networks only; ``--relay-insecure``)."""
 
     def __init__(self, store: Store, target: PathLike, id: str = "", poll_s: float = 0.1, quiet: bool = True,
-                 relay: Sequence[str] = (), relay_key: PathLike = "", relay_pub: PathLike = ""):
+                 relay: Sequence[str] = (), relay_key: PathLike = "", relay_pub: PathLike = "",
+                 relay_insecure: bool = False):
         self.store = store
         self._f = _dcr.Follower(store, os.fspath(target), id, poll_s, quiet, list(relay), os.fspath(relay_key),
-                                os.fspath(relay_pub))
+                                os.fspath(relay_pub), relay_insecure)
 
     def run(self, until: Optional[int] = None, timeout_s: Optional[float] = None,
             on_version: Optional[Callable[[int], Any]] = None) -> int:
@@ -408,7 +411,7 @@ class Receiver:
     def follow(self, store: Store, state_dir: PathLike, *, engine: str, rank: int = 0, ranks: int = 1,
                until: Optional[int] = None, timeout_s: Optional[float] = None, id: str = "", poll_s: float = 0.1,
                quiet: bool = True, relay: Sequence[str] = (), relay_key: PathLike = "",
-               relay_pub: PathLike = "") -> int:
+               relay_pub: PathLike = "", relay_insecure: bool = False) -> int:
         """Follows the run in ``store`` into these live tensors, in place, as
         rank ``rank`` of ``ranks`` of engine ``engine`` (C++ dcr::RankFollower
         over in-memory buffers): every attempt's frames are applied through
@@ -430,7 +433,7 @@ class Receiver:
         that changed are copied back to the device, then ``post_update`` gets
         ``{"version": v, "residuals_loaded": names, "tensors_changed": names}``
         (the canonical tensors changed since the previous call). ``relay``,
-        ``relay_key``, ``relay_pub``: frame objects from a relay tree, as for
+        ``relay_key``, ``relay_pub``, ``relay_insecure``: frame objects from a relay tree, as for
         :class:`Follower` (acks go through the store). Calling it
         again with the same arguments continues where the last call stopped
         (after one that raised, from the journal and a digest pass). Residuals without a
@@ -441,7 +444,7 @@ class Receiver:
         # The same run followed again (the next version) continues where the
         # last call stopped, without a digest pass over the tensors.
         args = (store, os.fspath(state_dir), engine, rank, ranks, id, poll_s, quiet, list(relay), os.fspath(relay_key),
-                os.fspath(relay_pub))
+                os.fspath(relay_pub), relay_insecure)
         if self._follower is None or self._follow_args[0] is not store or self._follow_args[1:] != args[1:]:
             self._follower = _dcr.RankFollower(store, self.layout_json, self._buffers, *args[1:])
             self._follow_args = args

@@ -116,7 +116,9 @@ class DcrInitInfo(WeightTransferInitInfo):
         ancestors; ``dcr relay``) from which every rank takes the frame
         objects; what none delivers comes from the store. Acks go through
         the store.
-    relay_key, relay_pub: CURVE key files for the relays (``dcr relay keygen``).
+    relay_key, relay_pub: CURVE key files for the relays (``dcr relay keygen``);
+        required with ``relay`` unless ``relay_insecure`` is true (plain TCP
+        to relays run with ``--insecure``: trusted networks only).
     """
 
     store: str
@@ -128,6 +130,7 @@ class DcrInitInfo(WeightTransferInitInfo):
     relay: Optional[list] = None
     relay_key: Optional[str] = None
     relay_pub: Optional[str] = None
+    relay_insecure: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, str) or not self.store:
@@ -143,6 +146,9 @@ class DcrInitInfo(WeightTransferInitInfo):
             v = getattr(self, k)
             if v is not None and (not isinstance(v, str) or not v or self.relay is None):
                 raise ValueError(f"dcr: init_info '{k}' must be a key file path, given with 'relay', not {v!r}")
+        if not isinstance(self.relay_insecure, bool) or (self.relay_insecure and
+                                                          (self.relay is None or self.relay_key is not None)):
+            raise ValueError("dcr: init_info 'relay_insecure' must be a bool, true only with 'relay' and no 'relay_key'")
 
 
 @dataclass
@@ -415,7 +421,7 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
             self._buffers_of.setdefault(c["tensor"], set()).add(c["buffer"])
         self._follow = dict(engine=engine, rank=rank, ranks=ranks, poll_s=init_info.poll_s,
                             relay=list(init_info.relay or ()), relay_key=init_info.relay_key or "",
-                            relay_pub=init_info.relay_pub or "")
+                            relay_pub=init_info.relay_pub or "", relay_insecure=init_info.relay_insecure)
         self._state_dir = state_dir
         try:
             self._reach(latest, init_info.join_timeout_s)

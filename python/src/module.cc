@@ -348,15 +348,17 @@ nb::dict PublishReportDict(const dcr::PublishReport& r) {
 // A receiver's relay client (frame objects from the relay tree), started
 // under the receiver's id; null without addresses.
 std::unique_ptr<dcr::RelayReceiver> StartRelay(const std::string& id, const std::vector<std::string>& addresses,
-                                               const std::string& key, const std::string& pub, bool quiet) {
+                                               const std::string& key, const std::string& pub, bool insecure,
+                                               bool quiet) {
   if (addresses.empty()) {
-    if (!key.empty() || !pub.empty()) Raise(dcr::InvalidArgument("relay_key and relay_pub need relay addresses"));
+    if (!key.empty() || !pub.empty() || insecure)
+      Raise(dcr::InvalidArgument("relay_key, relay_pub and relay_insecure need relay addresses"));
     return nullptr;
   }
   dcr::RelayClientOptions o;
   o.id = id;
   o.addresses = addresses;
-  o.security = Take(dcr::LoadRelaySecurity(key, pub, ""));
+  o.security = Take(dcr::LoadRelaySecurity(key, pub, "", insecure));
   if (quiet) o.log = [](const std::string&) {};
   return Take(dcr::RelayReceiver::Start(std::move(o)));
 }
@@ -744,14 +746,14 @@ NB_MODULE(_dcr, m) {
   nb::class_<PyFollower>(m, "Follower")
       .def("__init__", [](PyFollower* self, PyStore& store, const std::string& target, const std::string& id,
                           double poll_s, bool quiet, const std::vector<std::string>& relay, const std::string& relay_key,
-                          const std::string& relay_pub) {
+                          const std::string& relay_pub, bool relay_insecure) {
         dcr::FollowOptions o = MakeFollowOptions(id.empty() ? dcr::DefaultReceiverId() : id, poll_s, quiet);
-        auto relayed = StartRelay(o.id, relay, relay_key, relay_pub, quiet);
+        auto relayed = StartRelay(o.id, relay, relay_key, relay_pub, relay_insecure, quiet);
         o.relay = relayed.get();
         auto follower = std::make_unique<dcr::Follower>(*store.store, target, std::move(o));
         new (self) PyFollower{std::move(relayed), std::move(follower)};
       }, "store"_a, "target"_a, "id"_a, "poll_s"_a, "quiet"_a, "relay"_a, "relay_key"_a, "relay_pub"_a,
-           nb::keep_alive<1, 2>())
+           "relay_insecure"_a, nb::keep_alive<1, 2>())
       .def("run", [](PyFollower& f, std::optional<uint64_t> until, std::optional<double> timeout_s,
                      nb::object on_version) { return RunFollowing(*f.follower, "Follower.run", until, timeout_s, on_version);
       }, "until"_a = nb::none(), "timeout_s"_a = nb::none(), "on_version"_a = nb::none())
@@ -762,18 +764,18 @@ NB_MODULE(_dcr, m) {
                           std::vector<nb::ndarray<>> buffers, const std::string& state_dir, const std::string& engine,
                           uint32_t rank, uint32_t ranks, const std::string& id, double poll_s, bool quiet,
                           const std::vector<std::string>& relay, const std::string& relay_key,
-                          const std::string& relay_pub) {
+                          const std::string& relay_pub, bool relay_insecure) {
         auto layout = std::make_unique<dcr::CompiledLayout>(CompileJson(layout_json, "receiver layout"));
         std::vector<std::span<uint8_t>> spans = RankBuffers(*layout, buffers, "Receiver.follow");
         const dcr::PlacedRank placed{layout.get(), spans};
         dcr::FollowOptions o = MakeFollowOptions(id.empty() ? engine + "-r" + std::to_string(rank) : id, poll_s, quiet);
-        auto relayed = StartRelay(o.id, relay, relay_key, relay_pub, quiet);
+        auto relayed = StartRelay(o.id, relay, relay_key, relay_pub, relay_insecure, quiet);
         o.relay = relayed.get();
         auto follower = std::make_unique<dcr::RankFollower>(*store.store, placed, state_dir,
                                                             dcr::EngineRank{engine, rank, ranks}, std::move(o));
         new (self) PyRankFollower{std::move(layout), std::move(buffers), std::move(relayed), std::move(follower)};
       }, "store"_a, "layout"_a, "buffers"_a, "state_dir"_a, "engine"_a, "rank"_a, "ranks"_a, "id"_a, "poll_s"_a,
-           "quiet"_a, "relay"_a, "relay_key"_a, "relay_pub"_a, nb::keep_alive<1, 2>())
+           "quiet"_a, "relay"_a, "relay_key"_a, "relay_pub"_a, "relay_insecure"_a, nb::keep_alive<1, 2>())
       .def("run", [](PyRankFollower& f, std::optional<uint64_t> until, std::optional<double> timeout_s,
                      nb::object on_version) {
         return RunFollowing(*f.follower, "Receiver.follow", until, timeout_s, on_version);

@@ -36,6 +36,11 @@ Status CheckClientOptions(const RelayClientOptions& o, std::string_view what) {
   if (o.addresses.empty()) return InvalidArgument(fmt::format("{}: no relay address (--relay tcp://HOST:PORT)", what));
   if (o.security.enabled() && o.security.server_public.empty())
     return InvalidArgument(fmt::format("{}: CURVE keys given but not the relays' public key", what));
+  if (!o.security.enabled()) {
+    const std::string line = fmt::format("{} [{}]: {}", what, o.id, kRelayInsecureWarning);
+    if (o.log) o.log(line);
+    else std::cerr << "dcr " << line << std::endl;
+  }
   return Status::Ok();
 }
 

@@ -201,6 +201,7 @@ Status RelayServer::Run(const std::function<bool()>& stop) {
   Log(fmt::format("listening on {}{}", o_.listen,
                   o_.security.enabled() ? fmt::format(" (CURVE, {} peers admitted)", o_.security.allowed.size())
                                         : " (no authentication: trusted networks only)"));
+  if (!o_.security.enabled()) Log(std::string(kRelayInsecureWarning));
   if (const auto any = std::count_if(o_.security.allowed.begin(), o_.security.allowed.end(),
                                      [](const auto& kv) { return kv.second == kAnyRelayRole; }))
     Log(fmt::format("{} admitted keys may take any role (allow-list lines without one): each may send objects and "

@@ -227,7 +227,9 @@ class Tree:
             for addr in [n["address"], *n["upstream"]]:
                 args += ["--relay", addr]
             args += ["--relay-quiet", "3.5", "--relay-dead-after", DEAD_AFTER]
-            if not no_keys:
+            if no_keys:
+                args += ["--relay-insecure"]
+            else:
                 args += ["--relay-key", str(key or self.client_key), "--relay-pub", str(self.relay_pub)]
         with open(log, "wb") as out:
             p = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env())
@@ -923,3 +925,27 @@ def test_a_forged_object_pushed_ahead_of_the_publisher_is_refused(tree):
     assert carried["store_objects"] >= 2, carried  # the two keys the relay holds forged copies of
     stats = t.stop_relays()
     assert stats["r0"]["duplicates"] >= 2, stats["r0"]  # the publisher's copies of those two keys
+
+
+def test_plain_tcp_only_when_asked(tmp):
+    # Keys are the default: a relay or a client without them is refused with the way forward.
+    address = free_address()
+    obj = tmp / "object.bin"
+    obj.write_bytes(b"x")
+    for args in (["relay", "--id", "r", "--listen", address],
+                 ["follow", "--store", f"file://{tmp}/store", "--until", "0", tmp / "target", "--relay", address],
+                 ["publish", "--store", f"file://{tmp}/store", "--version", "0", tmp / "none", "--relay", address],
+                 ["relay", "push", "--to", address, "--object-key",
+                  "attempts/v0000000001/0000-0123abcd/frames/s0-0000.bin", obj]):
+        res = run_dcr(*args)
+        assert res.returncode != 0 and "authenticated by default" in res.stderr, str(res)
+    # Asked for: it runs, and says what it is at start.
+    log = tmp / "insecure-relay.log"
+    with open(log, "wb") as out:
+        p = subprocess.Popen([str(DCR_BIN), "relay", "--id", "r", "--listen", address, "--insecure"], stdout=out,
+                             stderr=subprocess.STDOUT, env=env())
+    try:
+        wait_logged(log, "WARNING: insecure relay link (plain TCP)")
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 0, log.read_text()

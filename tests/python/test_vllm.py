@@ -114,12 +114,20 @@ def test_vllm_tensor_parallel_moe_engine_is_one_receiver_of_two_ranks(tmp_path):
     store_dir = tmp_path / "store"
     store = "file://" + str(store_dir)
     address, stats = f"tcp://127.0.0.1:{free_port()}", tmp_path / "relay-stats.json"
+    # CURVE: the relay's pair, and the engine ranks' pair admitted as receivers.
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    for name in ("relays", "engine"):
+        subprocess.run([str(DCR_BIN), "relay", "keygen", str(keys / name)], check=True, capture_output=True)
+    (keys / "allow").write_text("receiver " + (keys / "engine.pub").read_text())
     with open(tmp_path / "relay.log", "wb") as log:
         relay = subprocess.Popen([str(DCR_BIN), "relay", "--id", "root", "--listen", address, "--pull-store", store,
-                                  "--stats", str(stats)], stdout=log, stderr=subprocess.STDOUT)
+                                  "--stats", str(stats), "--key", str(keys / "relays.key"), "--allow",
+                                  str(keys / "allow")], stdout=log, stderr=subprocess.STDOUT)
     try:
         r = run_job(tmp_path, "refit", "refit", "--work", str(tmp_path), "--store", store, "--steps", str(steps),
-                    "--family", "qwen3-moe", "--relay", address, tp=2)
+                    "--family", "qwen3-moe", "--relay", address, "--relay-key", str(keys / "engine.key"),
+                    "--relay-pub", str(keys / "relays.pub"), tp=2)
     finally:
         relay.send_signal(signal.SIGTERM)
         relay.wait(timeout=30)

@@ -123,7 +123,7 @@ def mode_refit(a) -> dict:
         out["bad_init"] = bad_inputs(a, llm, None, ["no_run", "wrong_run_id", "unreachable", "wrong_key"], live)
     engine_init = {"engine": "e1", "state_dir": os.path.join(a.work, "engine")}
     if a.relay:
-        engine_init["relay"] = [a.relay]
+        engine_init.update(relay=[a.relay], relay_key=a.relay_key, relay_pub=a.relay_pub)
     info = dv.DcrTrainerInitInfo(rank=0, store=a.store, state_dir=os.path.join(a.work, "trainer"),
                                  engine_init=engine_init,
                                  inject_failures=a.fail_at, heartbeat_timeout_s=60.0)
@@ -348,6 +348,8 @@ def main() -> None:
     p.add_argument("--fail-at", action="append", default=[])
     p.add_argument("--bad-input", action="store_true")
     p.add_argument("--relay", help="the engine's ranks take frame objects from this relay (engine_init 'relay')")
+    p.add_argument("--relay-key", help="the ranks' CURVE key pair file (engine_init 'relay_key')")
+    p.add_argument("--relay-pub", help="the relay's public key file (engine_init 'relay_pub')")
     a = p.parse_args()
     start = time.monotonic()
     out = {"refit": mode_refit, "fresh": mode_fresh, "serve": mode_serve}[a.mode](a)

@@ -98,6 +98,7 @@ struct PublishArgs {
   bool json = false;
   std::vector<std::string> relays;  // tree roots
   std::string relay_key, relay_pub;
+  bool relay_insecure = false;
   double relay_mbps = 0;
   bool no_relay_acks = false;
   std::vector<std::string> shard_senders;  // [K:]MAP=DIR: publish from trainer shards
@@ -217,11 +218,11 @@ Result<PublishReport> PublishFromShards(const PublishArgs& a, Store& store, cons
 
 // Relay client options from the CLI's flags (shared by publish and follow).
 Result<RelayClientOptions> RelayClient(const std::string& id, const std::vector<std::string>& addresses,
-                                       const std::string& key, const std::string& pub) {
+                                       const std::string& key, const std::string& pub, bool insecure) {
   RelayClientOptions o;
   o.id = id;
   o.addresses = addresses;
-  DCR_ASSIGN_OR_RETURN(o.security, LoadRelaySecurity(key, pub, ""));
+  DCR_ASSIGN_OR_RETURN(o.security, LoadRelaySecurity(key, pub, "", insecure));
   return o;
 }
 
@@ -252,7 +253,8 @@ int RunPublish(const PublishArgs& a) {
   if (!a.relays.empty()) {
     char host[256] = {0};
     ::gethostname(host, sizeof host - 1);
-    auto ro = RelayClient(fmt::format("publish-{}-{}", host, ::getpid()), a.relays, a.relay_key, a.relay_pub);
+    auto ro = RelayClient(fmt::format("publish-{}-{}", host, ::getpid()), a.relays, a.relay_key, a.relay_pub,
+                          a.relay_insecure);
     if (!ro.ok()) return Fail("publish", ro.status());
     // A root is written off only when it is really gone; a busy one is waited for.
     ro->dead_after = std::chrono::seconds(5);
@@ -310,6 +312,7 @@ struct FollowArgs {
   double poll = 0.1, stream_poll = 0.02, heartbeat = 1, relay_quiet = 3, relay_dead_after = 1.5;
   std::vector<std::string> relays;  // its relay, then ancestors
   std::string relay_key, relay_pub;
+  bool relay_insecure = false;
   std::string layout, engine;  // a rank of an engine
   uint32_t rank = 0, ranks = 0;
 };
@@ -350,7 +353,7 @@ int RunFollow(const FollowArgs& a) {
   std::signal(SIGTERM, OnSignal);
   std::unique_ptr<RelayReceiver> relay;
   if (!a.relays.empty()) {
-    auto ro = RelayClient(o.id, a.relays, a.relay_key, a.relay_pub);
+    auto ro = RelayClient(o.id, a.relays, a.relay_key, a.relay_pub, a.relay_insecure);
     if (!ro.ok()) return Fail("follow", ro.status());
     ro->dead_after = std::chrono::milliseconds(static_cast<int64_t>(a.relay_dead_after * 1000));
     auto started = RelayReceiver::Start(*ro);
@@ -500,6 +503,7 @@ void AddRefitCommands(CLI::App& app) {
                   "the store still gets them");
   pub->add_option("--relay-key", pa->relay_key, "CURVE key pair file for the relays (dcr relay keygen)");
   pub->add_option("--relay-pub", pa->relay_pub, "The relays' public key file");
+  pub->add_flag("--relay-insecure", pa->relay_insecure, "No relay keys: plain TCP (relays run with --insecure)");
   pub->add_option("--relay-mbps", pa->relay_mbps,
                   "Benchmarks: pace each link to a root to this many MB/s (an in-process throttle); 0: unlimited");
   pub->add_flag("--no-relay-acks", pa->no_relay_acks,
@@ -527,6 +531,7 @@ void AddRefitCommands(CLI::App& app) {
                   "what no relay delivers comes from the store");
   fol->add_option("--relay-key", fa->relay_key, "CURVE key pair file for the relays (dcr relay keygen)");
   fol->add_option("--relay-pub", fa->relay_pub, "The relays' public key file");
+  fol->add_flag("--relay-insecure", fa->relay_insecure, "No relay keys: plain TCP (relays run with --insecure)");
   fol->add_option("--relay-quiet", fa->relay_quiet,
                   "Seconds without a new object from the relay after which the missing ones come from the store "
                   "(keep it above --relay-dead-after)");

@@ -34,6 +34,7 @@ void OnRelaySignal(int) { g_relay_stop = true; }
 
 struct RelayArgs {
   std::string id, listen, stats, key, relay_pub, allow, window = "64MiB", cache = "1GiB", spool, spool_bytes = "4GiB";
+  bool insecure = false;
   std::vector<std::string> parents;
   double ping = 0.25, dead_after = 1.5, link_mbps = 0;
   std::string pull_store;
@@ -58,7 +59,7 @@ int RunRelayDaemon(const RelayArgs& a) {
   o.link_bytes_per_second = a.link_mbps * 1e6;
   o.ping_every = std::chrono::milliseconds(static_cast<int64_t>(a.ping * 1000));
   o.dead_after = std::chrono::milliseconds(static_cast<int64_t>(a.dead_after * 1000));
-  auto sec = LoadRelaySecurity(a.key, a.relay_pub, a.allow);
+  auto sec = LoadRelaySecurity(a.key, a.relay_pub, a.allow, a.insecure);
   if (!sec.ok()) return Fail("relay", sec.status());
   if (sec->enabled() && sec->allowed.empty())
     return Fail("relay", InvalidArgument("--key without --allow: no peer could attach; list their public keys in a file"));
@@ -178,7 +179,12 @@ void AddRelayCommand(CLI::App& app) {
   relay->add_option("--stats", ra->stats, "Write per-link byte counters as JSON to this file (every second and at exit)");
   relay->add_option("--key", ra->key, "CURVE key pair file (dcr relay keygen); enables authentication and encryption");
   relay->add_option("--relay-pub", ra->relay_pub, "Public key of the parent relays (default: this relay's own)");
-  relay->add_option("--allow", ra->allow, "File of admitted peers' public keys, one per line");
+  relay->add_option("--allow", ra->allow,
+                    "File of admitted peers' public keys, one per line with its role: sender KEY, relay KEY or "
+                    "receiver KEY");
+  relay->add_flag("--insecure", ra->insecure,
+                  "No keys: plain TCP, anyone who can connect is served in any role (trusted networks only; warned at "
+                  "every start)");
   relay->add_option("--ping", ra->ping, "Seconds between pings to peers");
   relay->add_option("--dead-after", ra->dead_after, "Seconds of silence after which the parent is left for the next");
   relay->add_option("--pull-store", ra->pull_store,
@@ -238,6 +244,7 @@ void AddRelayCommand(CLI::App& app) {
   auto* push = relay->add_subcommand("push", "Push one frame object from a file into a relay, as a sender does");
   struct PushArgs {
     std::string to, key, relay_pub, object_key, file;
+    bool insecure = false;
   };
   auto ua = std::make_shared<PushArgs>();
   push->add_option("--to", ua->to, "Relay address")->required();
@@ -245,6 +252,7 @@ void AddRelayCommand(CLI::App& app) {
       ->required();
   push->add_option("--key", ua->key, "CURVE key pair file");
   push->add_option("--relay-pub", ua->relay_pub, "The relay's public key");
+  push->add_flag("--insecure", ua->insecure, "No keys: plain TCP (a relay that runs --insecure)");
   push->add_option("file", ua->file, "The object's bytes")->required();
   push->callback([ua] {
     auto data = ReadWholeFile(ua->file);
@@ -256,7 +264,7 @@ void AddRelayCommand(CLI::App& app) {
       ExitCode() = Fail("relay push", p.status());
       return;
     }
-    auto sec = LoadRelaySecurity(ua->key, ua->relay_pub, "");
+    auto sec = LoadRelaySecurity(ua->key, ua->relay_pub, "", ua->insecure);
     if (!sec.ok()) {
       ExitCode() = Fail("relay push", sec.status());
       return;

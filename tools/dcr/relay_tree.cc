@@ -30,6 +30,7 @@ void OnTreeSignal(int) { g_tree_stop = true; }
 
 struct TreeArgs {
   std::string plan, store, dir, key, allow, relay_pub, relay_key, receiver_prefix = "e";
+  bool insecure = false;
   uint32_t receivers = 0;
   int64_t until = -1;
   double ping = 0.25, dead_after = 1.5;
@@ -83,6 +84,7 @@ int RunTree(const TreeArgs& a) {
   if (!a.key.empty()) security = {"--key", a.key};
   if (!a.allow.empty()) security.insert(security.end(), {"--allow", a.allow});
   if (!a.relay_pub.empty()) security.insert(security.end(), {"--relay-pub", a.relay_pub});
+  if (a.insecure) security.push_back("--insecure");
 
   std::vector<Child> children;
   auto stop_all = [&](const char* why) {
@@ -138,6 +140,7 @@ int RunTree(const TreeArgs& a) {
     argv.insert(argv.end(), {"--relay-dead-after", fmt::format("{}", a.dead_after)});
     if (!a.relay_key.empty()) argv.insert(argv.end(), {"--relay-key", a.relay_key});
     if (!a.relay_pub.empty()) argv.insert(argv.end(), {"--relay-pub", a.relay_pub});
+    if (a.insecure) argv.push_back("--relay-insecure");
     if (a.until >= 0) argv.insert(argv.end(), {"--until", std::to_string(a.until)});
     argv.push_back(a.dir + "/target-" + id);
     Child c{"receiver " + id + " under relay " + n["id"].get<std::string>(), a.dir + "/logs/follow-" + id + ".log"};
@@ -210,6 +213,7 @@ void AddRelayTreeCommand(CLI::App* relay) {
   tree->add_option("--allow", a->allow, "The relays' allow list");
   tree->add_option("--relay-pub", a->relay_pub, "The relays' public key file (relays and receivers)");
   tree->add_option("--relay-key", a->relay_key, "The receivers' CURVE key pair file");
+  tree->add_flag("--insecure", a->insecure, "No keys: relays and receivers on plain TCP (trusted networks only)");
   tree->add_option("--ping", a->ping, "Seconds between pings (relays)");
   tree->add_option("--dead-after", a->dead_after, "Seconds of silence before a parent is left (relays, receivers)");
   tree->add_option("--relay-arg", a->relay_args, "An extra argument for every relay (repeat), e.g. --relay-arg=--spool=DIR")
