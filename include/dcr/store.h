@@ -7,8 +7,9 @@
 // Keys are relative, '/'-separated paths: non-empty, at most 1024 bytes, no
 // empty, "." or ".." components, no leading '/', no NUL or control bytes, and
 // no component starting with ".dcr-" (reserved for the drivers' own use).
-// Every driver validates keys with ValidateKey and returns kInvalidArgument
-// for a bad one before doing any I/O.
+// Every driver validates keys with ValidateKey (and List's prefix with
+// ValidateKeyPrefix) and returns kInvalidArgument for a bad one before doing
+// any I/O.
 //
 // Visibility: an object appears whole or not at all. A writer publishes on
 // Close(); until then (and after Abort or a failed Close) readers see the old
@@ -96,8 +97,9 @@ class Store {
   // The whole object. If `info` is given it receives the object's metadata.
   virtual Result<std::string> Get(std::string_view key, ObjectInfo* info = nullptr);
 
-  // Every object whose key starts with `prefix` (any string, not only whole
-  // components), sorted by key (bytewise).
+  // Every object whose key starts with `prefix` (any string that some valid
+  // key starts with, not only whole components: see ValidateKeyPrefix),
+  // sorted by key (bytewise).
   virtual Result<std::vector<ObjectInfo>> List(std::string_view prefix) = 0;
 
   // Removes the object; OK when it does not exist.
@@ -123,6 +125,11 @@ Result<std::unique_ptr<Store>> WrapWithFaults(std::unique_ptr<Store> inner, std:
 
 // Validates a key (rules above). The error names the key and the rule.
 Status ValidateKey(std::string_view key);
+
+// Validates List's prefix: empty, or the start of some valid key ("a/",
+// "a/b", "snapshots/v"); "../", "/etc" or "a//" are kInvalidArgument naming
+// the prefix and the rule.
+Status ValidateKeyPrefix(std::string_view prefix);
 
 // "s3://bucket/prefix: key: cause" style context for driver errors.
 std::string StoreContext(std::string_view url, std::string_view key);

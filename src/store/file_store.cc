@@ -40,6 +40,7 @@ class Fd {
   }
   ~Fd() { Reset(); }
   int get() const { return fd_; }
+  int Release() { return std::exchange(fd_, -1); }
   void Reset() {
     if (fd_ >= 0) ::close(fd_);
     fd_ = -1;
@@ -171,11 +172,37 @@ class FileStore final : public Store {
   }
 
   Result<std::vector<ObjectInfo>> List(std::string_view prefix) override {
-    // Walk only the directory the prefix's complete components name.
+    // Symbolic links are never followed, so a listing stays inside the root
+    // (which itself may be a link: the user chose it). A link met in the
+    // tree is skipped: the store never makes one, so it is no object. A
+    // prefix whose directories pass through a link is refused, naming it,
+    // rather than answered with an empty list that hides what is there.
+    DCR_RETURN_IF_ERROR(ValidateKeyPrefix(prefix).WithContext(url_));
     std::vector<ObjectInfo> out;
-    size_t slash = prefix.rfind('/');
-    std::string base = slash == std::string_view::npos ? "" : std::string(prefix.substr(0, slash + 1));
-    DCR_RETURN_IF_ERROR(Walk(base, prefix, &out));
+    Fd dir(::open(root_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    if (dir.get() < 0) return ErrnoError(errno, "list " + root_).WithContext(url_);
+    // Walk only the directory the prefix's complete components name.
+    std::string base;
+    for (size_t pos = 0, slash; (slash = prefix.find('/', pos)) != std::string_view::npos; pos = slash + 1) {
+      const std::string name(prefix.substr(pos, slash - pos));
+      Fd next(::openat(dir.get(), name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+      if (next.get() < 0) {
+        const int err = errno;
+        struct stat st;
+        if ((err == ENOTDIR || err == ELOOP) && ::fstatat(dir.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+            S_ISLNK(st.st_mode))
+          return FailedPrecondition(fmt::format(
+                     "'{}' is a symbolic link; the file store does not follow links when listing (list the link's "
+                     "target as a store of its own)",
+                     base + name))
+              .WithContext(url_);
+        if (err == ENOENT || err == ENOTDIR) return out;  // nothing under this prefix
+        return ErrnoError(err, "list " + Path(base + name)).WithContext(url_);
+      }
+      dir = std::move(next);
+      base += name + "/";
+    }
+    DCR_RETURN_IF_ERROR(Walk(std::move(dir), base, prefix, &out));
     std::sort(out.begin(), out.end(), [](const ObjectInfo& a, const ObjectInfo& b) { return a.key < b.key; });
     return out;
   }
@@ -227,15 +254,14 @@ class FileStore final : public Store {
     return Status::Ok();
   }
 
-  // Appends the regular files under directory `rel` (a key prefix ending in
-  // '/', or empty for the root) whose keys start with `prefix`.
-  Status Walk(const std::string& rel, std::string_view prefix, std::vector<ObjectInfo>* out) const {
-    std::string dir = rel.empty() ? root_ : root_ + "/" + rel.substr(0, rel.size() - 1);
-    DIR* d = ::opendir(dir.c_str());
-    if (!d) {
-      if (errno == ENOENT || errno == ENOTDIR) return Status::Ok();  // nothing under this prefix
-      return ErrnoError(errno, "list " + dir).WithContext(url_);
-    }
+  // Appends the regular files under the open directory `fd` (key prefix
+  // `rel`, ending in '/', or empty for the root) whose keys start with
+  // `prefix`. Subdirectories are opened from their parent with O_NOFOLLOW:
+  // links are skipped, even one that replaces a directory while listing.
+  Status Walk(Fd fd, const std::string& rel, std::string_view prefix, std::vector<ObjectInfo>* out) const {
+    DIR* d = ::fdopendir(fd.get());
+    if (!d) return ErrnoError(errno, "list " + (rel.empty() ? root_ : Path(rel))).WithContext(url_);
+    fd.Release();  // owned by `d` now
     Status status;
     while (struct dirent* e = ::readdir(d)) {
       std::string_view name = e->d_name;
@@ -247,11 +273,17 @@ class FileStore final : public Store {
       struct stat st;
       if (::fstatat(::dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
         if (errno == ENOENT) continue;  // deleted while listing
-        status = ErrnoError(errno, "stat " + dir + "/" + key).WithContext(url_);
+        status = ErrnoError(errno, "stat " + Path(key)).WithContext(url_);
         break;
       }
       if (S_ISDIR(st.st_mode)) {
-        status = Walk(key + "/", prefix, out);
+        Fd sub(::openat(::dirfd(d), e->d_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+        if (sub.get() < 0) {
+          if (errno == ENOENT || errno == ENOTDIR || errno == ELOOP) continue;  // deleted or replaced meanwhile
+          status = ErrnoError(errno, "list " + Path(key)).WithContext(url_);
+          break;
+        }
+        status = Walk(std::move(sub), key + "/", prefix, out);
         if (!status.ok()) break;
       } else if (S_ISREG(st.st_mode) && key.size() >= prefix.size()) {
         out->push_back(ObjectInfo{key, static_cast<uint64_t>(st.st_size), Etag(st)});

@@ -89,6 +89,7 @@ class MemStore final : public Store {
   }
 
   Result<std::vector<ObjectInfo>> List(std::string_view prefix) override {
+    DCR_RETURN_IF_ERROR(ValidateKeyPrefix(prefix));
     std::vector<ObjectInfo> out;
     std::lock_guard lock(ns_->mu);
     for (auto it = ns_->objects.lower_bound(prefix); it != ns_->objects.end() && it->first.starts_with(prefix); ++it)

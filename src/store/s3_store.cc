@@ -1062,6 +1062,7 @@ class S3Store final : public Store {
   }
 
   Result<std::vector<ObjectInfo>> List(std::string_view prefix) override {
+    DCR_RETURN_IF_ERROR(ValidateKeyPrefix(prefix).WithContext(c_->url()));
     const std::string& store_prefix = c_->options().prefix;
     auto all = c_->ListObjects(store_prefix + std::string(prefix));
     if (!all.ok()) return all.status().WithContext(c_->Context(std::string(prefix) + "*"));

@@ -11,27 +11,44 @@
 
 namespace dcr {
 
-Status ValidateKey(std::string_view key) {
-  auto bad = [&](std::string_view why) {
-    return InvalidArgument(fmt::format("bad object key '{}': {}", key, why));
-  };
-  if (key.empty()) return bad("empty");
-  if (key.size() > 1024) return bad("longer than 1024 bytes");
-  if (key.front() == '/') return bad("absolute (starts with '/')");
+namespace {
+
+// Why `key` breaks the key rules (store.h), or empty when it does not.
+std::string_view KeyProblem(std::string_view key) {
+  if (key.empty()) return "empty";
+  if (key.size() > 1024) return "longer than 1024 bytes";
+  if (key.front() == '/') return "absolute (starts with '/')";
   for (unsigned char c : key) {
-    if (c < 0x20 || c == 0x7f) return bad("contains a control byte");
+    if (c < 0x20 || c == 0x7f) return "contains a control byte";
   }
   size_t start = 0;
   while (start <= key.size()) {
     size_t end = key.find('/', start);
     if (end == std::string_view::npos) end = key.size();
     std::string_view part = key.substr(start, end - start);
-    if (part.empty()) return bad("empty path component");
-    if (part == "." || part == "..") return bad("'.' or '..' component");
-    if (part.starts_with(".dcr-")) return bad("components starting with '.dcr-' are reserved");
+    if (part.empty()) return "empty path component";
+    if (part == "." || part == "..") return "'.' or '..' component";
+    if (part.starts_with(".dcr-")) return "components starting with '.dcr-' are reserved";
     start = end + 1;
   }
+  return {};
+}
+
+}  // namespace
+
+Status ValidateKey(std::string_view key) {
+  if (std::string_view why = KeyProblem(key); !why.empty())
+    return InvalidArgument(fmt::format("bad object key '{}': {}", key, why));
   return Status::Ok();
+}
+
+Status ValidateKeyPrefix(std::string_view prefix) {
+  // Some valid key starts with `prefix` when it is one, or when one more
+  // byte makes it one (a partial last component, or a trailing '/').
+  if (prefix.empty() || KeyProblem(prefix).empty()) return Status::Ok();
+  std::string_view why = KeyProblem(std::string(prefix) + "x");
+  if (why.empty()) return Status::Ok();
+  return InvalidArgument(fmt::format("bad key prefix '{}': no valid key starts with it ({})", prefix, why));
 }
 
 std::string StoreContext(std::string_view url, std::string_view key) {

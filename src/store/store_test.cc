@@ -47,6 +47,35 @@ TEST(ValidateKeyTest, RejectsEveryRuleWithAReason) {
   }
 }
 
+TEST(ValidateKeyPrefixTest, AcceptsTheStartOfAnyValidKey) {
+  for (std::string_view prefix : {"", "a", "a/", "a/b", "snapshots/v", "..", "a/.", "a/..b", ".dcr", "x/.dcr"})
+    EXPECT_TRUE(ValidateKeyPrefix(prefix).ok()) << prefix << ": " << ValidateKeyPrefix(prefix).ToString();
+  EXPECT_TRUE(ValidateKeyPrefix(std::string(1024, 'k')).ok());
+}
+
+TEST(ValidateKeyPrefixTest, RejectsPrefixesNoKeyStartsWith) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"../", "'..'"},         {"../../etc/", "'..'"}, {"a/../", "'..'"},        {"./", "'.'"},
+      {"/", "absolute"},       {"/etc", "absolute"},   {"a//", "empty path"},    {".dcr-tmp/", "reserved"},
+      {".dcr-", "reserved"},   {"a\nb", "control"},   {std::string(1025, 'k'), "1024"},
+  };
+  for (const auto& [prefix, why] : cases) {
+    Status s = ValidateKeyPrefix(prefix);
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << prefix;
+    EXPECT_NE(s.message().find("bad key prefix"), std::string::npos) << s.message();
+    EXPECT_NE(s.message().find(why), std::string::npos) << prefix << ": " << s.message();
+  }
+}
+
+TEST(ValidateKeyPrefixTest, EveryDriverRefusesABadPrefixBeforeListing) {
+  auto mem = OpenMemStore("bad-prefix-test");
+  ASSERT_TRUE(mem->Put("a/k", "v").ok());
+  EXPECT_EQ(mem->List("../").status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(mem->List("a//").status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(mem->List("a/")->size(), 1u);
+  ResetMemStore("bad-prefix-test");
+}
+
 class OpenStoreTest : public testing::TempDirTest {};
 
 TEST_F(OpenStoreTest, FileUrlsAndBarePathsOpenTheFileDriver) {
@@ -174,6 +203,44 @@ TEST_F(FileStoreTest, SymlinksInTheTreeAreNotFollowedByList) {
   ASSERT_TRUE(keys.ok());
   ASSERT_EQ(keys->size(), 1u);
   EXPECT_EQ((*keys)[0].key, "real/k");
+}
+
+// Issue 22: listing never leaves the root, whatever the prefix and whatever
+// links someone put in the tree.
+TEST_F(FileStoreTest, ListNeverLeavesTheRoot) {
+  ASSERT_TRUE(store_->Put("real/k", "v").ok());
+  std::filesystem::create_directories(Path("outside/dir"));
+  std::ofstream(Path("outside/secret")) << "s";
+  std::ofstream(Path("outside/dir/secret")) << "s";
+  std::filesystem::create_directory_symlink(Path("outside"), Path("root/out"));
+  std::filesystem::create_directory_symlink(Path("outside"), Path("root/real/out"));
+  std::filesystem::create_symlink(Path("outside/secret"), Path("root/file-link"));
+
+  // Links in the tree are skipped: a full listing shows the store's objects only.
+  auto all = store_->List("");
+  ASSERT_TRUE(all.ok()) << all.status().ToString();
+  ASSERT_EQ(all->size(), 1u);
+  EXPECT_EQ((*all)[0].key, "real/k");
+  auto under_real = store_->List("real/");
+  ASSERT_TRUE(under_real.ok());
+  EXPECT_EQ(under_real->size(), 1u);
+  EXPECT_EQ(store_->List("file")->size(), 0u);
+  EXPECT_EQ(store_->List("o")->size(), 0u);
+
+  // A prefix through a link is refused, naming the link.
+  for (std::string prefix : {"out/", "out/dir/", "out/s", "real/out/", "real/out/dir/secret"}) {
+    auto list = store_->List(prefix);
+    EXPECT_EQ(list.status().code(), Code::kFailedPrecondition) << prefix;
+    EXPECT_NE(list.status().message().find("symbolic link"), std::string::npos) << list.status().ToString();
+  }
+  // Prefixes that are no key's start never reach the filesystem.
+  for (std::string prefix : {"../", "../outside/", "real/../../", "/", "//", "./real/"}) {
+    auto list = store_->List(prefix);
+    EXPECT_EQ(list.status().code(), Code::kInvalidArgument) << prefix;
+  }
+  // A prefix through a regular file, or a missing directory, lists nothing.
+  EXPECT_EQ(store_->List("real/k/")->size(), 0u);
+  EXPECT_EQ(store_->List("missing/x")->size(), 0u);
 }
 
 }  // namespace

@@ -364,6 +364,9 @@ TEST_P(StoreConformance, InvalidKeysAreRejectedBeforeAnyIo) {
     EXPECT_EQ(store_->Get(key).status().code(), Code::kInvalidArgument) << key;
     EXPECT_EQ(store_->Delete(key).code(), Code::kInvalidArgument) << key;
   }
+  // List's prefix: anything no valid key starts with (issue 22).
+  for (std::string_view prefix : {"../", "a/../", "/", "/etc", "a//", "./", ".dcr-tmp/"})
+    EXPECT_EQ(store_->List(prefix).status().code(), Code::kInvalidArgument) << prefix;
   EXPECT_TRUE(Keys("").empty());
 }
 
