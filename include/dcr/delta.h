@@ -170,9 +170,12 @@ struct ApplyReport {
 // already at their target counted as done (so an interrupted apply resumes,
 // and no frame is applied twice), and, for overwrite frames, chunks in any
 // state the frame still turns into its target (a half-written chunk);
-// refuses otherwise (kFailedPrecondition). Then applies the frames
-// in parallel, each verified by digest before its bytes are written, and
-// syncs the files. Errors name the tensor and chunk.
+// refuses otherwise (kFailedPrecondition). Also refuses (kDataLoss, naming
+// the tensor) a manifest whose tensor or total target digests are not what
+// its frames make (an altered manifest), before writing. Then applies the
+// frames in parallel, each verified by digest before its bytes are written,
+// syncs the files, and checks the resulting digests against the manifest's
+// once more. Errors name the tensor and chunk.
 // `tracked`, when given and not empty, holds the target's chunk digests (no
 // digest pass); when given it receives the chunk digests after the apply
 // (unchanged on error, except chunks whose frames were applied).

@@ -311,6 +311,30 @@ Result<FrameView> DeltaReader::Frame(size_t i) const {
   return view;
 }
 
+namespace {
+
+// kDataLoss naming the first tensor whose digest in `digests` (what `what`
+// describes) is not the manifest's target digest, or a total that is not
+// the manifest's; `next` says what it means or what to do.
+Status CheckTargetDigests(const DeltaManifest& m, std::span<const Digest> digests, const std::string& where,
+                          std::string_view what, std::string_view next) {
+  Digest total;
+  for (size_t t = 0; t < m.tensors.size(); ++t) {
+    total += digests[t];
+    if (digests[t] != m.tensors[t].target_digest)
+      return DataLoss(fmt::format(
+          "delta {}: tensor '{}' has target digest {} in the manifest, but {} {}; {}", where, m.tensors[t].name,
+          m.tensors[t].target_digest.ToHex(), what, digests[t].ToHex(), next));
+  }
+  if (total != m.target_digest)
+    return DataLoss(fmt::format(
+        "delta {}: the manifest's total target digest is {}, but {} {} (the sum over its tensors); {}", where,
+        m.target_digest.ToHex(), what, total.ToHex(), next));
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<ApplyReport> ApplyDelta(Checkpoint& target, const DeltaReader& delta, Progress* progress, ThreadPool* pool,
                                ChunkDigestTable* tracked, bool sync) {
   const DeltaManifest& m = delta.manifest();
@@ -354,10 +378,16 @@ Result<ApplyReport> ApplyDelta(Checkpoint& target, const DeltaReader& delta, Pro
   };
   ChunkApplier dry_run;
   std::vector<uint8_t> scratch;
+  // Each tensor's digest once every frame is applied (a frame is checked
+  // against its own header's target digest when applied).
+  std::vector<Digest> made(m.tensors.size());
+  for (size_t t = 0; t < m.tensors.size(); ++t)
+    for (const auto& d : digests[t]) made[t] += d;
   for (size_t i = 0; i < m.frames.size(); ++i) {
     const auto& e = m.frames[i];
     DCR_ASSIGN_OR_RETURN(FrameView frame, delta.Frame(i));
     const Digest& now = digests[e.tensor][e.chunk];
+    made[e.tensor] += frame.header.target_digest - now;
     if (now == frame.header.target_digest) {
       done[i] = 1;
       expected[e.tensor] += frame.header.target_digest - frame.header.base_digest;
@@ -385,6 +415,12 @@ Result<ApplyReport> ApplyDelta(Checkpoint& target, const DeltaReader& delta, Pro
           "{} is not the base of delta {}: tensor '{}' differs outside the delta's frames (digest {}, the delta's "
           "base is {})",
           target.path(), delta.dir(), m.tensors[t].name, current[t].ToHex(), m.tensors[t].base_digest.ToHex()));
+  // The manifest's target digests must be what its frames make: an altered
+  // manifest (or one paired with other frames) is refused before a byte is
+  // written.
+  DCR_RETURN_IF_ERROR(CheckTargetDigests(m, made, delta.dir(), "its frames make",
+                                         "the manifest does not belong to these frames (altered, or from another "
+                                         "delta); nothing was written"));
 
   std::vector<Status> errors(m.frames.size());
   std::atomic<uint64_t> applied{0}, payload{0}, changed{0};
@@ -417,7 +453,14 @@ Result<ApplyReport> ApplyDelta(Checkpoint& target, const DeltaReader& delta, Pro
   });
   for (const auto& s : errors) DCR_RETURN_IF_ERROR(s);
   if (sync) DCR_RETURN_IF_ERROR(target.Sync());
+  // The digests of what was applied, against the manifest once more.
+  for (size_t t = 0; t < m.tensors.size(); ++t) {
+    made[t] = Digest{};
+    for (const auto& d : digests[t]) made[t] += d;
+  }
   if (tracked && tracked != &digests) *tracked = std::move(digests);
+  DCR_RETURN_IF_ERROR(CheckTargetDigests(m, made, delta.dir(), target.path() + " holds",
+                                         "apply an overwrite delta of this version to it, or restore it"));
   ApplyReport report;
   report.frames_applied = applied.load();
   report.frames_already_applied = static_cast<uint64_t>(std::count(done.begin(), done.end(), 1));

@@ -811,6 +811,40 @@ TEST_F(DeltaTest, ReaderRejectsManifestThatDisagreesWithFrames) {
   EXPECT_EQ(reader.status().code(), Code::kNotFound);
 }
 
+// Issue 22: frames carry their own digests, so only the manifest says what
+// each tensor and the whole checkpoint must end as. An altered one is
+// refused, naming the tensor, before a byte is written.
+TEST_F(DeltaTest, ApplyRefusesAManifestWhoseTargetDigestsTheFramesDoNotMake) {
+  const DeltaManifest m = Make("qwen", 0, 1, DeltaClass::kXorClass, "d");
+  const std::string manifest_path = Path("d/manifest.json");
+  const std::string original = ReadFile(manifest_path);
+  size_t t = 0;
+  while (t < m.tensors.size() && m.tensors[t].base_digest == m.tensors[t].target_digest) ++t;
+  ASSERT_LT(t, m.tensors.size());
+  const std::string tensor = m.tensors[t].name;
+  const std::vector<std::pair<std::string, std::function<void(json&)>>> edits = {
+      {"tensor '" + tensor + "'",
+       [&](json& d) { d["tensors"][t]["target_digest"] = d["tensors"][t]["base_digest"]; }},
+      {"total target digest", [](json& d) { d["target_digest"] = d["base_digest"]; }},
+  };
+  const std::string target = CopyOf("qwen", 0, "t");
+  for (const auto& [expected, f] : edits) {
+    json doc = json::parse(original);
+    f(doc);
+    WriteFile(manifest_path, doc.dump(1));
+    auto r = Apply(target, Path("d"));
+    ASSERT_FALSE(r.ok()) << expected;
+    EXPECT_EQ(r.status().code(), Code::kDataLoss) << r.status().ToString();
+    EXPECT_NE(r.status().message().find(expected), std::string::npos) << r.status().message();
+    EXPECT_NE(r.status().message().find("nothing was written"), std::string::npos) << r.status().message();
+    EXPECT_TRUE(Files(target) == Files(Gen("qwen", 0))) << expected << ": a refused apply wrote to the target";
+  }
+  WriteFile(manifest_path, original);
+  auto r = Apply(target, Path("d"));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_TRUE(Files(target) == Files(Gen("qwen", 1)));
+}
+
 TEST_F(DeltaTest, ApplyWithSmallThreadPoolsMatches) {
   // Output and behaviour do not depend on the thread count.
   DeltaOptions o = Options(DeltaClass::kXorClass);

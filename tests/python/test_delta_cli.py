@@ -341,6 +341,45 @@ def test_corrupt_frame_is_refused_without_writing(tmp, versions):
     assert r.returncode == 2 and f"'{tensor}'" in r.stderr, str(r)
 
 
+def test_altered_manifest_digests_are_refused_without_writing(tmp, versions):
+    """Issue 22: frames carry their own digests, so a manifest whose tensor or
+    total target digest was altered used to apply with exit 0. It is refused,
+    naming the tensor, before the target is touched."""
+    g, _ = versions("qwen3-moe", "training")
+    d = tmp / "d"
+    make(g / "v0", g / "v1", d)
+    original = manifest(d)
+    changed = next(i for i, t in enumerate(original["tensors"]) if t["base_digest"] != t["target_digest"])
+    name = original["tensors"][changed]["name"]
+    t = copy_ckpt(g / "v0", tmp / "t")
+    before = snapshot(t)
+
+    # One tensor's target digest: that of another tensor (well-formed, wrong).
+    m = json.loads(json.dumps(original))
+    other = (changed + 1) % len(m["tensors"])
+    m["tensors"][changed]["target_digest"] = original["tensors"][other]["target_digest"]
+    (d / "manifest.json").write_text(json.dumps(m))
+    r = run_dcr("delta", "apply", t, d)
+    assert r.returncode == 2, str(r)
+    assert f"tensor '{name}'" in r.stderr and "target digest" in r.stderr, r.stderr
+    assert snapshot(t) == before, "an altered manifest changed the target"
+
+    # Only the total target digest.
+    m = json.loads(json.dumps(original))
+    m["target_digest"] = original["base_digest"]
+    (d / "manifest.json").write_text(json.dumps(m))
+    r = run_dcr("delta", "apply", t, d)
+    assert r.returncode == 2, str(r)
+    assert "total target digest" in r.stderr, r.stderr
+    assert snapshot(t) == before
+
+    # The untouched manifest still applies, and says it verified the result.
+    (d / "manifest.json").write_text(json.dumps(original))
+    applied = apply(t, d)
+    assert applied["verified"] is True and applied["frames_applied"] == len(original["frames"])
+    assert_same_tree(t, g / "v1")
+
+
 def test_truncated_frames_bin(tmp, versions):
     g, _ = versions("llama", "stress")
     d = tmp / "d"

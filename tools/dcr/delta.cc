@@ -86,20 +86,44 @@ int RunApply(const DeltaArgs& a) {
   progress.Finish();
   if (!report.ok()) return Fail("delta apply", report.status());
   const double seconds = MonotonicSeconds() - t0;
+  // ApplyDelta checked the manifest's digests against its frames before
+  // writing; here the bits now in the files are read back and checked
+  // against them too (a full digest pass, as `dcr delta verify`).
+  Progress verify_progress("delta apply: verify", delta->manifest().total_bytes);
+  auto verified = VerifyDelta(*target, delta->manifest(), false, &verify_progress);
+  verify_progress.Finish();
+  if (!verified.ok()) return Fail("delta apply", verified.status());
+  if (!verified->matches) {
+    constexpr size_t kNamed = 20;
+    std::string names;
+    for (size_t i = 0; i < std::min(kNamed, verified->differing.size()); ++i)
+      names += (i ? ", '" : "'") + verified->differing[i] + "'";
+    if (verified->differing.size() > kNamed) names += fmt::format(" and {} more", verified->differing.size() - kNamed);
+    return Fail("delta apply",
+                DataLoss(fmt::format("applied, but {} does not hold the delta's target: tensor {} read back with "
+                                     "other digests than the manifest's; apply an overwrite delta of this version to "
+                                     "it, or restore it",
+                                     a.target, names)));
+  }
+  const double verify_seconds = MonotonicSeconds() - t0 - seconds;
   if (a.json) {
     json doc = {{"target", a.target},       {"delta", a.delta},
                 {"frames_applied", report->frames_applied},
                 {"frames_already_applied", report->frames_already_applied},
                 {"payload_bytes", report->payload_bytes},
                 {"changed_words", report->changed_words},
-                {"seconds", seconds}};
+                {"verified", true},
+                {"seconds", seconds},
+                {"verify_seconds", verify_seconds}};
     fmt::print("{}\n", doc.dump(2));
   } else {
-    fmt::print("applied {} frames ({} payload bytes, {} changed words) to {} in {:.2f}s{}\n", report->frames_applied,
-               report->payload_bytes, report->changed_words, a.target, seconds,
+    fmt::print("applied {} frames ({} payload bytes, {} changed words) to {} in {:.2f}s{}; read back and verified "
+               "in {:.2f}s\n",
+               report->frames_applied, report->payload_bytes, report->changed_words, a.target, seconds,
                report->frames_already_applied
                    ? fmt::format("; {} frames were already applied", report->frames_already_applied)
-                   : "");
+                   : "",
+               verify_seconds);
   }
   return kExitOk;
 }
@@ -201,7 +225,8 @@ void AddDeltaCommand(CLI::App& app) {
   make->add_flag("--json", a->json, "print JSON");
   make->callback([a] { ExitCode() = RunMake(*a); });
 
-  auto* apply = delta->add_subcommand("apply", "Apply a delta to TARGET in place (TARGET must be its base)");
+  auto* apply = delta->add_subcommand(
+      "apply", "Apply a delta to TARGET in place (TARGET must be its base), then read it back and verify it");
   apply->add_option("target", a->target, "the checkpoint to update in place")->required();
   apply->add_option("delta", a->delta, "the delta directory")->required();
   apply->add_flag("--json", a->json, "print JSON");
