@@ -531,15 +531,23 @@ struct ReceiverStatus {
   // again catches up by itself (committed deltas, or the newest snapshot).
   std::optional<uint64_t> retired_at;
 };
+// A record that is there but cannot be read or parsed.
+struct UnreadableRecord {
+  std::string key;
+  Status error;
+};
 struct RunStatusReport {
   std::optional<RunRecord> run;
   std::optional<uint64_t> latest;
   std::vector<uint64_t> snapshots;
   std::vector<VersionStatus> versions;  // those with a commit or attempts in the store, ascending
   std::vector<ReceiverStatus> receivers;
+  // Receiver records (receivers/*.json) that do not read or parse: shown,
+  // not fatal, since the publisher skips them too and the others still count.
+  std::vector<UnreadableRecord> unreadable_receivers;
 };
 // What `dcr status` shows, read from the store (records that do not parse
-// are reported as errors).
+// are reported as errors, except receiver records: unreadable_receivers).
 Result<RunStatusReport> ReadRunStatus(Store& store, std::chrono::milliseconds heartbeat_timeout);
 
 // GC: removes attempts of versions below min(newest snapshot, every live

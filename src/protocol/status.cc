@@ -79,9 +79,20 @@ Result<RunStatusReport> ReadRunStatus(Store& store, std::chrono::milliseconds he
   DCR_ASSIGN_OR_RETURN(auto regs, store.List("receivers/"));
   const double now = UnixNow(), fresh = std::chrono::duration<double>(heartbeat_timeout).count();
   for (const auto& o : regs) {
+    // One bad record (a stray file, a torn write by another tool) must not
+    // hide the others: it is reported beside them.
     auto text = store.Get(o.key);
-    if (!text.ok()) continue;
-    DCR_ASSIGN_OR_RETURN(ReceiverRecord r, ReceiverRecord::FromJson(*text, StoreContext(store.url(), o.key)));
+    if (text.status().code() == Code::kNotFound) continue;  // removed since the listing
+    if (!text.ok()) {
+      report.unreadable_receivers.push_back({o.key, text.status()});
+      continue;
+    }
+    auto parsed = ReceiverRecord::FromJson(*text, StoreContext(store.url(), o.key));
+    if (!parsed.ok()) {
+      report.unreadable_receivers.push_back({o.key, parsed.status()});
+      continue;
+    }
+    ReceiverRecord r = std::move(*parsed);
     ReceiverStatus rs;
     rs.age_seconds = now - r.heartbeat;
     rs.live = r.state != "stopped" && rs.age_seconds <= fresh;

@@ -129,6 +129,27 @@ def test_publish_and_follow_end_to_end(harness, tmp):
     assert checkpoint_files(late) == checkpoint_files(h.gen / "v4")
 
 
+def test_status_reports_an_unreadable_receiver_record_beside_the_others(tmp):
+    """Issue 22: one garbage receivers/*.json made `dcr status` fail; the
+    publisher skips such a record, and status shows it beside the others."""
+    g = gen(tmp / "gen", 1)
+    url = f"file://{tmp / 'store'}"
+    dcr_json("publish", "--store", url, "--version", 0, "--state", tmp / "state", "--json", g / "v0")
+    dcr_ok("follow", "--store", url, "--id", "r0", "--until", 0, "--poll", "0.05", tmp / "r0")
+    (tmp / "store" / "receivers" / "bad.json").write_text("{not json")
+    (tmp / "store" / "receivers" / "odd.json").write_text(json.dumps({"format": "dcr-receiver", "id": "odd"}))
+
+    st = dcr_json("status", "--store", url, "--json")
+    assert [r["id"] for r in st["receivers"]] == ["r0"], st
+    bad = {u["key"]: u["error"] for u in st["unreadable_receivers"]}
+    assert sorted(bad) == ["receivers/bad.json", "receivers/odd.json"], st
+    assert "not a JSON object" in bad["receivers/bad.json"], bad
+    assert "state" in bad["receivers/odd.json"], bad
+    text = dcr_ok("status", "--store", url).stdout
+    assert "receiver r0: stopped at v0" in text, text
+    assert "receivers/bad.json is unreadable" in text and "receivers/odd.json is unreadable" in text, text
+
+
 # ---------------------------------------------------------------- two coordinators
 
 def test_two_coordinators_at_once(harness):

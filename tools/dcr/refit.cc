@@ -424,6 +424,8 @@ int RunStatus(const StatusArgs& a) {
                                                              {"rank", x.record.engine.rank},
                                                              {"ranks", x.record.engine.ranks}})
                                                      : json(nullptr)}});
+    json& bad = doc["unreadable_receivers"] = json::array();
+    for (const auto& u : r->unreadable_receivers) bad.push_back({{"key", u.key}, {"error", u.error.ToString()}});
     if (relays) doc["relays"] = json::parse(**relays);
     std::cout << doc.dump(1) << "\n";
     return kExitOk;
@@ -465,6 +467,10 @@ int RunStatus(const StatusArgs& a) {
       fmt::print("  receiver {} was retired from v{} (no ack before the deadline); run `dcr follow` on its target "
                  "again and it catches up from committed deltas, or the newest snapshot\n",
                  x.record.id, *x.retired_at);
+  for (const auto& u : r->unreadable_receivers)
+    fmt::print("  receiver record {} is unreadable and not counted (the publisher skips it too): {}; its follower "
+               "rewrites it at its next heartbeat, or remove it\n",
+               u.key, u.error.ToString());
   if (relays) fmt::print("relay tree (from {} stats files):\n{}", a.relay_stats.size(), **relays);
   return kExitOk;
 }
