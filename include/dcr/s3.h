@@ -16,6 +16,8 @@
 //   create_if_absent_limit=BYTES     see "Conditional create" below (default 1g)
 //   verify_tls=0|1                   check the server's certificate (default 1)
 //   create_bucket=0|1                create the bucket when opening (default 0; see CreateS3Bucket)
+//   anonymous=0|1                    send unsigned requests on purpose (a public bucket), ignoring
+//                                    credentials in the environment and profiles (default 0)
 // An unknown name is kInvalidArgument. Keys map to object names PREFIX/KEY.
 //
 // Where settings come from, first match wins:
@@ -25,7 +27,8 @@
 //   region       URL > $AWS_REGION > $AWS_DEFAULT_REGION > the profile's region > us-east-1
 //   credentials  URL (access_key_id + secret_access_key [+ session_token]) > the profile named by
 //                the URL's profile= > $AWS_ACCESS_KEY_ID + $AWS_SECRET_ACCESS_KEY [+ $AWS_SESSION_TOKEN]
-//                > the profile ($AWS_PROFILE, else "default") > none (unsigned, anonymous requests)
+//                > the profile ($AWS_PROFILE, else "default") > none (unsigned, anonymous requests:
+//                opening the store then warns on stderr, once, unless the URL says anonymous=1)
 //   addressing   URL > the profile's "s3 =" / "addressing_style" > auto (virtual-hosted on
 //                amazonaws.com for DNS-safe bucket names without dots, else path-style)
 // Profiles: $AWS_SHARED_CREDENTIALS_FILE (default ~/.aws/credentials), sections [NAME], and
@@ -46,7 +49,11 @@
 //
 // Conditional create (kCreateIfAbsent) is a PUT with "If-None-Match: *"; 412 is
 // kAlreadyExists. The server must honour that header on PUT (AWS S3 since 2024, Ceph radosgw,
-// MinIO do); one that ignores it overwrites, and no client can tell. Servers do not reliably
+// MinIO do); one that ignores it overwrites, and no single write can tell. So before a store's
+// first create-if-absent write, the driver probes: it creates an object under the reserved key
+// .dcr-probe/<random> twice, expects the second to be refused, and deletes it; on a server that
+// overwrote it, every create-if-absent write of that store fails with kFailedPrecondition
+// (three requests, once per store opened). Servers do not reliably
 // honour it on CompleteMultipartUpload (AWS only since 2024; Ceph radosgw 16 ignores it and
 // replaces the object, tested in s3_radosgw_test.cc), so a kCreateIfAbsent writer never uses
 // multipart: it buffers the whole object, up to create_if_absent_limit (beyond it Write fails
@@ -103,7 +110,9 @@ struct S3Options {
   std::string endpoint;  // "http[s]://host[:port]"; empty: https://s3.<region>.amazonaws.com
   std::string region = "us-east-1";
   S3Addressing addressing = S3Addressing::kAuto;
-  // Who. An empty access_key_id sends unsigned (anonymous) requests.
+  // Who. An empty access_key_id sends unsigned (anonymous) requests; unless
+  // `anonymous` says that is meant, opening the store warns.
+  bool anonymous = false;
   std::string access_key_id;
   std::string secret_access_key;
   std::string session_token;
@@ -137,10 +146,12 @@ struct S3Runtime {
   std::shared_ptr<HttpTransport> transport;                     // default: NewCurlTransport(options.http)
   std::function<std::chrono::system_clock::time_point()> now;  // request dates
   std::function<void(std::chrono::milliseconds)> sleep;        // retry backoff
+  std::function<void(std::string_view line)> warn;             // one-line warnings; default: stderr
 };
 
 // Opens s3://... (ParseS3Url with the process environment). No request is
-// made unless create_bucket=1.
+// made unless create_bucket=1. Without credentials (and without anonymous=1)
+// it warns once, through S3Runtime::warn, that requests go unsigned.
 Result<std::unique_ptr<Store>> OpenS3Store(std::string_view url);
 Result<std::unique_ptr<Store>> OpenS3Store(const S3Options& options, S3Runtime runtime = {});
 

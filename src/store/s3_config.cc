@@ -137,7 +137,7 @@ constexpr std::string_view kSecretParams[] = {"access_key_id", "secret_access_ke
 constexpr std::string_view kKnownParams[] = {
     "endpoint",  "region",        "addressing",   "profile",    "access_key_id",          "secret_access_key",
     "session_token", "part_size", "parts_in_flight", "threads", "max_attempts", "create_if_absent_limit",
-    "verify_tls", "create_bucket"};
+    "verify_tls", "create_bucket", "anonymous"};
 
 bool IsSecretParam(std::string_view name) {
   for (auto k : kSecretParams)
@@ -323,13 +323,20 @@ Result<S3Options> ParseS3Url(std::string_view url, const GetEnvFunction& getenv_
   const std::string* url_secret = param("secret_access_key");
   if ((url_key == nullptr) != (url_secret == nullptr))
     return bad("access_key_id and secret_access_key go together");
+  if (const auto* v = param("anonymous")) {
+    DCR_ASSIGN_OR_RETURN(o.anonymous, ParseBool("anonymous", *v));
+  }
+  if (o.anonymous && (url_key != nullptr || profile_from_url))
+    return bad("anonymous=1 contradicts the credentials (or profile=) given in the URL");
   auto from_profile = [&] {
     o.access_key_id = profile_value("aws_access_key_id");
     o.secret_access_key = profile_value("aws_secret_access_key");
     o.session_token = profile_value("aws_session_token");
     o.credentials_source = "AWS profile " + profile;
   };
-  if (url_key != nullptr) {
+  if (o.anonymous) {
+    o.credentials_source = "none (anonymous=1)";
+  } else if (url_key != nullptr) {
     o.access_key_id = *url_key;
     o.secret_access_key = *url_secret;
     if (const auto* t = param("session_token")) o.session_token = *t;
@@ -347,7 +354,7 @@ Result<S3Options> ParseS3Url(std::string_view url, const GetEnvFunction& getenv_
   if (o.access_key_id.empty() != o.secret_access_key.empty())
     return bad(fmt::format("incomplete credentials from {}: need both an access key id and a secret",
                            o.credentials_source));
-  if (o.access_key_id.empty()) {
+  if (o.access_key_id.empty() && !o.anonymous) {
     o.session_token.clear();
     o.credentials_source = "none found (anonymous requests)";
   }

@@ -106,6 +106,23 @@ TEST_F(S3ConfigTest, EnvironmentCredentials) {
   EXPECT_EQ(o->credentials_source, "$AWS_ACCESS_KEY_ID");
 }
 
+TEST_F(S3ConfigTest, AnonymousIsAskedForExplicitly) {
+  env_["AWS_ACCESS_KEY_ID"] = "AKENV";
+  env_["AWS_SECRET_ACCESS_KEY"] = "secret-env";
+  auto o = Parse("s3://b?anonymous=1");
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_TRUE(o->anonymous);
+  EXPECT_TRUE(o->access_key_id.empty() && o->secret_access_key.empty());  // the environment's are not used
+  EXPECT_THAT(o->credentials_source, HasSubstr("anonymous=1"));
+  EXPECT_EQ(o->url, "s3://b?anonymous=1");
+  auto signed_ = Parse("s3://b?anonymous=0");
+  ASSERT_TRUE(signed_.ok());
+  EXPECT_FALSE(signed_->anonymous);
+  EXPECT_EQ(signed_->access_key_id, "AKENV");
+  for (const char* url : {"s3://b?anonymous=1&access_key_id=A&secret_access_key=S", "s3://b?anonymous=yes"})
+    EXPECT_EQ(Parse(url).status().code(), Code::kInvalidArgument) << url;
+}
+
 TEST_F(S3ConfigTest, ProfilesFromHome) {
   env_["HOME"] = dir_;
   Write(".aws/credentials",

@@ -58,6 +58,7 @@ class FakeS3 final : public HttpTransport {
   std::string secret_key = "fake/secret+key";
   std::string region = "us-east-1";
   size_t max_keys = 1000;               // page size of ListObjectsV2
+  bool honour_if_none_match = true;     // false: PUT ignores If-None-Match: * (a server that overwrites)
   std::chrono::milliseconds part_delay{0};  // real time each UploadPart takes
   std::function<std::chrono::system_clock::time_point()> now = [] { return std::chrono::system_clock::now(); };
 
@@ -332,7 +333,8 @@ class FakeS3 final : public HttpTransport {
     auto oit = objects.find(p.key);
     if (p.op == "PutObject") {
       const std::string inm = HeaderOr(req, "if-none-match");
-      if (inm == "*" && oit != objects.end()) return Error(412, "PreconditionFailed", "the key exists");
+      if (inm == "*" && oit != objects.end() && honour_if_none_match)
+        return Error(412, "PreconditionFailed", "the key exists");
       if (std::string md5 = HeaderOr(req, "content-md5"); !md5.empty()) {
         const auto got = sigv4::Md5(req.body);
         if (md5 != sigv4::Base64Encode(got.data(), got.size())) return Error(400, "BadDigest", "Content-MD5 mismatch");

@@ -152,6 +152,13 @@ TEST_F(RadosgwTest, ConditionalCreate) {
   ASSERT_TRUE((*store)->Put("big-commit", big, WriteMode::kCreateIfAbsent).ok());
   EXPECT_EQ((*store)->Put("big-commit", "x", WriteMode::kCreateIfAbsent).code(), Code::kAlreadyExists);
   EXPECT_TRUE(*(*store)->Get("big-commit") == big);
+  // The driver probed the server before the first create-if-absent write of
+  // each store (issue 22); radosgw passes, and no probe object is left.
+  auto probes = OpenS3Store(url_ + "/.dcr-probe");
+  ASSERT_TRUE(probes.ok()) << probes.status().ToString();
+  auto left = (*probes)->List("");
+  ASSERT_TRUE(left.ok()) << left.status().ToString();
+  EXPECT_TRUE(left->empty()) << left->size() << " probe objects left, e.g. " << left->front().key;
 }
 
 TEST_F(RadosgwTest, ConditionalCreateRace) {

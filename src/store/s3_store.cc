@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -488,8 +489,48 @@ class S3Client {
     return NotFound("no such key");
   }
 
-  // PUT of a whole object; `if_absent` adds If-None-Match: *.
+  // PUT of a whole object; `if_absent` adds If-None-Match: *, once the
+  // server has shown that it honours it (CheckConditionalCreate).
   Status PutObject(const std::string& name, std::string_view body, bool if_absent) {
+    if (if_absent) DCR_RETURN_IF_ERROR(CheckConditionalCreate());
+    return PutObjectUnprobed(name, body, if_absent);
+  }
+
+  // A server that ignores If-None-Match: * on PUT would let a second commit
+  // replace the first, and no single write can tell. So before this store's
+  // first create-if-absent write, a probe object under the reserved key
+  // .dcr-probe/<random> is created twice: the second must be refused. The
+  // outcome is kept for the store's life (an error of the probe's own
+  // requests is not: it is returned, and the next write probes again).
+  // The probe is then deleted; one left behind by a failed delete is
+  // invisible to List (reserved name) and harmless.
+  Status CheckConditionalCreate() {
+    std::lock_guard<std::mutex> lock(probe_mu_);
+    if (probed_) return probe_result_;
+    uint64_t r;
+    {
+      std::lock_guard<std::mutex> rng_lock(rng_mu_);
+      r = rng_();
+    }
+    const std::string name = ObjectName(fmt::format(".dcr-probe/{:016x}", r));
+    const std::string what = fmt::format("probing whether the server honours If-None-Match: * (object {})", name);
+    Status first = PutObjectUnprobed(name, "dcr create-if-absent probe 1\n", true);
+    if (!first.ok()) return first.WithContext(what);
+    Status second = PutObjectUnprobed(name, "dcr create-if-absent probe 2\n", true);
+    DeleteObject(name).IgnoreError();
+    if (second.code() == Code::kAlreadyExists) {
+      probed_ = true;
+      return probe_result_ = Status::Ok();
+    }
+    if (!second.ok()) return second.WithContext(what);
+    probed_ = true;
+    return probe_result_ = FailedPrecondition(
+               "the server ignores If-None-Match: * on PUT (a second create-if-absent write of a probe object "
+               "replaced the first), so create-if-absent writes are not atomic there and a second commit could "
+               "overwrite the first; dcr refuses them. Use a server that honours it (AWS S3, Ceph radosgw, MinIO)");
+  }
+
+  Status PutObjectUnprobed(const std::string& name, std::string_view body, bool if_absent) {
     if (body.size() > kMaxSinglePut)
       return InvalidArgument(fmt::format("{} bytes is over S3's limit of {} for one PUT", body.size(), kMaxSinglePut));
     Call c{"PUT", name};
@@ -840,6 +881,9 @@ class S3Client {
   Executor executor_;
   std::mutex rng_mu_;
   std::mt19937_64 rng_;  // guarded by rng_mu_
+  std::mutex probe_mu_;  // guards the two below; held while probing
+  bool probed_ = false;
+  Status probe_result_;
 };
 
 // ---------------------------------------------------------------------------
@@ -1102,6 +1146,17 @@ Result<std::shared_ptr<S3Client>> MakeClient(const S3Options& options, S3Runtime
   if (options.part_size == 0 || options.part_size > kMaxSinglePut) return bad("part_size out of range");
   if (options.parts_in_flight == 0 || options.threads == 0 || options.max_attempts <= 0)
     return bad("parts_in_flight, threads and max_attempts must be positive");
+  if (options.access_key_id.empty() && !options.anonymous) {
+    // Unsigned requests without a word would look like an access problem
+    // on the first write; say so once, at open.
+    const std::string line = fmt::format(
+        "dcr: warning: {}: no S3 credentials found, requests are anonymous (unsigned); set $AWS_ACCESS_KEY_ID and "
+        "$AWS_SECRET_ACCESS_KEY, an AWS profile ($AWS_PROFILE or profile=), or access_key_id= and "
+        "secret_access_key= in the URL; add anonymous=1 to the URL if anonymous access is meant",
+        options.url.empty() ? "s3://" + options.bucket : options.url);
+    if (runtime.warn) runtime.warn(line);
+    else std::fprintf(stderr, "%s\n", line.c_str());
+  }
   auto transport = runtime.transport ? runtime.transport : NewCurlTransport(options.http);
   return std::make_shared<S3Client>(options, std::move(runtime), std::move(transport));
 }

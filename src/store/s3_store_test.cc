@@ -87,6 +87,10 @@ class S3StoreTest : public ::testing::Test {
     });
   }
 
+  // The store's first create-if-absent write probes the server first; tests
+  // that count a create-if-absent write's requests get that done before.
+  void Probe() { ASSERT_TRUE(store_->Put("probed", "x", WriteMode::kCreateIfAbsent).ok()); }
+
   std::optional<std::string> Stored(const std::string& key) {
     auto o = fake_->Get("bkt", "run/" + key);
     if (!o) return std::nullopt;
@@ -391,17 +395,20 @@ TEST_F(S3StoreTest, CreateIfAbsentOverTheLimitFailsAndWritesNothing) {
 }
 
 TEST_F(S3StoreTest, ConditionalPutWhoseResponseWasLostIsOurs) {
+  Probe();
+  const int puts = fake_->Count("PutObject"), heads = fake_->Count("HeadObject");
   FailFirst("PutObject", 1, {Fault::kLoseResponse});
   Status s = store_->Put("commit", "mine", WriteMode::kCreateIfAbsent);
   EXPECT_TRUE(s.ok()) << s.ToString();  // the retry's 412 is our own write
   EXPECT_EQ(Stored("commit"), "mine");
-  EXPECT_EQ(fake_->Count("PutObject"), 2);
-  EXPECT_EQ(fake_->Count("HeadObject"), 1);
+  EXPECT_EQ(fake_->Count("PutObject") - puts, 2);
+  EXPECT_EQ(fake_->Count("HeadObject") - heads, 1);
 }
 
 TEST_F(S3StoreTest, ConditionalPutLosingARaceDuringRetryIsAlreadyExists) {
   // The first try never lands; another writer creates the key; the retry
   // finds it and its ETag is not ours.
+  Probe();
   auto first = std::make_shared<std::atomic<bool>>(true);
   fake_->SetInjector([this, first](const std::string& op, const HttpRequest&) {
     if (op == "PutObject" && first->exchange(false)) {
@@ -684,6 +691,78 @@ TEST_F(S3StoreTest, ConcurrentCreateIfAbsentHasOneWinner) {
   for (auto& t : threads) t.join();
   EXPECT_EQ(won.load(), 1);
   EXPECT_EQ(lost.load(), kThreads - 1);
+}
+
+// Issue 22: a server that ignores If-None-Match: * would let a second commit
+// overwrite the first; the store's first create-if-absent write finds out.
+TEST_F(S3StoreTest, ProbeOfConditionalCreateRunsOnceAndLeavesNothing) {
+  std::vector<std::string> put_urls;
+  std::mutex mu;
+  fake_->SetInjector([&](const std::string& op, const HttpRequest& req) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (op == "PutObject") put_urls.push_back(req.url);
+    return Fault{};
+  });
+  ASSERT_TRUE(store_->Put("plain", "v").ok());  // overwrites do not probe
+  EXPECT_EQ(fake_->Count("PutObject"), 1);
+  ASSERT_TRUE(store_->Put("commit", "mine", WriteMode::kCreateIfAbsent).ok());
+  EXPECT_EQ(fake_->Count("PutObject"), 4);  // the probe twice, then the write
+  EXPECT_EQ(fake_->Count("DeleteObject"), 1);
+  ASSERT_EQ(put_urls.size(), 4u);
+  EXPECT_THAT(put_urls[1], HasSubstr("/bkt/run/.dcr-probe/"));
+  EXPECT_EQ(put_urls[1], put_urls[2]);
+  EXPECT_EQ(fake_->ObjectCount("bkt"), 2u);  // plain and commit: the probe is gone
+  EXPECT_EQ(store_->Put("commit", "theirs", WriteMode::kCreateIfAbsent).code(), Code::kAlreadyExists);
+  EXPECT_EQ(fake_->Count("PutObject"), 5);  // once per store
+  EXPECT_EQ(store_->List("")->size(), 2u);
+}
+
+TEST_F(S3StoreTest, ServerIgnoringIfNoneMatchIsRefusedBeforeAnyCreate) {
+  fake_->honour_if_none_match = false;
+  for (int i = 0; i < 2; ++i) {
+    Status s = store_->Put("commit", "mine", WriteMode::kCreateIfAbsent);
+    EXPECT_EQ(s.code(), Code::kFailedPrecondition) << s.ToString();
+    EXPECT_THAT(s.message(), HasSubstr("ignores If-None-Match: *"));
+    EXPECT_THAT(s.message(), HasSubstr("s3://bkt/run: commit"));
+  }
+  auto w = store_->OpenWriter("commit", WriteMode::kCreateIfAbsent);
+  ASSERT_TRUE(w.ok());
+  ASSERT_TRUE((*w)->Write("mine").ok());
+  EXPECT_EQ((*w)->Close().code(), Code::kFailedPrecondition);
+  EXPECT_FALSE(Stored("commit").has_value());
+  EXPECT_EQ(fake_->Count("PutObject"), 2);  // one probe; its outcome is kept
+  EXPECT_EQ(fake_->ObjectCount("bkt"), 0u);  // and deleted
+  EXPECT_TRUE(store_->Put("plain", "v").ok());  // overwrites never relied on it
+}
+
+TEST_F(S3StoreTest, ProbeThatCannotRunIsRetriedByTheNextWrite) {
+  FailFirst("PutObject", 5, {Fault::kStatus, 503, "SlowDown"});  // max_attempts tries of the probe
+  Status s = store_->Put("commit", "mine", WriteMode::kCreateIfAbsent);
+  EXPECT_EQ(s.code(), Code::kUnavailable) << s.ToString();
+  EXPECT_THAT(s.message(), HasSubstr("probing whether the server honours If-None-Match"));
+  EXPECT_FALSE(Stored("commit").has_value());
+  ASSERT_TRUE(store_->Put("commit", "mine", WriteMode::kCreateIfAbsent).ok());
+  EXPECT_EQ(Stored("commit"), "mine");
+}
+
+TEST_F(S3StoreTest, OpeningWithoutCredentialsWarnsOnceUnlessAnonymousIsAsked) {
+  std::vector<std::string> warnings;
+  S3Runtime rt = Runtime();
+  rt.warn = [&](std::string_view line) { warnings.emplace_back(line); };
+  S3Options o = Options();
+  ASSERT_TRUE(OpenS3Store(o, rt).ok());
+  EXPECT_TRUE(warnings.empty());  // credentials: nothing to say
+  o.access_key_id.clear();
+  o.secret_access_key.clear();
+  ASSERT_TRUE(OpenS3Store(o, rt).ok());
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_THAT(warnings[0], HasSubstr("s3://bkt/run: no S3 credentials found, requests are anonymous"));
+  EXPECT_THAT(warnings[0], HasSubstr("AWS_ACCESS_KEY_ID"));
+  EXPECT_THAT(warnings[0], HasSubstr("anonymous=1"));
+  EXPECT_EQ(warnings[0].find('\n'), std::string::npos);
+  o.anonymous = true;
+  ASSERT_TRUE(OpenS3Store(o, rt).ok());
+  EXPECT_EQ(warnings.size(), 1u);
 }
 
 TEST(S3Curl, UnreachableEndpointIsUnavailable) {
