@@ -65,6 +65,13 @@ test_a_forged_object_pushed_ahead_of_the_publisher_is_refused
     receiver refuses each (its signature does not verify against
     attempt.json's key) and takes the store's; the first attempt commits
     exact.
+test_plain_tcp_only_when_asked
+    a relay, follower, publisher or push without keys is refused with the
+    way forward; `--insecure` runs and warns at start.
+test_oversized_and_many_part_messages_leave_the_relay_up_and_small
+    a raw peer declares a 16 GiB message (ZMQ_MAXMSGSIZE drops it) and a
+    ZeroMQ peer sends 200,000 parts (read, dropped, counted malformed): the
+    relay's VmSize and VmRSS grow by little (printed), it serves on.
 test_a_corrupt_frame_is_dropped_never_forwarded
     an object damaged on arrival at the root (test hook) and a damaged real
     frame object pushed into a middle relay are dropped there: the links below
@@ -946,6 +953,75 @@ def test_plain_tcp_only_when_asked(tmp):
                              stderr=subprocess.STDOUT, env=env())
     try:
         wait_logged(log, "WARNING: insecure relay link (plain TCP)")
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 0, log.read_text()
+
+
+def vm_kib(pid: int, field: str) -> int:
+    """A process's VmSize / VmRSS in KiB (/proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"{field} not in /proc/{pid}/status")
+
+
+def zmtp_null_dealer(address: str) -> socket.socket:
+    """A raw TCP peer that completes ZMTP 3.0's NULL handshake as a DEALER, so that a test can
+    then write frames no ZeroMQ library would send."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=30)
+    s.sendall(b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + bytes(31))
+    got = b""
+    while len(got) < 64:
+        chunk = s.recv(64 - len(got))
+        assert chunk, "the relay closed the connection during the greeting"
+        got += chunk
+    props = b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+    body = b"\x05READY" + props
+    s.sendall(b"\x04" + bytes([len(body)]) + body)
+    return s
+
+
+def test_oversized_and_many_part_messages_leave_the_relay_up_and_small(tmp):
+    """A message declaring 16 GiB (the relay once reserved 16.9 GB for it) and one of 200,000
+    parts: the relay drops both, stays up, serves on, and its memory stays within bounds."""
+    address, stats = free_address(), tmp / "stats.json"
+    log = tmp / "relay.log"
+    with open(log, "wb") as out:
+        p = subprocess.Popen([str(DCR_BIN), "relay", "--id", "r", "--listen", address, "--insecure", "--stats",
+                              str(stats)], stdout=out, stderr=subprocess.STDOUT, env=env())
+    try:
+        wait_logged(log, "listening on")
+        size0, rss0 = vm_kib(p.pid, "VmSize"), vm_kib(p.pid, "VmRSS")
+        # 16 GiB declared in a ZMTP long frame header, then nothing: ZMQ_MAXMSGSIZE drops the peer.
+        s = zmtp_null_dealer(address)
+        s.sendall(b"\x02" + struct.pack(">Q", 16 << 30))
+        s.settimeout(30)
+        assert s.recv(1 << 16) == b"" or s.recv(1 << 16) == b"", "the relay kept a peer that declared 16 GiB"
+        s.close()
+        # 200,000 parts in one message, from a real ZeroMQ peer.
+        import zmq
+        ctx = zmq.Context()
+        d = ctx.socket(zmq.DEALER)
+        d.connect(address)
+        d.send_multipart([b"x"] * 200_000)
+        deadline = time.monotonic() + 60
+        while (read_json(stats) or {}).get("malformed", 0) < 1:
+            assert p.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        assert p.poll() is None, log.read_text()
+        grown_size, grown_rss = vm_kib(p.pid, "VmSize") - size0, vm_kib(p.pid, "VmRSS") - rss0
+        print(f"relay memory after both: VmSize +{grown_size} KiB, VmRSS +{grown_rss} KiB")
+        assert grown_size < 256 << 10 and grown_rss < 128 << 10, (grown_size, grown_rss)
+        assert "ignored a malformed message from a peer" in log.read_text(), log.read_text()
+        # Still serving: a HELLO (docs/relay.md, wire messages) on the same connection attaches.
+        hello = struct.pack("<IBBH", 0x4C524344, 1, 1, 0) + b"\x02" + struct.pack("<H", 5) + b"alive" + \
+            struct.pack("<I", 0)
+        d.send(hello)
+        wait_logged(log, "receiver alive attached")
+        d.close(linger=0)
+        ctx.term()
     finally:
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=30) == 0, log.read_text()
