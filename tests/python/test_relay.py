@@ -72,6 +72,11 @@ test_oversized_and_many_part_messages_leave_the_relay_up_and_small
     a raw peer declares a 16 GiB message (ZMQ_MAXMSGSIZE drops it) and a
     ZeroMQ peer sends 200,000 parts (read, dropped, counted malformed): the
     relay's VmSize and VmRSS grow by little (printed), it serves on.
+test_a_receivers_key_cannot_forge_acks_or_fence
+    a peer with the receivers' key sends an ACK with a forged ok for an id
+    that never acked and a forged nack for the real receiver, and a FENCE:
+    the fence is refused, the attempt commits first time listing exactly the
+    receiver that acked in the store.
 test_a_corrupt_frame_is_dropped_never_forwarded
     an object damaged on arrival at the root (test hook) and a damaged real
     frame object pushed into a middle relay are dropped there: the links below
@@ -1025,3 +1030,67 @@ def test_oversized_and_many_part_messages_leave_the_relay_up_and_small(tmp):
     finally:
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=30) == 0, log.read_text()
+
+
+def relay_message(kind: int, body: bytes) -> bytes:
+    """A wire message's single part (docs/relay.md): magic, version 1, type, reserved, body."""
+    return struct.pack("<IBBH", 0x4C524344, 1, kind, 0) + body
+
+
+def wire_str(s: str) -> bytes:
+    return struct.pack("<H", len(s)) + s.encode()
+
+
+def test_a_receivers_key_cannot_forge_acks_or_fence(tree):
+    """A peer with the receivers' key (allow-listed as a receiver) attaches to the root and, while
+    the publisher stands after its manifest (DCR_TEST_PAUSE_AT), sends an ACK with a forged ok=1 for
+    a receiver id that never acked and a forged nack for the real receiver, and a FENCE of the
+    attempt: the fence is refused and logged, the attempt commits first time, and the commit lists
+    exactly the receiver that acked in the store."""
+    import zmq
+    t = tree(versions=1)
+    t.plan(["r0"], 2)
+    t.publish_ok(0, relay=False)
+    t.start_relay("r0")
+    t.start_receiver("good", "r0", 1)
+    t.wait_registered()
+    t.wait_attached({"receiver good": "r0"})
+    go = t.root / "go"
+    pub = t.publish(1, extra_env={"DCR_TEST_PAUSE_AT": f"manifest-written:{go}"})
+    wait_logged(pub.log, "DCR_TEST_PAUSE_AT: waiting at manifest-written")
+    attempts = t.store / "attempts" / f"v{1:010}"
+    (attempt,) = [d.name for d in attempts.iterdir()]
+    prefix = f"attempts/v{1:010}/{attempt}/"
+    target = read_json(attempts / attempt / "manifest.json")["target_digest"]
+    lane0, lane1 = int(target[:16], 16), int(target[16:], 16)
+
+    keys = dict(line.split(" ", 1) for line in t.client_key.read_text().splitlines() if not line.startswith("#"))
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    peer.curve_publickey, peer.curve_secretkey = keys["public"].encode(), keys["secret"].encode()
+    peer.curve_serverkey = t.relay_pub.read_text().strip().encode()
+    peer.connect(t.relays["r0"]["address"])
+    try:
+        peer.send(relay_message(1, b"\x02" + wire_str("mallory") + struct.pack("<I", 0)))  # HELLO as a receiver
+        wait_logged(t.logs / "relay-r0.log", "receiver mallory attached")
+        entries = [("ghost", 1, lane0, lane1, ""), ("good", 0, 0, 0, "forged: apply failed")]
+        body = wire_str(prefix) + struct.pack("<I", len(entries)) + b"".join(
+            wire_str(r) + struct.pack("<BQQ", ok, a, b) + wire_str(e) for r, ok, a, b, e in entries)
+        peer.send(relay_message(6, body))  # ACK
+        peer.send(relay_message(4, wire_str(prefix)))  # FENCE
+        wait_logged(t.logs / "relay-r0.log", "a peer that is not an attached sender sent a fence: refused")
+        wait_logged(t.logs / "relay-r0.log", f"receiver good (via receiver mallory) failed attempt {prefix}")
+    finally:
+        go.touch()
+    assert pub.wait(timeout=TIMEOUT_S) == 0, tail(pub.log)
+    peer.close(linger=0)
+    ctx.term()
+    t.wait_receivers()
+    t.assert_exact(1)
+    text = pub.log.read_text()
+    report = json.loads(text[text.index("\n{") + 1:text.rindex("}") + 1])
+    assert report["attempts"] == 1 and report["acked"] == ["good"], report
+    assert report["relay_acks_unconfirmed"] >= 1, report  # ghost's, at least (good's forged nack may have met its real ack)
+    commit = read_json(t.store / "commits" / f"v{1:010}.json")
+    assert commit["attempt"] == attempt and commit["acked"] == ["good"], commit
+    assert f"attempt {prefix} fenced" not in (t.logs / "relay-r0.log").read_text()
