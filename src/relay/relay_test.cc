@@ -525,6 +525,28 @@ TEST(Relay, RolesAreTiedToKeys) {
   EXPECT_TRUE((*takeover)->Take("").empty());
 }
 
+// What peers make a relay keep is bounded: children beyond max_children
+// are refused (and logged), the ones attached keep being served.
+TEST(Relay, ChildrenBeyondTheLimitAreRefused) {
+  const std::string addr = FreeAddress();
+  RelayOptions ro = Options("root", addr);
+  ro.max_children = 1;
+  RunningRelay root(ro);
+  Lines log;
+  auto first = RelayReceiver::Start(Client("first", {addr}, &log));
+  ASSERT_TRUE(first.ok());
+  ASSERT_TRUE(WaitFor([&] { return root.lines.Has("receiver first attached"); }));
+  auto second = RelayReceiver::Start(Client("second", {addr}, &log));
+  ASSERT_TRUE(second.ok());
+  EXPECT_TRUE(WaitFor([&] { return root.lines.Has("refused receiver second: 1 children are attached already"); }));
+  auto sender = RelaySender::Start(Client("pub", {addr}, &log));
+  ASSERT_TRUE(sender.ok());
+  (*sender)->Object(ObjectKey(1, 0), MakeFrame(0, 4));
+  EXPECT_TRUE((*sender)->Flush(kGuard));
+  EXPECT_EQ(TakeAll(**first, AttemptPrefix(1), 1).size(), 1u);
+  EXPECT_FALSE(root.lines.Has("receiver second attached"));
+}
+
 TEST(Relay, RefusesBadOptions) {
   EXPECT_EQ(RunRelay(Options("", FreeAddress()), [] { return true; }).code(), Code::kInvalidArgument);
   EXPECT_EQ(RunRelay(Options("r", "nonsense://x"), [] { return true; }).code(), Code::kUnavailable);
