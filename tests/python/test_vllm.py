@@ -80,7 +80,8 @@ def test_vllm_engine_follows_a_trainer_bit_exact(tmp_path):
     # Refused before the engine joined (its weights as loaded from disk stay) and after.
     expect = {
         "bad_init": {"no_run": "no run at store", "wrong_run_id": "not run 'not-this-run'",
-                     "unreachable": "cannot read the run", "wrong_key": "not a CURVE key pair"},
+                     "unreachable": "cannot read the run", "wrong_key": "not a CURVE key pair",
+                     "readable_key": "a secret key file that others may read"},
         "bad_input": {"behind": "the engine holds version 3; version 0 is behind it",
                       "never_published": "version 8 was not reached within 2.0 s",
                       "bad_version": "'version' must be a version number",

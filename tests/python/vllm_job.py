@@ -120,7 +120,8 @@ def mode_refit(a) -> dict:
                                    senders=[{n: p.detach() for n, p in model.named_parameters()}])
         other.publish_snapshot({n: p.detach() for n, p in model.named_parameters()})
         live = lambda: per_rank(llm.collective_rpc(live_digests))  # noqa: E731
-        out["bad_init"] = bad_inputs(a, llm, None, ["no_run", "wrong_run_id", "unreachable", "wrong_key"], live)
+        out["bad_init"] = bad_inputs(a, llm, None, ["no_run", "wrong_run_id", "unreachable", "wrong_key",
+                                                    "readable_key"], live)
     engine_init = {"engine": "e1", "state_dir": os.path.join(a.work, "engine")}
     if a.relay:
         engine_init.update(relay=[a.relay], relay_key=a.relay_key, relay_pub=a.relay_pub)
@@ -195,9 +196,13 @@ def bad_inputs(a, llm, trainer, cases: list, digests) -> dict:
 
     empty = os.path.join(a.work, "empty-store")
     os.makedirs(empty, exist_ok=True)
-    not_a_key = os.path.join(a.work, "not-a-key")
-    with open(not_a_key, "w") as f:
+    not_a_key = os.path.join(a.work, "not-a-key")  # the owner's only, as a secret key file must be
+    with open(os.open(not_a_key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
         f.write("public nothing\n")
+    readable_key = os.path.join(a.work, "readable-key")  # others may read it: refused as such
+    with open(readable_key, "w") as f:
+        f.write("public nothing\n")
+    os.chmod(readable_key, 0o644)
     run = {
         "behind": lambda: update({"version": 0}),
         "never_published": lambda: update({"version": trainer.version + 5, "timeout_s": 2.0}),
@@ -207,6 +212,8 @@ def bad_inputs(a, llm, trainer, cases: list, digests) -> dict:
         "unreachable": lambda: init({"store": "s3://bucket/run?endpoint=http://127.0.0.1:9&region=x"}),
         "another_run": lambda: init({"store": a.other_store}),
         "wrong_key": lambda: init({"store": a.other_store, "relay": ["tcp://127.0.0.1:9"], "relay_key": not_a_key}),
+        "readable_key": lambda: init({"store": a.other_store, "relay": ["tcp://127.0.0.1:9"],
+                                      "relay_key": readable_key}),
     }
     for case in cases:
         attempt(case, run[case])
