@@ -95,7 +95,12 @@ Status ReceiverWalk::TakeFromRelay(uint64_t v, const std::string& id) {
       ++it;
       continue;
     }
-    if (Status s = VerifyObjectSignature(*signer, it->first, it->second); !s.ok()) {
+    const Status s = signer->empty()
+                         ? FailedPrecondition(fmt::format("{}: its attempt names no signing key (an older publisher): a "
+                                                          "relayed copy cannot be verified",
+                                                          it->first))
+                         : VerifyObjectSignature(*signer, it->first, it->second);
+    if (!s.ok()) {
       const uint64_t n = ++refused_objects_;
       if ((n & (n - 1)) == 0)  // the 1st, 2nd, 4th... refusal
         Log(fmt::format("refused an object the relay delivered ({} so far): {}; the store's copy is used", n,
