@@ -72,8 +72,8 @@ int RunRelayDaemon(const RelayArgs& a) {
   std::signal(SIGINT, OnRelaySignal);
   std::signal(SIGTERM, OnRelaySignal);
   // --pull-store: a thread fetches the frame objects from the store and
-  // pushes them into this relay as a sender would (its own key pair, which
-  // its allow list must admit).
+  // pushes them into this relay as a sender would, with its own key pair
+  // (admitted above as a sender).
   std::unique_ptr<Store> store;
   std::unique_ptr<RelaySender> puller;
   std::thread pulling;
@@ -189,7 +189,7 @@ void AddRelayCommand(CLI::App& app) {
   relay->add_option("--dead-after", ra->dead_after, "Seconds of silence after which the parent is left for the next");
   relay->add_option("--pull-store", ra->pull_store,
                     "A root inside the destination cluster: fetch each attempt's frame objects from this store itself "
-                    "(senders then only write to the store); its own public key must be in --allow");
+                    "(senders then only write to the store); with keys, it pushes with its own pair, admitted as a sender");
   relay->add_option("--pull-every", ra->pull_every, "Seconds between the store listings of --pull-store");
   relay->add_option("--link-mbps", ra->link_mbps,
                     "Benchmarks: pace each child link to this many MB/s (an in-process throttle); 0: unlimited");
