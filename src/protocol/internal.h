@@ -67,6 +67,9 @@ struct StreamedAttempt {
   std::string object_key;
   uint64_t processes = 0;
 };
+// Where trainer process P's frame-object signing key lies, relative to its
+// attempt: procs/p<P>.pub.
+std::string ProcessSignerKey(uint32_t process);
 // The public key that signs frame object `key` of attempt `st` (prefix
 // `attempt_prefix`): empty when the attempt signs nothing, nullopt while the
 // store does not show it yet.

@@ -691,10 +691,6 @@ Result<PublishRun::AttemptResult> PublishRun::AwaitAcksAndCommit(uint64_t v, con
     }
     return Status::Ok();
   };
-  // With acks coming up the relay tree, the store is polled every
-  // store_ack_poll and the tree's acks are taken as they arrive (the commit
-  // then follows the last ack by a few ms instead of up to a poll period
-  // plus a listing and a read per receiver).
   // An ack that comes up the relay tree only says where to look: it counts
   // as the store holds it (a receiver writes it there first), never as the
   // tree says. Any peer can send the tree an ack for any receiver id.
@@ -725,6 +721,10 @@ Result<PublishRun::AttemptResult> PublishRun::AwaitAcksAndCommit(uint64_t v, con
     }
     return Status::Ok();
   };
+  // With acks coming up the relay tree, the store is polled every
+  // store_ack_poll and the tree's acks are taken as they arrive (the commit
+  // then follows the last ack by a few ms instead of up to a poll period
+  // plus a listing and a read per receiver).
   const bool tree_acks = o_.relay && o_.relay_acks && o_.relay->CarriesAcks();
   const auto store_every = tree_acks ? o_.store_ack_poll : std::chrono::milliseconds(0);
   Status polled;
@@ -882,7 +882,6 @@ std::string ShardDir(const std::string& state_dir, size_t k) {
 std::string ShardsRecord(const std::string& state_dir) { return (fs::path(state_dir) / "shards.json").string(); }
 std::string ContribKey(uint32_t from, uint32_t to) { return fmt::format("contrib/p{}-p{}.bin", from, to); }
 std::string ProcessKey(uint32_t p) { return fmt::format("procs/p{}.json", p); }
-std::string ProcessSignerKey(uint32_t p) { return fmt::format("procs/p{}.pub", p); }
 
 std::vector<TensorInfo> RunTensorInfos(const RunRecord& run) {
   std::vector<TensorInfo> out;

@@ -2,6 +2,7 @@
 // their attempt's manifest exists (docs/protocol.md, "Streaming").
 #include <fmt/format.h>
 
+#include <charconv>
 #include <nlohmann/json.hpp>
 
 #include "internal.h"
@@ -31,6 +32,8 @@ Result<std::optional<StreamedAttempt>> ReadStreamedAttempt(Store& store, uint64_
   return std::optional<StreamedAttempt>(st);
 }
 
+std::string ProcessSignerKey(uint32_t process) { return fmt::format("procs/p{}.pub", process); }
+
 Result<std::optional<std::string>> ObjectSignerOf(Store& store, const std::string& attempt_prefix,
                                                   const StreamedAttempt& st, const std::string& key) {
   if (!st.object_key.empty() || st.processes == 0) return std::optional<std::string>(st.object_key);
@@ -38,9 +41,12 @@ Result<std::optional<std::string>> ObjectSignerOf(Store& store, const std::strin
   const std::string_view name = std::string_view(key).substr(std::min(key.size(), attempt_prefix.size()));
   const size_t dash = name.find('-');
   if (!name.starts_with("frames/s") || dash == std::string_view::npos) return std::optional<std::string>("");
-  const std::string process(name.substr(8, dash - 8));
-  if (process.empty() || process.find_first_not_of("0123456789") != std::string::npos) return std::optional<std::string>("");
-  DCR_ASSIGN_OR_RETURN(auto text, GetIfPresent(store, attempt_prefix + "procs/p" + process + ".pub"));
+  uint32_t process = 0;
+  const std::string_view digits = name.substr(8, dash - 8);
+  const auto parsed = std::from_chars(digits.data(), digits.data() + digits.size(), process);
+  if (digits.empty() || parsed.ec != std::errc() || parsed.ptr != digits.data() + digits.size())
+    return std::optional<std::string>("");
+  DCR_ASSIGN_OR_RETURN(auto text, GetIfPresent(store, attempt_prefix + ProcessSignerKey(process)));
   if (!text) return std::optional<std::string>();
   while (!text->empty() && text->back() == '\n') text->pop_back();
   return std::optional<std::string>(std::move(*text));
