@@ -283,13 +283,13 @@ void RelayServer::OnRouter(std::vector<std::string> parts, const std::string& ke
         }
       }
       if (m->role == RelayRole::kSender) {
-        if (!senders_.count(route) && senders_.size() >= o_.max_senders) {
-          Refused(fmt::format("refused sender {}: {} senders are attached already (the limit)", m->id, senders_.size()));
-          return;
-        }
         auto known = senders_.find(route);
         if (known != senders_.end() && known->second.id == m->id) {  // its ping
           known->second.heard = Clock::now();
+          return;
+        }
+        if (known == senders_.end() && senders_.size() >= o_.max_senders) {
+          Refused(fmt::format("refused sender {}: {} senders are attached already (the limit)", m->id, senders_.size()));
           return;
         }
         senders_[route] = Sender{m->id, key, Clock::now()};
@@ -304,17 +304,19 @@ void RelayServer::OnRouter(std::vector<std::string> parts, const std::string& ke
           }
         return;
       }
-      // The same id on a new connection is the child re-attaching, unless
-      // another key says it: an id stays with the key that attached it.
-      for (auto it = children_.begin(); it != children_.end(); ++it)
-        if (it->second.id == m->id && it->second.key != key) {
+      // Ids are unique among children. The same id on a new connection is
+      // the child re-attaching, unless another key says it: an id stays with
+      // the key that attached it.
+      if (auto same = std::find_if(children_.begin(), children_.end(),
+                                   [&](const auto& kv) { return kv.second.id == m->id; });
+          same != children_.end()) {
+        if (same->second.key != key) {
           Refused(fmt::format("refused HELLO as {} {} (CURVE key {}): a child of that id is attached with another key",
                               RelayRoleName(m->role), m->id, key));
           return;
         }
-      for (auto it = children_.begin(); it != children_.end();)
-        if (it->second.id == m->id && it->first != route) it = children_.erase(it);
-        else ++it;
+        if (same->first != route) children_.erase(same);
+      }
       if (!children_.count(route) && children_.size() >= o_.max_children) {
         Refused(fmt::format("refused {} {}: {} children are attached already (the limit)", RelayRoleName(m->role), m->id,
                             children_.size()));
