@@ -181,6 +181,21 @@ class ProtocolTest : public testing::TempDirTest {
       FAIL() << "receivers did not register";
   }
 
+  // Publishes version v with `o` while receiver `fo` (the only one, its
+  // target Path(fo.id)) follows to it on a thread, registered before the
+  // publish starts; `*followed` is what its Run returned.
+  Result<PublishReport> PublishWhileFollowing(const FollowOptions& fo, const PublishOptions& o, int v,
+                                              Status* followed) {
+    std::thread t([&] {
+      Follower f(*store_, Path(fo.id), fo);
+      *followed = f.Run(v);
+    });
+    WaitForReceivers(1);
+    auto r = Publisher(*store_, Path("state"), o).Publish(v, Version(v));
+    t.join();
+    return r;
+  }
+
   // The maps of the ranks of a vLLM-style tensor-parallel engine of `tp` ranks.
   std::vector<std::unique_ptr<CompiledLayout>> TpLayouts(uint32_t tp) {
     ServingParallel par;
@@ -1766,21 +1781,15 @@ TEST_F(ProtocolTest, ForgedRelayedObjectsAreRefusedAndTheCommittedBitsApplied) {
   ForgingRelay relay(*store_, forge);
   std::mutex mu;
   std::vector<std::string> lines;
+  FollowOptions fo = Receiver("r");
+  fo.relay = &relay;
+  fo.relay_quiet = std::chrono::milliseconds(50);  // then the store: the forger never delivers the real objects
+  fo.log = [&](const std::string& l) {
+    std::lock_guard lock(mu);
+    lines.push_back(l);
+  };
   Status followed;
-  std::thread t([&] {
-    FollowOptions fo = Receiver("r");
-    fo.relay = &relay;
-    fo.relay_quiet = std::chrono::milliseconds(50);  // then the store: the forger never delivers the real objects
-    fo.log = [&](const std::string& l) {
-      std::lock_guard lock(mu);
-      lines.push_back(l);
-    };
-    Follower f(*store_, Path("r"), fo);
-    followed = f.Run(1);
-  });
-  WaitForReceivers(1);
-  auto r = Publisher(*store_, Path("state"), o).Publish(1, Version(1));
-  t.join();
+  auto r = PublishWhileFollowing(fo, o, 1, &followed);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   ASSERT_TRUE(followed.ok()) << followed.ToString();
   EXPECT_EQ(r->attempts, 1u) << "the receiver nacked the first attempt";
@@ -1834,13 +1843,7 @@ TEST_F(ProtocolTest, AcksFromTheTreeCountOnlyAsTheStoreHoldsThem) {
   ForgingAckTransport tree(*store_);
   o.relay = &tree;
   Status followed;
-  std::thread t([&] {
-    Follower f(*store_, Path("r"), Receiver("r"));
-    followed = f.Run(1);
-  });
-  WaitForReceivers(1);
-  auto r = Publisher(*store_, Path("state"), o).Publish(1, Version(1));
-  t.join();
+  auto r = PublishWhileFollowing(Receiver("r"), o, 1, &followed);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   ASSERT_TRUE(followed.ok()) << followed.ToString();
   EXPECT_EQ(r->attempts, 1u) << "a forged nack aborted the attempt";

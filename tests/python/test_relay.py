@@ -328,12 +328,24 @@ class Tree:
 
     def publish_ok(self, v: int, relay: bool = True, extra: tuple = (), extra_env: dict | None = None) -> dict:
         """Publishes version v; its JSON report."""
-        p = self.publish(v, relay, extra=extra, extra_env=extra_env)
+        return self.report(self.publish(v, relay, extra=extra, extra_env=extra_env), v)
+
+    def report(self, p: subprocess.Popen, v: int) -> dict:
+        """Waits for publish `p` of version v to succeed; its JSON report."""
         rc = p.wait(timeout=TIMEOUT_S)
         assert rc == 0, f"publish v{v} failed:\n{tail(p.log)}"
         lines = p.log.read_text().splitlines()
         start, end = lines.index("{"), len(lines) - lines[::-1].index("}")
         return json.loads("\n".join(lines[start:end]))
+
+    def publish_paused(self, v: int, point: str) -> tuple[subprocess.Popen, Path, Path]:
+        """Publishes version v, standing at fault point `point` (DCR_TEST_PAUSE_AT, a handshake) until
+        the returned file exists; and the attempt's directory in the store."""
+        go = self.root / f"go-v{v}"
+        p = self.publish(v, extra_env={"DCR_TEST_PAUSE_AT": f"{point}:{go}"})
+        wait_logged(p.log, f"DCR_TEST_PAUSE_AT: waiting at {point}")
+        (attempt,) = (self.store / "attempts" / f"v{v:010}").iterdir()
+        return p, go, attempt
 
     def commit_latency(self, v: int) -> float:
         """Seconds from the last ack's arrival in the store to the commit record (file mtimes)."""
@@ -891,12 +903,9 @@ def test_a_forged_object_pushed_ahead_of_the_publisher_is_refused(tree):
     t.start_receiver("victim", "r0", 1)
     t.wait_registered()
     t.wait_attached({"receiver victim": "r0"})
-    go = t.root / "go"
-    pub = t.publish(1, extra_env={"DCR_TEST_PAUSE_AT": f"attempt-opened:{go}"})
-    attempts = t.store / "attempts" / f"v{1:010}"
-    wait_logged(pub.log, "DCR_TEST_PAUSE_AT: waiting at attempt-opened")
-    (attempt,) = [d.name for d in attempts.iterdir()]
-    delta_id = int(read_json(attempts / attempt / "attempt.json")["delta_id"], 16)
+    pub, go, attempt_dir = t.publish_paused(1, "attempt-opened")
+    attempt = attempt_dir.name
+    delta_id = int(read_json(attempt_dir / "attempt.json")["delta_id"], 16)
     # The attacker's bits: v2 against the v0 the victim holds, in the run's chunking.
     res = run_dcr("delta", "make", t.gen / "v0", t.gen / "v2", "-o", t.root / "attacker", "--chunk", CHUNK)
     assert res.returncode == 0, str(res)
@@ -924,11 +933,9 @@ def test_a_forged_object_pushed_ahead_of_the_publisher_is_refused(tree):
         assert res.returncode == 0, str(res)
     wait_logged(t.receivers["victim"]["log"], "frame object attempts/v0000000001/" + attempt + "/frames/s1-0000.bin")
     go.touch()
-    assert pub.wait(timeout=TIMEOUT_S) == 0, tail(pub.log)
+    report = t.report(pub, 1)
     t.wait_receivers()
     t.assert_exact(1)
-    text = pub.log.read_text()
-    report = json.loads(text[text.index("\n{") + 1:text.rindex("}") + 1])
     assert report["attempts"] == 1 and report["acked"] == ["victim"], report
     log = t.receivers["victim"]["log"].read_text()
     assert "frames/s0-0000.bin: not signed" in log, log
@@ -1055,13 +1062,10 @@ def test_a_receivers_key_cannot_forge_acks_or_fence(tree):
     t.start_receiver("good", "r0", 1)
     t.wait_registered()
     t.wait_attached({"receiver good": "r0"})
-    go = t.root / "go"
-    pub = t.publish(1, extra_env={"DCR_TEST_PAUSE_AT": f"manifest-written:{go}"})
-    wait_logged(pub.log, "DCR_TEST_PAUSE_AT: waiting at manifest-written")
-    attempts = t.store / "attempts" / f"v{1:010}"
-    (attempt,) = [d.name for d in attempts.iterdir()]
+    pub, go, attempt_dir = t.publish_paused(1, "manifest-written")
+    attempt = attempt_dir.name
     prefix = f"attempts/v{1:010}/{attempt}/"
-    target = read_json(attempts / attempt / "manifest.json")["target_digest"]
+    target = read_json(attempt_dir / "manifest.json")["target_digest"]
     lane0, lane1 = int(target[:16], 16), int(target[16:], 16)
 
     keys = dict(line.split(" ", 1) for line in t.client_key.read_text().splitlines() if not line.startswith("#"))
@@ -1082,13 +1086,11 @@ def test_a_receivers_key_cannot_forge_acks_or_fence(tree):
         wait_logged(t.logs / "relay-r0.log", f"receiver good (via receiver mallory) failed attempt {prefix}")
     finally:
         go.touch()
-    assert pub.wait(timeout=TIMEOUT_S) == 0, tail(pub.log)
+    report = t.report(pub, 1)
     peer.close(linger=0)
     ctx.term()
     t.wait_receivers()
     t.assert_exact(1)
-    text = pub.log.read_text()
-    report = json.loads(text[text.index("\n{") + 1:text.rindex("}") + 1])
     assert report["attempts"] == 1 and report["acked"] == ["good"], report
     assert report["relay_acks_unconfirmed"] >= 1, report  # ghost's, at least (good's forged nack may have met its real ack)
     commit = read_json(t.store / "commits" / f"v{1:010}.json")
