@@ -321,12 +321,26 @@ struct PublishReport {
   // (forged, or ahead of the store): not counted; the store's record is.
   uint64_t relay_acks_unconfirmed = 0;
   double encode_seconds = 0, wait_seconds = 0, total_seconds = 0;
+  // Making the baseline hold the previous version (open, catch up, or
+  // rebuild from the store), and moving it to this version after the commit.
+  double baseline_seconds = 0, advance_seconds = 0;
+  std::string state_dir;  // where the baseline is
   bool already_committed = false;  // the commit record existed with this target
 };
 
+// Where a publisher keeps its state by default: $DCR_STATE_DIR, else
+// /dev/shm/dcr-<uid>/publish/<store> (memory; the user's directory there is
+// created 0700 and refused when it is not private), else, without /dev/shm,
+// ~/.cache/dcr/publish/<store>.
+Result<std::string> DefaultPublisherStateDir(std::string_view store_url);
+
 // Publishes checkpoints as versions of the run in `store`. The baseline (the
 // last committed version, which deltas are made against) is a checkpoint
-// directory `state_dir` that the publisher owns.
+// directory in `state_dir` (empty: DefaultPublisherStateDir), which one
+// publisher at a time owns (a lock file; a second is refused). The state is
+// a cache of the store: when it holds no baseline of the run at or below the
+// previous version, or a damaged one, the publisher rebuilds it from the
+// newest snapshot and the committed deltas.
 class Publisher {
  public:
   Publisher(Store& store, std::string state_dir, PublishOptions options);
@@ -371,7 +385,8 @@ struct ShardProcesses {
 // own ShardPublisher; contributions travel as contribution objects through
 // the store, docs/protocol.md "Trainer ranks in separate processes"). Each
 // process's baseline is its own senders' shards (not canonical copies), kept
-// as buffer files in `state_dir`/shards/s<K>/ (K global) with shards.json
+// as buffer files in `state_dir` (as Publisher's: empty for the default,
+// locked while publishing)/shards/s<K>/ (K global) with shards.json
 // naming the run, version, senders and their partial digest; when it is
 // missing, damaged or not at v-1 it is caught up from the committed deltas or
 // rebuilt from the newest snapshot through the maps (ApplyRankFrame on the

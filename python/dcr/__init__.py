@@ -159,16 +159,25 @@ def open_store(url: str, create_root: bool = True) -> Store:
     return _dcr.open_store(url, create_root)
 
 
+def default_publisher_state_dir(store: Store) -> str:
+    """Where a publisher of ``store`` keeps its state unless told: ``$DCR_STATE_DIR``,
+    else in memory, ``/dev/shm/dcr-<uid>/publish/<store>`` (docs/protocol.md)."""
+    return _dcr.default_publisher_state_dir(store.url)
+
+
 class Publisher:
     """Publishes checkpoints as versions of a run in a store (C++ dcr::Publisher);
     :meth:`publish` returns once the version is committed. ``state_dir`` holds
-    the baseline, owned by the publisher."""
+    the baseline, owned by one publisher at a time; it is a cache of the store
+    (rebuilt from it when missing). None: :func:`default_publisher_state_dir`,
+    in memory."""
 
-    def __init__(self, store: Store, state_dir: PathLike, senders: int = 1, max_attempts: int = 3,
+    def __init__(self, store: Store, state_dir: Optional[PathLike] = None, senders: int = 1, max_attempts: int = 3,
                  ack_timeout_s: float = 60.0, heartbeat_timeout_s: float = 10.0, snapshot_every: int = 0,
                  chunk_elements: int = DEFAULT_CHUNK_ELEMENTS):
         self.store = store
-        self._p = _dcr.Publisher(store, os.fspath(state_dir), senders, max_attempts, ack_timeout_s,
+        self.state_dir = default_publisher_state_dir(store) if state_dir is None else os.fspath(state_dir)
+        self._p = _dcr.Publisher(store, self.state_dir, senders, max_attempts, ack_timeout_s,
                                  heartbeat_timeout_s, snapshot_every, chunk_elements)
 
     def publish(self, version: int, checkpoint: Union[Checkpoint, PathLike]) -> dict:
@@ -476,7 +485,8 @@ class ShardPublisher:
     mapping of canonical names to tensors, or ``(tensors, layout)`` with a
     sender layout map (JSON or dict) over shard buffers. Each :meth:`publish`
     projects the tensors' current bits against the senders' baseline shards
-    (kept in ``state_dir``, rebuilt from the store when missing), runs the
+    (kept in ``state_dir``, rebuilt from the store when missing; None: in
+    memory, :func:`default_publisher_state_dir`), runs the
     attempts, waits for the acks and commits; it returns the report once
     committed. Version 0 (the run's snapshot) is a canonical checkpoint:
     :meth:`publish_snapshot`.
@@ -519,14 +529,15 @@ class ShardPublisher:
     ``manifest-written``, ``acked``, ``before-commit``) fail as a store
     outage would, so that attempt is fenced and retried as an overwrite."""
 
-    def __init__(self, store: Store, state_dir: PathLike, senders: Sequence[Any], max_attempts: int = 3,
+    def __init__(self, store: Store, state_dir: Optional[PathLike], senders: Sequence[Any], max_attempts: int = 3,
                  ack_timeout_s: float = 60.0, heartbeat_timeout_s: float = 10.0, snapshot_every: int = 0,
                  chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
                  conversions: Optional[Mapping[str, Callable[[], Any]]] = None, stage: Optional[bool] = None,
                  process: int = 0, processes: int = 1, layouts: Optional[Sequence[Any]] = None,
                  placement: Optional[Sequence[int]] = None, peer_timeout_s: float = 60.0,
                  inject_failures: Sequence[str] = ()):
-        self.store, self.state_dir = store, os.fspath(state_dir)
+        self.store = store
+        self.state_dir = default_publisher_state_dir(store) if state_dir is None else os.fspath(state_dir)
         self._options = dict(max_attempts=max_attempts, ack_timeout_s=ack_timeout_s,
                              heartbeat_timeout_s=heartbeat_timeout_s, snapshot_every=snapshot_every,
                              chunk_elements=chunk_elements)
@@ -611,9 +622,10 @@ class ShardPublisher:
         name (written as a checkpoint in ``state_dir``/snapshot-v0, then
         published by :class:`Publisher` with ``state_dir``/snapshot as its
         state); converted tensors missing from ``tensors`` are taken from
-        the conversions. Calling it again (a trainer restarted while
-        creating the run) publishes version 0 again, which finishes an
-        interrupted snapshot."""
+        the conversions; both are removed once it is committed (later
+        versions are published from the senders' own baseline). Calling it
+        again (a trainer restarted while creating the run) publishes version
+        0 again, which finishes an interrupted snapshot."""
         tensors = dict(tensors)
         for name, held in self._converted.items():
             tensors.setdefault(name, self._convert(name, held))
@@ -624,9 +636,14 @@ class ShardPublisher:
             ckpt.tensor(n).copy_(t.detach() if hasattr(t, "detach") else as_torch(t, dtype_name(t)))
         ckpt.sync()
         o = self._options
-        publisher = Publisher(self.store, os.path.join(self.state_dir, "snapshot"), 1, o["max_attempts"],
-                              o["ack_timeout_s"], o["heartbeat_timeout_s"], o["snapshot_every"], o["chunk_elements"])
-        return publisher.publish(0, ckpt)
+        state = os.path.join(self.state_dir, "snapshot")
+        publisher = Publisher(self.store, state, 1, o["max_attempts"], o["ack_timeout_s"], o["heartbeat_timeout_s"],
+                              o["snapshot_every"], o["chunk_elements"])
+        report = publisher.publish(0, ckpt)
+        del ckpt
+        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(state, ignore_errors=True)
+        return report
 
 
 def validate_layout(layout: Union[str, Mapping[str, Any]]) -> str:
@@ -637,6 +654,6 @@ def validate_layout(layout: Union[str, Mapping[str, Any]]) -> str:
 __all__ = [
     "Checkpoint", "TensorInfo", "Delta", "Store", "Publisher", "Follower", "Sender", "Receiver", "ShardPublisher", "VerifyResult",
     "make_delta", "apply_delta", "verify_delta", "inspect_delta", "read_delta", "open_store", "identity_layout",
-    "validate_layout", "torch_dtype", "dtype_name", "byte_view", "errors", "DEFAULT_CHUNK_ELEMENTS",
+    "validate_layout", "default_publisher_state_dir", "torch_dtype", "dtype_name", "byte_view", "errors", "DEFAULT_CHUNK_ELEMENTS",
     *errors.__all__,
 ]

@@ -527,7 +527,8 @@ class DcrTrainerInitInfo(TrainerInitInfo):
 
     store: the run's store URL; the run is created (version 0, the
         snapshot of the source's tensors) when the store holds none.
-    state_dir: the publisher's state (docs/python.md, ShardPublisher).
+    state_dir: the publisher's state (docs/python.md, ShardPublisher);
+        None: in memory (``dcr.default_publisher_state_dir``).
     engine_init: further worker ``init_info`` (engine, state_dir, poll_s,
         join_timeout_s); ``store`` and ``run_id`` are filled in.
     engines: the engine names to wait for before each version's publish
@@ -541,7 +542,7 @@ class DcrTrainerInitInfo(TrainerInitInfo):
     backend: ClassVar[str] = BACKEND
 
     store: str
-    state_dir: str
+    state_dir: Optional[str] = None
     engine_init: dict = field(default_factory=dict)
     engines: Optional[list] = None
     max_attempts: int = 3

@@ -341,6 +341,9 @@ nb::dict PublishReportDict(const dcr::PublishReport& r) {
   d["encode_seconds"] = r.encode_seconds;
   d["wait_seconds"] = r.wait_seconds;
   d["total_seconds"] = r.total_seconds;
+  d["baseline_seconds"] = r.baseline_seconds;
+  d["advance_seconds"] = r.advance_seconds;
+  d["state_dir"] = r.state_dir;
   d["already_committed"] = r.already_committed;
   return d;
 }
@@ -716,6 +719,9 @@ NB_MODULE(_dcr, m) {
         Check(st);
       }, "key"_a);
 
+  m.def("default_publisher_state_dir", [](const std::string& store_url) {
+    return Take(dcr::DefaultPublisherStateDir(store_url));
+  }, "store_url"_a);
   m.def("open_store", [](const std::string& url, bool create_root) {
     dcr::OpenStoreOptions o;
     o.create_root = create_root;

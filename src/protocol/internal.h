@@ -114,6 +114,21 @@ Status NoSpace(const std::string& dir, uint64_t need, std::string_view what,
                std::optional<uint64_t> available = std::nullopt);
 bool IsNoSpace(int err);
 
+// A publisher's hold on its state directory (an exclusive flock of
+// `state_dir`/lock, released when destroyed); kFailedPrecondition when
+// another process or publisher holds it.
+class StateDirLock {
+ public:
+  static Result<StateDirLock> Acquire(const std::string& state_dir);
+  StateDirLock(StateDirLock&& o) noexcept;
+  StateDirLock& operator=(StateDirLock&&) = delete;
+  ~StateDirLock();
+
+ private:
+  StateDirLock() = default;
+  int fd_ = -1;
+};
+
 // A receiver's record receivers/<id>.json: written now by Set, and every
 // `every` by a thread between Start and Stop (the destructor stops it).
 class Heartbeat {

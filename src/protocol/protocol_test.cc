@@ -4,6 +4,10 @@
 // byte. (tests/python/test_refit.py runs the same with real processes.)
 #include "dcr/protocol.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -862,6 +866,54 @@ TEST_F(ProtocolTest, APublisherTrustsItsCachedBaselineDigestsOnlyForAnUnchangedB
   EXPECT_EQ(cached_version(), 3);
   ASSERT_TRUE(f.Run(3).ok());
   ExpectIdentical(Path("r"), 3);
+}
+
+// The state directory is a cache of the store: a publisher without one (a
+// new machine; a reboot emptied /dev/shm), with another run's baseline, or
+// with a record that does not parse rebuilds its baseline from the store.
+// One publisher at a time holds a state directory.
+TEST_F(ProtocolTest, APublisherRebuildsAMissingForeignOrDamagedStateFromTheStore) {
+  ASSERT_TRUE(Publisher(*store_, Path("state"), Fast()).Publish(0, Version(0)).ok());
+  ASSERT_TRUE(Publisher(*store_, Path("state"), Fast()).Publish(1, Version(1)).ok());
+  auto fresh = Publisher(*store_, Path("fresh"), Fast()).Publish(2, Version(2));
+  ASSERT_TRUE(fresh.ok()) << fresh.status().ToString();
+  EXPECT_EQ(fresh->state_dir, Path("fresh"));
+  ExpectIdentical(Path("fresh/baseline"), 2);
+  // "state" now holds version 0 of another run.
+  auto other = OpenStore("mem://rebuild-other-run");
+  ASSERT_TRUE(other.ok());
+  ASSERT_TRUE(Publisher(**other, Path("state"), Fast()).Publish(0, Version(0)).ok());
+  ResetMemStore("rebuild-other-run");
+  auto foreign = Publisher(*store_, Path("state"), Fast()).Publish(3, Version(3));
+  ASSERT_TRUE(foreign.ok()) << foreign.status().ToString();
+  ExpectIdentical(Path("state/baseline"), 3);
+  {
+    std::ofstream(Path("fresh/publisher.json")) << "{not json";
+  }
+  auto damaged = Publisher(*store_, Path("fresh"), Fast()).Publish(4, Version(4));
+  ASSERT_TRUE(damaged.ok()) << damaged.status().ToString();
+  ExpectIdentical(Path("fresh/baseline"), 4);
+  Follower f(*store_, Path("r"), Receiver("r"));
+  ASSERT_TRUE(f.Run(4).ok());
+  ExpectIdentical(Path("r"), 4);
+
+  // A state directory another process holds (its lock) is refused, and
+  // nothing is published; once it is released, the publish goes on (version
+  // 5 has the bits of version 4: a step that changed nothing).
+  const Checkpoint v5 = Version(4);
+  const int held = ::open(Path("state/lock").c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(held, 0);
+  ASSERT_EQ(::flock(held, LOCK_EX | LOCK_NB), 0);
+  auto refused = Publisher(*store_, Path("state"), Fast()).Publish(5, v5);
+  EXPECT_EQ(refused.status().code(), Code::kFailedPrecondition);
+  EXPECT_NE(refused.status().message().find("in use by another publisher"), std::string::npos)
+      << refused.status().message();
+  auto status = ReadRunStatus(*store_, std::chrono::milliseconds(2000));
+  ASSERT_TRUE(status.ok());
+  EXPECT_EQ(status->versions.size(), 5u) << "nothing of version 5 was written";
+  ::close(held);
+  auto after = Publisher(*store_, Path("state"), Fast()).Publish(5, v5);
+  ASSERT_TRUE(after.ok()) << after.status().ToString();
 }
 
 }  // namespace

@@ -55,7 +55,7 @@ Result<std::optional<BaselineState>> ReadBaseline(const std::string& state_dir) 
   DCR_ASSIGN_OR_RETURN(MappedFile f, MappedFile::Open(path, false));
   auto doc = nlohmann::json::parse(f.data().begin(), f.data().end(), nullptr, false);
   if (doc.is_discarded() || !doc.is_object() || !doc["run_id"].is_string() || !doc["version"].is_number_unsigned())
-    return InvalidArgument(path + ": does not parse; remove the publisher state directory to start over from the store");
+    return InvalidArgument(path + ": does not parse");
   return std::optional<BaselineState>(BaselineState{doc["run_id"].get<std::string>(), doc["version"].get<uint64_t>()});
 }
 
@@ -333,10 +333,8 @@ Status PublishRun::CatchUpBaseline(Checkpoint& baseline, uint64_t from, uint64_t
     DCR_ASSIGN_OR_RETURN(DeltaReader delta, LoadAttempt(store_, v, c.attempt));
     auto applied = ApplyDelta(baseline, delta, nullptr, nullptr, digests);
     if (!applied.ok())
-      return applied.status().WithContext(fmt::format(
-          "the publisher baseline {} cannot move to committed version {}; remove {} and publish again from a fresh "
-          "baseline",
-          baseline.path(), v, state_dir_));
+      return applied.status().WithContext(
+          fmt::format("the publisher baseline {} cannot move to committed version {}", baseline.path(), v));
   }
   return Status::Ok();
 }
@@ -352,8 +350,8 @@ Status PublishRun::LoadBaseline(uint64_t at, const CommitRecord& want, const Run
   DCR_RETURN_IF_ERROR(CatchUpBaseline(baseline, at, want.version, digests));
   if (Total(*digests) != want.target_digest)
     return FailedPrecondition(fmt::format(
-        "the publisher baseline {} is not committed version {} (digest {} != {}); remove {} and rebuild it",
-        baseline.path(), want.version, Total(*digests).ToHex(), want.target_digest.ToHex(), state_dir_));
+        "the publisher baseline {} is not committed version {} (digest {} != {})", baseline.path(), want.version,
+        Total(*digests).ToHex(), want.target_digest.ToHex()));
   if (at < want.version) DCR_RETURN_IF_ERROR(WriteBaseline(state_dir_, {run.run_id, want.version}));
   WriteDigestCache(state_dir_, want.version, baseline, *digests);
   out->emplace(std::move(baseline));
@@ -395,24 +393,28 @@ Result<PublishReport> PublishRun::PublishDelta(uint64_t v, const Checkpoint& nex
   report.total_bytes = 0;
   for (const auto& t : next.tensors()) report.total_bytes += t.nbytes;
 
-  // The baseline must hold v-1: catch it up from committed deltas if it is behind.
-  DCR_ASSIGN_OR_RETURN(auto state, ReadBaseline(state_dir_));
-  if (!state)
-    return FailedPrecondition(fmt::format(
-        "{} holds no publisher baseline; publish version 0 from here, or copy version {} there", state_dir_, v - 1));
-  if (state->run_id != run.run_id)
-    return FailedPrecondition(fmt::format("{} is the baseline of run {}, but {} holds run {}; use another --state",
-                                          state_dir_, state->run_id, store_.url(), run.run_id));
-  if (state->version >= v)
-    return FailedPrecondition(fmt::format("the baseline in {} is at version {}: version {} was published from here",
-                                          state_dir_, state->version, v));
+  // The baseline must hold v-1: caught up from committed deltas when it is
+  // behind; rebuilt from the store when the state holds no baseline of this
+  // run below v (new, lost in a reboot, another run's) or a damaged one.
+  const auto baseline_start = Clock::now();
   DCR_ASSIGN_OR_RETURN(CommitRecord base_commit, ReadCommit(store_, v - 1));
   std::optional<Checkpoint> opened;
   ChunkDigestTable base_digests;
-  Status ready = LoadBaseline(state->version, base_commit, run, layout, &opened, &base_digests);
+  auto load = [&]() -> Status {
+    DCR_ASSIGN_OR_RETURN(auto state, ReadBaseline(state_dir_));
+    if (!state) return NotFound(state_dir_ + " holds no baseline");
+    if (state->run_id != run.run_id)
+      return FailedPrecondition(fmt::format("{} holds the baseline of run {}", state_dir_, state->run_id));
+    if (state->version >= v)
+      return FailedPrecondition(fmt::format("{} holds version {}, not below {}", state_dir_, state->version, v));
+    return LoadBaseline(state->version, base_commit, run, layout, &opened, &base_digests);
+  };
+  Status ready = load();
   if (!ready.ok() && !Transient(ready)) {
-    // A publisher killed while its baseline moved (a chunk half copied), a
-    // damaged baseline, or deltas GC removed: rebuild it from the store.
+    // Also a publisher killed while its baseline moved (a chunk half copied),
+    // or deltas GC removed.
+    fmt::print(stderr, "dcr publish: rebuilding the baseline of version {} from {} ({})\n", v - 1, store_.url(),
+               ready.ToString());
     opened.reset();
     Status rebuilt = RebuildBaseline(base_commit, run, layout);
     if (!rebuilt.ok())
@@ -420,6 +422,7 @@ Result<PublishReport> PublishRun::PublishDelta(uint64_t v, const Checkpoint& nex
     ready = LoadBaseline(v - 1, base_commit, run, layout, &opened, &base_digests);
   }
   DCR_RETURN_IF_ERROR(ready);
+  report.baseline_seconds = Seconds(baseline_start);
   Checkpoint& baseline = *opened;
   // A scheduled snapshot of v-1 whose upload failed after v-1's commit is
   // uploaded now, from the baseline (which holds v-1 exactly).
@@ -449,10 +452,12 @@ Result<PublishReport> PublishRun::PublishDelta(uint64_t v, const Checkpoint& nex
     DCR_RETURN_IF_ERROR(Fault(o_, "committed"));
     // No msync: a killed process leaves the page cache intact, and after an OS
     // crash the baseline's digest check at the next publish rebuilds it.
+    const auto advance_start = Clock::now();
     DropDigestCache(state_dir_);
     CopyChunks(baseline, next, layout, manifest.frames);
     DCR_RETURN_IF_ERROR(WriteBaseline(state_dir_, {run.run_id, v}));
     WriteDigestCache(state_dir_, v, baseline, target_digests);
+    report.advance_seconds = Seconds(advance_start);
     if (o_.snapshot_every > 0 && v % o_.snapshot_every == 0)
       DCR_RETURN_IF_ERROR(UploadSnapshot(store_, v, next, manifest.target_digest, nullptr));
     // Best effort: v is committed whatever GC meets, and the next publish collects again.
@@ -954,7 +959,8 @@ class ShardRun {
   Result<bool> Abandoned(uint64_t v, const std::string& id);
   // The local senders' baseline at committed version `want` (opened,
   // caught up, or rebuilt), into baseline_.
-  Status LoadShards(const CommitRecord& want);
+  Status LoadShards(const CommitRecord& want);  // timed into report_.baseline_seconds
+  Status OpenOrRebuildShards(const CommitRecord& want);
   Status ApplyCommitted(uint64_t from, uint64_t to);
   Status WriteShardsRecord(uint64_t version, const Digest& digest);
   // Commit of an attempt this process recorded: the baseline becomes the
@@ -1039,6 +1045,13 @@ Status ShardRun::ApplyCommitted(uint64_t from, uint64_t to) {
 }
 
 Status ShardRun::LoadShards(const CommitRecord& want) {
+  const auto start = Clock::now();
+  Status s = OpenOrRebuildShards(want);
+  report_.baseline_seconds += Seconds(start);
+  return s;
+}
+
+Status ShardRun::OpenOrRebuildShards(const CommitRecord& want) {
   baseline_.clear();
   // The recorded baseline, when its files still hold the recorded digest.
   if (auto f = MappedFile::Open(ShardsRecord(state_dir_), false); f.ok()) {
@@ -1097,6 +1110,7 @@ Status ShardRun::LoadShards(const CommitRecord& want) {
 }
 
 Status ShardRun::MoveBaseline(uint64_t v, const Digest& partial) {
+  const auto start = Clock::now();
   std::error_code ec;
   fs::remove(ShardsRecord(state_dir_), ec);
   for (size_t i = 0; i < local_.size(); ++i) {
@@ -1104,7 +1118,9 @@ Status ShardRun::MoveBaseline(uint64_t v, const Digest& partial) {
     for (size_t b = 0; b < base.buffers.size(); ++b)
       std::copy(local_[i].current[b].begin(), local_[i].current[b].end(), base.buffers[b].begin());
   }
-  return WriteShardsRecord(v, partial);
+  Status written = WriteShardsRecord(v, partial);
+  report_.advance_seconds = Seconds(start);
+  return written;
 }
 
 Result<bool> ShardRun::Abandoned(uint64_t v, const std::string& id) {
@@ -1406,6 +1422,18 @@ Result<PublishReport> ShardRun::Work(uint64_t v) {
 
 }  // namespace
 
+namespace {
+
+Result<std::string> StateDir(const std::string& configured, Store& store) {
+  if (!configured.empty()) return configured;
+  return DefaultPublisherStateDir(store.url());
+}
+
+Result<PublishReport> PublishVersion(Store& store, const std::string& state_dir, const PublishOptions& options,
+                                     uint64_t version, const Checkpoint& next, Progress* progress);
+
+}  // namespace
+
 ShardPublisher::ShardPublisher(Store& store, std::string state_dir, PublishOptions options)
     : store_(store), state_dir_(std::move(state_dir)), options_(std::move(options)) {
   if (options_.coordinator_id.empty()) options_.coordinator_id = DefaultId();
@@ -1430,32 +1458,44 @@ Result<PublishReport> ShardPublisher::Publish(uint64_t version, std::span<const 
     return FailedPrecondition(fmt::format("the newest committed version is {}; publish version {}",
                                           state.latest ? std::to_string(*state.latest) : "none",
                                           state.latest ? *state.latest + 1 : 0));
-  std::error_code ec;
-  fs::create_directories(state_dir_, ec);
-  if (ec) return ErrnoError(ec.value(), "cannot create " + state_dir_);
-  PublishRun run(store_, state_dir_, options_, nullptr);
-  ShardRun shards(run, store_, state_dir_, options_, *state.run, maps, local, procs);
+  DCR_ASSIGN_OR_RETURN(const std::string dir, StateDir(state_dir_, store_));
+  DCR_ASSIGN_OR_RETURN(StateDirLock lock, StateDirLock::Acquire(dir));
+  PublishRun run(store_, dir, options_, nullptr);
+  ShardRun shards(run, store_, dir, options_, *state.run, maps, local, procs);
   DCR_RETURN_IF_ERROR(shards.Prepare());
-  return worker ? shards.Work(version) : shards.Coordinate(version);
+  auto r = worker ? shards.Work(version) : shards.Coordinate(version);
+  if (r.ok()) r->state_dir = dir;
+  return r;
 }
 
 Result<PublishReport> Publisher::Publish(uint64_t version, const Checkpoint& next, Progress* progress) {
-  PublishRun run(store_, state_dir_, options_, progress);
-  DCR_ASSIGN_OR_RETURN(RunState state, ReadRunState(store_));
+  DCR_ASSIGN_OR_RETURN(const std::string dir, StateDir(state_dir_, store_));
+  DCR_ASSIGN_OR_RETURN(StateDirLock lock, StateDirLock::Acquire(dir));
+  auto r = PublishVersion(store_, dir, options_, version, next, progress);
+  if (r.ok()) r->state_dir = dir;
+  return r;
+}
+
+namespace {
+
+Result<PublishReport> PublishVersion(Store& store, const std::string& state_dir, const PublishOptions& options,
+                                     uint64_t version, const Checkpoint& next, Progress* progress) {
+  PublishRun run(store, state_dir, options, progress);
+  DCR_ASSIGN_OR_RETURN(RunState state, ReadRunState(store));
   if (version == 0) {
     if (state.latest && *state.latest > 0)
-      return FailedPrecondition(fmt::format("{} already holds versions up to {}; publish version {}", store_.url(),
+      return FailedPrecondition(fmt::format("{} already holds versions up to {}; publish version {}", store.url(),
                                             *state.latest, *state.latest + 1));
     return run.PublishSnapshot(next);
   }
   if (!state.run)
-    return FailedPrecondition(fmt::format("{} holds no run; publish version 0 first", store_.url()));
+    return FailedPrecondition(fmt::format("{} holds no run; publish version 0 first", store.url()));
   if (!state.latest || *state.latest < version - 1)
     return FailedPrecondition(fmt::format("version {} is not committed (latest: {}); publish versions in order",
                                           version - 1, state.latest ? std::to_string(*state.latest) : "none"));
   if (*state.latest >= version) {
     // Already committed (a retried publish): fine when it holds these bits.
-    DCR_ASSIGN_OR_RETURN(CommitRecord c, ReadCommit(store_, version));
+    DCR_ASSIGN_OR_RETURN(CommitRecord c, ReadCommit(store, version));
     DCR_RETURN_IF_ERROR(CheckRunTensors(next, *state.run));
     if (Total(ChunkDigests(next, LayoutOf(*state.run))) != c.target_digest)
       return AlreadyExists(fmt::format("version {} is already committed with other bits; publish version {}", version,
@@ -1469,4 +1509,5 @@ Result<PublishReport> Publisher::Publish(uint64_t version, const Checkpoint& nex
   return run.PublishDelta(version, next, *state.run);
 }
 
+}  // namespace
 }  // namespace dcr

@@ -8,7 +8,9 @@ count); files are read back with conftest's independent safetensors reader.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
 import threading
 
@@ -283,6 +285,32 @@ def test_publish_and_follow_through_a_file_store(tmp_path):
         pub.publish(5, tmp_path / "v3")  # v4 is not committed
     with pytest.raises(dcr.DeadlineExceededError):
         dcr.Follower(store, tmp_path / "engine", id="rx-1").run(until=9, timeout_s=0.3)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_a_publishers_state_is_in_memory_by_default_and_held_by_one_publisher(tmp_path):
+    vs = [random_tensors(8)]
+    vs.append({n: t.clone() for n, t in vs[0].items()})
+    step(vs[1], seed=3)
+    for v, t in enumerate(vs):
+        write_checkpoint(tmp_path / f"v{v}", t)
+    store = dcr.open_store(f"file://{tmp_path}/store")
+    pub = dcr.Publisher(store, chunk_elements=64)
+    try:
+        assert pub.state_dir == dcr.default_publisher_state_dir(store)
+        assert pub.state_dir.startswith(f"/dev/shm/dcr-{os.geteuid()}/publish/"), pub.state_dir
+        assert pub.publish(0, tmp_path / "v0")["state_dir"] == pub.state_dir
+        with open(os.path.join(pub.state_dir, "lock")) as held:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as another publisher would
+            with pytest.raises(dcr.FailedPreconditionError, match="in use by another publisher"):
+                dcr.Publisher(store).publish(1, tmp_path / "v1")
+        rep = pub.publish(1, tmp_path / "v1")
+        assert rep["version"] == 1 and rep["advance_seconds"] > 0
+        baseline = read_checkpoint(os.path.join(pub.state_dir, "baseline"))
+        for n, t in vs[1].items():
+            assert baseline[n].data == t.contiguous().view(torch.uint8).numpy().tobytes(), n
+    finally:
+        shutil.rmtree(pub.state_dir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- live tensors

@@ -79,15 +79,6 @@ std::function<Status(std::string_view)> TestCrashHook() {
   };
 }
 
-// Default publisher state: $DCR_STATE_DIR, else ~/.cache/dcr/publish/<store>.
-std::string DefaultStateDir(const std::string& store_url) {
-  if (const char* d = std::getenv("DCR_STATE_DIR"); d && *d) return d;
-  std::string name;
-  for (char c : store_url) name += std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
-  const char* home = std::getenv("HOME");
-  return fmt::format("{}/.cache/dcr/publish/{}", home && *home ? home : "/tmp", name);
-}
-
 struct PublishArgs {
   std::string store, checkpoint, state;
   uint64_t version = 0;
@@ -265,7 +256,7 @@ int RunPublish(const PublishArgs& a) {
     relay = std::move(*started);
     o.relay = relay.get();
   }
-  const std::string state = a.state.empty() ? DefaultStateDir((*store)->url()) : a.state;
+  const std::string& state = a.state;  // empty: the default (DefaultPublisherStateDir)
   Result<PublishReport> r = Aborted("not published");
   if (!a.process.empty()) {
     r = PublishFromProcess(a, **store, state, o);
@@ -291,7 +282,8 @@ int RunPublish(const PublishArgs& a) {
                 {"relay_acks", r->relay_acks},
                 {"relay_acks_unconfirmed", r->relay_acks_unconfirmed},
                 {"encode_seconds", r->encode_seconds}, {"wait_seconds", r->wait_seconds},
-                {"total_seconds", r->total_seconds}};
+                {"baseline_seconds", r->baseline_seconds}, {"advance_seconds", r->advance_seconds},
+                {"total_seconds", r->total_seconds},   {"state_dir", r->state_dir}};
     std::cout << doc.dump(1) << "\n";
   } else if (r->already_committed) {
     fmt::print("version {} was already committed ({})\n", r->version,
@@ -493,7 +485,7 @@ void AddRefitCommands(CLI::App& app) {
                   "With --process: the process of each sender, comma-separated (default: contiguous blocks)");
   pub->add_option("--peer-timeout", pa->peer_timeout,
                   "With --process: seconds to wait for the other processes' objects");
-  pub->add_option("--state", pa->state, "Publisher state directory (the baseline); default $DCR_STATE_DIR or ~/.cache/dcr/publish/<store>");
+  pub->add_option("--state", pa->state, "Publisher state directory (the baseline, a cache of the store: rebuilt from it when missing); default $DCR_STATE_DIR, else in memory: /dev/shm/dcr-<uid>/publish/<store>");
   pub->add_option("--senders", pa->senders, "Senders (chunk owners)")->check(CLI::Range(1, 1024));
   pub->add_option("--attempts", pa->attempts, "Attempts before giving up (retries are overwrite)")->check(CLI::Range(1, 100));
   pub->add_option("--chunk", pa->chunk, "Chunk size in elements (version 0 fixes it for the run)");
