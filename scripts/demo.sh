@@ -37,13 +37,14 @@ if [ "$(cat "$out/gen/params" 2>/dev/null)" != "$params" ]; then
   $dcr gen -o "$out/gen" --family qwen3-moe --size "$size" --versions "$versions" --update training --rate "$rate" --seed 42
   echo "$params" > "$out/gen/params"
 fi
-rm -rf "$out/store" "$out/state" "$out"/receiver-* "$out/full"
+rm -rf "$out/store" "$out"/receiver-* "$out/full"
 read -r total elements < <($dcr inspect --json "$out/gen/v0" | python3 -c \
   'import json,sys; d=json.load(sys.stdin); print(d["total_bytes"], d["total_elements"])')
 
 echo
 echo "== publish version 0: the run and its snapshot ($store)"
-$dcr publish --store "$store" --state "$out/state" --version 0 "$out/gen/v0"
+# The publisher's state (its baseline, a cache of the store) is in memory by default.
+$dcr publish --store "$store" --version 0 "$out/gen/v0"
 
 echo
 echo "== three receivers join from the snapshot and follow (logs in $out/receiver-N.log)"
@@ -63,7 +64,7 @@ done
 echo
 echo "== publish versions 1..$versions; each returns once every receiver has applied, verified and acked it"
 for v in $(seq 1 "$versions"); do
-  $dcr publish --store "$store" --state "$out/state" --version "$v" --json "$out/gen/v$v" > "$out/publish-v$v.json"
+  $dcr publish --store "$store" --version "$v" --json "$out/gen/v$v" > "$out/publish-v$v.json"
 done
 for p in "${pids[@]}"; do wait "$p"; done
 pids=()
@@ -110,3 +111,6 @@ for i in 1 2 3; do
   for f in "$out/gen/v$versions"/*.safetensors; do cmp "$f" "$out/receiver-$i/$(basename "$f")"; done
 done
 echo "demo: all three receivers hold exactly the bits of version $versions"
+state=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["state_dir"])' "$out/publish-v$versions.json")
+rm -rf "$state"
+echo "(the publisher's baseline, kept in memory at $state between publishes, is removed)"

@@ -26,6 +26,7 @@ import random
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -256,7 +257,11 @@ class Harness:
         self.view = view or FileView(self.store)
         self.watch_every_s = watch_every_s
         self._etags: dict[str, str] = {}
-        self.state = root / "state"
+        # The publisher's state in memory, as by default (docs/protocol.md);
+        # other states a test makes (root / "state-b") are on the disk.
+        self._memory = Path(tempfile.mkdtemp(prefix="dcr-harness-", dir="/dev/shm")) if os.path.isdir("/dev/shm") \
+            else None
+        self.state = (self._memory or root) / "state"
         self.logs = root / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.receivers: dict[str, Receiver] = {}
@@ -322,6 +327,12 @@ class Harness:
         res = run_dcr("status", "--store", self.url, "--heartbeat-timeout", HEARTBEAT_TIMEOUT_S, "--json")
         assert res.returncode == 0, str(res)
         return res.json()
+
+    def close(self) -> None:
+        """Stops every process and removes the state kept in memory."""
+        self.stop_all()
+        if self._memory:
+            shutil.rmtree(self._memory, ignore_errors=True)
 
     def stop_all(self) -> None:
         self.stop_watching()

@@ -67,7 +67,7 @@ def harness(tmp):
 
     yield make
     for h in made:
-        h.stop_all()
+        h.close()
 
 
 def publish_ok(h: Harness, v: int, **kw) -> dict:
