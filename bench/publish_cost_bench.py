@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""The trainer's cost per step: `dcr publish` against `dcr delta make` alone, same data, same run.
+
+For each rate, generates v0..vK of a `dcr gen` checkpoint in memory (--work, default
+/dev/shm), creates a run (version 0) in a file store there, then publishes v1..vK with
+no receivers, twice: with the publisher's state in its default place (memory,
+/dev/shm/dcr-<uid>/publish/...) and with --state on a disk (--disk-state). Before each
+version, `dcr delta make v(k-1) vk` encodes the same step into a delta directory in
+memory: the floor a publish is measured against. Per version it records the wall time
+of each process, the publish report's phases (baseline: making the state hold v(k-1);
+encode: frames made and written to the store, overlapped; advance: the baseline moved
+to vk after the commit) and the bytes each publish process caused to be written to
+storage (rusage ru_oublock, from wait4). Before each publish the page cache is synced,
+so that a state on a disk starts clean. Prints a table (medians over the versions) and
+writes it as JSON (--json).
+
+  bench/publish_cost_bench.py --dcr build/tools/dcr/dcr [--size 2GB] [--rates 0.01,0.03] [--versions 3]
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+
+def run_timed(cmd):
+    """Runs cmd; returns (wall seconds, stdout, bytes it caused to be written to storage)."""
+    env = dict(os.environ, DCR_PROGRESS="0")
+    env.pop("DCR_STATE_DIR", None)
+    t0 = time.monotonic()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    out, err = p.stdout.read(), p.stderr.read()
+    _, status, usage = os.wait4(p.pid, 0)
+    wall = time.monotonic() - t0
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({p.returncode}): {err.decode(errors='replace')}")
+    return wall, out.decode(), usage.ru_oublock * 512
+
+
+def bench_rate(a, rate):
+    work = os.path.join(a.work, f"r{rate}")
+    gen = os.path.join(work, "gen")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    print(f"-- rate {rate}: dcr gen {a.size}, {a.versions} versions", flush=True)
+    subprocess.run([a.dcr, "gen", "-o", gen, "--family", a.family, "--size", a.size, "--versions", str(a.versions),
+                    "--update", "training", "--rate", str(rate), "--seed", "7"], check=True, stdout=subprocess.DEVNULL)
+    rows = {"delta make": [], "publish, state in memory (default)": [], "publish, state on disk": []}
+    paths = {"publish, state in memory (default)": ("store-mem", None),
+             "publish, state on disk": ("store-disk", os.path.join(a.disk_state, f"r{rate}"))}
+    states = []
+    for name, (store, state) in paths.items():
+        if state:
+            shutil.rmtree(state, ignore_errors=True)
+        cmd = [a.dcr, "publish", "--store", os.path.join(work, store), "--version", "0", "--json"]
+        _, out, _ = run_timed(cmd + (["--state", state] if state else []) + [os.path.join(gen, "v0")])
+        states.append(json.loads(out)["state_dir"])
+    for v in range(1, a.versions + 1):
+        delta = os.path.join(work, "delta")
+        shutil.rmtree(delta, ignore_errors=True)
+        wall, out, written = run_timed([a.dcr, "delta", "make", os.path.join(gen, f"v{v - 1}"),
+                                        os.path.join(gen, f"v{v}"), "-o", delta, "--json"])
+        d = json.loads(out)
+        rows["delta make"].append({"wall": wall, "encode": d["seconds"], "written": written,
+                                   "total_bytes": d["total_bytes"], "payload": d["payload_bytes"]})
+        shutil.rmtree(delta, ignore_errors=True)
+        for name, (store, state) in paths.items():
+            os.sync()
+            cmd = [a.dcr, "publish", "--store", os.path.join(work, store), "--version", str(v), "--json"]
+            wall, out, written = run_timed(cmd + (["--state", state] if state else []) + [os.path.join(gen, f"v{v}")])
+            r = json.loads(out)
+            rows[name].append({"wall": wall, "encode": r["encode_seconds"], "baseline": r["baseline_seconds"],
+                               "advance": r["advance_seconds"], "total": r["total_seconds"], "written": written})
+        print(f"   v{v}: " + ", ".join(f"{k} {rows[k][-1]['wall']:.2f} s" for k in rows), flush=True)
+    for s in states:
+        shutil.rmtree(s, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dcr", required=True)
+    ap.add_argument("--size", default="2GB")
+    ap.add_argument("--family", default="qwen3-moe")
+    ap.add_argument("--rates", default="0.01,0.03")
+    ap.add_argument("--versions", type=int, default=3)
+    ap.add_argument("--work", default="/dev/shm/dcr-publish-bench", help="inputs and stores (memory)")
+    ap.add_argument("--disk-state", default=os.path.expanduser("~/.cache/dcr-publish-bench"),
+                    help="the on-disk state directories compared")
+    ap.add_argument("--json", help="also write the figures here")
+    a = ap.parse_args()
+    a.dcr = os.path.abspath(a.dcr)
+    results = {}
+    for rate in [float(x) for x in a.rates.split(",")]:
+        results[rate] = bench_rate(a, rate)
+    shutil.rmtree(a.work, ignore_errors=True)
+    shutil.rmtree(a.disk_state, ignore_errors=True)
+
+    med = lambda xs, k: statistics.median(x[k] for x in xs)
+    print(f"\n{a.size} {a.family}, training update; medians over versions 1..{a.versions}; no receivers")
+    print(f"{'rate':>5} {'process':<36} {'wall s':>7} {'vs delta make':>13} {'encode s':>8} {'baseline s':>10} "
+          f"{'advance s':>9} {'written to disk':>15}")
+    for rate, rows in results.items():
+        floor = med(rows["delta make"], "wall")
+        for name, xs in rows.items():
+            extra = ("", "", "") if name == "delta make" else (
+                f"{med(xs, 'baseline'):.3f}", f"{med(xs, 'advance'):.3f}", "")
+            print(f"{rate:>5.2f} {name:<36} {med(xs, 'wall'):>7.3f} {med(xs, 'wall') / floor:>12.2f}x "
+                  f"{med(xs, 'encode'):>8.3f} {extra[0]:>10} {extra[1]:>9} {med(xs, 'written') / 1e6:>12.3f} MB")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"size": a.size, "family": a.family, "versions": a.versions,
+                       "results": {str(k): v for k, v in results.items()}}, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
