@@ -41,6 +41,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -189,6 +190,13 @@ struct ChunkContribution {
   std::vector<uint8_t> old_bits, new_bits;
   // Overwrite class only: the new bits of every covered element, range by range.
   std::vector<uint8_t> covered_bits;
+  // A direct contribution (ProjectSender's `direct`): the sender's primary
+  // copy holds the whole chunk in one run, and these are its bytes in the
+  // baseline and current shards; `covered` is the whole chunk and nothing
+  // else is set (no digest, no change lists: the owner encodes the spans as
+  // a canonical encoder would). Local to the process: never serialized.
+  std::span<const uint8_t> direct_base, direct_next;
+  bool direct() const { return !direct_next.empty(); }
 };
 
 // The sender owning chunk `chunk` of manifest tensor `tensor`: the one whose
@@ -201,9 +209,13 @@ Result<uint32_t> ChunkOwner(std::span<const CompiledLayout* const> senders, cons
 // manifest does not hold are skipped (a residual delta holds a few tensors;
 // ValidateEngine checks maps against the checkpoint). Errors:
 // kInvalidArgument (buffer sizes differ from the map, or a tensor's dtype or
-// shape differs from the manifest's).
-Result<std::vector<ChunkContribution>> ProjectSender(const SenderRank& sender, uint32_t index,
-                                                     const DeltaManifest& manifest);
+// shape differs from the manifest's). Chunks for which `direct(tensor,
+// chunk)` holds (the caller merges them in this process, with the shards
+// alive until then) and which one run of the sender holds whole come as
+// direct contributions: no pass over them here.
+Result<std::vector<ChunkContribution>> ProjectSender(
+    const SenderRank& sender, uint32_t index, const DeltaManifest& manifest,
+    const std::function<bool(uint32_t tensor, uint32_t chunk)>& direct = {});
 
 struct OwnedFrames {
   std::vector<ChunkId> chunks;                 // the chunks merged, in order

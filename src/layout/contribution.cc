@@ -101,6 +101,10 @@ Result<std::string> WriteContributions(const ContributionHeader& header, const D
   });
   std::string body;
   for (const ChunkContribution* raw : sorted) {
+    if (raw->direct())
+      return InvalidArgument(fmt::format("tensor {} chunk {}: sender {}'s contribution is direct (spans of its shards), "
+                                         "which only its own process merges",
+                                         raw->tensor, raw->chunk, raw->from));
     uint64_t elements = 0, eb = 0;
     DCR_RETURN_IF_ERROR(ChunkShape(manifest, raw->tensor, raw->chunk, &elements, &eb));
     uint64_t covered = 0;

@@ -12,6 +12,7 @@
 
 #include "dcr/checkpoint.h"
 #include "dcr/delta.h"
+#include "dcr/contribution.h"
 #include "dcr/layout_apply.h"
 #include "dcr/layout_families.h"
 #include "layout/test_shapes.h"
@@ -71,10 +72,14 @@ struct Projected {
   DeltaManifest manifest;
   std::shared_ptr<std::string> bytes;
   uint64_t contributions = 0, handed_over = 0;  // records, and those sent to another owner
+  uint64_t direct = 0;                          // records that were spans (with `direct`)
 };
 
+// With `direct`, each sender gives the chunks it owns itself as direct
+// contributions where it holds them whole (as a trainer process does).
 Projected Project(const std::vector<CompiledLayout>& senders, const std::vector<Buffers>& baseline,
-                  const std::vector<Buffers>& current, const std::vector<TensorInfo>& tensors, const DeltaOptions& opt) {
+                  const std::vector<Buffers>& current, const std::vector<TensorInfo>& tensors, const DeltaOptions& opt,
+                  bool direct = false) {
   Projected out;
   out.manifest = StartLayoutDelta(tensors, opt);
   std::vector<const CompiledLayout*> maps;
@@ -82,13 +87,18 @@ Projected Project(const std::vector<CompiledLayout>& senders, const std::vector<
   std::map<uint32_t, std::vector<ChunkContribution>> to_owner;
   for (uint32_t s = 0; s < senders.size(); ++s) {
     SenderRank rank{&senders[s], baseline[s].const_spans, current[s].const_spans};
-    auto contributions = ProjectSender(rank, s, out.manifest);
+    const auto own = [&](uint32_t tensor, uint32_t chunk) {
+      auto owner = ChunkOwner(maps, out.manifest, tensor, chunk);
+      return direct && owner.ok() && *owner == s;
+    };
+    auto contributions = ProjectSender(rank, s, out.manifest, own);
     EXPECT_TRUE(contributions.ok()) << contributions.status().ToString();
     if (!contributions.ok()) return out;
     for (ChunkContribution& c : *contributions) {
       auto owner = ChunkOwner(maps, out.manifest, c.tensor, c.chunk);
       EXPECT_TRUE(owner.ok()) << owner.status().ToString();
       ++out.contributions;
+      out.direct += c.direct();
       if (*owner != s) ++out.handed_over;
       to_owner[*owner].push_back(std::move(c));
     }
@@ -231,11 +241,18 @@ TEST_P(DeploymentTest, EveryEngineEqualsADenseLoad) {
     Projected projected = Project(senders, baseline, current, tensors, opt);
     EXPECT_GT(projected.handed_over, 0u) << what << ": no chunk needed another sender's changes";
 
-    // Byte for byte what a canonical encoder makes from assembled tensors.
+    // Byte for byte what a canonical encoder makes from assembled tensors;
+    // and so with the chunks a sender holds whole given as spans.
     DeltaManifest canonical;
     const std::string canonical_frames = CanonicalFrames(versions[v - 1], versions[v], opt, &canonical);
     EXPECT_EQ(projected.manifest.ToJson(), canonical.ToJson()) << what;
     EXPECT_TRUE(*projected.bytes == canonical_frames) << what << ": projected frames differ from canonical ones";
+    EXPECT_EQ(projected.direct, 0u);
+    const Projected spans = Project(senders, baseline, current, tensors, opt, /*direct=*/true);
+    EXPECT_GT(spans.direct, 0u) << what << ": no chunk was held whole by its owner";
+    EXPECT_LT(spans.direct, spans.contributions) << what << ": every chunk was held whole by its owner";
+    EXPECT_EQ(spans.manifest.ToJson(), canonical.ToJson()) << what << " (direct)";
+    EXPECT_TRUE(*spans.bytes == canonical_frames) << what << ": frames with direct contributions differ";
     EXPECT_GT(projected.manifest.frames.size(), 0u);
     auto reader = Reader(projected);
     ASSERT_TRUE(reader.ok()) << reader.status().ToString();
@@ -372,6 +389,30 @@ TEST_F(DeploymentOwnerTest, MergeRefusesIncompleteOrDoubleCoverage) {
   EXPECT_EQ(*ChunkOwner(ptrs, m, t, 0), 0u);
   const CompiledLayout* only1[] = {&senders[1]};
   EXPECT_EQ(ChunkOwner(only1, m, t, 0).status().code(), Code::kNotFound);
+
+  // A direct contribution (sender 0 holds chunk 0 of the final norm whole)
+  // is merged alone; with any other record for the chunk it is refused, and
+  // it never leaves its process.
+  uint32_t norm = 0;
+  while (m.tensors[norm].name != "model.norm.weight") ++norm;
+  auto projected = ProjectSender({&senders[0], base[0].const_spans, cur[0].const_spans}, 0, m,
+                                 [&](uint32_t tensor, uint32_t chunk) { return tensor == norm && chunk == 0; });
+  ASSERT_TRUE(projected.ok());
+  std::vector<ChunkContribution> whole;
+  for (auto& x : *projected)
+    if (x.tensor == norm && x.chunk == 0) whole.push_back(x);
+  ASSERT_EQ(whole.size(), 1u);
+  ASSERT_TRUE(whole[0].direct());
+  EXPECT_TRUE(EncodeOwnedChunks(m, whole, opt.encode).ok());
+  ChunkContribution extra = whole[0];
+  extra.from = 1;
+  extra.direct_base = extra.direct_next = {};
+  std::vector<ChunkContribution> with_other = {whole[0], extra};
+  EXPECT_THAT(EncodeOwnedChunks(m, with_other, opt.encode).status().message(),
+              HasSubstr("sender 0 holds the whole chunk, and 1 other senders contribute to it too"));
+  auto written = WriteContributions({m.delta_id, m.delta_class, 0, 1}, m, whole);
+  EXPECT_EQ(written.status().code(), Code::kInvalidArgument);
+  EXPECT_THAT(written.status().message(), HasSubstr("is direct"));
 }
 
 // FP8 weights (E4M3, E5M2) and F32 scales through hand-written maps: rows

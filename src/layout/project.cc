@@ -67,7 +67,8 @@ Result<uint32_t> ChunkOwner(std::span<const CompiledLayout* const> senders, cons
 }
 
 Result<std::vector<ChunkContribution>> ProjectSender(const SenderRank& sender, uint32_t index,
-                                                     const DeltaManifest& manifest) {
+                                                     const DeltaManifest& manifest,
+                                                     const std::function<bool(uint32_t, uint32_t)>& direct) {
   const CompiledLayout& l = *sender.layout;
   const auto& buffers = l.map().buffers;
   if (sender.baseline.size() != buffers.size() || sender.current.size() != buffers.size())
@@ -112,6 +113,25 @@ Result<std::vector<ChunkContribution>> ProjectSender(const SenderRank& sender, u
     cc.chunk = task.chunk;
     cc.from = index;
     std::vector<CopyRun> runs;
+    if (direct && direct(task.t, task.chunk)) {
+      // The chunk whole in one run of one primary copy: handed over as spans.
+      uint32_t holder = 0, found = 0;
+      CopyRun whole{};
+      for (uint32_t copy : l.CopiesOf(task.lt)) {
+        if (!l.map().copies[copy].primary) continue;
+        runs.clear();
+        l.RunsInRange(copy, first, count, &runs);
+        found += static_cast<uint32_t>(runs.size());
+        if (!runs.empty()) holder = copy, whole = runs.front();
+      }
+      if (found == 1 && whole.canonical == first && whole.length == count) {
+        const size_t b = l.BufferOf(holder);
+        cc.covered.emplace_back(0, static_cast<uint32_t>(count));
+        cc.direct_base = sender.baseline[b].subspan(whole.buffer * eb, count * eb);
+        cc.direct_next = sender.current[b].subspan(whole.buffer * eb, count * eb);
+        return;
+      }
+    }
     for (uint32_t copy : l.CopiesOf(task.lt)) {
       if (!l.map().copies[copy].primary) continue;
       runs.clear();
@@ -159,10 +179,14 @@ struct MergeScratch {
   std::vector<uint8_t> base, next;
 };
 
+Status EncodeMerged(const DeltaManifest& manifest, ChunkId id, const ChunkInput& in, const EncodeOptions& opt,
+                    MergeScratch& s, MergedChunk* out);
+
 // Merges one chunk's contributions into its frame: they must cover the chunk
 // exactly once; the chunk's base and next bits are rebuilt in a chunk-sized
 // scratch (unchanged elements zero in xor class, the covered new bits in
-// overwrite class) and encoded as a canonical encoder would.
+// overwrite class) and encoded as a canonical encoder would; a direct
+// contribution's spans are encoded as they are.
 Status MergeChunk(const DeltaManifest& manifest, ChunkId id, std::span<const ChunkContribution* const> parts,
                   const EncodeOptions& opt, MergeScratch& s, MergedChunk* out) {
   const bool overwrite = manifest.delta_class == DeltaClass::kOverwrite;
@@ -172,9 +196,26 @@ Status MergeChunk(const DeltaManifest& manifest, ChunkId id, std::span<const Chu
   uint32_t elements;
   manifest.ChunkWords(id.tensor, id.chunk, &first_word, &words, &elements);
   const uint64_t eb = ElementBytesOf(tensor.dtype);
+  for (const ChunkContribution* c : parts)
+    if (c->direct() && parts.size() > 1)
+      return FailedPrecondition(fmt::format("{}: sender {} holds the whole chunk, and {} other senders contribute to "
+                                            "it too; the trainer maps need exactly one primary copy",
+                                            where(), c->from, parts.size() - 1));
+  const bool direct = parts.size() == 1 && parts[0]->direct();
+  if (direct && (parts[0]->direct_base.size() != uint64_t{elements} * eb ||
+                 parts[0]->direct_next.size() != uint64_t{elements} * eb))
+    return InvalidArgument(fmt::format("{}: sender {}'s direct contribution is not the chunk's size", where(),
+                                       parts[0]->from));
+  Digest base_digest;
+  ChunkInput in{tensor.dtype, MakeDigestKey(tensor.name), first_word, elements, {}, {}, &base_digest};
+  if (direct) {
+    in.base = parts[0]->direct_base;
+    in.next = parts[0]->direct_next;
+    in.base_digest = nullptr;  // the encoder's pass
+    return EncodeMerged(manifest, id, in, opt, s, out);
+  }
   s.next.assign(uint64_t{elements} * eb, 0);
   s.ranges.clear();
-  Digest base_digest;
   for (const ChunkContribution* c : parts) {
     base_digest += c->base_digest;
     uint64_t at = 0;
@@ -218,12 +259,19 @@ Status MergeChunk(const DeltaManifest& manifest, ChunkId id, std::span<const Chu
       std::memcpy(s.next.data() + p * eb, c->new_bits.data() + i * eb, eb);
     }
   }
-  ChunkInput in{tensor.dtype, MakeDigestKey(tensor.name), first_word, elements, s.base, s.next, &base_digest};
+  in.base = s.base;
+  in.next = s.next;
+  return EncodeMerged(manifest, id, in, opt, s, out);
+}
+
+// Encodes a merged chunk's base and next bits into its frame.
+Status EncodeMerged(const DeltaManifest& manifest, ChunkId id, const ChunkInput& in, const EncodeOptions& opt,
+                    MergeScratch& s, MergedChunk* out) {
   DCR_ASSIGN_OR_RETURN(bool changed, s.encoder.Encode(in, opt, &s.encoded));
-  out->base_digest = base_digest;
+  out->base_digest = s.encoded.base_digest;
   out->changed = changed;
   if (!changed) {
-    out->target_digest = base_digest;
+    out->target_digest = out->base_digest;
     return Status::Ok();
   }
   s.encoded.header.tensor = id.tensor;
