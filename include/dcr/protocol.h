@@ -412,10 +412,22 @@ class ShardPublisher {
   Result<PublishReport> Publish(uint64_t version, std::span<const CompiledLayout* const> maps,
                                 std::span<const ShardSource> local, const ShardProcesses& procs);
 
+  // The shards record this publisher last wrote: while it still names the
+  // same version and digest, the next publish trusts the shard files
+  // without a digest pass (the state directory is locked while publishing);
+  // forgotten when a publish fails.
+  struct ShardsMemo {
+    bool valid = false;
+    std::string dir, run_id;
+    uint64_t version = 0;
+    Digest digest;
+  };
+
  private:
   Store& store_;
   std::string state_dir_;
   PublishOptions options_;
+  ShardsMemo memo_;
 };
 
 // ---- Follower (receiver) -----------------------------------------------------
