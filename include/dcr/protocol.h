@@ -39,6 +39,7 @@ namespace dcr {
 
 class CompiledLayout;
 namespace protocol_internal {
+struct ShardsMemo;
 class ReceiverTarget;
 class ReceiverWalk;
 }  // namespace protocol_internal
@@ -412,22 +413,13 @@ class ShardPublisher {
   Result<PublishReport> Publish(uint64_t version, std::span<const CompiledLayout* const> maps,
                                 std::span<const ShardSource> local, const ShardProcesses& procs);
 
-  // The shards record this publisher last wrote: while it still names the
-  // same version and digest, the next publish trusts the shard files
-  // without a digest pass (the state directory is locked while publishing);
-  // forgotten when a publish fails.
-  struct ShardsMemo {
-    bool valid = false;
-    std::string dir, run_id;
-    uint64_t version = 0;
-    Digest digest;
-  };
+  ~ShardPublisher();
 
  private:
   Store& store_;
   std::string state_dir_;
   PublishOptions options_;
-  ShardsMemo memo_;
+  std::unique_ptr<protocol_internal::ShardsMemo> memo_;  // what the last publish left
 };
 
 // ---- Follower (receiver) -----------------------------------------------------

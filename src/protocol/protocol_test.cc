@@ -1571,6 +1571,37 @@ TEST_F(ShardProcessTest, AWorkerFailingMidAttemptIsFencedAndTheOverwriteRetryCom
 // A contribution object forged between two processes (a sender index its
 // writer does not hold, checksum made to match) is refused: the attempt is
 // fenced before any manifest names it, the retry commits.
+// A ShardPublisher keeps its baseline shards open between publishes and
+// trusts the shards record it wrote itself; once another publisher has
+// rebuilt the state (new files under the same names), it opens and checks
+// them again instead of using the files it holds.
+TEST_F(ShardProcessTest, APublisherTrustsOnlyTheShardsItRecordedItself) {
+  ASSERT_TRUE(Publisher(*store_, Path("snapshot"), Fast()).Publish(0, Version(0)).ok());
+  auto all = [&](std::vector<std::vector<std::vector<uint8_t>>>& shards) {
+    std::vector<ShardSource> out;
+    for (size_t k = 0; k < maps_.size(); ++k) {
+      ShardSource src{maps_[k], {}};
+      for (auto& b : shards[k]) src.current.emplace_back(b);
+      out.push_back(std::move(src));
+    }
+    return out;
+  };
+  ShardPublisher a(*store_, Path("trainer"), Trainer()), b(*store_, Path("trainer"), Trainer());
+  auto v1 = Shards(1), v2 = Shards(2), v3 = Shards(3), v4 = Shards(4);
+  auto r1 = a.Publish(1, all(v1));
+  ASSERT_TRUE(r1.ok()) << r1.status().ToString();
+  fs::remove(Path("trainer/shards.json"));  // b rebuilds the shards from the store: new files
+  auto r2 = b.Publish(2, all(v2));
+  ASSERT_TRUE(r2.ok()) << r2.status().ToString();
+  auto r3 = a.Publish(3, all(v3));
+  ASSERT_TRUE(r3.ok()) << r3.status().ToString();
+  auto r4 = a.Publish(4, all(v4));  // with the files a recorded itself
+  ASSERT_TRUE(r4.ok()) << r4.status().ToString();
+  Follower f(*store_, Path("r"), Receiver("r"));
+  ASSERT_TRUE(f.Run(4).ok());
+  ExpectIdentical(Path("r"), 4);
+}
+
 TEST_F(ShardProcessTest, AForgedContributionObjectIsRefused) {
   Publisher canonical(*store_, Path("state"), Fast());
   ASSERT_TRUE(canonical.Publish(0, Version(0)).ok());

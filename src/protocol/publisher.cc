@@ -928,6 +928,25 @@ Result<AttemptDoc> ParseAttemptDoc(std::string_view text, const std::string& whe
 
 }  // namespace
 
+namespace protocol_internal {
+
+// What a ShardPublisher's last publish left in its state directory: the
+// shards record it wrote, and the shard files, still open. While the record
+// names the same version, senders and digest, the next publish trusts the
+// files without a digest pass and without mapping them again (the directory
+// is locked while publishing). Forgotten when a publish fails, so that a
+// damaged baseline is found.
+struct ShardsMemo {
+  bool valid = false;
+  std::string dir, run_id;
+  uint64_t version = 0;
+  std::vector<uint32_t> senders;
+  Digest digest;
+  std::vector<RankBufferFiles> shards;
+};
+
+}  // namespace protocol_internal
+
 namespace {
 
 // One ShardPublisher::Publish call of one process of a trainer.
@@ -935,13 +954,17 @@ class ShardRun {
  public:
   ShardRun(PublishRun& run, Store& store, const std::string& state_dir, const PublishOptions& o,
            const RunRecord& record, std::span<const CompiledLayout* const> maps, std::span<const ShardSource> local,
-           ShardProcesses procs, ShardPublisher::ShardsMemo& memo)
+           ShardProcesses procs, ShardsMemo& memo)
       : run_(run), store_(store), state_dir_(state_dir), o_(o), record_(record), maps_(maps.begin(), maps.end()),
         local_(local), procs_(std::move(procs)), memo_(memo) {}
 
   Status Prepare();
   Result<PublishReport> Coordinate(uint64_t v);
   Result<PublishReport> Work(uint64_t v);
+  // After a publish that succeeded: the baseline stays open in the memo.
+  void KeepShardsOpen() {
+    if (memo_.valid) memo_.shards = std::move(baseline_);
+  }
 
  private:
   enum class Outcome { kRecorded, kAbandoned, kStalled };
@@ -982,7 +1005,7 @@ class ShardRun {
   std::vector<TensorInfo> infos_;
   std::vector<RankBufferFiles> baseline_;
   PublishReport report_;
-  ShardPublisher::ShardsMemo& memo_;  // the publisher's, across its publishes
+  ShardsMemo& memo_;  // the publisher's, across its publishes
 };
 
 Status ShardRun::Prepare() {
@@ -1027,7 +1050,12 @@ Status ShardRun::WriteShardsRecord(uint64_t version, const Digest& digest) {
   nlohmann::json doc = {{"run_id", record_.run_id}, {"version", version}, {"senders", local_ids_},
                         {"digest", digest.ToHex()}};
   DCR_RETURN_IF_ERROR(WriteFileAtomically(ShardsRecord(state_dir_), doc.dump(1) + "\n"));
-  memo_ = {true, state_dir_, record_.run_id, version, digest};
+  memo_.valid = true;
+  memo_.dir = state_dir_;
+  memo_.run_id = record_.run_id;
+  memo_.version = version;
+  memo_.senders = local_ids_;
+  memo_.digest = digest;
   return Status::Ok();
 }
 
@@ -1056,6 +1084,8 @@ Status ShardRun::LoadShards(const CommitRecord& want) {
 
 Status ShardRun::OpenOrRebuildShards(const CommitRecord& want) {
   baseline_.clear();
+  std::vector<RankBufferFiles> remembered = std::move(memo_.shards);  // used when the record is the one remembered
+  memo_.shards.clear();
   // The recorded baseline, when its files still hold the recorded digest.
   if (auto f = MappedFile::Open(ShardsRecord(state_dir_), false); f.ok()) {
     auto doc = nlohmann::json::parse(f->data().begin(), f->data().end(), nullptr, false);
@@ -1064,16 +1094,18 @@ Status ShardRun::OpenOrRebuildShards(const CommitRecord& want) {
         doc["version"].is_number_unsigned() && doc["version"].get<uint64_t>() <= want.version &&
         doc["senders"] == nlohmann::json(local_ids_) && doc["digest"].is_string() &&
         Digest::FromHex(doc["digest"].get<std::string>(), &recorded)) {
-      for (size_t i = 0; i < local_ids_.size(); ++i) {
-        auto opened = RankBufferFiles::Open(*local_[i].layout, ShardDir(state_dir_, local_ids_[i]));
-        if (!opened.ok()) break;
-        baseline_.push_back(std::move(*opened));
-      }
       const uint64_t at = doc["version"].get<uint64_t>();
       // This publisher wrote the record and nothing has touched the files
       // since (the directory is locked while publishing): no digest pass.
       const bool known = memo_.valid && memo_.dir == state_dir_ && memo_.run_id == record_.run_id &&
-                         memo_.version == at && memo_.digest == recorded;
+                         memo_.version == at && memo_.senders == local_ids_ && memo_.digest == recorded &&
+                         remembered.size() == local_ids_.size();
+      if (known) baseline_ = std::move(remembered);
+      for (size_t i = baseline_.size(); i < local_ids_.size(); ++i) {
+        auto opened = RankBufferFiles::Open(*local_[i].layout, ShardDir(state_dir_, local_ids_[i]));
+        if (!opened.ok()) break;
+        baseline_.push_back(std::move(*opened));
+      }
       if (baseline_.size() == local_ids_.size() && (known || SendersDigest(baseline_) == recorded)) {
         Status caught = ApplyCommitted(at, want.version);
         const bool at_target = at == want.version ? recorded == want.target_digest
@@ -1463,9 +1495,14 @@ Result<PublishReport> PublishVersion(Store& store, const std::string& state_dir,
 }  // namespace
 
 ShardPublisher::ShardPublisher(Store& store, std::string state_dir, PublishOptions options)
-    : store_(store), state_dir_(std::move(state_dir)), options_(std::move(options)) {
+    : store_(store),
+      state_dir_(std::move(state_dir)),
+      options_(std::move(options)),
+      memo_(std::make_unique<ShardsMemo>()) {
   if (options_.coordinator_id.empty()) options_.coordinator_id = DefaultId();
 }
+
+ShardPublisher::~ShardPublisher() = default;
 
 Result<PublishReport> ShardPublisher::Publish(uint64_t version, std::span<const ShardSource> senders) {
   std::vector<const CompiledLayout*> maps;
@@ -1489,11 +1526,15 @@ Result<PublishReport> ShardPublisher::Publish(uint64_t version, std::span<const 
   DCR_ASSIGN_OR_RETURN(const std::string dir, StateDir(state_dir_, store_));
   DCR_ASSIGN_OR_RETURN(StateDirLock lock, StateDirLock::Acquire(dir));
   PublishRun run(store_, dir, options_, nullptr);
-  ShardRun shards(run, store_, dir, options_, *state.run, maps, local, procs, memo_);
+  ShardRun shards(run, store_, dir, options_, *state.run, maps, local, procs, *memo_);
   DCR_RETURN_IF_ERROR(shards.Prepare());
   auto r = worker ? shards.Work(version) : shards.Coordinate(version);
-  if (r.ok()) r->state_dir = dir;
-  else memo_.valid = false;  // the next publish checks the files (a damaged baseline fails attempts)
+  if (r.ok()) {
+    r->state_dir = dir;
+    shards.KeepShardsOpen();
+  } else {
+    *memo_ = {};  // the next publish checks the files (a damaged baseline fails attempts)
+  }
   return r;
 }
 
