@@ -175,6 +175,9 @@ Result<ApplyReport> ApplyEngineDelta(std::span<PlacedRank* const> ranks, const D
 struct SenderRank {
   const CompiledLayout* layout = nullptr;
   std::vector<std::span<const uint8_t>> baseline, current;
+  // When set, called before current[b] is first read (blocking until the
+  // buffer is there, e.g. staged from a device); an error fails the projection.
+  std::function<Status(size_t buffer)> await_current;
 };
 
 // What one sender knows about one canonical chunk.
@@ -196,6 +199,7 @@ struct ChunkContribution {
   // else is set (no digest, no change lists: the owner encodes the spans as
   // a canonical encoder would). Local to the process: never serialized.
   std::span<const uint8_t> direct_base, direct_next;
+  std::function<Status()> direct_ready;  // the sender's await_current for the spans' buffer, if any
   bool direct() const { return !direct_next.empty(); }
 };
 

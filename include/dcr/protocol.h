@@ -325,6 +325,9 @@ struct PublishReport {
   // Making the baseline hold the previous version (open, catch up, or
   // rebuild from the store), and moving it to this version after the commit.
   double baseline_seconds = 0, advance_seconds = 0;
+  // Trainer shards with staging: from the publish call until the last
+  // buffer was staged (the copies overlap everything after the first).
+  double staging_seconds = 0;
   std::string state_dir;  // where the baseline is
   bool already_committed = false;  // the commit record existed with this target
 };
@@ -367,6 +370,13 @@ class Publisher {
 struct ShardSource {
   const CompiledLayout* layout = nullptr;
   std::vector<std::span<const uint8_t>> current;
+  // Staging (device tensors): when set, `current` is host memory that
+  // stage(b) fills for buffer b (a device -> host copy, returning once it is
+  // done). Each publish runs it buffer by buffer, in order, on a copy thread
+  // from its start, and reads a buffer only once it is staged: the copies
+  // overlap the encode of the buffers staged before. Called once per buffer
+  // per publish; an error fails the publish.
+  std::function<Status(size_t buffer)> stage;
 };
 
 // Where the senders of a trainer live: this process's index among

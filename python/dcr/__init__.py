@@ -515,9 +515,14 @@ class ShardPublisher:
     over buffers you refresh before each publish, with the map
     ``identity_layout(buffers)`` in every process's ``layouts``.
 
-    ``stage``: tensors not on the CPU (CUDA) are read through host mirrors
-    copied device -> host before each publish; ``True`` mirrors every
-    tensor, ``False`` none.
+    ``stage``: tensors not on the CPU (CUDA) are read through host mirrors,
+    pinned, copied device -> host in each publish; ``True`` mirrors every
+    tensor, ``False`` none. The copies run buffer by buffer on the
+    publisher's copy thread, in the order the encode reads the buffers,
+    while the encode works on those already copied; the report's
+    ``staging_seconds`` is the time until the last one was copied.
+    ``copy_engine(dst, src)`` replaces ``dst.copy_(src)`` for the copies
+    (tests: a copy engine that delays).
 
     The GIL is released while publishing; Ctrl-C while the coordinator waits
     for acks raises KeyboardInterrupt within some 20 ms, the attempt fenced
@@ -535,7 +540,7 @@ class ShardPublisher:
                  conversions: Optional[Mapping[str, Callable[[], Any]]] = None, stage: Optional[bool] = None,
                  process: int = 0, processes: int = 1, layouts: Optional[Sequence[Any]] = None,
                  placement: Optional[Sequence[int]] = None, peer_timeout_s: float = 60.0,
-                 inject_failures: Sequence[str] = ()):
+                 inject_failures: Sequence[str] = (), copy_engine: Optional[Callable[[Any, Any], None]] = None):
         self.store = store
         self.state_dir = default_publisher_state_dir(store) if state_dir is None else os.fspath(state_dir)
         self._options = dict(max_attempts=max_attempts, ack_timeout_s=ack_timeout_s,
@@ -546,7 +551,7 @@ class ShardPublisher:
         for k, s in enumerate(senders):
             tensors, layout = (s, None) if isinstance(s, Mapping) else s
             layout_json = identity_layout(tensors) if layout is None else _layout_json(layout)
-            staging = Staging(tensors, stage, f"ShardPublisher: sender {k}")
+            staging = Staging(tensors, stage, f"ShardPublisher: sender {k}", copy_engine)
             self._layouts.append(layout_json)
             self._staging.append(staging)
             self._views.append(_buffers_for(layout_json, staging.host(), f"ShardPublisher: sender {k}"))
@@ -597,15 +602,15 @@ class ShardPublisher:
 
     def publish(self, version: int) -> dict:
         """Publishes the senders' current bits as ``version`` (> 0; v-1 committed)."""
-        for staging in self._staging:
-            staging.to_host()
+        stagers = [st.stager(layout) for st, layout in zip(self._staging, self._layouts)]
+        stagers += [None] * (len(self._layouts) - len(stagers))  # the conversions' sender
         changed = 0
         for name, held in self._converted.items():
             before = byte_view(held, name).clone() if hasattr(held, "clone") else byte_view(held, name).copy()
             self._convert(name, held)
             changed += int((byte_view(held, name) != before).sum())
         try:
-            report = self._p.publish(version, self._views)
+            report = self._p.publish(version, self._views, stagers)
         except InvalidArgumentError as e:
             if not self._converted:
                 raise

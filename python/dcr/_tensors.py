@@ -3,8 +3,9 @@ extension takes (no copies), and between torch dtypes and safetensors names."""
 
 from __future__ import annotations
 
+import json
 import warnings
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import numpy as np
 
@@ -101,9 +102,11 @@ class Staging:
     :meth:`to_host` fills from the live tensors (device -> host) and
     :meth:`to_device` copies back (host -> device)."""
 
-    def __init__(self, tensors: Mapping[str, Any], stage: Optional[bool], who: str):
+    def __init__(self, tensors: Mapping[str, Any], stage: Optional[bool], who: str,
+                 copy: Optional[Callable[[Any, Any], None]] = None):
         self.live = dict(tensors)
         self.mirrors: dict = {}
+        self.copy = copy or copy_into
         for name, t in self.live.items():
             if stage is False or not (stage or _off_host(t)):
                 continue
@@ -123,7 +126,15 @@ class Staging:
     def to_host(self, names: Optional[Iterable[str]] = None) -> None:
         for n in (self.mirrors if names is None else names):
             if n in self.mirrors:
-                copy_into(self.mirrors[n], self.live[n])
+                self.copy(self.mirrors[n], self.live[n])
+
+    def stager(self, layout_json: str) -> Optional[Callable[[int], None]]:
+        """For a publisher's copy thread: ``stage(b)`` fills the mirror of the
+        layout's buffer b; None when nothing is mirrored."""
+        if not self.mirrors:
+            return None
+        ids = [b["id"] for b in json.loads(layout_json).get("buffers", [])]
+        return lambda b: self.to_host([ids[b]])
 
     def to_device(self, names: Iterable[str]) -> None:
         for n in names:

@@ -343,6 +343,7 @@ nb::dict PublishReportDict(const dcr::PublishReport& r) {
   d["total_seconds"] = r.total_seconds;
   d["baseline_seconds"] = r.baseline_seconds;
   d["advance_seconds"] = r.advance_seconds;
+  d["staging_seconds"] = r.staging_seconds;
   d["state_dir"] = r.state_dir;
   d["already_committed"] = r.already_committed;
   return d;
@@ -817,15 +818,28 @@ NB_MODULE(_dcr, m) {
            "heartbeat_timeout_s"_a, "snapshot_every"_a, "chunk_elements"_a, "process"_a = 0, "processes"_a = 1,
            "all_layouts"_a = std::vector<std::string>{}, "placement"_a = std::vector<uint32_t>{},
            "peer_timeout_s"_a = 60.0, "inject_failures"_a = std::vector<std::string>{}, nb::keep_alive<1, 2>())
-      .def("publish", [](PyShardPublisher& p, uint64_t version, const std::vector<std::vector<nb::ndarray<>>>& buffers) {
-        if (buffers.size() != p.layouts.size())
-          Raise(dcr::InvalidArgument("ShardPublisher.publish: " + std::to_string(buffers.size()) +
-                                     " senders' buffers given, it has " + std::to_string(p.layouts.size()) + " senders"));
+      .def("publish", [](PyShardPublisher& p, uint64_t version, const std::vector<std::vector<nb::ndarray<>>>& buffers,
+                         const std::vector<nb::object>& stagers) {
+        if (buffers.size() != p.layouts.size() || (!stagers.empty() && stagers.size() != p.layouts.size()))
+          Raise(dcr::InvalidArgument("ShardPublisher.publish: " + std::to_string(buffers.size()) + " senders' buffers and " +
+                                     std::to_string(stagers.size()) + " stagers given, it has " +
+                                     std::to_string(p.layouts.size()) + " senders"));
         std::vector<dcr::ShardSource> sources;
         for (size_t k = 0; k < buffers.size(); ++k) {
-          dcr::ShardSource src{p.layouts[k].get(), {}};
+          dcr::ShardSource src{p.layouts[k].get(), {}, {}};
           for (auto span : RankBuffers(*p.layouts[k], buffers[k], "ShardPublisher: sender " + std::to_string(k)))
             src.current.emplace_back(span);
+          if (!stagers.empty() && !stagers[k].is_none())
+            // Called on the publisher's copy thread: stagers[k](b) fills buffer b's host memory.
+            src.stage = [stage = stagers[k]](size_t b) -> dcr::Status {
+              nb::gil_scoped_acquire acquire;
+              try {
+                stage(b);
+                return dcr::Status::Ok();
+              } catch (nb::python_error& e) {
+                return dcr::Aborted(std::string("the stage function raised: ") + e.what());
+              }
+            };
           sources.push_back(std::move(src));
         }
         return p.interrupt.Run([&] {
@@ -834,5 +848,5 @@ NB_MODULE(_dcr, m) {
           for (const auto& l : p.all) maps.push_back(l.get());
           return p.publisher->Publish(version, maps, sources, p.procs);
         });
-      }, "version"_a, "buffers"_a);
+      }, "version"_a, "buffers"_a, "stagers"_a = std::vector<nb::object>{});
 }

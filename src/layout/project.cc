@@ -101,6 +101,12 @@ Result<std::vector<ChunkContribution>> ProjectSender(const SenderRank& sender, u
     for (uint64_t c = 0, n = manifest.ChunkCount(t); c < n; ++c) tasks.push_back({lt, t, static_cast<uint32_t>(c)});
   }
   std::vector<ChunkContribution> slots(tasks.size());
+  std::vector<Status> failed(tasks.size());
+  const auto await = [&](size_t buffer, size_t task) {
+    if (!sender.await_current) return true;
+    failed[task] = sender.await_current(buffer);
+    return failed[task].ok();
+  };
   DefaultPool().ParallelFor(tasks.size(), [&](size_t i) {
     const Task& task = tasks[i];
     const DeltaTensor& tensor = manifest.tensors[task.t];
@@ -126,6 +132,8 @@ Result<std::vector<ChunkContribution>> ProjectSender(const SenderRank& sender, u
       }
       if (found == 1 && whole.canonical == first && whole.length == count) {
         const size_t b = l.BufferOf(holder);
+        // Read when the owner encodes it: awaited there.
+        if (sender.await_current) cc.direct_ready = [f = sender.await_current, b] { return f(b); };
         cc.covered.emplace_back(0, static_cast<uint32_t>(count));
         cc.direct_base = sender.baseline[b].subspan(whole.buffer * eb, count * eb);
         cc.direct_next = sender.current[b].subspan(whole.buffer * eb, count * eb);
@@ -136,6 +144,7 @@ Result<std::vector<ChunkContribution>> ProjectSender(const SenderRank& sender, u
       if (!l.map().copies[copy].primary) continue;
       runs.clear();
       l.RunsInRange(copy, first, count, &runs);
+      if (!runs.empty() && !await(l.BufferOf(copy), i)) return;
       const uint8_t* base = sender.baseline[l.BufferOf(copy)].data();
       const uint8_t* cur = sender.current[l.BufferOf(copy)].data();
       for (const CopyRun& r : runs) {
@@ -150,6 +159,7 @@ Result<std::vector<ChunkContribution>> ProjectSender(const SenderRank& sender, u
       }
     }
   });
+  for (const Status& f : failed) DCR_RETURN_IF_ERROR(f);
   std::vector<ChunkContribution> out;
   for (ChunkContribution& cc : slots)
     if (!cc.covered.empty()) out.push_back(std::move(cc));
@@ -209,6 +219,7 @@ Status MergeChunk(const DeltaManifest& manifest, ChunkId id, std::span<const Chu
   Digest base_digest;
   ChunkInput in{tensor.dtype, MakeDigestKey(tensor.name), first_word, elements, {}, {}, &base_digest};
   if (direct) {
+    if (parts[0]->direct_ready) DCR_RETURN_IF_ERROR(parts[0]->direct_ready());
     in.base = parts[0]->direct_base;
     in.next = parts[0]->direct_next;
     in.base_digest = nullptr;  // the encoder's pass

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <filesystem>
 #include <functional>
 #include <fstream>
@@ -1600,6 +1601,76 @@ TEST_F(ShardProcessTest, APublisherTrustsOnlyTheShardsItRecordedItself) {
   Follower f(*store_, Path("r"), Receiver("r"));
   ASSERT_TRUE(f.Run(4).ok());
   ExpectIdentical(Path("r"), 4);
+}
+
+// Staged senders (device tensors): each buffer is copied into host memory
+// by its stage function on a copy thread, and the encode starts before the
+// copies end. Deterministic: the last copy waits until the publisher has
+// reached its projection (fault point "projecting"), which a publisher that
+// staged everything first never would. A failing copy fails the publish.
+TEST_F(ShardProcessTest, StagedShardsAreCopiedWhileTheEncodeRuns) {
+  ASSERT_TRUE(Publisher(*store_, Path("snapshot"), Fast()).Publish(0, Version(0)).ok());
+  auto device = Shards(1);  // what the "device" holds
+  std::vector<std::vector<std::vector<uint8_t>>> host;
+  size_t buffers = 0;
+  for (auto& sender : device) {
+    host.emplace_back();
+    for (auto& b : sender) host.back().emplace_back(b.size(), 0xEE), ++buffers;
+  }
+  std::mutex mu;
+  std::condition_variable cv;
+  bool projecting = false;
+  size_t copies = 0;
+  std::string fail_at;  // a buffer id whose copy fails
+  std::vector<ShardSource> sources;
+  for (size_t k = 0; k < maps_.size(); ++k) {
+    ShardSource src{maps_[k], {}, {}};
+    for (auto& b : host[k]) src.current.emplace_back(b);
+    src.stage = [&, k](size_t b) -> Status {
+      std::unique_lock lock(mu);
+      if (maps_[k]->map().buffers[b].id == fail_at) return Unavailable("injected: the copy engine failed");
+      if (++copies == buffers && !cv.wait_for(lock, kGuard, [&] { return projecting; }))
+        return DeadlineExceeded("the publisher did not start encoding before the last copy");
+      host[k][b] = device[k][b];
+      return Status::Ok();
+    };
+    sources.push_back(std::move(src));
+  }
+  PublishOptions o = Trainer();
+  o.fault = [&](std::string_view point) {
+    if (point == "projecting") {
+      std::lock_guard lock(mu);
+      projecting = true;
+      cv.notify_all();
+    }
+    return Status::Ok();
+  };
+  ShardPublisher pub(*store_, Path("trainer"), o);
+  auto r = pub.Publish(1, sources);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(copies, buffers) << "every buffer staged once";
+  EXPECT_GT(r->staging_seconds, 0);
+  Follower f(*store_, Path("r"), Receiver("r"));
+  ASSERT_TRUE(f.Run(1).ok());
+  ExpectIdentical(Path("r"), 1);
+
+  // A copy that fails fails the publish, naming the buffer; nothing is committed.
+  device = Shards(2);
+  copies = 0;
+  projecting = false;
+  fail_at = maps_[2]->map().buffers[0].id;
+  auto failed = pub.Publish(2, sources);
+  EXPECT_EQ(failed.status().code(), Code::kUnavailable) << failed.status().ToString();
+  EXPECT_NE(failed.status().message().find(fail_at), std::string::npos) << failed.status().message();
+  auto status = ReadRunStatus(*store_, std::chrono::milliseconds(2000));
+  ASSERT_TRUE(status.ok());
+  EXPECT_EQ(status->latest, std::optional<uint64_t>(1));
+  fail_at.clear();
+  copies = 0;
+  auto again = pub.Publish(2, sources);
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  ASSERT_TRUE(f.Run(2).ok());
+  ExpectIdentical(Path("r"), 2);
 }
 
 TEST_F(ShardProcessTest, AForgedContributionObjectIsRefused) {

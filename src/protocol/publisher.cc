@@ -16,6 +16,7 @@
 #include <random>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include "dcr/contribution.h"
 #include "dcr/layout_apply.h"
@@ -949,14 +950,105 @@ struct ShardsMemo {
 
 namespace {
 
+// The copy thread of a publish from staged senders (ShardSource::stage):
+// stages every local sender's buffers in the order the encode reads them
+// (by the first canonical tensor name each holds: manifests sort tensors by
+// name), and lets readers wait for one. Senders without `stage` are ready.
+class ShardStaging {
+ public:
+  explicit ShardStaging(std::span<const ShardSource> local) : local_(local), start_(Clock::now()) {
+    bool any = false;
+    for (const ShardSource& s : local) {
+      // Buffers past the map's are refused by the projection, before any wait.
+      const bool staged = s.stage && s.layout && s.current.size() == s.layout->map().buffers.size();
+      staged_.push_back(staged);
+      ready_.emplace_back(s.current.size(), !staged);
+      any = any || staged;
+    }
+    if (any) thread_ = std::thread([this] { Run(); });
+    else done_ = true;
+  }
+  ~ShardStaging() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+  // Blocks until buffer b of local sender i is staged.
+  Status Await(size_t i, size_t b) {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return ready_[i][b] || !failed_.ok(); });
+    return ready_[i][b] ? Status::Ok() : failed_;
+  }
+  // The copy thread's error, if it failed (no attempt can fix it).
+  Status Failure() {
+    std::lock_guard lock(mu_);
+    return failed_;
+  }
+  Status AwaitAll() {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return done_ || !failed_.ok(); });
+    return failed_;
+  }
+  // What ProjectSender calls before reading sender i's buffers (none when unstaged).
+  std::function<Status(size_t)> AwaiterFor(size_t i) {
+    if (!staged_[i]) return {};
+    return [this, i](size_t b) { return Await(i, b); };
+  }
+  double seconds() {
+    std::lock_guard lock(mu_);
+    return seconds_;
+  }
+
+ private:
+  void Run() {
+    std::vector<std::tuple<std::string, size_t, size_t>> order;  // first tensor name, sender, buffer
+    for (size_t i = 0; i < local_.size(); ++i) {
+      if (!staged_[i]) continue;
+      const CompiledLayout& l = *local_[i].layout;
+      std::vector<std::string> first(l.map().buffers.size(), std::string(1, '\xff'));  // unmapped: last
+      for (size_t c = 0; c < l.map().copies.size(); ++c)
+        first[l.BufferOf(c)] = std::min(first[l.BufferOf(c)], l.map().copies[c].tensor);
+      for (size_t b = 0; b < local_[i].current.size(); ++b) order.emplace_back(first[b], i, b);
+    }
+    std::sort(order.begin(), order.end());
+    for (const auto& [name, i, b] : order) {
+      Status staged = stop_ ? Aborted("the publish ended before staging did") : local_[i].stage(b);
+      std::lock_guard lock(mu_);
+      if (!staged.ok()) {
+        failed_ = staged.WithContext(fmt::format("staging buffer '{}' of local sender {}",
+                                                 local_[i].layout->map().buffers[b].id, i));
+        cv_.notify_all();
+        return;
+      }
+      ready_[i][b] = true;
+      cv_.notify_all();
+    }
+    std::lock_guard lock(mu_);
+    done_ = true;
+    seconds_ = Seconds(start_);
+    cv_.notify_all();
+  }
+
+  std::span<const ShardSource> local_;
+  const Clock::time_point start_;
+  std::vector<bool> staged_;  // per sender: has a stage function (fixed at construction)
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::vector<bool>> ready_;
+  bool done_ = false;
+  Status failed_;
+  double seconds_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
 // One ShardPublisher::Publish call of one process of a trainer.
 class ShardRun {
  public:
   ShardRun(PublishRun& run, Store& store, const std::string& state_dir, const PublishOptions& o,
            const RunRecord& record, std::span<const CompiledLayout* const> maps, std::span<const ShardSource> local,
-           ShardProcesses procs, ShardsMemo& memo)
+           ShardProcesses procs, ShardsMemo& memo, ShardStaging& staging)
       : run_(run), store_(store), state_dir_(state_dir), o_(o), record_(record), maps_(maps.begin(), maps.end()),
-        local_(local), procs_(std::move(procs)), memo_(memo) {}
+        local_(local), procs_(std::move(procs)), memo_(memo), staging_(staging) {}
 
   Status Prepare();
   Result<PublishReport> Coordinate(uint64_t v);
@@ -1006,6 +1098,7 @@ class ShardRun {
   std::vector<RankBufferFiles> baseline_;
   PublishReport report_;
   ShardsMemo& memo_;  // the publisher's, across its publishes
+  ShardStaging& staging_;
 };
 
 Status ShardRun::Prepare() {
@@ -1152,6 +1245,7 @@ Status ShardRun::OpenOrRebuildShards(const CommitRecord& want) {
 }
 
 Status ShardRun::MoveBaseline(uint64_t v, const Digest& partial) {
+  DCR_RETURN_IF_ERROR(staging_.AwaitAll());
   const auto start = Clock::now();
   memo_.valid = false;
   std::error_code ec;
@@ -1196,9 +1290,10 @@ Result<ShardRun::Participation> ShardRun::Participate(uint64_t v, const std::str
     return owner.ok() && procs_.sender_process[*owner] == Me();
   };
   std::set<ChunkId> direct;
+  DCR_RETURN_IF_ERROR(Fault(o_, "projecting"));
   for (size_t i = 0; i < local_.size(); ++i) {
     PlacedRank base = baseline_[i].placed();
-    SenderRank rank{local_[i].layout, {}, local_[i].current};
+    SenderRank rank{local_[i].layout, {}, local_[i].current, staging_.AwaiterFor(i)};
     for (auto b : base.buffers) rank.baseline.push_back(b);
     DCR_ASSIGN_OR_RETURN(auto contributions, ProjectSender(rank, local_ids_[i], m, owned_here));
     for (ChunkContribution& c : contributions) {
@@ -1392,10 +1487,14 @@ Result<PublishReport> ShardRun::Coordinate(uint64_t v) {
     };
     ++report_.attempts;
     DCR_ASSIGN_OR_RETURN(bool committed, run_.Settle(v, id, attempt(), &last_failure));
-    if (!committed) continue;
+    if (!committed) {
+      DCR_RETURN_IF_ERROR(staging_.Failure());  // the attempt is fenced; another would fail the same way
+      continue;
+    }
     DCR_RETURN_IF_ERROR(Fault(o_, "committed"));
     DCR_RETURN_IF_ERROR(MoveBaseline(v, partial));
     CollectGarbage(store_, o_.keep_versions, o_.heartbeat_timeout).IgnoreError();
+    report_.staging_seconds = staging_.seconds();
     report_.total_seconds = Seconds(start);
     return report_;
   }
@@ -1429,6 +1528,7 @@ Result<PublishReport> ShardRun::Work(uint64_t v) {
         DCR_RETURN_IF_ERROR(LoadShards(c));
         report_.already_committed = true;
       }
+      report_.staging_seconds = staging_.seconds();
       report_.total_seconds = Seconds(start);
       return report_;
     }
@@ -1450,6 +1550,7 @@ Result<PublishReport> ShardRun::Work(uint64_t v) {
         if (id != joined) idle_until = Clock::now() + o_.peer_timeout;  // a new attempt: progress
         joined = id;
         auto part = Participate(v, id, doc, Clock::now() + o_.peer_timeout);
+        DCR_RETURN_IF_ERROR(staging_.Failure());
         if (!part.ok()) {
           if (!Transient(part.status())) {
             // A bad peer object (or a fault): this attempt cannot be recorded
@@ -1515,6 +1616,7 @@ Result<PublishReport> ShardPublisher::Publish(uint64_t version, std::span<const 
   if (version == 0)
     return FailedPrecondition("version 0 is the run's snapshot, a canonical checkpoint: publish it with dcr publish");
   if (maps.empty() || local.empty()) return InvalidArgument("no senders given");
+  ShardStaging staging(local);  // copies from here on, behind what follows
   DCR_ASSIGN_OR_RETURN(RunState state, ReadRunState(store_));
   if (!state.run) return FailedPrecondition(fmt::format("{} holds no run; publish version 0 first", store_.url()));
   // A worker may find v committed already (restarted after the commit).
@@ -1526,7 +1628,7 @@ Result<PublishReport> ShardPublisher::Publish(uint64_t version, std::span<const 
   DCR_ASSIGN_OR_RETURN(const std::string dir, StateDir(state_dir_, store_));
   DCR_ASSIGN_OR_RETURN(StateDirLock lock, StateDirLock::Acquire(dir));
   PublishRun run(store_, dir, options_, nullptr);
-  ShardRun shards(run, store_, dir, options_, *state.run, maps, local, procs, *memo_);
+  ShardRun shards(run, store_, dir, options_, *state.run, maps, local, procs, *memo_, staging);
   DCR_RETURN_IF_ERROR(shards.Prepare());
   auto r = worker ? shards.Work(version) : shards.Coordinate(version);
   if (r.ok()) {

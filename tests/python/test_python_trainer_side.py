@@ -24,6 +24,7 @@ pytest.importorskip("transformers")
 from torch.nn.utils import parametrize  # noqa: E402
 
 import dcr  # noqa: E402
+from conftest import read_checkpoint  # noqa: E402
 from test_python_refit_models import bits, tiny_llama  # noqa: E402
 
 HERE = str(Path(__file__).resolve().parent)
@@ -294,6 +295,44 @@ def test_staged_publisher_and_follower_are_bit_exact(tmp_path):
     for v in (0, 1, 2):
         for n, t in want[v].items():
             assert torch.equal(bits(seen[v][n]), bits(t)), f"version {v}: {n}"
+
+
+def test_staging_runs_on_the_publishers_copy_thread_once_per_buffer(tmp_path):
+    """A copy engine that delays stands in for device -> host copies: each publish
+    copies every buffer once, on the publisher's copy thread, not the caller's; a
+    copy that raises fails that publish and commits nothing."""
+    gen = torch.Generator().manual_seed(8)
+    live = {f"t{i}": torch.randn(96, generator=gen).to(torch.bfloat16) for i in range(6)}
+    caller, copies, broken = threading.get_ident(), [], []
+
+    def slow_copy(dst, src):
+        time.sleep(0.005)
+        if broken:
+            raise RuntimeError("the device was lost")
+        copies.append(threading.get_ident())
+        dst.copy_(src)
+
+    store = dcr.open_store(f"file://{tmp_path}/store")
+    pub = dcr.ShardPublisher(store, tmp_path / "trainer", [live], stage=True, copy_engine=slow_copy,
+                             ack_timeout_s=20, chunk_elements=64)
+    pub.publish_snapshot(live)
+    for v in (1, 2):
+        copies.clear()
+        live[f"t{v}"].add_(1)
+        report = pub.publish(v)
+        assert len(copies) == len(live) and caller not in copies, copies
+        assert report["staging_seconds"] > 0, report
+    live["t3"].mul_(2)
+    broken.append(True)
+    with pytest.raises(dcr.AbortedError, match="the device was lost"):
+        pub.publish(3)
+    assert dcr.open_store(f"file://{tmp_path}/store").list("commits/")[-1][0].endswith("v0000000002.json")
+    broken.clear()
+    assert pub.publish(3)["version"] == 3
+    dcr.Follower(store, tmp_path / "engine").run(until=3, timeout_s=30)
+    got = read_checkpoint(tmp_path / "engine")
+    for n, t in live.items():
+        assert got[n].data == bits(t).numpy().tobytes(), n
 
 
 TRAINER = """
