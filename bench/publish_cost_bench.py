@@ -15,6 +15,16 @@ so that a state on a disk starts clean. Prints a table (medians over the version
 writes it as JSON (--json).
 
   bench/publish_cost_bench.py --dcr build/tools/dcr/dcr [--size 2GB] [--rates 0.01,0.03] [--versions 3]
+                              [--python .venv/bin/python]
+
+With --python (an interpreter with the dcr package), also the trainer's path, in one
+child process per rate: dcr.ShardPublisher over live torch CPU tensors (state in
+memory), publishing the same steps, against dcr.make_delta of each step in that
+process; three ways: the tensors read in place (a CPU trainer); staged through host
+mirrors copied by torch (stage=True: what CUDA tensors get, with a host memcpy for
+the device copy); and staged through a copy engine paced to --link-gbs GB/s (a
+device -> host link; a sleep per buffer, then the copy). Staging runs on the
+publisher's copy thread, overlapped with the encode.
 """
 import argparse
 import json
@@ -78,8 +88,63 @@ def bench_rate(a, rate):
         print(f"   v{v}: " + ", ".join(f"{k} {rows[k][-1]['wall']:.2f} s" for k in rows), flush=True)
     for s in states:
         shutil.rmtree(s, ignore_errors=True)
+    for store, _ in paths.values():
+        shutil.rmtree(os.path.join(work, store), ignore_errors=True)
+    if a.python:
+        out = os.path.join(work, "trainer.json")
+        subprocess.run([a.python, os.path.abspath(__file__), "--dcr", a.dcr, "--link-gbs", str(a.link_gbs),
+                        "--trainer-child", gen, str(a.versions), out], check=True, env=dict(os.environ, DCR_PROGRESS="0"))
+        with open(out) as f:
+            rows.update(json.load(f))
     shutil.rmtree(work, ignore_errors=True)
     return rows
+
+
+def trainer_child(gen, versions, link_gbs, out):
+    """In a child with dcr and torch: the ShardPublisher rows of one rate."""
+    import dcr
+    import torch
+
+    cks = [dcr.Checkpoint.open(os.path.join(gen, f"v{v}")) for v in range(versions + 1)]
+    names = cks[0].names()
+
+    def paced(dst, src):
+        time.sleep(dst.numel() * dst.element_size() / (link_gbs * 1e9))
+        dst.copy_(src)
+
+    ways = {"ShardPublisher, tensors in place": dict(stage=False),
+            "ShardPublisher, staged (torch copy)": dict(stage=True),
+            f"ShardPublisher, staged ({link_gbs:g} GB/s link)": dict(stage=True, copy_engine=paced)}
+    rows = {"dcr.make_delta": []}
+    for way, kw in ways.items():
+        store_dir = os.path.join(os.path.dirname(gen), "trainer-store")
+        shutil.rmtree(store_dir, ignore_errors=True)
+        store = dcr.open_store("file://" + store_dir)
+        live = {n: cks[0].tensor(n).clone() for n in names}
+        pub = dcr.ShardPublisher(store, None, senders=[live], **kw)
+        pub.publish_snapshot(live)
+        rows[way] = []
+        for v in range(1, versions + 1):
+            for n in names:
+                live[n].copy_(cks[v].tensor(n))
+            t0 = time.monotonic()
+            r = pub.publish(v)
+            rows[way].append({"wall": time.monotonic() - t0, "encode": r["encode_seconds"],
+                              "baseline": r["baseline_seconds"], "advance": r["advance_seconds"],
+                              "staging": r["staging_seconds"], "written": 0})
+            if way.endswith("in place"):
+                delta = os.path.join(os.path.dirname(gen), "trainer-delta")
+                shutil.rmtree(delta, ignore_errors=True)
+                t0 = time.monotonic()
+                dcr.make_delta(cks[v - 1], cks[v], delta)
+                rows["dcr.make_delta"].append({"wall": time.monotonic() - t0, "encode": time.monotonic() - t0,
+                                               "written": 0})
+                shutil.rmtree(delta, ignore_errors=True)
+            print(f"   trainer v{v}: {way} {rows[way][-1]['wall']:.2f} s", flush=True)
+        shutil.rmtree(pub.state_dir, ignore_errors=True)
+        shutil.rmtree(store_dir, ignore_errors=True)
+    with open(out, "w") as f:
+        json.dump(rows, f)
 
 
 def main():
@@ -93,7 +158,12 @@ def main():
     ap.add_argument("--disk-state", default=os.path.expanduser("~/.cache/dcr-publish-bench"),
                     help="the on-disk state directories compared")
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--python", help="an interpreter with the dcr package: also the ShardPublisher rows")
+    ap.add_argument("--link-gbs", type=float, default=4.0, help="the paced copy engine's GB/s")
+    ap.add_argument("--trainer-child", nargs=3, metavar=("GEN", "VERSIONS", "OUT"), help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.trainer_child:
+        return trainer_child(a.trainer_child[0], int(a.trainer_child[1]), a.link_gbs, a.trainer_child[2])
     a.dcr = os.path.abspath(a.dcr)
     results = {}
     for rate in [float(x) for x in a.rates.split(",")]:
@@ -102,16 +172,20 @@ def main():
     shutil.rmtree(a.disk_state, ignore_errors=True)
 
     med = lambda xs, k: statistics.median(x[k] for x in xs)
-    print(f"\n{a.size} {a.family}, training update; medians over versions 1..{a.versions}; no receivers")
-    print(f"{'rate':>5} {'process':<36} {'wall s':>7} {'vs delta make':>13} {'encode s':>8} {'baseline s':>10} "
-          f"{'advance s':>9} {'written to disk':>15}")
+    print(f"\n{a.size} {a.family}, training update; medians over versions 1..{a.versions}; no receivers; 'vs make': "
+          "the CLI rows against dcr delta make, the ShardPublisher rows against dcr.make_delta in their process")
+    print(f"{'rate':>5} {'process':<40} {'wall s':>7} {'vs make':>13} {'encode s':>8} {'baseline s':>10} "
+          f"{'advance s':>9} {'staging s':>9} {'written to disk':>15}")
     for rate, rows in results.items():
-        floor = med(rows["delta make"], "wall")
         for name, xs in rows.items():
-            extra = ("", "", "") if name == "delta make" else (
-                f"{med(xs, 'baseline'):.3f}", f"{med(xs, 'advance'):.3f}", "")
-            print(f"{rate:>5.2f} {name:<36} {med(xs, 'wall'):>7.3f} {med(xs, 'wall') / floor:>12.2f}x "
-                  f"{med(xs, 'encode'):>8.3f} {extra[0]:>10} {extra[1]:>9} {med(xs, 'written') / 1e6:>12.3f} MB")
+            floor = med(rows["dcr.make_delta" if name.startswith(("ShardPublisher", "dcr.make")) else "delta make"],
+                        "wall")
+            extra = ("", "", "") if "make" in name else (
+                f"{med(xs, 'baseline'):.3f}", f"{med(xs, 'advance'):.3f}",
+                f"{med(xs, 'staging'):.3f}" if "staging" in xs[0] else "")
+            print(f"{rate:>5.2f} {name:<40} {med(xs, 'wall'):>7.3f} {med(xs, 'wall') / floor:>12.2f}x "
+                  f"{med(xs, 'encode'):>8.3f} {extra[0]:>10} {extra[1]:>9} {extra[2]:>9} "
+                  f"{med(xs, 'written') / 1e6:>12.3f} MB")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"size": a.size, "family": a.family, "versions": a.versions,
