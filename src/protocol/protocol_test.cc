@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <atomic>
 #include <condition_variable>
 #include <filesystem>
@@ -867,6 +868,27 @@ TEST_F(ProtocolTest, APublisherTrustsItsCachedBaselineDigestsOnlyForAnUnchangedB
   EXPECT_EQ(cached_version(), 3);
   ASSERT_TRUE(f.Run(3).ok());
   ExpectIdentical(Path("r"), 3);
+}
+
+TEST(DefaultPublisherStateDirTest, IsInMemoryPerStoreWithinAFileName) {
+  if (!fs::is_directory("/dev/shm")) GTEST_SKIP() << "no /dev/shm";
+  const char* set = std::getenv("DCR_STATE_DIR");
+  const std::string saved = set ? set : "";
+  ::unsetenv("DCR_STATE_DIR");
+  auto plain = DefaultPublisherStateDir("file:///tmp/run-1");
+  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+  EXPECT_EQ(*plain, fmt::format("/dev/shm/dcr-{}/publish/file____tmp_run_1", ::geteuid()));
+  // Long URLs (S3 with options) keep a prefix and a hash: distinct, and a valid file name.
+  const std::string a = "s3://bucket/" + std::string(300, 'p') + "?region=a",
+                    b = "s3://bucket/" + std::string(300, 'p') + "?region=b";
+  auto da = DefaultPublisherStateDir(a), db = DefaultPublisherStateDir(b);
+  ASSERT_TRUE(da.ok() && db.ok());
+  EXPECT_NE(*da, *db);
+  EXPECT_LE(fs::path(*da).filename().string().size(), 128u) << *da;
+  ::setenv("DCR_STATE_DIR", "/elsewhere/state", 1);
+  EXPECT_EQ(*DefaultPublisherStateDir(a), "/elsewhere/state");
+  if (set) ::setenv("DCR_STATE_DIR", saved.c_str(), 1);
+  else ::unsetenv("DCR_STATE_DIR");
 }
 
 // The state directory is a cache of the store: a publisher without one (a

@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <filesystem>
 
+#include "dcr/hash.h"
 #include "internal.h"
 
 namespace dcr {
@@ -44,6 +45,8 @@ Result<std::string> DefaultPublisherStateDir(std::string_view store_url) {
   if (const char* d = std::getenv("DCR_STATE_DIR"); d && *d) return std::string(d);
   std::string name;
   for (char c : store_url) name += std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
+  if (name.size() > 128)  // a file name has at most 255 bytes; long URLs keep a prefix and a hash
+    name = fmt::format("{}-{:016x}", name.substr(0, 96), Xxh3_64(store_url.data(), store_url.size()));
   std::error_code ec;
   if (fs::is_directory("/dev/shm", ec)) {
     const std::string root = fmt::format("/dev/shm/dcr-{}", ::geteuid());
