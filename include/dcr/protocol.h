@@ -40,6 +40,7 @@ namespace dcr {
 class CompiledLayout;
 namespace protocol_internal {
 struct ShardsMemo;
+class ShardCall;
 class ReceiverTarget;
 class ReceiverWalk;
 }  // namespace protocol_internal
@@ -423,9 +424,17 @@ class ShardPublisher {
   Result<PublishReport> Publish(uint64_t version, std::span<const CompiledLayout* const> maps,
                                 std::span<const ShardSource> local, const ShardProcesses& procs);
 
+  // The senders' current shards hold committed version `version` (the run's
+  // snapshot, just published from the same tensors): they become the
+  // baseline, without a download from the store. Every sender must be in
+  // this process; kFailedPrecondition unless their digest is the commit's
+  // (the state is not touched then).
+  Status Adopt(uint64_t version, std::span<const ShardSource> senders);
+
   ~ShardPublisher();
 
  private:
+  friend class protocol_internal::ShardCall;
   Store& store_;
   std::string state_dir_;
   PublishOptions options_;

@@ -543,6 +543,7 @@ class ShardPublisher:
                  inject_failures: Sequence[str] = (), copy_engine: Optional[Callable[[Any, Any], None]] = None):
         self.store = store
         self.state_dir = default_publisher_state_dir(store) if state_dir is None else os.fspath(state_dir)
+        self._processes = processes
         self._options = dict(max_attempts=max_attempts, ack_timeout_s=ack_timeout_s,
                              heartbeat_timeout_s=heartbeat_timeout_s, snapshot_every=snapshot_every,
                              chunk_elements=chunk_elements)
@@ -602,8 +603,7 @@ class ShardPublisher:
 
     def publish(self, version: int) -> dict:
         """Publishes the senders' current bits as ``version`` (> 0; v-1 committed)."""
-        stagers = [st.stager(layout) for st, layout in zip(self._staging, self._layouts)]
-        stagers += [None] * (len(self._layouts) - len(stagers))  # the conversions' sender
+        stagers = self._stagers()
         changed = 0
         for name, held in self._converted.items():
             before = byte_view(held, name).clone() if hasattr(held, "clone") else byte_view(held, name).copy()
@@ -648,7 +648,25 @@ class ShardPublisher:
         del ckpt
         shutil.rmtree(path, ignore_errors=True)
         shutil.rmtree(state, ignore_errors=True)
+        if self._processes == 1:
+            try:
+                self.adopt(0)  # the senders' baseline from the tensors, not downloaded at version 1
+            except FailedPreconditionError:
+                pass  # the senders do not hold these tensors: version 1 rebuilds the baseline from the store
         return report
+
+    def adopt(self, version: int) -> None:
+        """The senders' current tensors hold committed ``version`` (for instance
+        the snapshot :meth:`publish_snapshot` just published from them): they
+        become the baseline, without a download from the store.
+        :class:`FailedPreconditionError` when their bits are not that version's,
+        or when the senders are spread over several processes."""
+        self._p.adopt(version, self._views, self._stagers())
+
+    def _stagers(self) -> list:
+        """Per sender, the copy of its mirrors for the publisher's copy thread (None: nothing staged)."""
+        stagers = [st.stager(layout) for st, layout in zip(self._staging, self._layouts)]
+        return stagers + [None] * (len(self._layouts) - len(stagers))  # the conversions' sender
 
 
 def validate_layout(layout: Union[str, Mapping[str, Any]]) -> str:

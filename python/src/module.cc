@@ -425,6 +425,35 @@ struct PyShardPublisher {
   Interruptible interrupt;
 };
 
+// The senders' sources for one call: their buffers (checked against the
+// maps), and where given, a stage function run on the publisher's copy
+// thread (stagers[k](b) fills buffer b's host memory; under the GIL).
+std::vector<dcr::ShardSource> ShardSources(PyShardPublisher& p, const std::vector<std::vector<nb::ndarray<>>>& buffers,
+                                           const std::vector<nb::object>& stagers, const std::string& who) {
+  if (buffers.size() != p.layouts.size() || (!stagers.empty() && stagers.size() != p.layouts.size()))
+    Raise(dcr::InvalidArgument(who + ": " + std::to_string(buffers.size()) + " senders' buffers and " +
+                               std::to_string(stagers.size()) + " stagers given, it has " +
+                               std::to_string(p.layouts.size()) + " senders"));
+  std::vector<dcr::ShardSource> sources;
+  for (size_t k = 0; k < buffers.size(); ++k) {
+    dcr::ShardSource src{p.layouts[k].get(), {}, {}};
+    for (auto span : RankBuffers(*p.layouts[k], buffers[k], "ShardPublisher: sender " + std::to_string(k)))
+      src.current.emplace_back(span);
+    if (!stagers.empty() && !stagers[k].is_none())
+      src.stage = [stage = stagers[k]](size_t b) -> dcr::Status {
+        nb::gil_scoped_acquire acquire;
+        try {
+          stage(b);
+          return dcr::Status::Ok();
+        } catch (nb::python_error& e) {
+          return dcr::Aborted(std::string("the stage function raised: ") + e.what());
+        }
+      };
+    sources.push_back(std::move(src));
+  }
+  return sources;
+}
+
 dcr::PublishOptions MakePublishOptions(uint32_t senders, uint32_t max_attempts, double ack_timeout_s,
                                        double heartbeat_timeout_s, uint64_t snapshot_every, uint64_t chunk_elements) {
   dcr::PublishOptions o;
@@ -818,30 +847,19 @@ NB_MODULE(_dcr, m) {
            "heartbeat_timeout_s"_a, "snapshot_every"_a, "chunk_elements"_a, "process"_a = 0, "processes"_a = 1,
            "all_layouts"_a = std::vector<std::string>{}, "placement"_a = std::vector<uint32_t>{},
            "peer_timeout_s"_a = 60.0, "inject_failures"_a = std::vector<std::string>{}, nb::keep_alive<1, 2>())
+      .def("adopt", [](PyShardPublisher& p, uint64_t version, const std::vector<std::vector<nb::ndarray<>>>& buffers,
+                       const std::vector<nb::object>& stagers) {
+        std::vector<dcr::ShardSource> sources = ShardSources(p, buffers, stagers, "ShardPublisher.adopt");
+        dcr::Status s;
+        {
+          nb::gil_scoped_release release;
+          s = p.publisher->Adopt(version, sources);
+        }
+        Check(s);
+      }, "version"_a, "buffers"_a, "stagers"_a = std::vector<nb::object>{})
       .def("publish", [](PyShardPublisher& p, uint64_t version, const std::vector<std::vector<nb::ndarray<>>>& buffers,
                          const std::vector<nb::object>& stagers) {
-        if (buffers.size() != p.layouts.size() || (!stagers.empty() && stagers.size() != p.layouts.size()))
-          Raise(dcr::InvalidArgument("ShardPublisher.publish: " + std::to_string(buffers.size()) + " senders' buffers and " +
-                                     std::to_string(stagers.size()) + " stagers given, it has " +
-                                     std::to_string(p.layouts.size()) + " senders"));
-        std::vector<dcr::ShardSource> sources;
-        for (size_t k = 0; k < buffers.size(); ++k) {
-          dcr::ShardSource src{p.layouts[k].get(), {}, {}};
-          for (auto span : RankBuffers(*p.layouts[k], buffers[k], "ShardPublisher: sender " + std::to_string(k)))
-            src.current.emplace_back(span);
-          if (!stagers.empty() && !stagers[k].is_none())
-            // Called on the publisher's copy thread: stagers[k](b) fills buffer b's host memory.
-            src.stage = [stage = stagers[k]](size_t b) -> dcr::Status {
-              nb::gil_scoped_acquire acquire;
-              try {
-                stage(b);
-                return dcr::Status::Ok();
-              } catch (nb::python_error& e) {
-                return dcr::Aborted(std::string("the stage function raised: ") + e.what());
-              }
-            };
-          sources.push_back(std::move(src));
-        }
+        std::vector<dcr::ShardSource> sources = ShardSources(p, buffers, stagers, "ShardPublisher.publish");
         return p.interrupt.Run([&] {
           if (p.all.empty()) return p.publisher->Publish(version, sources);
           std::vector<const dcr::CompiledLayout*> maps;

@@ -1346,6 +1346,16 @@ class ShardProcessTest : public ProtocolTest {
     for (const auto& l : senders_) out.push_back(DenseRank(*l, v));
     return out;
   }
+  // Every sender's sources, in one process.
+  std::vector<ShardSource> All(std::vector<std::vector<std::vector<uint8_t>>>& shards) {
+    std::vector<ShardSource> out;
+    for (size_t k = 0; k < maps_.size(); ++k) {
+      ShardSource src{maps_[k], {}, {}};
+      for (auto& b : shards[k]) src.current.emplace_back(b);
+      out.push_back(std::move(src));
+    }
+    return out;
+  }
   // Process p's sources. Senders are (pp 0, tp 0), (0, 1), (1, 0), (1, 1);
   // the placement puts each stage's tp ranks in different processes, so that
   // contributions cross processes both ways: senders 0, 3 in process 0; 1 in
@@ -1600,15 +1610,7 @@ TEST_F(ShardProcessTest, AWorkerFailingMidAttemptIsFencedAndTheOverwriteRetryCom
 // them again instead of using the files it holds.
 TEST_F(ShardProcessTest, APublisherTrustsOnlyTheShardsItRecordedItself) {
   ASSERT_TRUE(Publisher(*store_, Path("snapshot"), Fast()).Publish(0, Version(0)).ok());
-  auto all = [&](std::vector<std::vector<std::vector<uint8_t>>>& shards) {
-    std::vector<ShardSource> out;
-    for (size_t k = 0; k < maps_.size(); ++k) {
-      ShardSource src{maps_[k], {}};
-      for (auto& b : shards[k]) src.current.emplace_back(b);
-      out.push_back(std::move(src));
-    }
-    return out;
-  };
+  auto all = [&](auto& shards) { return All(shards); };
   ShardPublisher a(*store_, Path("trainer"), Trainer()), b(*store_, Path("trainer"), Trainer());
   auto v1 = Shards(1), v2 = Shards(2), v3 = Shards(3), v4 = Shards(4);
   auto r1 = a.Publish(1, all(v1));
@@ -1691,6 +1693,35 @@ TEST_F(ShardProcessTest, StagedShardsAreCopiedWhileTheEncodeRuns) {
   copies = 0;
   auto again = pub.Publish(2, sources);
   ASSERT_TRUE(again.ok()) << again.status().ToString();
+  ASSERT_TRUE(f.Run(2).ok());
+  ExpectIdentical(Path("r"), 2);
+}
+
+// Adopt: the senders' shards that hold a committed version become the
+// baseline without a download (the trainer that just published the
+// snapshot from them); shards with other bits are refused and nothing kept.
+TEST_F(ShardProcessTest, AdoptedShardsAreTheBaselineWithoutADownload) {
+  ASSERT_TRUE(Publisher(*store_, Path("snapshot"), Fast()).Publish(0, Version(0)).ok());
+  std::atomic<int> snapshot_reads{0};
+  HookStore counted(*store_, [&](std::string_view op, std::string_view key, bool) {
+    if (op == "read" && key.starts_with("snapshots/") && key.find("/files/") != std::string_view::npos)
+      ++snapshot_reads;  // the snapshot's bytes (its record is read by everyone)
+    return Status::Ok();
+  });
+  ShardPublisher pub(counted, Path("trainer"), Trainer());
+  auto v0 = Shards(0), v1 = Shards(1), v2 = Shards(2);
+  Status wrong = pub.Adopt(0, All(v1));
+  EXPECT_EQ(wrong.code(), Code::kFailedPrecondition) << wrong.ToString();
+  EXPECT_NE(wrong.message().find("not version 0"), std::string::npos) << wrong.message();
+  EXPECT_FALSE(fs::exists(Path("trainer/shards")));
+  Status adopted = pub.Adopt(0, All(v0));
+  ASSERT_TRUE(adopted.ok()) << adopted.ToString();
+  for (int v : {1, 2}) {
+    auto r = pub.Publish(v, All(v == 1 ? v1 : v2));
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+  }
+  EXPECT_EQ(snapshot_reads.load(), 0) << "the publisher downloaded the snapshot";
+  Follower f(*store_, Path("r"), Receiver("r"));
   ASSERT_TRUE(f.Run(2).ok());
   ExpectIdentical(Path("r"), 2);
 }

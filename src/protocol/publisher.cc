@@ -1053,6 +1053,9 @@ class ShardRun {
   Status Prepare();
   Result<PublishReport> Coordinate(uint64_t v);
   Result<PublishReport> Work(uint64_t v);
+  // The local senders' current shards, which hold committed version `c`,
+  // become the baseline (ShardPublisher::Adopt).
+  Status AdoptCurrent(const CommitRecord& c);
   // After a publish that succeeded: the baseline stays open in the memo.
   void KeepShardsOpen() {
     if (memo_.valid) memo_.shards = std::move(baseline_);
@@ -1081,6 +1084,7 @@ class ShardRun {
   // Commit of an attempt this process recorded: the baseline becomes the
   // current shards, at `partial`.
   Status MoveBaseline(uint64_t v, const Digest& partial);
+  void CopyCurrentIntoBaseline();
   uint32_t P() const { return procs_.processes; }
   uint32_t Me() const { return procs_.process; }
 
@@ -1250,14 +1254,47 @@ Status ShardRun::MoveBaseline(uint64_t v, const Digest& partial) {
   memo_.valid = false;
   std::error_code ec;
   fs::remove(ShardsRecord(state_dir_), ec);
+  CopyCurrentIntoBaseline();
+  Status written = WriteShardsRecord(v, partial);
+  report_.advance_seconds = Seconds(start);
+  return written;
+}
+
+void ShardRun::CopyCurrentIntoBaseline() {
   for (size_t i = 0; i < local_.size(); ++i) {
     PlacedRank base = baseline_[i].placed();
     for (size_t b = 0; b < base.buffers.size(); ++b)
       std::copy(local_[i].current[b].begin(), local_[i].current[b].end(), base.buffers[b].begin());
   }
-  Status written = WriteShardsRecord(v, partial);
-  report_.advance_seconds = Seconds(start);
-  return written;
+}
+
+Status ShardRun::AdoptCurrent(const CommitRecord& c) {
+  if (P() != 1)
+    return FailedPrecondition("adopting the current shards as the baseline needs every sender in this process; "
+                              "with several processes each rebuilds its baseline from the store");
+  DCR_RETURN_IF_ERROR(staging_.AwaitAll());
+  Digest digest;  // of the current shards, before the state is touched
+  for (const ShardSource& src : local_) {
+    PlacedRank current{src.layout, {}};
+    for (auto b : src.current) current.buffers.emplace_back(const_cast<uint8_t*>(b.data()), b.size());  // read only
+    digest += RankDigest(current);
+  }
+  if (digest != c.target_digest)
+    return FailedPrecondition(fmt::format("the senders' current shards are not version {} (digest {} != {}); adopt "
+                                          "only the tensors that version was published from",
+                                          c.version, digest.ToHex(), c.target_digest.ToHex()));
+  memo_ = {};
+  baseline_.clear();
+  std::error_code ec;
+  fs::remove(ShardsRecord(state_dir_), ec);
+  fs::remove_all(ShardsDir(state_dir_), ec);
+  for (size_t i = 0; i < local_ids_.size(); ++i) {
+    DCR_ASSIGN_OR_RETURN(RankBufferFiles f,
+                         RankBufferFiles::Create(*local_[i].layout, ShardDir(state_dir_, local_ids_[i])));
+    baseline_.push_back(std::move(f));
+  }
+  CopyCurrentIntoBaseline();
+  return WriteShardsRecord(c.version, digest);
 }
 
 Result<bool> ShardRun::Abandoned(uint64_t v, const std::string& id) {
@@ -1611,33 +1648,72 @@ Result<PublishReport> ShardPublisher::Publish(uint64_t version, std::span<const 
   return Publish(version, maps, senders, ShardProcesses{});
 }
 
+namespace protocol_internal {
+
+// One call of a ShardPublisher: staging started (copies from here on, behind
+// what follows), the run read, `check` passed, the state directory locked,
+// the senders prepared; then `body`. A failure forgets the memo (the next
+// call checks the files: a damaged baseline fails attempts).
+class ShardCall {
+ public:
+  static Result<PublishReport> Run(ShardPublisher& p, std::span<const CompiledLayout* const> maps,
+                                   std::span<const ShardSource> local, const ShardProcesses& procs,
+                                   const std::function<Status(const RunState&)>& check,
+                                   const std::function<Result<PublishReport>(ShardRun&)>& body) {
+    if (maps.empty() || local.empty()) return InvalidArgument("no senders given");
+    ShardStaging staging(local);
+    DCR_ASSIGN_OR_RETURN(RunState state, ReadRunState(p.store_));
+    if (!state.run) return FailedPrecondition(fmt::format("{} holds no run; publish version 0 first", p.store_.url()));
+    DCR_RETURN_IF_ERROR(check(state));
+    DCR_ASSIGN_OR_RETURN(const std::string dir, StateDir(p.state_dir_, p.store_));
+    DCR_ASSIGN_OR_RETURN(StateDirLock lock, StateDirLock::Acquire(dir));
+    PublishRun run(p.store_, dir, p.options_, nullptr);
+    ShardRun shards(run, p.store_, dir, p.options_, *state.run, maps, local, procs, *p.memo_, staging);
+    const Status prepared = shards.Prepare();
+    Result<PublishReport> r = prepared.ok() ? body(shards) : Result<PublishReport>(prepared);
+    if (r.ok()) {
+      r->state_dir = dir;
+      shards.KeepShardsOpen();
+    } else {
+      *p.memo_ = {};
+    }
+    return r;
+  }
+};
+
+}  // namespace protocol_internal
+
 Result<PublishReport> ShardPublisher::Publish(uint64_t version, std::span<const CompiledLayout* const> maps,
                                               std::span<const ShardSource> local, const ShardProcesses& procs) {
   if (version == 0)
     return FailedPrecondition("version 0 is the run's snapshot, a canonical checkpoint: publish it with dcr publish");
-  if (maps.empty() || local.empty()) return InvalidArgument("no senders given");
-  ShardStaging staging(local);  // copies from here on, behind what follows
-  DCR_ASSIGN_OR_RETURN(RunState state, ReadRunState(store_));
-  if (!state.run) return FailedPrecondition(fmt::format("{} holds no run; publish version 0 first", store_.url()));
   // A worker may find v committed already (restarted after the commit).
   const bool worker = procs.process != 0;
-  if (!state.latest || (*state.latest != version - 1 && !(worker && *state.latest == version)))
-    return FailedPrecondition(fmt::format("the newest committed version is {}; publish version {}",
-                                          state.latest ? std::to_string(*state.latest) : "none",
-                                          state.latest ? *state.latest + 1 : 0));
-  DCR_ASSIGN_OR_RETURN(const std::string dir, StateDir(state_dir_, store_));
-  DCR_ASSIGN_OR_RETURN(StateDirLock lock, StateDirLock::Acquire(dir));
-  PublishRun run(store_, dir, options_, nullptr);
-  ShardRun shards(run, store_, dir, options_, *state.run, maps, local, procs, *memo_, staging);
-  DCR_RETURN_IF_ERROR(shards.Prepare());
-  auto r = worker ? shards.Work(version) : shards.Coordinate(version);
-  if (r.ok()) {
-    r->state_dir = dir;
-    shards.KeepShardsOpen();
-  } else {
-    *memo_ = {};  // the next publish checks the files (a damaged baseline fails attempts)
-  }
-  return r;
+  auto check = [&](const RunState& state) -> Status {
+    if (!state.latest || (*state.latest != version - 1 && !(worker && *state.latest == version)))
+      return FailedPrecondition(fmt::format("the newest committed version is {}; publish version {}",
+                                            state.latest ? std::to_string(*state.latest) : "none",
+                                            state.latest ? *state.latest + 1 : 0));
+    return Status::Ok();
+  };
+  return ShardCall::Run(*this, maps, local, procs, check,
+                        [&](ShardRun& shards) { return worker ? shards.Work(version) : shards.Coordinate(version); });
+}
+
+Status ShardPublisher::Adopt(uint64_t version, std::span<const ShardSource> senders) {
+  std::vector<const CompiledLayout*> maps;
+  for (const ShardSource& s : senders) maps.push_back(s.layout);
+  CommitRecord commit;
+  auto check = [&](const RunState&) -> Status {
+    DCR_ASSIGN_OR_RETURN(commit, ReadCommit(store_, version));
+    return Status::Ok();
+  };
+  return ShardCall::Run(*this, maps, senders, ShardProcesses{}, check, [&](ShardRun& shards) -> Result<PublishReport> {
+           DCR_RETURN_IF_ERROR(shards.AdoptCurrent(commit));
+           PublishReport report;
+           report.version = version;
+           return report;
+         }).status();
 }
 
 Result<PublishReport> Publisher::Publish(uint64_t version, const Checkpoint& next, Progress* progress) {

@@ -316,6 +316,9 @@ def test_staging_runs_on_the_publishers_copy_thread_once_per_buffer(tmp_path):
     pub = dcr.ShardPublisher(store, tmp_path / "trainer", [live], stage=True, copy_engine=slow_copy,
                              ack_timeout_s=20, chunk_elements=64)
     pub.publish_snapshot(live)
+    # The snapshot's tensors are the senders' baseline at once (adopted, not downloaded at version 1).
+    with open(os.path.join(pub.state_dir, "shards.json")) as f:
+        assert json.load(f)["version"] == 0
     for v in (1, 2):
         copies.clear()
         live[f"t{v}"].add_(1)
@@ -333,6 +336,9 @@ def test_staging_runs_on_the_publishers_copy_thread_once_per_buffer(tmp_path):
     got = read_checkpoint(tmp_path / "engine")
     for n, t in live.items():
         assert got[n].data == bits(t).numpy().tobytes(), n
+    live["t0"].add_(1)
+    with pytest.raises(dcr.FailedPreconditionError, match="not version 3"):
+        pub.adopt(3)
 
 
 TRAINER = """
