@@ -74,12 +74,30 @@ struct RunRecord {
   static Result<RunRecord> FromJson(std::string_view json, const std::string& where);
 };
 
+// What a publisher held beside the trainer's tensors while publishing one
+// version (docs/protocol.md, "Memory").
+struct PublisherMemory {
+  // The previous version's bits (files in the state directory), and whether
+  // that directory is in memory (tmpfs, ramfs): then they are memory too.
+  uint64_t baseline_bytes = 0;
+  bool baseline_in_memory = false;
+  uint64_t staging_bytes = 0;  // host buffers device tensors are staged into
+  // Peak of frame bytes written into objects not yet closed in the store
+  // (what the store's writers and the relay's copies can hold at most):
+  // about senders x 5 segments with a single publisher, the process's whole
+  // share with trainer processes (one object each).
+  uint64_t frames_in_flight_bytes = 0;
+  uint64_t digest_bytes = 0;  // chunk digest tables kept between versions
+  friend bool operator==(const PublisherMemory&, const PublisherMemory&) = default;
+};
+
 struct CommitRecord {
   uint64_t version = 0, base_version = 0;
   std::string attempt;  // empty for version 0 (the snapshot)
   Digest target_digest;
   std::vector<std::string> acked, retired;  // receivers
   double time = 0;  // unix seconds
+  std::optional<PublisherMemory> publisher_memory;  // of the committing publisher (absent: an older one)
   std::string ToJson() const;
   static Result<CommitRecord> FromJson(std::string_view json, const std::string& where);
 };
@@ -111,6 +129,10 @@ struct ReceiverRecord {
   uint64_t version = 0;   // committed version it holds
   double heartbeat = 0;   // unix seconds
   EngineRank engine;      // a rank of an engine, or ranks == 0
+  // The most frame bytes it held at once (downloaded or relayed objects)
+  // while applying the last version it applied: the delta's frames for its
+  // chunks (docs/protocol.md, "Memory"). 0 before the first.
+  uint64_t frames_held_bytes = 0;
   std::string ToJson() const;
   static Result<ReceiverRecord> FromJson(std::string_view json, const std::string& where);
 };
@@ -330,6 +352,7 @@ struct PublishReport {
   // buffer was staged (the copies overlap everything after the first).
   double staging_seconds = 0;
   std::string state_dir;  // where the baseline is
+  PublisherMemory memory;
   bool already_committed = false;  // the commit record existed with this target
 };
 

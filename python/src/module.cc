@@ -345,6 +345,13 @@ nb::dict PublishReportDict(const dcr::PublishReport& r) {
   d["advance_seconds"] = r.advance_seconds;
   d["staging_seconds"] = r.staging_seconds;
   d["state_dir"] = r.state_dir;
+  nb::dict memory;
+  memory["baseline_bytes"] = r.memory.baseline_bytes;
+  memory["baseline_in_memory"] = r.memory.baseline_in_memory;
+  memory["staging_bytes"] = r.memory.staging_bytes;
+  memory["frames_in_flight_bytes"] = r.memory.frames_in_flight_bytes;
+  memory["digest_bytes"] = r.memory.digest_bytes;
+  d["memory"] = memory;
   d["already_committed"] = r.already_committed;
   return d;
 }

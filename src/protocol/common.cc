@@ -82,7 +82,7 @@ Result<std::vector<AttemptInfo>> ListAttempts(Store& store, uint64_t v) {
 }
 
 Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& attempt,
-                                std::map<std::string, std::string>* prefetched) {
+                                std::map<std::string, std::string>* prefetched, uint64_t* object_bytes) {
   const std::string prefix = run_keys::Attempt(v, attempt);
   // The attempt's prefix ends in '/'; the delta's messages add "/<object>".
   const std::string where = StoreContext(store.url(), prefix.substr(0, prefix.size() - 1));
@@ -100,6 +100,7 @@ Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& att
     } else {
       DCR_ASSIGN_OR_RETURN(blob, store.Get(key));
     }
+    if (object_bytes) *object_bytes += blob.size();
     blobs->push_back(std::move(blob));
     spans.emplace_back(reinterpret_cast<const uint8_t*>(blobs->back().data()), blobs->back().size());
   }
@@ -246,6 +247,7 @@ ReceiverRecord Heartbeat::Record() {
   std::lock_guard lock(mu_);
   r.state = state_;
   r.version = version_;
+  r.frames_held_bytes = frames_held_;
   return r;
 }
 
@@ -260,6 +262,11 @@ Status Heartbeat::Set(const std::string& state) {
 void Heartbeat::SetVersion(uint64_t v) {
   std::lock_guard lock(mu_);
   version_ = v;
+}
+
+void Heartbeat::SetFramesHeld(uint64_t bytes) {
+  std::lock_guard lock(mu_);
+  frames_held_ = bytes;
 }
 
 void Heartbeat::Start() {

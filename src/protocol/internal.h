@@ -49,9 +49,11 @@ Result<std::vector<AttemptInfo>> ListAttempts(Store& store, uint64_t v);
 
 // The attempt's delta, frames downloaded (kept in memory). Objects found in
 // `prefetched` (full key -> bytes, downloaded while the attempt streamed)
-// are moved from it instead of downloaded again.
+// are moved from it instead of downloaded again. `object_bytes`, when
+// given, is increased by the bytes of the objects the delta holds.
 Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& attempt,
-                                std::map<std::string, std::string>* prefetched = nullptr);
+                                std::map<std::string, std::string>* prefetched = nullptr,
+                                uint64_t* object_bytes = nullptr);
 
 // Streaming: frames applied as their objects arrive, before the attempt's
 // manifest (streaming.cc; docs/protocol.md). What attempt.json says: the
@@ -114,6 +116,9 @@ Status NoSpace(const std::string& dir, uint64_t need, std::string_view what,
                std::optional<uint64_t> available = std::nullopt);
 bool IsNoSpace(int err);
 
+// Whether `dir` is on a filesystem in memory (tmpfs, ramfs).
+bool OnMemoryFilesystem(const std::string& dir);
+
 // A publisher's hold on its state directory (an exclusive flock of
 // `state_dir`/lock, released when destroyed); kFailedPrecondition when
 // another process or publisher holds it.
@@ -138,6 +143,7 @@ class Heartbeat {
   ~Heartbeat() { Stop(); }
   Status Set(const std::string& state);  // records the state now
   void SetVersion(uint64_t v);           // the next record's version
+  void SetFramesHeld(uint64_t bytes);    // the next record's frames_held_bytes
   void Start();
   void Stop();
 
@@ -150,7 +156,7 @@ class Heartbeat {
   const std::function<void(const std::string&)> log_;
   std::mutex mu_;
   std::string state_ = "joining";
-  uint64_t version_ = 0;
+  uint64_t version_ = 0, frames_held_ = 0;
   std::atomic<bool> stop_{false};
   std::thread thread_;
 };

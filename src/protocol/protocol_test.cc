@@ -288,6 +288,61 @@ TEST_F(ProtocolTest, ReceiversFollowEveryVersionBitExactly) {
   EXPECT_EQ(pub.Publish(3, Version(2)).status().code(), Code::kAlreadyExists);
 }
 
+// What the publisher and a receiver hold beside the bits is reported: in the
+// publish report and the commit record (the baseline whole; frames in flight
+// only the segments being written and closed, not the delta) and in the
+// receiver's record (every frame object of the version it applied).
+TEST_F(ProtocolTest, MemoryHeldByThePublisherAndReceiversIsReported) {
+  if (!fs::is_directory("/dev/shm")) GTEST_SKIP() << "no /dev/shm";
+  const std::string shm = fmt::format("/dev/shm/dcr-protocol-test-{}", ::getpid());
+  struct Remove {
+    std::string dir;
+    ~Remove() { fs::remove_all(dir); }
+  } remove{shm};
+  PublishOptions o = Fast();
+  o.segment_bytes = 1024;
+  ASSERT_TRUE(Publisher(*store_, shm, o).Publish(0, Version(0)).ok());
+  std::optional<Result<PublishReport>> r;
+  Status followed;
+  std::thread follower([&] { followed = Follower(*store_, Path("r"), Receiver("r")).Run(1); });
+  WaitForReceivers(1);
+  r = Publisher(*store_, shm, o).Publish(1, Version(1));
+  follower.join();
+  ASSERT_TRUE(r->ok()) << r->status().ToString();
+  ASSERT_TRUE(followed.ok()) << followed.ToString();
+  ExpectIdentical(Path("r"), 1);
+  const PublisherMemory& m = (*r)->memory;
+  EXPECT_EQ(m.baseline_bytes, Version(0).total_bytes());
+  EXPECT_TRUE(m.baseline_in_memory) << shm;
+  EXPECT_EQ(m.staging_bytes, 0u);
+  auto text = store_->Get(run_keys::Attempt(1, (*r)->attempt) + std::string(kManifestFileName));
+  ASSERT_TRUE(text.ok()) << text.status().ToString();
+  auto parsed = DeltaManifest::FromJson(*text, "manifest");
+  ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
+  const DeltaManifest& manifest = *parsed;
+  uint64_t chunks = 0, largest_frame = 0;
+  for (size_t t = 0; t < manifest.tensors.size(); ++t) chunks += manifest.ChunkCount(t);
+  for (const auto& f : manifest.frames) largest_frame = std::max(largest_frame, f.bytes);
+  EXPECT_EQ(m.digest_bytes, chunks * sizeof(Digest));
+  // A sender's segment is filled to segment_bytes before it is closed; at
+  // most 4 wait to be closed while the next is written.
+  EXPECT_GE(m.frames_in_flight_bytes, o.segment_bytes);
+  EXPECT_LE(m.frames_in_flight_bytes, 5 * (o.segment_bytes + largest_frame + kObjectTrailerBytes));
+  ASSERT_GT(manifest.frame_bytes, 4 * m.frames_in_flight_bytes)
+      << "too small a delta to tell segments from it; largest frame " << largest_frame;
+  auto commit = store_->Get(run_keys::Commit(1));
+  ASSERT_TRUE(commit.ok());
+  auto record = CommitRecord::FromJson(*commit, "commit");
+  ASSERT_TRUE(record.ok()) << record.status().ToString();
+  EXPECT_EQ(record->publisher_memory, m);
+  // The receiver held the version's objects (frames and trailers) at once.
+  auto status = ReadRunStatus(*store_, kGuard);
+  ASSERT_TRUE(status.ok()) << status.status().ToString();
+  ASSERT_EQ(status->receivers.size(), 1u);
+  EXPECT_EQ(status->receivers[0].record.frames_held_bytes,
+            manifest.frame_bytes + manifest.objects.size() * kObjectTrailerBytes);
+}
+
 TEST_F(ProtocolTest, ReceiversDownloadSegmentsWhileTheAttemptStreams) {
   PublishOptions o = Fast();
   o.segment_bytes = 4096;  // many frame objects per sender

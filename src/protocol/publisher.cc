@@ -425,6 +425,9 @@ Result<PublishReport> PublishRun::PublishDelta(uint64_t v, const Checkpoint& nex
   DCR_RETURN_IF_ERROR(ready);
   report.baseline_seconds = Seconds(baseline_start);
   Checkpoint& baseline = *opened;
+  report.memory.baseline_bytes = baseline.total_bytes();
+  report.memory.baseline_in_memory = OnMemoryFilesystem(state_dir_);
+  for (const auto& chunks : base_digests) report.memory.digest_bytes += chunks.size() * sizeof(Digest);
   // A scheduled snapshot of v-1 whose upload failed after v-1's commit is
   // uploaded now, from the baseline (which holds v-1 exactly).
   if (o_.snapshot_every > 0 && v - 1 > 0 && (v - 1) % o_.snapshot_every == 0) {
@@ -472,6 +475,23 @@ Result<PublishReport> PublishRun::PublishDelta(uint64_t v, const Checkpoint& nex
 
 namespace {
 
+// Frame bytes written into objects not yet closed, and their peak (what the
+// store's writers and the relay's copies hold at most; any thread).
+class FramesInFlight {
+ public:
+  void Add(uint64_t n) {
+    const uint64_t now = held_.fetch_add(n) + n;
+    uint64_t peak = peak_.load();
+    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+    }
+  }
+  void Remove(uint64_t n) { held_.fetch_sub(n); }
+  uint64_t peak() const { return peak_.load(); }
+
+ private:
+  std::atomic<uint64_t> held_{0}, peak_{0};
+};
+
 // A sender's frame stream cut into objects frames/s<K>-<NNNN>.bin of about
 // `segment_bytes` each, at frame boundaries. Each object is visible (and can
 // be downloaded) as soon as it is closed, while the next is being written.
@@ -484,12 +504,15 @@ namespace {
 class SegmentedFrameWriter {
  public:
   SegmentedFrameWriter(Store& store, std::string prefix, uint32_t sender, uint64_t segment_bytes,
-                       const ObjectSigner& signer, FrameObjectSink* relay)
+                       const ObjectSigner& signer, FrameObjectSink* relay, FramesInFlight& in_flight)
       : store_(store), prefix_(std::move(prefix)), sender_(sender), segment_bytes_(std::max<uint64_t>(segment_bytes, 1)),
-        signer_(signer), relay_(relay) {}
+        signer_(signer), relay_(relay), in_flight_(in_flight) {}
   // Without Close (an attempt that failed): nothing more is published.
   ~SegmentedFrameWriter() {
-    if (writer_) writer_->Abort();
+    if (writer_) {
+      writer_->Abort();
+      in_flight_.Remove(in_segment_);
+    }
     std::unique_lock lock(mu_);
     stopping_ = aborting_ = true;
     cv_.notify_all();
@@ -510,6 +533,7 @@ class SegmentedFrameWriter {
     signing_.Update(frame);
     if (relay_) buffer_.append(frame);
     in_segment_ += frame.size();
+    in_flight_.Add(frame.size());
     written_ += frame.size();
     return Status::Ok();
   }
@@ -541,6 +565,7 @@ class SegmentedFrameWriter {
   struct Pending {
     std::unique_ptr<ObjectWriter> writer;
     std::string key, bytes;  // bytes: only with a relay
+    uint64_t size = 0;       // counted in in_flight_ until closed
   };
 
   // Hands the current object (if any) to the closer thread.
@@ -551,8 +576,9 @@ class SegmentedFrameWriter {
     const std::string trailer = signing_.Trailer();
     if (Status s = writer_->Write(trailer); !s.ok()) return failure_ = s;
     if (relay_) buffer_.append(trailer);
+    in_flight_.Add(trailer.size());
     cv_.wait(lock, [&] { return pending_.size() < kClosesInFlight; });
-    pending_.push_back({std::move(writer_), prefix_ + names_.back(), std::move(buffer_)});
+    pending_.push_back({std::move(writer_), prefix_ + names_.back(), std::move(buffer_), in_segment_ + trailer.size()});
     buffer_.clear();
     if (!closer_.joinable()) closer_ = std::thread([this] { CloseLoop(); });
     cv_.notify_all();
@@ -575,6 +601,7 @@ class SegmentedFrameWriter {
         if (s.ok() && relay_) relay_->Object(p.key, p.bytes);
       }
       lock.lock();
+      in_flight_.Remove(pending_.front().size);
       pending_.pop_front();
       if (!s.ok() && failure_.ok()) failure_ = s;
       cv_.notify_all();
@@ -588,6 +615,7 @@ class SegmentedFrameWriter {
   const ObjectSigner& signer_;
   ObjectSigner::Object signing_;  // of the open segment
   FrameObjectSink* const relay_;
+  FramesInFlight& in_flight_;
   std::string buffer_;  // the open segment's bytes, with a relay
   std::unique_ptr<ObjectWriter> writer_;
   std::vector<std::string> names_;
@@ -776,6 +804,7 @@ Result<PublishRun::AttemptResult> PublishRun::AwaitAcksAndCommit(uint64_t v, con
   c.acked.assign(acked.begin(), acked.end());
   c.retired.assign(retired.begin(), retired.end());
   c.time = UnixNow();
+  c.publisher_memory = report->memory;
   Status s = store_.Put(run_keys::Commit(v), c.ToJson(), WriteMode::kCreateIfAbsent);
   // After a transient failure the record may or may not have been written (a
   // lost response): create it again; if it exists and names this attempt, it
@@ -841,10 +870,11 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
   const uint64_t segment_bytes =
       o_.segment_bytes ? o_.segment_bytes : std::clamp<uint64_t>(next.total_bytes() / 4096, 256 << 10, 16 << 20);
   std::vector<Digest> all_base, all_target;
+  FramesInFlight in_flight;
   for (uint32_t k = 0; k < plan.size(); ++k) {
     std::vector<Digest> tracked;
     for (const auto& c : plan[k]) tracked.push_back(base_digests[c.tensor][c.chunk]);
-    SegmentedFrameWriter segments(store_, prefix, k, segment_bytes, signer, o_.relay);
+    SegmentedFrameWriter segments(store_, prefix, k, segment_bytes, signer, o_.relay, in_flight);
     DCR_ASSIGN_OR_RETURN(EncodedFrames encoded,
                          EncodeFrames(baseline, next, m, plan[k], options.encode,
                                       [&](std::string_view frame) { return segments.Write(frame); }, &tracked,
@@ -866,6 +896,7 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
   for (size_t t = 0, i = 0; t < m.tensors.size(); ++t)
     for (uint64_t c = 0; c < m.ChunkCount(t); ++c) (*target_digests_out)[t].push_back(all_target.at(i++));
   report->encode_seconds += Seconds(encode_start);
+  report->memory.frames_in_flight_bytes = std::max(report->memory.frames_in_flight_bytes, in_flight.peak());
   report->attempt = id;
   report->frame_bytes = m.frame_bytes;
   report->payload_bytes = m.payload_bytes;
@@ -1176,6 +1207,16 @@ Status ShardRun::LoadShards(const CommitRecord& want) {
   const auto start = Clock::now();
   Status s = OpenOrRebuildShards(want);
   report_.baseline_seconds += Seconds(start);
+  PublisherMemory& mem = report_.memory;
+  mem.baseline_bytes = mem.staging_bytes = 0;
+  for (RankBufferFiles& f : baseline_) {
+    const PlacedRank placed = f.placed();
+    for (auto b : placed.buffers) mem.baseline_bytes += b.size();
+  }
+  mem.baseline_in_memory = OnMemoryFilesystem(state_dir_);
+  for (const ShardSource& src : local_)
+    if (src.stage)
+      for (auto b : src.current) mem.staging_bytes += b.size();
   return s;
 }
 
@@ -1424,6 +1465,7 @@ Result<ShardRun::Participation> ShardRun::Participate(uint64_t v, const std::str
     DCR_ASSIGN_OR_RETURN(const ObjectSigner signer, ObjectSigner::Generate());
     DCR_RETURN_IF_ERROR(store_.Put(prefix + ProcessSignerKey(Me()), signer.public_hex() + "\n"));
     bytes = signer.Sign(prefix + rec.objects[0], std::move(bytes));
+    report_.memory.frames_in_flight_bytes = std::max<uint64_t>(report_.memory.frames_in_flight_bytes, bytes.size());
     DCR_RETURN_IF_ERROR(store_.Put(prefix + rec.objects[0], bytes));
     if (o_.relay) o_.relay->Object(prefix + rec.objects[0], bytes);
   }

@@ -8,7 +8,9 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <sys/file.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <cctype>
@@ -59,6 +61,12 @@ Result<std::string> DefaultPublisherStateDir(std::string_view store_url) {
 }
 
 namespace protocol_internal {
+
+bool OnMemoryFilesystem(const std::string& dir) {
+  struct statfs st {};
+  if (::statfs(dir.c_str(), &st) != 0) return false;
+  return st.f_type == TMPFS_MAGIC || st.f_type == RAMFS_MAGIC;
+}
 
 Result<StateDirLock> StateDirLock::Acquire(const std::string& state_dir) {
   std::error_code ec;

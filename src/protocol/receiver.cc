@@ -62,6 +62,8 @@ Status ReceiverWalk::Join(uint64_t at_most, const std::string& why) {
 Status ReceiverWalk::Commit(uint64_t v) {
   version_ = v;
   heartbeat_.SetVersion(v);
+  if (frames_held_peak_ > 0) heartbeat_.SetFramesHeld(frames_held_peak_);  // not after a join
+  frames_held_peak_ = 0;
   prefetched_.clear();
   from_relay_.clear();
   relayed_.clear();
@@ -83,6 +85,7 @@ Status ReceiverWalk::TakeFromRelay(uint64_t v, const std::string& id) {
   if (!o_.relay) return Status::Ok();
   const std::string prefix = run_keys::Attempt(v, id);
   for (auto& [key, bytes] : o_.relay->Take(prefix)) relayed_.insert_or_assign(key, std::move(bytes));
+  NoteFramesHeld();
   for (auto it = relayed_.lower_bound(prefix); it != relayed_.end() && it->first.starts_with(prefix);) {
     if (prefetched_.count(it->first)) {  // already downloaded from the store
       it = relayed_.erase(it);
@@ -137,6 +140,13 @@ Status ReceiverWalk::AwaitRelay(uint64_t v, const std::string& id, const std::ve
   }
 }
 
+void ReceiverWalk::NoteFramesHeld(uint64_t loaded) {
+  uint64_t held = loaded;
+  for (const auto& [key, bytes] : prefetched_) held += bytes.size();
+  for (const auto& [key, bytes] : relayed_) held += bytes.size();
+  frames_held_peak_ = std::max(frames_held_peak_, held);
+}
+
 std::pair<size_t, uint64_t> ReceiverWalk::Relayed(const std::string& prefix) const {
   std::pair<size_t, uint64_t> r{0, 0};
   for (const auto& [key, bytes] : prefetched_)
@@ -184,7 +194,9 @@ Status ReceiverWalk::StreamApply(uint64_t v, const AttemptInfo& a) {
 // or retired receiver); when that fails, once from the newest snapshot.
 Status ReceiverWalk::CatchUp(uint64_t v, const CommitRecord& c) {
   DCR_RETURN_IF_ERROR(TakeFromRelay(v, c.attempt));
-  auto delta = LoadAttempt(store_, v, c.attempt, &prefetched_);
+  uint64_t loaded = 0;
+  auto delta = LoadAttempt(store_, v, c.attempt, &prefetched_, &loaded);
+  NoteFramesHeld(loaded);
   Status s = delta.status();
   ApplyCounts counts;
   if (s.ok()) s = target_.ApplyAttempt(c.attempt, *delta, &counts);
@@ -208,7 +220,9 @@ Status ReceiverWalk::ApplyAndAck(uint64_t v, const AttemptInfo& a) {
   // objects (the store is not the tree's link): apply them as they come.
   DCR_RETURN_IF_ERROR(AwaitRelay(v, a.id, a.frame_objects, [&] { return StreamApply(v, a); }));
   const auto [relayed, relayed_bytes] = Relayed(prefix);
-  auto delta = LoadAttempt(store_, v, a.id, &prefetched_);
+  uint64_t loaded = 0;
+  auto delta = LoadAttempt(store_, v, a.id, &prefetched_, &loaded);
+  NoteFramesHeld(loaded);
   const auto ready = std::chrono::steady_clock::now();  // the manifest and every frame object are here
   if (Transient(delta.status())) return delta.status();
   if (o_.relay && delta.ok()) {
@@ -294,6 +308,7 @@ Status ReceiverWalk::Step() {
     if (prefetched_.size() != before) progressed = true;
     if (!o_.relay || !o_.relay->Attached())
       DCR_RETURN_IF_ERROR(PrefetchFrameObjects(store_, a, &prefetched_, &progressed));
+    NoteFramesHeld();
     // Only the newest attempt: an older one is being replaced (a takeover or
     // retry), and its frames would only be overwritten.
     if (a.id == attempts.back().id) DCR_RETURN_IF_ERROR(StreamApply(v, a));

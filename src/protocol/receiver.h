@@ -101,6 +101,9 @@ class ReceiverWalk {
                     const std::function<Status()>& arrived);
   // The objects (and bytes) under `prefix` in prefetched_ that the relay delivered.
   std::pair<size_t, uint64_t> Relayed(const std::string& prefix) const;
+  // Counts the frame bytes held now (prefetched_, relayed_, and `loaded`:
+  // those a loaded delta holds) towards this version's peak.
+  void NoteFramesHeld(uint64_t loaded = 0);
   // Applies the frames of attempt `a` of version v that are in prefetched_
   // and not yet looked at, ahead of the manifest's apply (while the attempt
   // streams, or while the relay still delivers).
@@ -122,6 +125,7 @@ class ReceiverWalk {
   std::map<std::string, std::string> relayed_;  // delivered, waiting for the key that signs them
   std::map<std::string, StreamedAttempt> attempt_docs_;  // by attempt id, of version_ + 1
   uint64_t refused_objects_ = 0;  // relayed objects whose signature did not verify
+  uint64_t frames_held_peak_ = 0;  // towards version_ + 1: the heartbeat's frames_held_bytes at its commit
   struct Streamed {
     const StreamedAttempt* attempt = nullptr;  // in attempt_docs_
     DeltaManifest shape;            // the run's shape with the attempt's delta id and class

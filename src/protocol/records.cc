@@ -155,6 +155,14 @@ std::string CommitRecord::ToJson() const {
   doc["acked"] = acked;
   doc["retired"] = retired;
   doc["time"] = time;
+  if (publisher_memory) {
+    const PublisherMemory& pm = *publisher_memory;
+    doc["publisher_memory"] = {{"baseline_bytes", pm.baseline_bytes},
+                               {"baseline_in_memory", pm.baseline_in_memory},
+                               {"staging_bytes", pm.staging_bytes},
+                               {"frames_in_flight_bytes", pm.frames_in_flight_bytes},
+                               {"digest_bytes", pm.digest_bytes}};
+  }
   return Dump(doc);
 }
 
@@ -169,6 +177,16 @@ Result<CommitRecord> CommitRecord::FromJson(std::string_view text, const std::st
   DCR_ASSIGN_OR_RETURN(r.retired, Strs(doc, "retired", where));
   DCR_ASSIGN_OR_RETURN(r.time, Num(doc, "time", where));
   if (r.version > 0 && r.base_version + 1 != r.version) return Bad(where, "'base_version' must be version - 1");
+  if (auto it = doc.find("publisher_memory"); it != doc.end()) {
+    if (!it->is_object()) return Bad(where, "'publisher_memory' must be an object");
+    PublisherMemory pm;
+    DCR_ASSIGN_OR_RETURN(pm.baseline_bytes, U64(*it, "baseline_bytes", where));
+    DCR_ASSIGN_OR_RETURN(pm.baseline_in_memory, Bool(*it, "baseline_in_memory", where));
+    DCR_ASSIGN_OR_RETURN(pm.staging_bytes, U64(*it, "staging_bytes", where));
+    DCR_ASSIGN_OR_RETURN(pm.frames_in_flight_bytes, U64(*it, "frames_in_flight_bytes", where));
+    DCR_ASSIGN_OR_RETURN(pm.digest_bytes, U64(*it, "digest_bytes", where));
+    r.publisher_memory = pm;
+  }
   return r;
 }
 
@@ -201,6 +219,7 @@ std::string ReceiverRecord::ToJson() const {
   doc["state"] = state;
   doc["version"] = version;
   doc["heartbeat"] = heartbeat;
+  doc["frames_held_bytes"] = frames_held_bytes;
   PutEngine(doc, engine);
   return Dump(doc);
 }
@@ -213,6 +232,9 @@ Result<ReceiverRecord> ReceiverRecord::FromJson(std::string_view text, const std
   DCR_ASSIGN_OR_RETURN(r.version, U64(doc, "version", where));
   DCR_ASSIGN_OR_RETURN(r.heartbeat, Num(doc, "heartbeat", where));
   DCR_ASSIGN_OR_RETURN(r.engine, GetEngine(doc, where));
+  if (doc.contains("frames_held_bytes")) {  // absent from older receivers' records
+    DCR_ASSIGN_OR_RETURN(r.frames_held_bytes, U64(doc, "frames_held_bytes", where));
+  }
   return r;
 }
 

@@ -86,6 +86,15 @@ def test_the_default_state_is_in_memory_and_a_lost_one_is_rebuilt(tmp_path, memo
             # records at most reached a disk.
             assert written <= 64 << 10, f"version {v}: {written} bytes written to storage"
             assert report["advance_seconds"] > 0 and report["baseline_seconds"] > 0, report
+            memory = report["memory"]
+            assert memory["baseline_in_memory"] and memory["baseline_bytes"] == report["total_bytes"], report
+            assert 0 < memory["frames_in_flight_bytes"] <= report["frame_bytes"] + 4096, report
+        # dcr status shows what the publisher held, from the commit record.
+        status = run_dcr("status", "--store", store, "--json")
+        assert status.returncode == 0, status
+        assert json.loads(status.stdout)["versions"][-1]["publisher_memory"] == memory, status.stdout
+        status = run_dcr("status", "--store", store)
+        assert "publisher held a baseline of" in status.stdout and "(in memory)" in status.stdout, status.stdout
         assert filecmp.cmp(state / "baseline" / "model.safetensors", gen / "v2" / "model.safetensors", shallow=False)
 
         # A reboot empties /dev/shm: the next publish rebuilds the baseline from the store.
@@ -109,3 +118,4 @@ def test_the_default_state_is_in_memory_and_a_lost_one_is_rebuilt(tmp_path, memo
                                       gen / "v1"], tmp_path)
     assert rc == 0, err
     assert written >= json.loads(out)["total_bytes"] // 2, written
+    assert not json.loads(out)["memory"]["baseline_in_memory"], out

@@ -325,6 +325,8 @@ def test_staging_runs_on_the_publishers_copy_thread_once_per_buffer(tmp_path):
         report = pub.publish(v)
         assert len(copies) == len(live) and caller not in copies, copies
         assert report["staging_seconds"] > 0, report
+        held = sum(t.numel() * t.element_size() for t in live.values())
+        assert report["memory"]["staging_bytes"] == held and report["memory"]["baseline_bytes"] == held, report
     live["t3"].mul_(2)
     broken.append(True)
     with pytest.raises(dcr.AbortedError, match="the device was lost"):

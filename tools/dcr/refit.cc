@@ -27,6 +27,14 @@ namespace {
 
 using json = nlohmann::ordered_json;
 
+json MemoryJson(const PublisherMemory& m) {
+  return {{"baseline_bytes", m.baseline_bytes},
+          {"baseline_in_memory", m.baseline_in_memory},
+          {"staging_bytes", m.staging_bytes},
+          {"frames_in_flight_bytes", m.frames_in_flight_bytes},
+          {"digest_bytes", m.digest_bytes}};
+}
+
 std::atomic<bool> g_stop{false};
 void OnSignal(int) { g_stop = true; }
 
@@ -283,7 +291,8 @@ int RunPublish(const PublishArgs& a) {
                 {"relay_acks_unconfirmed", r->relay_acks_unconfirmed},
                 {"encode_seconds", r->encode_seconds}, {"wait_seconds", r->wait_seconds},
                 {"baseline_seconds", r->baseline_seconds}, {"advance_seconds", r->advance_seconds},
-                {"total_seconds", r->total_seconds},   {"state_dir", r->state_dir}};
+                {"total_seconds", r->total_seconds},   {"state_dir", r->state_dir},
+                {"memory", MemoryJson(r->memory)}};
     std::cout << doc.dump(1) << "\n";
   } else if (r->already_committed) {
     fmt::print("version {} was already committed ({})\n", r->version,
@@ -399,6 +408,7 @@ int RunStatus(const StatusArgs& a) {
         jv["target_digest"] = v.commit->target_digest.ToHex();
         jv["acked"] = v.commit->acked;
         jv["retired"] = v.commit->retired;
+        jv["publisher_memory"] = v.commit->publisher_memory ? MemoryJson(*v.commit->publisher_memory) : json(nullptr);
       }
       json& as = jv["attempts"] = json::array();
       for (const auto& at : v.attempts)
@@ -412,6 +422,7 @@ int RunStatus(const StatusArgs& a) {
       rs.push_back({{"id", x.record.id}, {"state", x.record.state}, {"version", x.record.version},
                     {"live", x.live}, {"heartbeat_age_seconds", x.age_seconds}, {"behind", x.behind},
                     {"retired_at", x.retired_at ? json(*x.retired_at) : json(nullptr)},
+                    {"frames_held_bytes", x.record.frames_held_bytes},
                     {"engine", x.record.engine.ranks ? json({{"id", x.record.engine.engine},
                                                              {"rank", x.record.engine.rank},
                                                              {"ranks", x.record.engine.ranks}})
@@ -433,6 +444,12 @@ int RunStatus(const StatusArgs& a) {
     if (v.commit && v.version > 0)
       fmt::print(" by {} ({} acked{})", v.commit->attempt, v.commit->acked.size(),
                  v.commit->retired.empty() ? "" : fmt::format(", retired: {}", fmt::join(v.commit->retired, " ")));
+    if (v.commit && v.commit->publisher_memory) {
+      const PublisherMemory& m = *v.commit->publisher_memory;
+      fmt::print("; publisher held a baseline of {} ({}), {} staged, {} of frames in flight at most, {} of digests",
+                 FormatBytes(m.baseline_bytes), m.baseline_in_memory ? "in memory" : "on disk", FormatBytes(m.staging_bytes),
+                 FormatBytes(m.frames_in_flight_bytes), FormatBytes(m.digest_bytes));
+    }
     fmt::print("\n");
     for (const auto& at : v.attempts) {
       fmt::print("    attempt {} {:9} {:9} {:>10} in {} frames, acks {}{}{}\n", at.id, at.state, at.mode,
@@ -442,8 +459,12 @@ int RunStatus(const StatusArgs& a) {
     }
   }
   auto line = [](const ReceiverStatus& x) {
-    return fmt::format("{}: {} at v{}{}, heartbeat {:.1f} s ago{}", x.record.id, x.record.state, x.record.version,
-                       x.behind ? fmt::format(" ({} behind)", x.behind) : "", x.age_seconds, x.live ? "" : " (not live)");
+    return fmt::format("{}: {} at v{}{}, heartbeat {:.1f} s ago{}{}", x.record.id, x.record.state, x.record.version,
+                       x.behind ? fmt::format(" ({} behind)", x.behind) : "", x.age_seconds, x.live ? "" : " (not live)",
+                       x.record.frames_held_bytes
+                           ? fmt::format(", held {} of frames at most for its last version",
+                                         FormatBytes(x.record.frames_held_bytes))
+                           : "");
   };
   std::map<std::string, std::vector<const ReceiverStatus*>> engines;  // ranks of engines, by rank
   for (const auto& x : r->receivers)
