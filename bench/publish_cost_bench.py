@@ -10,7 +10,9 @@ memory: the floor a publish is measured against. Per version it records the wall
 of each process, the publish report's phases (baseline: making the state hold v(k-1);
 encode: frames made and written to the store, overlapped; advance: the baseline moved
 to vk after the commit) and the bytes each publish process caused to be written to
-storage (rusage ru_oublock, from wait4). Before each publish the page cache is synced,
+storage (rusage ru_oublock, from wait4), and what the publisher held (the report's
+memory: frames in flight, and in all with the baseline, staging buffers and chunk
+digests). Before each publish the page cache is synced,
 so that a state on a disk starts clean. Prints a table (medians over the versions) and
 writes it as JSON (--json).
 
@@ -51,6 +53,14 @@ def run_timed(cmd):
     return wall, out.decode(), usage.ru_oublock * 512
 
 
+def memory_columns(report):
+    """What the publisher held beside the trainer's tensors (the report's memory):
+    frames in flight, and the total with the baseline, staging buffers and digests."""
+    m = report["memory"]
+    return {"in_flight": m["frames_in_flight_bytes"],
+            "memory": m["baseline_bytes"] + m["staging_bytes"] + m["frames_in_flight_bytes"] + m["digest_bytes"]}
+
+
 def bench_rate(a, rate):
     work = os.path.join(a.work, f"r{rate}")
     gen = os.path.join(work, "gen")
@@ -84,7 +94,8 @@ def bench_rate(a, rate):
             wall, out, written = run_timed(cmd + (["--state", state] if state else []) + [os.path.join(gen, f"v{v}")])
             r = json.loads(out)
             rows[name].append({"wall": wall, "encode": r["encode_seconds"], "baseline": r["baseline_seconds"],
-                               "advance": r["advance_seconds"], "total": r["total_seconds"], "written": written})
+                               "advance": r["advance_seconds"], "total": r["total_seconds"], "written": written,
+                               **memory_columns(r)})
         print(f"   v{v}: " + ", ".join(f"{k} {rows[k][-1]['wall']:.2f} s" for k in rows), flush=True)
     for s in states:
         shutil.rmtree(s, ignore_errors=True)
@@ -131,7 +142,7 @@ def trainer_child(gen, versions, link_gbs, out):
             r = pub.publish(v)
             rows[way].append({"wall": time.monotonic() - t0, "encode": r["encode_seconds"],
                               "baseline": r["baseline_seconds"], "advance": r["advance_seconds"],
-                              "staging": r["staging_seconds"], "written": 0})
+                              "staging": r["staging_seconds"], "written": 0, **memory_columns(r)})
             if way.endswith("in place"):
                 delta = os.path.join(os.path.dirname(gen), "trainer-delta")
                 shutil.rmtree(delta, ignore_errors=True)
@@ -175,7 +186,7 @@ def main():
     print(f"\n{a.size} {a.family}, training update; medians over versions 1..{a.versions}; no receivers; 'vs make': "
           "the CLI rows against dcr delta make, the ShardPublisher rows against dcr.make_delta in their process")
     print(f"{'rate':>5} {'process':<40} {'wall s':>7} {'vs make':>13} {'encode s':>8} {'baseline s':>10} "
-          f"{'advance s':>9} {'staging s':>9} {'written to disk':>15}")
+          f"{'advance s':>9} {'staging s':>9} {'written to disk':>15} {'in flight':>10} {'held':>10}")
     for rate, rows in results.items():
         for name, xs in rows.items():
             floor = med(rows["dcr.make_delta" if name.startswith(("ShardPublisher", "dcr.make")) else "delta make"],
@@ -185,7 +196,8 @@ def main():
                 f"{med(xs, 'staging'):.3f}" if "staging" in xs[0] else "")
             print(f"{rate:>5.2f} {name:<40} {med(xs, 'wall'):>7.3f} {med(xs, 'wall') / floor:>12.2f}x "
                   f"{med(xs, 'encode'):>8.3f} {extra[0]:>10} {extra[1]:>9} {extra[2]:>9} "
-                  f"{med(xs, 'written') / 1e6:>12.3f} MB")
+                  f"{med(xs, 'written') / 1e6:>12.3f} MB" +
+                  ("" if "make" in name else f" {med(xs, 'in_flight') / 1e6:>7.2f} MB {med(xs, 'memory') / 1e6:>7.0f} MB"))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"size": a.size, "family": a.family, "versions": a.versions,
