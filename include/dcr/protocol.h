@@ -238,6 +238,25 @@ class ObjectSigner {
 // that does not verify; kInvalidArgument: `signer_hex` is not a public key.
 Status VerifyObjectSignature(std::string_view signer_hex, std::string_view key, std::string_view object);
 
+// Checks that a frame object is its attempt's publisher's: its trailer's
+// signature verifies against the key the store records for it
+// (attempt.json's object_key, or procs/p<P>.pub of a trainer process). What
+// a relay that can read the store runs before it keeps an object (`dcr
+// relay --store`): a forged copy pushed ahead of the publisher's is then
+// refused, and the publisher's copy is kept. Keys are cached once read; an
+// attempt or key not in the store yet is kNotFound (the publisher writes
+// them before any object, so nothing genuine is refused for it). Not
+// thread-safe.
+class FrameObjectVerifier {
+ public:
+  explicit FrameObjectVerifier(Store& store) : store_(store) {}
+  Status Verify(const std::string& key, std::string_view bytes);
+
+ private:
+  Store& store_;
+  std::map<std::string, std::string> signers_;  // by attempt prefix + object name up to '-': the key (hex)
+};
+
 // ---- Other transports for frame objects (the relay tree, include/dcr/relay.h) --
 // The store stays the control plane (manifests, acks, fences, commits) and
 // the record of every frame object; these interfaces let a faster transport

@@ -236,6 +236,13 @@ struct RelayOptions {
   // in-process throttle standing in for a network link); 0: unlimited.
   double link_bytes_per_second = 0;
   std::function<void(const std::string&)> log;  // default stderr
+  // When set, an object (from a sender or the upstream) is kept and
+  // forwarded only if this returns OK for its key and bytes; others are
+  // dropped, counted (stats: dropped_unverified) and logged. `dcr relay
+  // --store` checks the publisher's signature (FrameObjectVerifier), so
+  // that a forged copy pushed first cannot take the publisher's place.
+  // Called on the relay's thread.
+  std::function<Status(const std::string& key, std::string_view bytes)> verify_object;
   // TEST ONLY: flips one payload byte of the Nth object received (1-based)
   // before verification, as a corrupting link would.
   uint64_t test_corrupt_nth = 0;

@@ -343,6 +343,34 @@ TEST_F(ProtocolTest, MemoryHeldByThePublisherAndReceiversIsReported) {
             manifest.frame_bytes + manifest.objects.size() * kObjectTrailerBytes);
 }
 
+// What a relay with store access runs: an object is its attempt's
+// publisher's only as signed by the key the store records.
+TEST_F(ProtocolTest, FrameObjectVerifierAcceptsOnlyThePublishersObjects) {
+  PublishOptions o = Fast();
+  ASSERT_TRUE(Publisher(*store_, Path("state"), o).Publish(0, Version(0)).ok());
+  auto r = Publisher(*store_, Path("state"), o).Publish(1, Version(1));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  const std::string prefix = run_keys::Attempt(1, r->attempt);
+  auto listing = store_->List(prefix + "frames/");
+  ASSERT_TRUE(listing.ok() && !listing->empty());
+  FrameObjectVerifier verifier(*store_);
+  for (const auto& obj : *listing) {
+    auto bytes = store_->Get(obj.key);
+    ASSERT_TRUE(bytes.ok());
+    EXPECT_TRUE(verifier.Verify(obj.key, *bytes).ok()) << obj.key;
+    std::string forged = *bytes;
+    forged[forged.size() / 3] ^= 1;
+    EXPECT_EQ(verifier.Verify(obj.key, forged).code(), Code::kDataLoss) << obj.key;
+    // The publisher's bytes under another object's name.
+    EXPECT_FALSE(verifier.Verify(prefix + "frames/s9-0000.bin", *bytes).ok());
+  }
+  const std::string genuine = *store_->Get(listing->front().key);
+  EXPECT_EQ(verifier.Verify(run_keys::Attempt(1, "0009-0123abcd") + "frames/s0-0000.bin", genuine).code(),
+            Code::kNotFound);
+  for (const char* bad : {"attempts/v1/x/frames/s0-0000.bin", "run.json", "attempts/v0000000001/"})
+    EXPECT_EQ(verifier.Verify(bad, genuine).code(), Code::kInvalidArgument) << bad;
+}
+
 TEST_F(ProtocolTest, ReceiversDownloadSegmentsWhileTheAttemptStreams) {
   PublishOptions o = Fast();
   o.segment_bytes = 4096;  // many frame objects per sender

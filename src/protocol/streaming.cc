@@ -119,3 +119,37 @@ void ForEachStreamedFrame(const std::string& key, const std::string& blob, const
 }
 
 }  // namespace dcr::protocol_internal
+
+namespace dcr {
+
+Status FrameObjectVerifier::Verify(const std::string& key, std::string_view bytes) {
+  using namespace protocol_internal;
+  // attempts/v<10 digits>/<attempt>/frames/<name>
+  const std::string_view k = key;
+  const size_t id_end = k.find('/', 21);
+  uint64_t v = 0;
+  const auto digits = k.substr(std::min<size_t>(10, k.size()), 10);
+  const auto parsed = std::from_chars(digits.data(), digits.data() + digits.size(), v);
+  if (!k.starts_with("attempts/v") || k.size() < 21 || k[20] != '/' || parsed.ec != std::errc() ||
+      parsed.ptr != digits.data() + digits.size() || id_end == std::string_view::npos ||
+      !k.substr(id_end + 1).starts_with("frames/"))
+    return InvalidArgument(fmt::format("{}: not a frame object's key", key));
+  const std::string id(k.substr(21, id_end - 21));
+  const std::string prefix(k.substr(0, id_end + 1));
+  const size_t dash = k.find('-', id_end + 1);
+  const std::string signer_of(k.substr(0, dash == std::string_view::npos ? k.size() : dash));
+  auto it = signers_.find(signer_of);
+  if (it == signers_.end()) {
+    DCR_ASSIGN_OR_RETURN(auto attempt, ReadStreamedAttempt(store_, v, id, [](const std::string&) {}));
+    if (!attempt) return NotFound(fmt::format("{}attempt.json is not in {} (yet)", prefix, store_.url()));
+    DCR_ASSIGN_OR_RETURN(auto signer, ObjectSignerOf(store_, prefix, *attempt, key));
+    if (!signer) return NotFound(fmt::format("{}: its trainer process's key is not in {} (yet)", key, store_.url()));
+    if (signer->empty())
+      return FailedPrecondition(fmt::format("{}: its attempt names no signing key (an older publisher)", key));
+    if (signers_.size() >= 4096) signers_.clear();  // keys of attempts long gone
+    it = signers_.emplace(signer_of, std::move(*signer)).first;
+  }
+  return VerifyObjectSignature(it->second, key, bytes);
+}
+
+}  // namespace dcr

@@ -145,7 +145,7 @@ class RelayServer {
   std::map<std::string, std::set<std::string>> ack_pending_;
   Clock::time_point ack_pending_since_{};
   uint64_t acks_in_ = 0, ack_messages_in_ = 0, acks_out_ = 0, ack_messages_out_ = 0;
-  uint64_t received_ = 0, accepted_ = 0, accepted_bytes_ = 0, duplicates_ = 0, corrupt_ = 0, fenced_drops_ = 0,
+  uint64_t received_ = 0, accepted_ = 0, accepted_bytes_ = 0, duplicates_ = 0, corrupt_ = 0, unverified_ = 0, fenced_drops_ = 0,
            malformed_ = 0, refused_ = 0;
   std::map<std::string, uint64_t> refusals_;
 };
@@ -488,6 +488,14 @@ void RelayServer::Accept(RelayMessage m, const std::string& from, Link* link) {
     ++duplicates_;
     return;
   }
+  if (o_.verify_object) {
+    if (Status s = o_.verify_object(obj->key, obj->data); !s.ok()) {
+      const uint64_t n = ++unverified_;
+      if ((n & (n - 1)) == 0)  // the 1st, 2nd, 4th...
+        Log(fmt::format("refused object {} from {} ({} refused so far): {}", obj->key, from, n, s.ToString()));
+      return;
+    }
+  }
   ++accepted_;
   accepted_bytes_ += obj->data.size();
   link->bytes_in += obj->data.size();
@@ -731,6 +739,7 @@ std::string RelayServer::StatsJson() {
                                 {"accepted_bytes", accepted_bytes_},
                                 {"duplicates", duplicates_},
                                 {"dropped_corrupt", corrupt_},
+                                {"dropped_unverified", unverified_},
                                 {"dropped_fenced", fenced_drops_},
                                 {"malformed", malformed_},
                                 {"refused_peers", refused_},

@@ -176,6 +176,37 @@ TEST(Relay, ACorruptObjectIsNeverForwarded) {
   EXPECT_EQ((*far)->Stats().corrupt, 0u);  // nothing damaged reached it
 }
 
+// A relay that can check objects (verify_object: the publisher's signature,
+// with a store) drops a forged copy sent first and keeps the genuine one
+// that follows, which its children then get.
+TEST(Relay, AnObjectThatFailsVerificationIsDroppedAndTheGenuineCopyKept) {
+  const std::string root_addr = FreeAddress();
+  const std::string forged = MakeFrame(7, 9), genuine = MakeFrame(7, 5);
+  RelayOptions ro = Options("root", root_addr);
+  std::atomic<int> checked{0};
+  ro.verify_object = [&](const std::string& key, std::string_view bytes) {
+    ++checked;
+    return bytes == forged ? DataLoss(key + ": not the publisher's") : Status::Ok();
+  };
+  RunningRelay root(ro);
+  Lines log;
+  auto far = RelayReceiver::Start(Client("far", {root_addr}, &log));
+  ASSERT_TRUE(far.ok());
+  ASSERT_TRUE(WaitFor([&] { return (*far)->Attached(); }));
+  auto sender = RelaySender::Start(Client("pub", {root_addr}, &log));
+  ASSERT_TRUE(sender.ok());
+  (*sender)->Object(ObjectKey(1, 0), forged);  // pushed ahead of the publisher's copy
+  (*sender)->Object(ObjectKey(1, 0), genuine);
+  (*sender)->Object(ObjectKey(1, 1), genuine);
+  EXPECT_TRUE((*sender)->Flush(kGuard));
+  auto got = TakeAll(**far, AttemptPrefix(1), 2);
+  EXPECT_EQ(got, (std::map<std::string, std::string>{{ObjectKey(1, 0), genuine}, {ObjectKey(1, 1), genuine}}));
+  EXPECT_EQ(checked.load(), 3);
+  EXPECT_TRUE(WaitFor([&] {
+    return root.lines.Has("refused object " + ObjectKey(1, 0) + " from sender pub (1 refused so far)");
+  }));
+}
+
 TEST(Relay, AFencedAttemptIsDroppedEverywhere) {
   const std::string root_addr = FreeAddress();
   RunningRelay root(Options("root", root_addr));

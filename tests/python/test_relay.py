@@ -895,11 +895,15 @@ def with_delta_id(frames: bytes, delta_id: int) -> bytes:
     return bytes(out)
 
 
-def test_a_forged_object_pushed_ahead_of_the_publisher_is_refused(tree):
+@pytest.mark.parametrize("relay_reads_store", [False, True], ids=["receiver-verifies", "relay-verifies"])
+def test_a_forged_object_pushed_ahead_of_the_publisher_is_refused(tree, relay_reads_store):
+    """Forged copies pushed with a sender's key: a relay without the store keeps the first copy of a key
+    and the receiver refuses it (the store's copy is applied); a relay given the store (--store) refuses
+    them itself, keeps the publisher's copies, and the receiver gets every object from the tree."""
     t = tree(versions=2)
     t.plan(["r0"], 2)
     t.publish_ok(0, relay=False)
-    t.start_relay("r0")
+    t.start_relay("r0", extra=("--store", t.url) if relay_reads_store else ())
     t.start_receiver("victim", "r0", 1)
     t.wait_registered()
     t.wait_attached({"receiver victim": "r0"})
@@ -931,13 +935,26 @@ def test_a_forged_object_pushed_ahead_of_the_publisher_is_refused(tree):
     for name in forged:
         res = push(name, t.sender_key)
         assert res.returncode == 0, str(res)
-    wait_logged(t.receivers["victim"]["log"], "frame object attempts/v0000000001/" + attempt + "/frames/s1-0000.bin")
+    if relay_reads_store:
+        for name in forged:
+            wait_logged(t.logs / "relay-r0.log", f"refused object attempts/v0000000001/{attempt}/frames/{name}.bin "
+                                                 "from sender push")
+    else:
+        wait_logged(t.receivers["victim"]["log"],
+                    "frame object attempts/v0000000001/" + attempt + "/frames/s1-0000.bin")
     go.touch()
     report = t.report(pub, 1)
     t.wait_receivers()
     t.assert_exact(1)
     assert report["attempts"] == 1 and report["acked"] == ["victim"], report
     log = t.receivers["victim"]["log"].read_text()
+    if relay_reads_store:
+        assert "refused an object the relay delivered" not in log, log
+        (carried,) = t.carried("victim")
+        assert carried["store_objects"] == 0 and carried["relayed"] == carried["total"], carried
+        stats = t.stop_relays()
+        assert stats["r0"]["dropped_unverified"] == 2, stats["r0"]
+        return
     assert "frames/s0-0000.bin: not signed" in log, log
     assert "frames/s1-0000.bin: its signature is not by the attempt's publisher" in log, log
     (carried,) = t.carried("victim")

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
@@ -15,6 +16,7 @@
 
 #include "cli.h"
 #include "dcr/progress.h"
+#include "dcr/protocol.h"
 #include "dcr/relay.h"
 
 namespace dcr::cli {
@@ -37,7 +39,7 @@ struct RelayArgs {
   bool insecure = false;
   std::vector<std::string> parents;
   double ping = 0.25, dead_after = 1.5, link_mbps = 0;
-  std::string pull_store;
+  std::string pull_store, store;
   double pull_every = 0.02;
 };
 
@@ -66,6 +68,19 @@ int RunRelayDaemon(const RelayArgs& a) {
   o.security = *sec;
   // A root that pulls from the store pushes with its own pair, as a sender.
   if (!a.pull_store.empty() && o.security.enabled()) o.security.allowed[o.security.own->public_key] |= RoleBit(RelayRole::kSender);
+  // --store (else --pull-store's): objects are kept only when their
+  // publisher's signature verifies against the key that store records.
+  std::unique_ptr<Store> verify_store;
+  std::optional<FrameObjectVerifier> verifier;
+  if (const std::string& url = a.store.empty() ? a.pull_store : a.store; !url.empty()) {
+    auto opened = OpenStore(url);
+    if (!opened.ok()) return Fail("relay", opened.status().WithContext(a.store.empty() ? "--pull-store" : "--store"));
+    verify_store = std::move(*opened);
+    verifier.emplace(*verify_store);
+    o.verify_object = [&verifier](const std::string& key, std::string_view bytes) { return verifier->Verify(key, bytes); };
+    std::cerr << "dcr relay [" << a.id << "] objects are kept only when their publisher's signature verifies against "
+              << verify_store->url() << std::endl;
+  }
   // TEST ONLY: DCR_TEST_CORRUPT_NTH=N damages the Nth object received
   // (tests/python/test_relay.py); nothing else reads it.
   if (const char* n = std::getenv("DCR_TEST_CORRUPT_NTH"); n && *n) o.test_corrupt_nth = std::strtoull(n, nullptr, 10);
@@ -190,6 +205,10 @@ void AddRelayCommand(CLI::App& app) {
   relay->add_option("--pull-store", ra->pull_store,
                     "A root inside the destination cluster: fetch each attempt's frame objects from this store itself "
                     "(senders then only write to the store); with keys, it pushes with its own pair, admitted as a sender");
+  relay->add_option("--store", ra->store,
+                    "Keep an object only when its publisher's signature verifies against the key this store records "
+                    "(default with --pull-store: that store); without it, the first copy of a key is kept and "
+                    "receivers verify");
   relay->add_option("--pull-every", ra->pull_every, "Seconds between the store listings of --pull-store");
   relay->add_option("--link-mbps", ra->link_mbps,
                     "Benchmarks: pace each child link to this many MB/s (an in-process throttle); 0: unlimited");

@@ -126,6 +126,7 @@ int RunTree(const TreeArgs& a) {
                                      "--dead-after", fmt::format("{}", a.dead_after)};
     for (const auto& up : n["upstream"]) argv.insert(argv.end(), {"--parent", up.get<std::string>()});
     argv.insert(argv.end(), security.begin(), security.end());
+    if (!a.store.empty()) argv.insert(argv.end(), {"--store", a.store});  // relays check signatures too
     argv.insert(argv.end(), a.relay_args.begin(), a.relay_args.end());
     if (!start({"relay " + id, a.dir + "/logs/relay-" + id + ".log"}, argv)) {
       stop_all("a start failed");
@@ -205,7 +206,7 @@ void AddRelayTreeCommand(CLI::App* relay) {
   auto a = std::make_shared<TreeArgs>();
   tree->add_option("--plan", a->plan, "Plan JSON (dcr relay plan --relays FILE)")->required();
   tree->add_option("--dir", a->dir, "Directory for logs/, stats-<relay>.json and the receivers' target-<id>/")->required();
-  tree->add_option("--store", a->store, "Store URL the receivers follow");
+  tree->add_option("--store", a->store, "Store URL the receivers follow; the relays check objects' signatures against it");
   tree->add_option("--receivers", a->receivers, "Receivers to run, spread over the relays in plan order");
   tree->add_option("--receiver-prefix", a->receiver_prefix, "Receiver ids: PREFIX0, PREFIX1, ...");
   tree->add_option("--until", a->until, "Receivers exit once they hold this version; then the tree stops");
