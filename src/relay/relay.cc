@@ -17,6 +17,7 @@
 #include "dcr/frame.h"
 #include "dcr/hash.h"
 #include "dcr/mapped_file.h"
+#include "scripted_relay.h"
 #include "zmq_io.h"
 
 namespace dcr {
@@ -74,6 +75,10 @@ class RelayServer {
   Status Run(const std::function<bool()>& stop);
 
  private:
+  friend class relay_internal::ScriptedRelay;
+  // What one turn of the loop does after reading the sockets: sends what
+  // children's windows allow, sends acks up, runs the timers.
+  void Turn(bool force_acks);
   void Log(const std::string& line) {
     if (o_.log) o_.log(line);
     else std::cerr << "dcr relay [" << o_.id << "] " << line << std::endl;
@@ -112,6 +117,10 @@ class RelayServer {
   // The counters of link `name`, created if new; beyond max_links a
   // detached link's are forgotten to make room.
   Link& LinkOf(const std::string& name);
+  // Link `name`'s peer is gone (its counters stay, and may be forgotten).
+  void LinkGone(const std::string& name) {
+    if (auto it = links_.find(name); it != links_.end()) it->second.attached = false;
+  }
   void Timers();
   void WriteStats();
   std::string StatsJson();
@@ -238,17 +247,21 @@ Status RelayServer::Run(const std::function<bool()>& stop) {
       if (!parts.ok() || parts->empty()) break;
       OnUpstream(std::move(*parts));
     }
-    std::vector<std::string> gone;
-    for (auto& [route, c] : children_)
-      if (!Pump(c)) gone.push_back(route);
-    for (const auto& r : gone) Detach(r, "its connection is gone");
-    FlushAcks(false);
-    Timers();
+    Turn(false);
   }
   FlushAcks(true);
   WriteStats();
   Log("stopped");
   return Status::Ok();
+}
+
+void RelayServer::Turn(bool force_acks) {
+  std::vector<std::string> gone;
+  for (auto& [route, c] : children_)
+    if (!Pump(c)) gone.push_back(route);
+  for (const auto& r : gone) Detach(r, "its connection is gone");
+  FlushAcks(force_acks);
+  Timers();
 }
 
 void RelayServer::OnMonitor() {
@@ -288,6 +301,7 @@ void RelayServer::OnRouter(std::vector<std::string> parts, const std::string& ke
           known->second.heard = Clock::now();
           return;
         }
+        if (known != senders_.end()) LinkGone("sender:" + known->second.id);  // the route's new id
         if (known == senders_.end() && senders_.size() >= o_.max_senders) {
           Refused(fmt::format("refused sender {}: {} senders are attached already (the limit)", m->id, senders_.size()));
           return;
@@ -323,6 +337,7 @@ void RelayServer::OnRouter(std::vector<std::string> parts, const std::string& ke
         return;
       }
       Child& c = children_[route];
+      if (!c.id.empty() && c.id != m->id) LinkGone("child:" + c.id);  // the route's new id
       c = Child{};
       c.route = route;
       c.id = m->id;
@@ -702,7 +717,10 @@ void RelayServer::Timers() {
     }
     for (const auto& r : gone) Detach(r, "silent");
     for (auto it = senders_.begin(); it != senders_.end();) {
-      if (now - it->second.heard > 10 * o_.dead_after) it = senders_.erase(it);
+      if (now - it->second.heard > 10 * o_.dead_after) {
+        LinkGone("sender:" + it->second.id);
+        it = senders_.erase(it);
+      }
       else SendParts(router_.get(), (it++)->first, parts).IgnoreError();
     }
     if (upstream_) SendParts(upstream_.get(), "", parts).IgnoreError();
@@ -776,6 +794,103 @@ void RelayServer::WriteStats() {
 }
 
 }  // namespace
+
+namespace relay_internal {
+
+struct ScriptedRelay::Impl {
+  RelayOptions o;
+  std::unique_ptr<RelayServer> server;
+  std::vector<Socket> peers;
+};
+
+ScriptedRelay::ScriptedRelay(RelayOptions o, size_t peers) : impl_(std::make_unique<Impl>()) {
+  o.listen = fmt::format("inproc://dcr-scripted-relay-{}", static_cast<const void*>(this));
+  if (!o.upstream.empty()) o.upstream = {fmt::format("inproc://dcr-scripted-upstream-{}", static_cast<const void*>(this))};
+  o.ping_every = o.dead_after = std::chrono::hours(24);
+  if (!o.log) o.log = [](const std::string&) {};
+  impl_->o = std::move(o);
+  impl_->server = std::make_unique<RelayServer>(impl_->o);
+  RelayServer& r = *impl_->server;
+  status_ = [&]() -> Status {
+    // The daemon's sockets without CURVE: peers are scripted, their keys given with each message.
+    DCR_ASSIGN_OR_RETURN(r.router_, OpenSocket(r.ctx_.ctx, ZMQ_ROUTER));
+    const int one = 1;
+    zmq_setsockopt(r.router_.get(), ZMQ_ROUTER_MANDATORY, &one, sizeof one);
+    if (zmq_bind(r.router_.get(), impl_->o.listen.c_str()) != 0) return Internal(ZmqError("scripted relay: bind"));
+    DCR_RETURN_IF_ERROR(r.OpenSpool());
+    if (!impl_->o.upstream.empty()) {
+      const RelaySecurity security = impl_->o.security;
+      impl_->o.security.own.reset();  // the upstream socket without CURVE; the handlers still check roles
+      Status attached = r.Attach(0);
+      impl_->o.security = security;
+      DCR_RETURN_IF_ERROR(attached);
+    }
+    for (size_t i = 0; i < peers; ++i) {
+      DCR_ASSIGN_OR_RETURN(Socket p, OpenSocket(r.ctx_.ctx, ZMQ_DEALER));
+      const std::string route = fmt::format("p{}", i);
+      zmq_setsockopt(p.get(), ZMQ_ROUTING_ID, route.data(), route.size());
+      if (zmq_connect(p.get(), impl_->o.listen.c_str()) != 0) return Internal(ZmqError("scripted relay: connect"));
+      // The router knows the route once it has read from it.
+      DCR_RETURN_IF_ERROR(SendParts(p.get(), "", {"hi"}));
+      DCR_ASSIGN_OR_RETURN(auto hi, RecvParts(r.router_.get()));
+      impl_->peers.push_back(std::move(p));
+    }
+    return Status::Ok();
+  }();
+}
+
+ScriptedRelay::~ScriptedRelay() {
+  impl_->peers.clear();
+  impl_->server.reset();
+}
+
+void ScriptedRelay::FromPeer(size_t peer, const std::string& key, std::vector<std::string> parts) {
+  parts.insert(parts.begin(), fmt::format("p{}", peer));
+  impl_->server->OnRouter(std::move(parts), key);
+}
+
+void ScriptedRelay::FromUpstream(std::vector<std::string> parts) {
+  if (!impl_->o.upstream.empty() && impl_->server->upstream_) impl_->server->OnUpstream(std::move(parts));
+}
+
+void ScriptedRelay::Turn() { impl_->server->Turn(true); }
+
+std::vector<std::vector<std::string>> ScriptedRelay::Received(size_t peer) {
+  std::vector<std::vector<std::string>> out;
+  for (;;) {
+    zmq_pollitem_t item{impl_->peers.at(peer).get(), 0, ZMQ_POLLIN, 0};
+    if (zmq_poll(&item, 1, 0) <= 0 || !(item.revents & ZMQ_POLLIN)) return out;
+    auto parts = RecvParts(impl_->peers[peer].get());
+    if (!parts.ok()) return out;
+    out.push_back(std::move(*parts));
+  }
+}
+
+Status ScriptedRelay::CheckInvariants() const {
+  const RelayServer& r = *impl_->server;
+  const RelayOptions& o = impl_->o;
+  if (r.children_.size() > o.max_children) return Internal(fmt::format("{} children", r.children_.size()));
+  if (r.senders_.size() > o.max_senders) return Internal(fmt::format("{} senders", r.senders_.size()));
+  // Links of attached peers are never forgotten, so the bound is the limit plus those.
+  if (r.links_.size() > o.max_links + r.children_.size() + r.senders_.size() + 1)
+    return Internal(fmt::format("{} link counters", r.links_.size()));
+  if (r.refusals_.size() > 1025) return Internal(fmt::format("{} refusal lines", r.refusals_.size()));
+  uint64_t bytes = 0;
+  for (const auto& obj : r.cache_) {
+    bytes += obj->data.size();
+    if (!r.index_.count(obj->key)) return Internal("a cached object is not indexed: " + obj->key);
+  }
+  if (bytes != r.cache_bytes_ || r.index_.size() != r.cache_.size())
+    return Internal(fmt::format("cache holds {} bytes in {} objects, counted {} bytes, {} indexed", bytes,
+                                r.cache_.size(), r.cache_bytes_, r.index_.size()));
+  if (r.cache_.size() > 1 && r.cache_bytes_ > o.cache_bytes)
+    return Internal(fmt::format("cache of {} bytes beyond its bound {}", r.cache_bytes_, o.cache_bytes));
+  for (const auto& [route, c] : r.children_)
+    if (c.route != route) return Internal("a child filed under another route");
+  return Status::Ok();
+}
+
+}  // namespace relay_internal
 
 Status RunRelay(const RelayOptions& options, const std::function<bool()>& stop) {
   RelayServer server(options);

@@ -235,25 +235,36 @@ def layout_map_seeds(dcr=None):
             seeds[name] = subprocess.run([dcr, "layout", "generate", "--size", "64KB"] + args, check=True,
                                          capture_output=True).stdout
     return seeds
+def relay_head(t):
+    """A relay wire message's 8-byte header of type t (docs/relay.md)."""
+    import struct
+    return struct.pack("<IBBH", 0x4C524344, 1, t, 0)
+
+
+def s16(b):
+    """A relay wire str16: u16 length, then the bytes."""
+    import struct
+    return struct.pack("<H", len(b)) + b
+
+
+def first_frame(frame_dir):
+    """The first of frame_fuzz's seeds (a valid frame), or b"" before they exist."""
+    if os.path.isdir(frame_dir):
+        names = sorted(os.listdir(frame_dir))
+        if names:
+            with open(os.path.join(frame_dir, names[0]), "rb") as f:
+                return f.read()
+    return b""
+
+
 def relay_message_seeds(frame_dir):
     """Relay wire messages (docs/relay.md). The fuzz target's first byte
     picks the split: even, one part; odd, two parts cut at the offset in the
     next two bytes (little-endian)."""
     import struct
-
-    def head(t):
-        return struct.pack("<IBBH", 0x4C524344, 1, t, 0)
-
-    def s16(b):
-        return struct.pack("<H", len(b)) + b
-
+    head = relay_head
     key = b"attempts/v0000000001/0000-0123abcd/frames/s0-0000.bin"
-    frame = b""
-    if os.path.isdir(frame_dir):
-        names = sorted(os.listdir(frame_dir))
-        if names:
-            with open(os.path.join(frame_dir, names[0]), "rb") as f:
-                frame = f.read()
+    frame = first_frame(frame_dir)
     one = b"\x00\x00\x00"
     hello = (head(1) + bytes([2]) + s16(b"receiver-1") + struct.pack("<I", 2) + s16(key) +
              s16(key.replace(b"0000.bin", b"0001.bin")))
@@ -268,6 +279,69 @@ def relay_message_seeds(frame_dir):
         "ack": one + head(6) + s16(b"attempts/v0000000001/0000-0123abcd/") + struct.pack("<I", 2) +
                s16(b"e0") + bytes([1]) + struct.pack("<QQ", 7, 9) + s16(b"") +
                s16(b"e1") + bytes([0]) + struct.pack("<QQ", 0, 0) + s16(b"cannot apply"),
+    }
+
+
+def crc32c(data):
+    """CRC-32C (Castagnoli), as the relay's OBJECT header carries it."""
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc ^= b
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def relay_daemon_seeds(frame_dir):
+    """Scripts for relay_daemon_fuzz (its header says the encoding): peers
+    attach as senders, receivers and relays with their keys, send objects
+    (valid CRC and frames), acks and fences, with turns of the loop between."""
+    import struct
+    head = relay_head
+    frame = first_frame(frame_dir)
+    prefix = b"attempts/v0000000001/0000-0123abcd/"
+
+    def obj(name):
+        key = prefix + b"frames/" + name
+        return [head(2) + s16(key) + struct.pack("<QI", len(frame), crc32c(frame)), frame]
+
+    def hello(role, rid, have=()):
+        return [head(1) + bytes([role]) + s16(rid) + struct.pack("<I", len(have)) + b"".join(s16(h) for h in have)]
+
+    ack = [head(6) + s16(prefix) + struct.pack("<I", 1) + s16(b"e0") + bytes([1]) + struct.pack("<QQ", 7, 9) + s16(b"")]
+    fence = [head(4) + s16(prefix)]
+    ping = [head(5)]
+    S, R, C, A, X = 1, 2, 3, 4, 5  # key indices
+
+    def peer(p, key, parts):
+        if len(parts) == 1:
+            return bytes([0, p | key << 2]) + struct.pack("<H", len(parts[0])) + parts[0]
+        joined = parts[0] + parts[1]
+        return bytes([1, p | key << 2, len(parts[0])]) + struct.pack("<H", len(joined)) + joined
+
+    def up(parts):
+        joined = b"".join(parts)
+        return bytes([2, len(parts[0]) if len(parts) == 2 else 0]) + struct.pack("<H", len(joined)) + joined
+
+    turn = b"\x03"
+    def script(setup, *steps):
+        return bytes([setup]) + b"".join(steps)
+
+    return {
+        "secure_round": script(1, peer(0, S, hello(3, b"pub")), peer(1, C, hello(2, b"e0")), peer(0, S, obj(b"s0-0000.bin")),
+                               peer(0, S, obj(b"s0-0001.bin")), turn, peer(1, C, ack), turn, peer(0, S, fence), turn),
+        "insecure_round": script(0, peer(1, 0, hello(2, b"e0")), peer(0, 0, hello(3, b"pub")),
+                                 peer(0, 0, obj(b"s0-0000.bin")), turn, peer(1, 0, ping), peer(1, 0, ack), turn),
+        "roles_refused": script(1, peer(0, C, hello(3, b"fake")), peer(0, C, obj(b"s0-0000.bin")), peer(1, X, hello(2, b"x")),
+                                peer(2, R, hello(2, b"e0")), peer(3, A, hello(1, b"relay-2")), peer(2, C, hello(2, b"e0")), turn),
+        "upstream_verify": script(1 | 2 | 4, peer(1, C, hello(2, b"e0", [prefix + b"frames/s0-0002.bin"])), up(obj(b"s0-0000.bin")),
+                                  up(obj(b"s0-0001.bin")), turn, peer(1, C, ack), turn, up(fence), turn),
+        # A peer that says HELLO again under new ids: each old id's link counters must be let go.
+        "sender_new_ids": script(8, *[peer(0, 0, hello(3, b"s%d" % n)) for n in range(12)]),
+        "child_new_ids": script(8, *[peer(0, 0, hello(2, b"e%d" % n)) for n in range(12)], turn),
+        "tight_limits": script(8, *[peer(p, 0, hello(2, b"e%d" % p)) for p in range(3)],
+                               *[peer(p, 0, hello(3, b"s%d" % p)) for p in (2, 3)], peer(3, 0, hello(3, b"s4")),
+                               *[peer(3, 0, obj(b"s3-%04d.bin" % n)) for n in range(24)], turn, turn),
     }
 
 
@@ -398,6 +472,7 @@ def main():
     write_all(os.path.join(sys.argv[1], "contribution_fuzz"), contribution_seeds())
     write_all(os.path.join(sys.argv[1], "journals_fuzz"), journals_seeds())
     write_all(os.path.join(sys.argv[1], "relay_message_fuzz"), relay_message_seeds(os.path.join(sys.argv[1], "frame_fuzz")))
+    write_all(os.path.join(sys.argv[1], "relay_daemon_fuzz"), relay_daemon_seeds(os.path.join(sys.argv[1], "frame_fuzz")))
 
 
 if __name__ == "__main__":
