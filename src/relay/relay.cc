@@ -216,6 +216,10 @@ Status RelayServer::Run(const std::function<bool()>& stop) {
     Log(fmt::format("{} admitted keys may take any role (allow-list lines without one): each may send objects and "
                     "fences as a sender; give each line its role (sender, relay or receiver)",
                     any));
+  if (o_.upstream.empty() && !o_.verify_object)
+    Log("a root without --store keeps the first copy of each object a sender sends, unverified: a holder of a "
+        "sender's key can push a forged copy first, which receivers refuse and fetch from the store instead (bits "
+        "stay safe, the tree's fast path does not); give the root --store to verify signatures here");
   DCR_RETURN_IF_ERROR(OpenSpool());
   if (!o_.upstream.empty()) DCR_RETURN_IF_ERROR(Attach(0));
   last_stats_ = Clock::now();
@@ -296,6 +300,11 @@ void RelayServer::OnRouter(std::vector<std::string> parts, const std::string& ke
         }
       }
       if (m->role == RelayRole::kSender) {
+        if (!o_.upstream.empty()) {  // objects enter the tree at its roots, where they can be verified
+          Refused(fmt::format("refused HELLO as sender {}: this relay has an upstream; senders push to the tree's roots",
+                              m->id));
+          return;
+        }
         auto known = senders_.find(route);
         if (known != senders_.end() && known->second.id == m->id) {  // its ping
           known->second.heard = Clock::now();

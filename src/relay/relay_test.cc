@@ -207,6 +207,31 @@ TEST(Relay, AnObjectThatFailsVerificationIsDroppedAndTheGenuineCopyKept) {
   }));
 }
 
+// Objects enter the tree at its roots (where --store verifies them): a
+// relay with an upstream refuses senders, so it only forwards its upstream's.
+TEST(Relay, ARelayWithAnUpstreamRefusesSenders) {
+  const std::string root_addr = FreeAddress(), mid_addr = FreeAddress();
+  RunningRelay root(Options("root", root_addr));
+  RunningRelay mid(Options("mid", mid_addr, {root_addr}));
+  Lines log;
+  auto far = RelayReceiver::Start(Client("far", {mid_addr}, &log));
+  ASSERT_TRUE(far.ok());
+  ASSERT_TRUE(WaitFor([&] { return (*far)->Attached(); }));
+  auto intruder = RelaySender::Start(Client("intruder", {mid_addr}, &log));
+  ASSERT_TRUE(intruder.ok());
+  ASSERT_TRUE(WaitFor([&] { return mid.lines.Has("refused HELLO as sender intruder: this relay has an upstream"); }));
+  (*intruder)->Object(ObjectKey(1, 0), MakeFrame(0, 9));
+  ASSERT_TRUE(WaitFor([&] { return mid.lines.Has("did not say HELLO as a sender sent an object: refused"); }));
+  auto sender = RelaySender::Start(Client("pub", {root_addr}, &log));
+  ASSERT_TRUE(sender.ok());
+  (*sender)->Object(ObjectKey(1, 0), MakeFrame(0, 5));
+  EXPECT_TRUE((*sender)->Flush(kGuard));
+  EXPECT_EQ(TakeAll(**far, AttemptPrefix(1), 1),
+            (std::map<std::string, std::string>{{ObjectKey(1, 0), MakeFrame(0, 5)}}));
+  EXPECT_TRUE(root.lines.Has("a root without --store keeps the first copy"));
+  EXPECT_FALSE(mid.lines.Has("a root without --store"));
+}
+
 TEST(Relay, AFencedAttemptIsDroppedEverywhere) {
   const std::string root_addr = FreeAddress();
   RunningRelay root(Options("root", root_addr));

@@ -557,19 +557,23 @@ def test_frames_of_a_fenced_attempt_are_dropped_by_every_relay(tree):
     # got fewer (what its parent had not sent yet is dropped from the parent's queue).
     dropped = int(root_log.split(f"attempt {prefix} fenced: ", 1)[1].split(" ", 1)[0])
     assert dropped > 0, root_log
-    # A frame object of the fenced attempt (real frames, under its key), pushed into r1 afterwards:
-    # refused, never forwarded.
+    # A frame object of the fenced attempt (real frames, under its key), pushed into the root afterwards:
+    # refused, never forwarded. Pushed into r1, which has an upstream: the sender itself is refused.
     commit = read_json(t.store / "commits" / f"v{1:010}.json")
     frames = sorted((t.store / "attempts" / f"v{1:010}" / commit["attempt"] / "frames").iterdir())
     assert frames
     before = {rid: fresh_stats(t, rid) for rid in ("r3", "r4")}
     key = prefix + "frames/" + frames[0].name
-    res = run_dcr("relay", "push", "--to", t.relays["r1"]["address"], "--object-key", key, "--key", t.sender_key,
+    res = run_dcr("relay", "push", "--to", t.relays["r0"]["address"], "--object-key", key, "--key", t.sender_key,
                   "--relay-pub", t.relay_pub, frames[0])
     assert res.returncode == 0, str(res)
-    wait_logged(t.logs / "relay-r1.log", f"refused object {key} of a fenced attempt")
+    wait_logged(t.logs / "relay-r0.log", f"refused object {key} of a fenced attempt")
+    res = run_dcr("relay", "push", "--to", t.relays["r1"]["address"], "--object-key", key, "--key", t.sender_key,
+                  "--relay-pub", t.relay_pub, frames[0])
+    assert res.returncode != 0, str(res)
+    wait_logged(t.logs / "relay-r1.log", "this relay has an upstream; senders push to the tree's roots")
     stats = t.stop_relays()
-    assert stats["r1"]["dropped_fenced"] == 1, stats["r1"]
+    assert stats["r0"]["dropped_fenced"] == 1 and stats["r1"]["dropped_fenced"] == 0, (stats["r0"], stats["r1"])
     for rid in RELAYS:  # what each still holds: the retry's objects alone
         assert stats[rid]["cached_objects"] == len(frames), (rid, stats[rid], len(frames))
     for rid in ("r3", "r4"):
@@ -838,7 +842,7 @@ def test_a_corrupt_frame_is_dropped_never_forwarded(tree):
     assert "dropped a corrupt object from sender" in (t.logs / "relay-r0.log").read_text()
 
     # A real frame object, damaged inside a frame (its envelope CRC is right),
-    # pushed into the middle relay by an authenticated peer.
+    # pushed into the root by an authenticated sender (objects enter the tree at its roots).
     commit = read_json(t.store / "commits" / f"v{1:010}.json")
     frames = sorted((t.store / "attempts" / f"v{1:010}" / commit["attempt"] / "frames").iterdir())
     damaged = bytearray(frames[0].read_bytes())
@@ -846,19 +850,18 @@ def test_a_corrupt_frame_is_dropped_never_forwarded(tree):
     bad = t.root / "damaged.bin"
     bad.write_bytes(bytes(damaged))
     key = f"attempts/v{1:010}/{commit['attempt']}/frames/s9-0000.bin"
-    res = run_dcr("relay", "push", "--to", t.relays["r1"]["address"], "--object-key", key, "--key", t.sender_key,
+    res = run_dcr("relay", "push", "--to", t.relays["r0"]["address"], "--object-key", key, "--key", t.sender_key,
                   "--relay-pub", t.relay_pub, bad)
     assert res.returncode == 0, str(res)
-    wait_logged(t.logs / "relay-r1.log", "dropped a corrupt object")
+    wait_logged(t.logs / "relay-r0.log", f"frame object {key}: the frame at offset")
     stats = t.stop_relays()
-    assert stats["r0"]["dropped_corrupt"] == 1
-    assert stats["r1"]["dropped_corrupt"] == 1
+    assert stats["r0"]["dropped_corrupt"] == 2
+    assert stats["r1"]["dropped_corrupt"] == 0
     r0_out = sum(link["bytes_out"] for link in stats["r0"]["links"] if link["kind"] == "relay")
     assert r0_out == stats["r0"]["accepted_bytes"] < payload  # the damaged object never left r0
     assert sum(link["bytes_in"] for link in stats["r2"]["links"] if link["kind"] == "upstream") == \
         stats["r1"]["accepted_bytes"] == r0_out  # nor r1
     assert stats["r2"]["dropped_corrupt"] == 0
-    assert f"frame object {key}: the frame at offset" in (t.logs / "relay-r1.log").read_text()
 
 
 def crc32c_table() -> list[int]:
@@ -1070,7 +1073,8 @@ def test_a_receivers_key_cannot_forge_acks_or_fence(tree):
     the publisher stands after its manifest (DCR_TEST_PAUSE_AT), sends an ACK with a forged ok=1 for
     a receiver id that never acked and a forged nack for the real receiver, and a FENCE of the
     attempt: the fence is refused and logged, the attempt commits first time, and the commit lists
-    exactly the receiver that acked in the store."""
+    exactly the receiver that acked in the store. A peer with another key (the relays') saying HELLO
+    under the real receiver's id is refused, and the receiver keeps its place."""
     import zmq
     t = tree(versions=1)
     t.plan(["r0"], 2)
@@ -1101,6 +1105,18 @@ def test_a_receivers_key_cannot_forge_acks_or_fence(tree):
         peer.send(relay_message(4, wire_str(prefix)))  # FENCE
         wait_logged(t.logs / "relay-r0.log", "a peer that is not an attached sender sent a fence: refused")
         wait_logged(t.logs / "relay-r0.log", f"receiver good (via receiver mallory) failed attempt {prefix}")
+        # Another key cannot take the real receiver's id (which would evict it from the relay).
+        relay_keys = dict(line.split(" ", 1) for line in t.relay_key.read_text().splitlines()
+                          if not line.startswith("#"))
+        impostor = ctx.socket(zmq.DEALER)
+        impostor.curve_publickey, impostor.curve_secretkey = (relay_keys["public"].encode(),
+                                                              relay_keys["secret"].encode())
+        impostor.curve_serverkey = t.relay_pub.read_text().strip().encode()
+        impostor.connect(t.relays["r0"]["address"])
+        impostor.send(relay_message(1, b"\x01" + wire_str("good") + struct.pack("<I", 0)))  # HELLO as a relay
+        wait_logged(t.logs / "relay-r0.log", "refused HELLO as relay good (CURVE key "
+                                             f"{relay_keys['public']}): a child of that id is attached with another key")
+        impostor.close(linger=0)
     finally:
         go.touch()
     report = t.report(pub, 1)
