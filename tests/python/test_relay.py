@@ -617,6 +617,13 @@ def test_a_local_tree_in_one_command(tree):
     d = t.root / "local"
     args = [str(DCR_BIN), "relay", "tree", "--plan", str(plan_file), "--dir", str(d), "--key", str(t.relay_key),
             "--allow", str(t.allow), "--relay-pub", str(t.relay_pub), "--ping", PING, "--dead-after", DEAD_AFTER]
+    # An allow list that admits the receivers' key as a sender is refused before anything starts.
+    bad_allow = t.root / "allow-receivers-as-senders"
+    bad_allow.write_text(t.allow.read_text() + f"sender {t.client_key.with_suffix('.pub').read_text().strip()}\n")
+    bad = [a if a != str(t.allow) else str(bad_allow) for a in args]
+    res = subprocess.run(bad + ["--store", t.url, "--receivers", "1", "--until", "1", "--relay-key", str(t.client_key)],
+                         capture_output=True, text=True, env=env(), timeout=TIMEOUT_S)
+    assert res.returncode != 0 and "admits the receivers' key" in res.stderr and not (d / "logs").exists(), res
     out = t.root / "tree.out"
     with open(out, "wb") as f:
         p = subprocess.Popen(args + ["--store", t.url, "--receivers", "4", "--until", "1", "--relay-key",

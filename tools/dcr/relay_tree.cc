@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "cli.h"
+#include "dcr/relay.h"
 
 namespace dcr::cli {
 namespace {
@@ -77,6 +78,20 @@ int RunTree(const TreeArgs& a) {
     return Fail("relay tree", InvalidArgument(a.plan + ": not a relay plan (dcr relay plan --relays FILE writes one)"));
   if (a.receivers > 0 && a.store.empty())
     return Fail("relay tree", InvalidArgument("--receivers needs --store (where the receivers follow the run)"));
+  // The receivers' key must not be a sender's: receivers could then push
+  // objects into the roots and fence attempts.
+  if (!a.insecure && !a.relay_key.empty() && !a.key.empty() && !a.allow.empty()) {
+    auto receivers = LoadRelaySecurity(a.relay_key, a.relay_pub, "", false);
+    if (!receivers.ok()) return Fail("relay tree", receivers.status().WithContext("--relay-key"));
+    auto relays = LoadRelaySecurity(a.key, "", a.allow, false);
+    if (!relays.ok()) return Fail("relay tree", relays.status());
+    auto it = relays->allowed.find(receivers->own->public_key);
+    if (it != relays->allowed.end() && (it->second & RoleBit(RelayRole::kSender)))
+      return Fail("relay tree", InvalidArgument(fmt::format(
+                                    "{} admits the receivers' key ({}) as a sender: receivers could push objects and "
+                                    "fence attempts; give it the line 'receiver KEY' and the publisher its own pair",
+                                    a.allow, a.relay_key)));
+  }
   std::error_code ec;
   std::filesystem::create_directories(a.dir + "/logs", ec);
   if (ec) return Fail("relay tree", InvalidArgument(fmt::format("cannot create {}/logs: {}", a.dir, ec.message())));
