@@ -21,6 +21,7 @@
 #include "dcr/contribution.h"
 #include "dcr/layout_apply.h"
 #include "dcr/progress.h"
+#include "ack_tally.h"
 #include "internal.h"
 
 namespace dcr {
@@ -638,60 +639,16 @@ Result<PublishRun::AttemptResult> PublishRun::AwaitAcksAndCommit(uint64_t v, con
   // Wait for every live receiver's ack; retire the silent ones at the deadline.
   const auto wait_start = Clock::now();
   const auto deadline = wait_start + o_.ack_timeout;
-  std::set<std::string> acked, retired, from_tree;
-  std::map<std::string, bool> seen;  // ack key -> parsed
-  struct EngineAcks {
-    std::vector<std::optional<std::string>> ranks;  // receiver id per rank, once acked
-    size_t acked = 0;
-    Digest sum;  // of the acked ranks' partial digests
-  };
-  std::map<std::string, EngineAcks> engines;
-  std::optional<Status> refused;     // a receiver failed, or acked other bits
+  AckTally tally(m.target_digest);
+  std::set<std::string> retired;
+  std::set<std::string> seen;        // ack keys read and counted
   std::vector<std::string> waiting;  // live receivers that have not acked
   bool committed = false;            // commits/v exists (another coordinator, or a lost response)
   // Acks from the store and from the relay tree count alike (a receiver
   // writes its ack to the store before it sends it up the tree).
   auto take = [&](const AckRecord& ack, bool tree) {
-    if (refused) return;
-    if (!ack.ok) {
-      refused = Aborted(fmt::format("receiver {} failed: {}", ack.receiver, ack.error));
-      return;
-    }
-    if (ack.engine.ranks > 0) {
-      // A rank of an engine (acks from the store only: rank followers do not
-      // use the tree): acked once all ranks have, with partial digests that
-      // add up to the target.
-      EngineAcks& e = engines[ack.engine.engine];
-      if (e.ranks.empty()) e.ranks.resize(ack.engine.ranks);
-      if (e.ranks.size() != ack.engine.ranks || e.ranks[ack.engine.rank]) {
-        refused = Aborted(fmt::format("engine {}: receiver {} acked as rank {} of {}, which another ack of the engine "
-                                      "contradicts (rank count {}, or that rank already acked); give each rank of "
-                                      "an engine its own --rank and the same rank count",
-                                      ack.engine.engine, ack.receiver, ack.engine.rank, ack.engine.ranks,
-                                      e.ranks.size()));
-        return;
-      }
-      e.ranks[ack.engine.rank] = ack.receiver;
-      e.sum += ack.digest;
-      if (++e.acked < e.ranks.size()) return;
-      if (e.sum != m.target_digest) {
-        refused = Aborted(fmt::format("engine {}: its {} ranks' partial digests add up to {}, not the target {}",
-                                      ack.engine.engine, e.ranks.size(), e.sum.ToHex(), m.target_digest.ToHex()));
-        return;
-      }
-      for (const auto& rank_id : e.ranks) {
-        acked.insert(*rank_id);
-        std::erase(waiting, *rank_id);
-      }
-      return;
-    }
-    if (ack.digest != m.target_digest) {
-      refused = Aborted(fmt::format("receiver {} acked digest {}, not the target {}", ack.receiver,
-                                    ack.digest.ToHex(), m.target_digest.ToHex()));
-      return;
-    }
-    if (acked.insert(ack.receiver).second && tree) from_tree.insert(ack.receiver);
-    std::erase(waiting, ack.receiver);
+    tally.Take(ack, tree);
+    std::erase_if(waiting, [&](const std::string& r) { return tally.Acked(r); });
   };
   auto poll = [&]() -> Status {
     waiting.clear();
@@ -700,9 +657,9 @@ Result<PublishRun::AttemptResult> PublishRun::AwaitAcksAndCommit(uint64_t v, con
       if (seen.count(o.key)) continue;
       DCR_ASSIGN_OR_RETURN(std::string text, store_.Get(o.key));
       DCR_ASSIGN_OR_RETURN(AckRecord ack, AckRecord::FromJson(text, StoreContext(store_.url(), o.key)));
-      seen[o.key] = true;
+      seen.insert(o.key);
       take(ack, false);
-      if (refused) return Status::Ok();
+      if (tally.refused()) return Status::Ok();
     }
     // Live receivers: fresh heartbeat, not retired or stopped.
     DCR_ASSIGN_OR_RETURN(auto regs, store_.List("receivers/"));
@@ -715,7 +672,7 @@ Result<PublishRun::AttemptResult> PublishRun::AwaitAcksAndCommit(uint64_t v, con
       }
       auto r = ReceiverRecord::FromJson(*text, StoreContext(store_.url(), o.key));
       if (!r.ok() || r->state == "stopped" || r->state == "retired" || now - r->heartbeat > fresh) continue;
-      if (!acked.count(r->id)) waiting.push_back(r->id);
+      if (!tally.Acked(r->id)) waiting.push_back(r->id);
     }
     if (!waiting.empty()) {
       // Receivers that moved on to v+1 never ack this attempt: stop waiting
@@ -742,7 +699,7 @@ Result<PublishRun::AttemptResult> PublishRun::AwaitAcksAndCommit(uint64_t v, con
       return Status::Ok();
     }
     DCR_ASSIGN_OR_RETURN(AckRecord ack, AckRecord::FromJson(*text, StoreContext(store_.url(), key)));
-    seen[key] = true;
+    seen.insert(key);
     if (ack.receiver != tree_ack.receiver)
       return DataLoss(fmt::format("{}: names receiver '{}', not '{}'", key, ack.receiver, tree_ack.receiver));
     take(ack, true);
@@ -751,7 +708,7 @@ Result<PublishRun::AttemptResult> PublishRun::AwaitAcksAndCommit(uint64_t v, con
   auto take_tree = [&](std::chrono::milliseconds wait) -> Status {
     for (const auto& ack : o_.relay->TakeAcks(prefix, wait)) {
       DCR_RETURN_IF_ERROR(confirm(ack));
-      if (refused) break;
+      if (tally.refused()) break;
     }
     return Status::Ok();
   };
@@ -771,7 +728,7 @@ Result<PublishRun::AttemptResult> PublishRun::AwaitAcksAndCommit(uint64_t v, con
       next_poll = Clock::now() + store_every;
     }
     if (tree_acks && polled.ok()) polled = take_tree(std::chrono::milliseconds(0));
-    if (refused) return AttemptResult{false, *refused};
+    if (tally.refused()) return AttemptResult{false, *tally.refused()};
     if (polled.ok() && (waiting.empty() || committed)) break;
     if (o_.cancel && o_.cancel()) {
       cancelled_ = true;
@@ -801,7 +758,7 @@ Result<PublishRun::AttemptResult> PublishRun::AwaitAcksAndCommit(uint64_t v, con
   c.base_version = v - 1;
   c.attempt = id;
   c.target_digest = m.target_digest;
-  c.acked.assign(acked.begin(), acked.end());
+  c.acked.assign(tally.acked().begin(), tally.acked().end());
   c.retired.assign(retired.begin(), retired.end());
   c.time = UnixNow();
   c.publisher_memory = report->memory;
@@ -830,7 +787,7 @@ Result<PublishRun::AttemptResult> PublishRun::AwaitAcksAndCommit(uint64_t v, con
   }
   report->acked = c.acked;
   report->retired = c.retired;
-  report->relay_acks = from_tree.size();
+  report->relay_acks = tally.from_tree();
   report->relay_acks_unconfirmed = tree_refused;
   *manifest_out = std::move(m);
   return AttemptResult{true, Status::Ok()};
