@@ -137,6 +137,24 @@ struct ReceiverRecord {
   static Result<ReceiverRecord> FromJson(std::string_view json, const std::string& where);
 };
 
+// What an attempt is, written first when it opens:
+// attempts/v<N>/<attempt>/attempt.json. Receivers apply its frames before the
+// manifest exists by its delta id and class, and check relayed frame
+// objects against the key that signs them: `object_key` (one publisher), or
+// with `processes` > 0 (trainer processes) each process's own key,
+// procs/p<P>.pub.
+struct AttemptRecord {
+  uint64_t version = 0;
+  DeltaClass cls = DeltaClass::kXorClass;
+  uint64_t delta_id = 0;   // non-zero
+  std::string object_key;  // hex Ed25519 public key; empty with processes > 0
+  std::string coordinator;
+  uint64_t processes = 0, senders = 0;  // trainer processes and their senders; 0 for one publisher
+  double time = 0;                      // unix seconds
+  std::string ToJson() const;
+  static Result<AttemptRecord> FromJson(std::string_view json, const std::string& where);
+};
+
 // A trainer process's part of an attempt (ShardPublisher over several
 // processes): attempts/v<N>/<attempt>/procs/p<P>.json. Its frames lie in
 // its own objects (names relative to the attempt); `chunks` are the chunks

@@ -1913,6 +1913,43 @@ TEST(AssembleLayoutManifestTest, BuildsTheManifestFromEveryProcessRecord) {
   EXPECT_EQ(AssembleLayoutManifest(m2, outsides).code(), Code::kInvalidArgument);
 }
 
+TEST(AttemptRecordTest, RoundTripsAndRefusesBadRecords) {
+  AttemptRecord one;
+  one.version = 4;
+  one.cls = DeltaClass::kOverwrite;
+  one.delta_id = 0x0123456789abcdefull;
+  one.object_key = std::string(64, 'e');
+  one.coordinator = "host:7";
+  one.time = 1764648000.5;
+  AttemptRecord procs = one;
+  procs.object_key.clear();
+  procs.processes = 2;
+  procs.senders = 3;
+  for (const AttemptRecord& r : {one, procs}) {
+    auto back = AttemptRecord::FromJson(r.ToJson(), "a");
+    ASSERT_TRUE(back.ok()) << back.status().ToString();
+    EXPECT_EQ(back->ToJson(), r.ToJson());
+    EXPECT_EQ(back->delta_id, r.delta_id);
+    EXPECT_EQ(back->object_key, r.object_key);
+    EXPECT_EQ(back->processes, r.processes);
+  }
+  const std::string good = one.ToJson();
+  auto edit = [&](const std::string& from, const std::string& to) {
+    std::string t = good;
+    const size_t at = t.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    return t.replace(at, from.size(), to);
+  };
+  for (const std::string& bad :
+       {edit("\"overwrite\"", "\"add\""), edit("0123456789abcdef", "0123456789ABCDEF"),
+        edit("0123456789abcdef", "0000000000000000"), edit("0123456789abcdef", "123"),
+        edit(std::string(64, 'e'), "ee"), edit("\"format\": \"dcr-attempt\"", "\"format\": \"dcr-commit\""),
+        edit("\"object_key\"", "\"processes\": 1, \"senders\": 1, \"object_key\""), std::string("{}")})
+    EXPECT_EQ(AttemptRecord::FromJson(bad, "a").status().code(), Code::kInvalidArgument) << bad;
+  procs.senders = 1;  // fewer senders than processes
+  EXPECT_FALSE(AttemptRecord::FromJson(procs.ToJson(), "a").ok());
+}
+
 TEST(ProcessRecordTest, RoundTripsAndRefusesBadRecords) {
   ProcessRecord r;
   r.attempt = "0000-abcdef01";

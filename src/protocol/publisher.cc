@@ -805,14 +805,14 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
   // attempt: receivers verify what any other transport brings.
   const uint64_t delta_id = std::strtoull(RandomHex(16).c_str(), nullptr, 16) | 1;
   DCR_ASSIGN_OR_RETURN(const ObjectSigner signer, ObjectSigner::Generate());
-  nlohmann::json attempt_doc = {{"format", "dcr-attempt"},
-                                {"version", v},
-                                {"class", cls == DeltaClass::kXorClass ? "xor" : "overwrite"},
-                                {"delta_id", fmt::format("{:016x}", delta_id)},
-                                {"object_key", signer.public_hex()},
-                                {"coordinator", o_.coordinator_id},
-                                {"time", UnixNow()}};
-  DCR_RETURN_IF_ERROR(store_.Put(prefix + "attempt.json", attempt_doc.dump(1) + "\n", WriteMode::kCreateIfAbsent));
+  AttemptRecord attempt;
+  attempt.version = v;
+  attempt.cls = cls;
+  attempt.delta_id = delta_id;
+  attempt.object_key = signer.public_hex();
+  attempt.coordinator = o_.coordinator_id;
+  attempt.time = UnixNow();
+  DCR_RETURN_IF_ERROR(store_.Put(prefix + "attempt.json", attempt.ToJson(), WriteMode::kCreateIfAbsent));
   DCR_RETURN_IF_ERROR(Fault(o_, "attempt-opened"));
 
   // Senders: each encodes the chunks it owns, streaming frames into its object.
@@ -890,28 +890,11 @@ Digest SendersDigest(std::vector<RankBufferFiles>& files) {
   return d;
 }
 
-// What attempt.json says to the processes of a trainer.
-struct AttemptDoc {
-  DeltaClass cls = DeltaClass::kXorClass;
-  uint64_t delta_id = 0;
-  uint64_t processes = 1, senders = 0;
-};
-
-Result<AttemptDoc> ParseAttemptDoc(std::string_view text, const std::string& where) {
-  auto doc = nlohmann::json::parse(text.begin(), text.end(), nullptr, false);
-  AttemptDoc a;
-  if (doc.is_discarded() || !doc.is_object() || doc.value("format", "") != "dcr-attempt" || !doc["class"].is_string() ||
-      !doc["delta_id"].is_string() || !doc["processes"].is_number_unsigned() || !doc["senders"].is_number_unsigned())
-    return InvalidArgument(where + ": does not parse as the attempt of trainer processes (format, class, delta_id, "
-                                   "processes, senders)");
-  const std::string cls = doc["class"].get<std::string>(), id = doc["delta_id"].get<std::string>();
-  if (cls != "xor" && cls != "overwrite") return InvalidArgument(where + ": unknown class '" + cls + "'");
-  a.cls = cls == "xor" ? DeltaClass::kXorClass : DeltaClass::kOverwrite;
-  char* end = nullptr;
-  a.delta_id = std::strtoull(id.c_str(), &end, 16);
-  if (id.size() != 16 || *end != '\0' || a.delta_id == 0) return InvalidArgument(where + ": bad delta_id");
-  a.processes = doc["processes"].get<uint64_t>();
-  a.senders = doc["senders"].get<uint64_t>();
+// attempt.json of an attempt of trainer processes.
+Result<AttemptRecord> ParseProcessesAttempt(std::string_view text, const std::string& where) {
+  DCR_ASSIGN_OR_RETURN(AttemptRecord a, AttemptRecord::FromJson(text, where));
+  if (a.processes == 0)
+    return InvalidArgument(where + ": an attempt of one publisher, not of trainer processes (processes, senders)");
   return a;
 }
 
@@ -1059,7 +1042,7 @@ class ShardRun {
   // contribution objects, encodes the chunks they own, writes the frame
   // object and the process record. Waits for peers until `deadline`: then
   // the coordinator fails (kUnavailable), a worker reports kStalled.
-  Result<Participation> Participate(uint64_t v, const std::string& id, const AttemptDoc& doc,
+  Result<Participation> Participate(uint64_t v, const std::string& id, const AttemptRecord& doc,
                                     Clock::time_point deadline);
   // Fenced, superseded by a newer attempt, or v committed.
   Result<bool> Abandoned(uint64_t v, const std::string& id);
@@ -1304,7 +1287,7 @@ Result<bool> ShardRun::Abandoned(uint64_t v, const std::string& id) {
   return false;
 }
 
-Result<ShardRun::Participation> ShardRun::Participate(uint64_t v, const std::string& id, const AttemptDoc& doc,
+Result<ShardRun::Participation> ShardRun::Participate(uint64_t v, const std::string& id, const AttemptRecord& doc,
                                                       Clock::time_point deadline) {
   const std::string prefix = run_keys::Attempt(v, id);
   const auto encode_start = Clock::now();
@@ -1450,16 +1433,15 @@ Result<PublishReport> ShardRun::Coordinate(uint64_t v) {
     const std::string prefix = run_keys::Attempt(v, id);
     Digest partial;  // this process's senders at v
     auto attempt = [&]() -> Result<PublishRun::AttemptResult> {
-      AttemptDoc doc{cls, std::strtoull(RandomHex(16).c_str(), nullptr, 16) | 1, P(), maps_.size()};
-      nlohmann::json attempt_doc = {{"format", "dcr-attempt"},
-                                    {"version", v},
-                                    {"class", cls == DeltaClass::kXorClass ? "xor" : "overwrite"},
-                                    {"delta_id", fmt::format("{:016x}", doc.delta_id)},
-                                    {"coordinator", o_.coordinator_id},
-                                    {"processes", P()},
-                                    {"senders", maps_.size()},
-                                    {"time", UnixNow()}};
-      DCR_RETURN_IF_ERROR(store_.Put(prefix + "attempt.json", attempt_doc.dump(1) + "\n", WriteMode::kCreateIfAbsent));
+      AttemptRecord doc;
+      doc.version = v;
+      doc.cls = cls;
+      doc.delta_id = std::strtoull(RandomHex(16).c_str(), nullptr, 16) | 1;
+      doc.coordinator = o_.coordinator_id;
+      doc.processes = P();
+      doc.senders = maps_.size();
+      doc.time = UnixNow();
+      DCR_RETURN_IF_ERROR(store_.Put(prefix + "attempt.json", doc.ToJson(), WriteMode::kCreateIfAbsent));
       DCR_ASSIGN_OR_RETURN(Participation own, Participate(v, id, doc, Clock::now() + o_.peer_timeout));
       if (own.outcome != Outcome::kRecorded)
         return PublishRun::AttemptResult{false, Aborted("the attempt was fenced or superseded while it ran")};
@@ -1576,7 +1558,7 @@ Result<PublishReport> ShardRun::Work(uint64_t v) {
       const std::string key = run_keys::Attempt(v, newest->id) + "attempt.json";
       DCR_ASSIGN_OR_RETURN(auto text, GetIfPresent(store_, key));
       if (text) {
-        DCR_ASSIGN_OR_RETURN(AttemptDoc doc, ParseAttemptDoc(*text, StoreContext(store_.url(), key)));
+        DCR_ASSIGN_OR_RETURN(AttemptRecord doc, ParseProcessesAttempt(*text, StoreContext(store_.url(), key)));
         if (doc.processes != P() || doc.senders != maps_.size())
           return FailedPrecondition(fmt::format("{}: the coordinator runs {} processes of {} senders, this process was "
                                                 "told {} of {}",

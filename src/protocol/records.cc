@@ -1,6 +1,8 @@
 // Keys and the JSON records of the protocol (docs/protocol.md).
 #include <fmt/format.h>
 
+#include <charconv>
+
 #include <cctype>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -186,6 +188,49 @@ Result<CommitRecord> CommitRecord::FromJson(std::string_view text, const std::st
     DCR_ASSIGN_OR_RETURN(pm.frames_in_flight_bytes, U64(*it, "frames_in_flight_bytes", where));
     DCR_ASSIGN_OR_RETURN(pm.digest_bytes, U64(*it, "digest_bytes", where));
     r.publisher_memory = pm;
+  }
+  return r;
+}
+
+std::string AttemptRecord::ToJson() const {
+  json doc;
+  doc["format"] = "dcr-attempt";
+  doc["version"] = version;
+  doc["class"] = cls == DeltaClass::kXorClass ? "xor" : "overwrite";
+  doc["delta_id"] = fmt::format("{:016x}", delta_id);
+  if (processes == 0) doc["object_key"] = object_key;
+  doc["coordinator"] = coordinator;
+  if (processes > 0) {
+    doc["processes"] = processes;
+    doc["senders"] = senders;
+  }
+  doc["time"] = time;
+  return Dump(doc);
+}
+
+Result<AttemptRecord> AttemptRecord::FromJson(std::string_view text, const std::string& where) {
+  DCR_ASSIGN_OR_RETURN(json doc, Parse(text, where, "dcr-attempt"));
+  AttemptRecord r;
+  DCR_ASSIGN_OR_RETURN(r.version, U64(doc, "version", where));
+  DCR_ASSIGN_OR_RETURN(std::string cls, Str(doc, "class", where));
+  if (cls != "xor" && cls != "overwrite") return Bad(where, "'class' must be \"xor\" or \"overwrite\"");
+  r.cls = cls == "xor" ? DeltaClass::kXorClass : DeltaClass::kOverwrite;
+  DCR_ASSIGN_OR_RETURN(std::string id, Str(doc, "delta_id", where));
+  const auto parsed = std::from_chars(id.data(), id.data() + id.size(), r.delta_id, 16);
+  if (id.size() != 16 || id.find_first_not_of("0123456789abcdef") != std::string::npos ||
+      parsed.ptr != id.data() + id.size() || r.delta_id == 0)
+    return Bad(where, "'delta_id' must be 16 lowercase hex digits, not all zero");
+  DCR_ASSIGN_OR_RETURN(r.coordinator, Str(doc, "coordinator", where));
+  DCR_ASSIGN_OR_RETURN(r.time, Num(doc, "time", where));
+  if (doc.contains("processes")) {  // trainer processes: each signs its own objects
+    DCR_ASSIGN_OR_RETURN(r.processes, U64(doc, "processes", where));
+    DCR_ASSIGN_OR_RETURN(r.senders, U64(doc, "senders", where));
+    if (r.processes == 0 || r.senders < r.processes || doc.contains("object_key"))
+      return Bad(where, "an attempt of trainer processes needs 0 < processes <= senders and no 'object_key'");
+  } else {
+    DCR_ASSIGN_OR_RETURN(r.object_key, Str(doc, "object_key", where));
+    if (r.object_key.size() != 64 || r.object_key.find_first_not_of("0123456789abcdef") != std::string::npos)
+      return Bad(where, "'object_key' must be 64 lowercase hex digits (an Ed25519 public key)");
   }
   return r;
 }

@@ -15,20 +15,18 @@ Result<std::optional<StreamedAttempt>> ReadStreamedAttempt(Store& store, uint64_
   DCR_ASSIGN_OR_RETURN(auto text, GetIfPresent(store, prefix + "attempt.json"));
   if (!text) return std::optional<StreamedAttempt>();  // not yet visible: look again next time
   StreamedAttempt st;
-  auto doc = nlohmann::json::parse(*text, nullptr, false);
-  if (doc.is_object() && doc["format"] == "dcr-attempt" && doc["version"] == v && doc["delta_id"].is_string() &&
-      (doc["class"] == "xor" || doc["class"] == "overwrite")) {
-    const std::string delta_id = doc["delta_id"].get<std::string>();
-    st.usable = delta_id.size() == 16 && delta_id.find_first_not_of("0123456789abcdef") == std::string::npos;
-    st.delta_id = std::strtoull(delta_id.c_str(), nullptr, 16);
-    st.cls = doc["class"] == "xor" ? DeltaClass::kXorClass : DeltaClass::kOverwrite;
-    if (doc["object_key"].is_string()) st.object_key = doc["object_key"].get<std::string>();
-    if (doc["processes"].is_number_unsigned()) st.processes = doc["processes"].get<uint64_t>();
+  auto record = AttemptRecord::FromJson(*text, StoreContext(store.url(), prefix + "attempt.json"));
+  if (record.ok() && record->version == v) {
+    st.usable = true;
+    st.delta_id = record->delta_id;
+    st.cls = record->cls;
+    st.object_key = record->object_key;
+    st.processes = record->processes;
   }
   if (!st.usable)
-    log(fmt::format("{}attempt.json names no delta id and class (an older publisher?); its frames are applied once its "
-                    "manifest exists",
-                    prefix));
+    log(fmt::format("{}attempt.json does not name this version's delta id, class and signing keys ({}); its frames are "
+                    "applied once its manifest exists",
+                    prefix, record.ok() ? "another version" : record.status().message()));
   return std::optional<StreamedAttempt>(st);
 }
 

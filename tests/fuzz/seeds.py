@@ -347,7 +347,7 @@ def relay_daemon_seeds(frame_dir):
 
 def records_seeds():
     """The protocol's store records (docs/protocol.md); byte 0 picks the parser:
-    0 run, 1 commit, 2 ack, 3 receiver, 4 snapshot, 5 trainer process."""
+    0 run, 1 commit, 2 ack, 3 receiver, 4 snapshot, 5 trainer process, 6 attempt."""
     import json
     d = "0123456789abcdef" * 2
     recs = {
@@ -368,6 +368,11 @@ def records_seeds():
                          "heartbeat": 1764648000.5, "frames_held_bytes": 40960}),
         "receiver_rank": (3, {"format": "dcr-receiver", "id": "eng-r0", "state": "applying", "version": 3,
                               "heartbeat": 1764648001.0, "engine": {"id": "eng", "rank": 0, "ranks": 4}}),
+        "attempt": (6, {"format": "dcr-attempt", "version": 3, "class": "xor", "delta_id": "0123456789abcdef",
+                        "object_key": "ab" * 32, "coordinator": "host:1", "time": 1764648002.5}),
+        "attempt_procs": (6, {"format": "dcr-attempt", "version": 3, "class": "overwrite",
+                              "delta_id": "00000000000000ff", "coordinator": "host:2", "processes": 2, "senders": 4,
+                              "time": 1764648003.0}),
         "snapshot": (4, {"format": "dcr-snapshot", "version": 0, "digest": d,
                          "files": [{"name": "model.safetensors", "bytes": 4096}]}),
         "process": (5, {"format": "dcr-process", "attempt": "0000-0123abcd", "process": 1, "processes": 3,
