@@ -30,6 +30,7 @@ OWNER = {
     "store.h": "store", "http.h": "store", "s3.h": "store",
     "layout.h": "layout", "layout_apply.h": "layout", "layout_residual.h": "layout", "contribution.h": "layout",
     "protocol.h": "protocol",
+    "frame_transport.h": "protocol",
     "relay.h": "relay",
     "synth.h": "synth",
     "layout_families.h": "families",

@@ -30,8 +30,9 @@
 #include <string_view>
 #include <vector>
 
-#include "dcr/protocol.h"
+#include "dcr/frame_transport.h"
 #include "dcr/status.h"
+#include "dcr/store.h"
 
 namespace dcr {
 

@@ -5,6 +5,7 @@
 #include <set>
 #include <thread>
 
+#include "dcr/protocol.h"
 #include "dcr/relay.h"
 
 namespace dcr {
