@@ -8,8 +8,10 @@
 //                   chunk) order; the protocol writes one object per sender
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -124,25 +126,34 @@ void FinishDelta(DeltaManifest& manifest, std::span<const Digest> base_digests, 
 Result<DeltaManifest> MakeDelta(const Checkpoint& base, const Checkpoint& next, const DeltaOptions& options,
                                 const std::string& out_dir, Progress* progress = nullptr, ThreadPool* pool = nullptr);
 
+// Frames of a delta whose payloads a receiver dropped once it applied them,
+// keeping their headers: frame index in the manifest -> the header's bytes.
+using ReleasedFrames = std::map<size_t, std::array<uint8_t, kFrameHeaderBytes>>;
+
 // An opened delta: the manifest and its frame objects, read zero-copy.
 class DeltaReader {
  public:
   // A delta directory (its frame objects are files in it, mapped).
   static Result<DeltaReader> Open(const std::string& dir);
   // A manifest and its frame objects' bytes (objects[i] for manifest.objects[i]),
-  // kept alive by `owner`. `where` names the delta in errors.
+  // kept alive by `owner`. `where` names the delta in errors. Frames in
+  // `released` are read from their headers there, not from the objects (an
+  // object whose frames are all released may be given empty).
   static Result<DeltaReader> FromObjects(DeltaManifest manifest, std::vector<std::span<const uint8_t>> objects,
-                                         std::shared_ptr<const void> owner, std::string where);
+                                         std::shared_ptr<const void> owner, std::string where,
+                                         ReleasedFrames released = {});
   const DeltaManifest& manifest() const { return manifest_; }
   const std::string& dir() const { return dir_; }
   // Frame i of the manifest, parsed and checked (checksums, and that its
-  // header agrees with the manifest and the tensor). Errors: kDataLoss.
+  // header agrees with the manifest and the tensor). A released frame comes
+  // without its payload (FrameView::PayloadHeld is false). Errors: kDataLoss.
   Result<FrameView> Frame(size_t i) const;
 
  private:
   std::string dir_;
   DeltaManifest manifest_;
   std::vector<std::span<const uint8_t>> objects_;
+  ReleasedFrames released_;
   std::shared_ptr<const void> owner_;
 };
 
@@ -172,7 +183,8 @@ struct ApplyReport {
 // state the frame still turns into its target (a half-written chunk);
 // refuses otherwise (kFailedPrecondition). Also refuses (kDataLoss, naming
 // the tensor) a manifest whose tensor or total target digests are not what
-// its frames make (an altered manifest), before writing. Then applies the
+// its frames make (an altered manifest), and a frame whose payload was
+// released (DeltaReader) on a chunk not at its target, before writing. Then applies the
 // frames in parallel, each verified by digest before its bytes are written,
 // syncs the files, and checks the resulting digests against the manifest's
 // once more. Errors name the tensor and chunk.

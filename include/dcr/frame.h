@@ -60,9 +60,13 @@ struct FrameHeader {
 // The caller fills payload_bytes and payload_crc (EncodeFrame does both).
 std::string EncodeFrame(FrameHeader header, std::span<const uint8_t> payload);
 
+// A frame's header and payload. The payload is empty, header.payload_bytes
+// notwithstanding, when a receiver dropped it once the frame was applied
+// (DeltaReader::FromObjects, `released`): applying such a frame is refused.
 struct FrameView {
   FrameHeader header;
   std::span<const uint8_t> payload;
+  bool PayloadHeld() const { return payload.size() == header.payload_bytes; }
 };
 
 // Parses the frame at the start of `bytes` and checks everything that can be
@@ -72,5 +76,9 @@ struct FrameView {
 // frame's total size. Errors: kDataLoss (truncated, checksum mismatch),
 // kInvalidArgument (malformed), kUnimplemented (newer format version).
 Result<FrameView> ParseFrame(std::span<const uint8_t> bytes, size_t* consumed = nullptr);
+
+// The same checks of the header alone (the first kFrameHeaderBytes of
+// `bytes`): everything but the payload's presence and checksum.
+Result<FrameHeader> ParseFrameHeader(std::span<const uint8_t> bytes);
 
 }  // namespace dcr

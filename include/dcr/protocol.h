@@ -108,9 +108,9 @@ struct ReceiverRecord {
   uint64_t version = 0;   // committed version it holds
   double heartbeat = 0;   // unix seconds
   EngineRank engine;      // a rank of an engine, or ranks == 0
-  // The most frame bytes it held at once (downloaded or relayed objects)
-  // while applying the last version it applied: the delta's frames for its
-  // chunks (docs/protocol.md, "Memory"). 0 before the first.
+  // The most frame bytes it held at once (downloaded or relayed objects not
+  // yet applied, and the headers of frames applied) while applying the last
+  // version it applied (docs/protocol.md, "Memory"). 0 before the first.
   uint64_t frames_held_bytes = 0;
   std::string ToJson() const;
   static Result<ReceiverRecord> FromJson(std::string_view json, const std::string& where);

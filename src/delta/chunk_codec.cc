@@ -954,6 +954,9 @@ Result<bool> ChunkEncoder::Encode(const ChunkInput& in, const EncodeOptions& opt
 Status ChunkApplier::Decode(const FrameView& frame, std::span<const uint8_t> target, const std::string& where,
                             uint32_t* count) {
   const FrameHeader& h = frame.header;
+  if (!frame.PayloadHeld())
+    return FailedPrecondition(fmt::format("{}: its payload was dropped once the frame was applied, so it cannot be "
+                                          "applied again", where));
   const uint32_t wb = h.word_bytes;
   const WordImage image = ImageKind(h.dtype);
   // The changes, decoded with the old and new words and checked against the

@@ -272,10 +272,16 @@ Result<DeltaReader> DeltaReader::Open(const std::string& dir) {
 }
 
 Result<DeltaReader> DeltaReader::FromObjects(DeltaManifest manifest, std::vector<std::span<const uint8_t>> objects,
-                                             std::shared_ptr<const void> owner, std::string where) {
+                                             std::shared_ptr<const void> owner, std::string where,
+                                             ReleasedFrames released) {
   if (objects.size() != manifest.objects.size())
     return InvalidArgument(fmt::format("{}: {} frame objects given for {} named", where, objects.size(), manifest.objects.size()));
-  for (const auto& f : manifest.frames) {
+  if (!released.empty() && released.rbegin()->first >= manifest.frames.size())
+    return InvalidArgument(fmt::format("{}: a released frame {} of {}", where, released.rbegin()->first,
+                                       manifest.frames.size()));
+  for (size_t i = 0; i < manifest.frames.size(); ++i) {
+    const DeltaFrameEntry& f = manifest.frames[i];
+    if (released.count(i)) continue;  // Frame() checks its header's size against the entry
     const uint64_t size = objects[f.object].size();
     if (f.offset > size || f.bytes > size - f.offset)
       return DataLoss(fmt::format("{}/{}: frame (tensor {}, chunk {}) at [{}, +{}) is past the end ({} bytes)", where,
@@ -285,6 +291,7 @@ Result<DeltaReader> DeltaReader::FromObjects(DeltaManifest manifest, std::vector
   r.dir_ = std::move(where);
   r.manifest_ = std::move(manifest);
   r.objects_ = std::move(objects);
+  r.released_ = std::move(released);
   r.owner_ = std::move(owner);
   return r;
 }
@@ -295,7 +302,18 @@ Result<FrameView> DeltaReader::Frame(size_t i) const {
   const std::string where =
       fmt::format("{}/{}: frame of tensor '{}' chunk {}", dir_, manifest_.objects[e.object], t.name, e.chunk);
   size_t consumed = 0;
-  auto view = ParseFrame(objects_[e.object].subspan(e.offset, e.bytes), &consumed);
+  Result<FrameView> view = FrameView{};
+  if (auto released = released_.find(i); released != released_.end()) {
+    auto header = ParseFrameHeader(released->second);
+    if (header.ok()) {
+      view = FrameView{*header, {}};
+      consumed = kFrameHeaderBytes + header->payload_bytes;
+    } else {
+      view = header.status();
+    }
+  } else {
+    view = ParseFrame(objects_[e.object].subspan(e.offset, e.bytes), &consumed);
+  }
   if (!view.ok()) return view.status().WithContext(where);
   const FrameHeader& h = view->header;
   uint64_t first_word, words;
@@ -391,6 +409,8 @@ Result<ApplyReport> ApplyDelta(Checkpoint& target, const DeltaReader& delta, Pro
     if (now == frame.header.target_digest) {
       done[i] = 1;
       expected[e.tensor] += frame.header.target_digest - frame.header.base_digest;
+    } else if (!frame.PayloadHeld()) {
+      return not_base(e, " but its frame's payload was dropped once applied (the chunk changed since)");
     } else if (now != frame.header.base_digest) {
       if (frame.header.mode != Mode::kOverwrite) return not_base(e, "");
       if (frame.header.codec == Codec::kSparse) {

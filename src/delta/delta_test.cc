@@ -15,6 +15,7 @@
 #include <iterator>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include <fmt/format.h>
 #include <random>
@@ -129,6 +130,28 @@ class DeltaTest : public testing::TempDirTest {
     DCR_ASSIGN_OR_RETURN(DeltaReader reader, DeltaReader::Open(delta));
     DCR_ASSIGN_OR_RETURN(Checkpoint ckpt, Checkpoint::Open(target, OpenMode::kReadWrite));
     return ApplyDelta(ckpt, reader);
+  }
+
+  // Applies frame i of `reader` to `c` as an interrupted apply or a receiver
+  // streaming frames would have, one chunk by hand.
+  static std::optional<ApplyOutcome> ApplyByHand(Checkpoint& c, const DeltaReader& reader, size_t i) {
+    const DeltaManifest& m = reader.manifest();
+    const auto& e = m.frames[i];
+    auto frame = reader.Frame(i);
+    EXPECT_TRUE(frame.ok()) << frame.status().ToString();
+    if (!frame.ok()) return std::nullopt;
+    uint64_t first_word, words;
+    uint32_t elements;
+    m.ChunkWords(e.tensor, e.chunk, &first_word, &words, &elements);
+    const uint32_t wb = WordBytes(m.tensors[e.tensor].dtype);
+    const DigestKey key = MakeDigestKey(m.tensors[e.tensor].name);
+    auto data =
+        c.MutableData(static_cast<size_t>(c.Find(m.tensors[e.tensor].name))).subspan(first_word * wb, words * wb);
+    Digest after;
+    ChunkApplier applier;
+    auto r = applier.Apply(*frame, key, first_word, data, testing::ChunkDigest(key, wb, first_word, data), &after);
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    return r.ok() ? std::optional<ApplyOutcome>(*r) : std::nullopt;
   }
 
   static std::string* gen_;
@@ -397,22 +420,8 @@ TEST_F(DeltaTest, ResumesAfterAPartialApply) {
       // Apply every other frame by hand, as an interrupted apply would have.
       auto c = Checkpoint::Open(t, OpenMode::kReadWrite);
       ASSERT_TRUE(c.ok());
-      ChunkApplier applier;
       for (size_t i = 0; i < m.frames.size(); i += 2) {
-        const auto& e = m.frames[i];
-        auto frame = reader->Frame(i);
-        ASSERT_TRUE(frame.ok());
-        uint64_t first_word, words;
-        uint32_t elements;
-        m.ChunkWords(e.tensor, e.chunk, &first_word, &words, &elements);
-        const uint32_t wb = WordBytes(m.tensors[e.tensor].dtype);
-        const DigestKey key = MakeDigestKey(m.tensors[e.tensor].name);
-        auto data = c->MutableData(static_cast<size_t>(c->Find(m.tensors[e.tensor].name)))
-                        .subspan(first_word * wb, words * wb);
-        Digest after;
-        auto r = applier.Apply(*frame, key, first_word, data, testing::ChunkDigest(key, wb, first_word, data), &after);
-        ASSERT_TRUE(r.ok()) << r.status().ToString();
-        EXPECT_EQ(*r, ApplyOutcome::kApplied);
+        EXPECT_EQ(ApplyByHand(*c, *reader, i), ApplyOutcome::kApplied);
         ++manual;
       }
       ASSERT_TRUE(c->Sync().ok());
@@ -423,6 +432,77 @@ TEST_F(DeltaTest, ResumesAfterAPartialApply) {
     EXPECT_EQ(r->frames_applied, m.frames.size() - manual);
     EXPECT_TRUE(Files(t) == Files(Gen("qwen", 1)));
   }
+}
+
+// A receiver that applied frames as they arrived keeps only their headers:
+// the manifest's apply counts those chunks done without their payloads, and
+// refuses, before writing, a released frame whose chunk is not at its target.
+TEST_F(DeltaTest, ReleasedFramesAreAppliedFromTheirHeadersOnly) {
+  const DeltaManifest m = Make("qwen", 0, 1, DeltaClass::kXorClass, "d");
+  ASSERT_GT(m.frames.size(), 4u);
+  ASSERT_EQ(m.objects.size(), 1u);
+  auto reader = DeltaReader::Open(Path("d"));
+  ASSERT_TRUE(reader.ok());
+  const std::string t = CopyOf("qwen", 0, "t");
+  // Every other frame applied by hand, its header kept, its payload spoilt
+  // in the object given to the reader (so that reading it would fail).
+  auto object = std::make_shared<std::string>(ReadFile(Path("d/frames.bin")));
+  ReleasedFrames released;
+  {
+    auto c = Checkpoint::Open(t, OpenMode::kReadWrite);
+    ASSERT_TRUE(c.ok());
+    for (size_t i = 0; i < m.frames.size(); i += 2) {
+      const auto& e = m.frames[i];
+      ASSERT_EQ(ApplyByHand(*c, *reader, i), ApplyOutcome::kApplied);
+      std::copy_n(object->data() + e.offset, kFrameHeaderBytes, released[i].begin());
+      std::fill_n(object->data() + e.offset + kFrameHeaderBytes, e.bytes - kFrameHeaderBytes, '\x5a');
+    }
+    ASSERT_TRUE(c->Sync().ok());
+  }
+  auto open_released = [&](ReleasedFrames r) {
+    const auto bytes = std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(object->data()), object->size());
+    return DeltaReader::FromObjects(m, {bytes}, object, Path("d"), std::move(r));
+  };
+  auto partial = open_released(released);
+  ASSERT_TRUE(partial.ok()) << partial.status().ToString();
+  auto f0 = partial->Frame(0);
+  ASSERT_TRUE(f0.ok()) << f0.status().ToString();
+  EXPECT_FALSE(f0->PayloadHeld());
+  EXPECT_EQ(f0->header, reader->Frame(0)->header);
+  EXPECT_TRUE(partial->Frame(1).ok() && partial->Frame(1)->PayloadHeld());
+
+  // On a fresh base the released chunks are not at their targets: refused, nothing written.
+  const std::string fresh = CopyOf("qwen", 0, "fresh");
+  const auto before = Files(fresh);
+  {
+    auto c = Checkpoint::Open(fresh, OpenMode::kReadWrite);
+    ASSERT_TRUE(c.ok());
+    auto r = ApplyDelta(*c, *partial);
+    ASSERT_EQ(r.status().code(), Code::kFailedPrecondition) << r.status().ToString();
+    EXPECT_NE(r.status().message().find("payload was dropped"), std::string::npos) << r.status().ToString();
+  }
+  EXPECT_TRUE(Files(fresh) == before) << "a refused apply wrote to the target";
+
+  // Where they are done, the rest applies and the result is the target's bits.
+  {
+    auto c = Checkpoint::Open(t, OpenMode::kReadWrite);
+    ASSERT_TRUE(c.ok());
+    auto r = ApplyDelta(*c, *partial);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->frames_already_applied, released.size());
+    EXPECT_EQ(r->frames_applied, m.frames.size() - released.size());
+  }
+  EXPECT_TRUE(Files(t) == Files(Gen("qwen", 1)));
+
+  // A kept header must still be its manifest entry's frame.
+  ReleasedFrames swapped = released;
+  std::swap(swapped[0], swapped[2]);
+  auto wrong = open_released(swapped);
+  ASSERT_TRUE(wrong.ok());
+  EXPECT_EQ(wrong->Frame(0).status().code(), Code::kDataLoss);
+  ReleasedFrames past;
+  past[m.frames.size()] = released[0];
+  EXPECT_EQ(open_released(past).status().code(), Code::kInvalidArgument);
 }
 
 TEST_F(DeltaTest, VerifyAgainstTargetAndBase) {

@@ -94,7 +94,7 @@ std::string EncodeFrame(FrameHeader h, std::span<const uint8_t> payload) {
   return out;
 }
 
-Result<FrameView> ParseFrame(std::span<const uint8_t> bytes, size_t* consumed) {
+Result<FrameHeader> ParseFrameHeader(std::span<const uint8_t> bytes) {
   if (bytes.size() < kFrameHeaderBytes)
     return DataLoss(fmt::format("truncated frame: {} bytes, a header needs {}", bytes.size(), kFrameHeaderBytes));
   const uint8_t* p = bytes.data();
@@ -138,6 +138,12 @@ Result<FrameView> ParseFrame(std::span<const uint8_t> bytes, size_t* consumed) {
   if (h.changed > h.words)
     return InvalidArgument(fmt::format("{}: {} changed words in a chunk of {}", where, h.changed, h.words));
   if (Get<uint32_t>(p, 88) != 0) return InvalidArgument(fmt::format("{}: reserved field is not zero", where));
+  return h;
+}
+
+Result<FrameView> ParseFrame(std::span<const uint8_t> bytes, size_t* consumed) {
+  DCR_ASSIGN_OR_RETURN(FrameHeader h, ParseFrameHeader(bytes));
+  const std::string where = fmt::format("frame (tensor {}, chunk {})", h.tensor, h.chunk);
   if (bytes.size() - kFrameHeaderBytes < h.payload_bytes)
     return DataLoss(fmt::format("{}: truncated payload: {} of {} bytes", where, bytes.size() - kFrameHeaderBytes,
                                 h.payload_bytes));

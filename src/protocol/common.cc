@@ -3,6 +3,7 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <iostream>
@@ -82,7 +83,8 @@ Result<std::vector<AttemptInfo>> ListAttempts(Store& store, uint64_t v) {
 }
 
 Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& attempt,
-                                std::map<std::string, std::string>* prefetched, uint64_t* object_bytes) {
+                                std::map<std::string, std::string>* prefetched, uint64_t* object_bytes,
+                                const std::map<std::string, ReleasedObject>* released) {
   const std::string prefix = run_keys::Attempt(v, attempt);
   // The attempt's prefix ends in '/'; the delta's messages add "/<object>".
   const std::string where = StoreContext(store.url(), prefix.substr(0, prefix.size() - 1));
@@ -91,8 +93,23 @@ Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& att
   auto blobs = std::make_shared<std::vector<std::string>>();
   std::vector<std::span<const uint8_t>> spans;
   blobs->reserve(m.objects.size());
-  for (const auto& name : m.objects) {
-    const std::string key = prefix + name;
+  ReleasedFrames released_frames;
+  std::vector<std::vector<size_t>> frames_in(m.objects.size());  // frame indexes by object
+  for (size_t i = 0; i < m.frames.size(); ++i) frames_in[m.frames[i].object].push_back(i);
+  for (size_t o = 0; o < m.objects.size(); ++o) {
+    const std::string key = prefix + m.objects[o];
+    const auto r = released ? released->find(key) : std::map<std::string, ReleasedObject>::const_iterator();
+    if (released && r != released->end()) {
+      const auto& headers = r->second.headers;
+      const bool covered = std::all_of(frames_in[o].begin(), frames_in[o].end(),
+                                       [&](size_t i) { return headers.count(m.frames[i].offset) > 0; });
+      if (covered) {
+        for (size_t i : frames_in[o]) released_frames.emplace(i, headers.at(m.frames[i].offset));
+        blobs->emplace_back();
+        spans.emplace_back();
+        continue;
+      }
+    }
     std::string blob;
     if (prefetched && prefetched->count(key)) {
       blob = std::move(prefetched->at(key));
@@ -104,7 +121,7 @@ Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& att
     blobs->push_back(std::move(blob));
     spans.emplace_back(reinterpret_cast<const uint8_t*>(blobs->back().data()), blobs->back().size());
   }
-  return DeltaReader::FromObjects(std::move(m), std::move(spans), blobs, where);
+  return DeltaReader::FromObjects(std::move(m), std::move(spans), blobs, where, std::move(released_frames));
 }
 
 namespace {

@@ -1,6 +1,7 @@
 // Helpers shared by the publisher, the follower and GC. Not public API.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <functional>
@@ -47,13 +48,24 @@ struct AttemptInfo {
 };
 Result<std::vector<AttemptInfo>> ListAttempts(Store& store, uint64_t v);
 
+// A frame object a receiver applied as it arrived and then dropped, all
+// but its frames' headers (by offset in the object).
+struct ReleasedObject {
+  uint64_t bytes = 0;  // the object's size
+  std::map<uint64_t, std::array<uint8_t, kFrameHeaderBytes>> headers;
+};
+
 // The attempt's delta, frames downloaded (kept in memory). Objects found in
 // `prefetched` (full key -> bytes, downloaded while the attempt streamed)
-// are moved from it instead of downloaded again. `object_bytes`, when
-// given, is increased by the bytes of the objects the delta holds.
+// are moved from it instead of downloaded again; objects in `released`
+// whose headers cover every frame the manifest places in them are read
+// from those headers (their frames come without payloads), others are
+// downloaded. `object_bytes`, when given, is increased by the bytes of the
+// whole objects the delta holds.
 Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& attempt,
                                 std::map<std::string, std::string>* prefetched = nullptr,
-                                uint64_t* object_bytes = nullptr);
+                                uint64_t* object_bytes = nullptr,
+                                const std::map<std::string, ReleasedObject>* released = nullptr);
 
 // Streaming: frames applied as their objects arrive, before the attempt's
 // manifest (streaming.cc; docs/protocol.md). What attempt.json says: the
@@ -80,11 +92,12 @@ Result<std::optional<std::string>> ObjectSignerOf(Store& store, const std::strin
 // Attempt `id` of version v's attempt.json; nullopt while it is not visible.
 Result<std::optional<StreamedAttempt>> ReadStreamedAttempt(Store& store, uint64_t v, const std::string& id,
                                                            const std::function<void(const std::string&)>& log);
-// Downloads the frame objects of `a` written so far that `prefetched` lacks
-// (full key -> bytes), up to the first that cannot be read; `*progressed`
-// is set when one was downloaded. Only transient store failures are errors.
+// Downloads, in order, the frame objects of `a` written so far for which
+// `have` is false into `prefetched` (full key -> bytes), until `prefetched`
+// holds `at_most` of a's objects or one cannot be read; `*progressed` is set
+// when one was downloaded. Only transient store failures are errors.
 Status PrefetchFrameObjects(Store& store, const AttemptInfo& a, std::map<std::string, std::string>* prefetched,
-                            bool* progressed);
+                            size_t at_most, const std::function<bool(const std::string&)>& have, bool* progressed);
 // The frame objects of `a` in `prefetched` not yet in `*seen`, now added to
 // it; none once the attempt is fenced (re-read: the listing may be older).
 Result<std::vector<std::string>> StreamedObjectsToApply(Store& store, uint64_t v, const AttemptInfo& a,
@@ -94,7 +107,8 @@ Result<std::vector<std::string>> StreamedObjectsToApply(Store& store, uint64_t v
 // parses (header and payload checksums), carries attempt.json's delta id and
 // a mode of its class, and has the run's (`layout`'s) shape of its chunk.
 // Stops at the first that does not, logging why: the manifest decides.
-void ForEachStreamedFrame(const std::string& key, const std::string& blob, const DeltaManifest& layout,
+// Returns whether fn saw every frame of the object.
+bool ForEachStreamedFrame(const std::string& key, const std::string& blob, const DeltaManifest& layout,
                           const StreamedAttempt& st, const std::function<void(const FrameView&, size_t offset)>& fn,
                           const std::function<void(const std::string&)>& log);
 

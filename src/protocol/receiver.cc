@@ -36,6 +36,7 @@ Status ReceiverWalk::Start(const std::function<bool()>& stop) {
   handled_.clear();
   commit_failures_.clear();
   prefetched_.clear();
+  released_.clear();
   from_relay_.clear();
   relayed_.clear();
   attempt_docs_.clear();
@@ -65,6 +66,7 @@ Status ReceiverWalk::Commit(uint64_t v) {
   if (frames_held_peak_ > 0) heartbeat_.SetFramesHeld(frames_held_peak_);  // not after a join
   frames_held_peak_ = 0;
   prefetched_.clear();
+  released_.clear();
   from_relay_.clear();
   relayed_.clear();
   streamed_.clear();
@@ -87,7 +89,7 @@ Status ReceiverWalk::TakeFromRelay(uint64_t v, const std::string& id) {
   for (auto& [key, bytes] : o_.relay->Take(prefix)) relayed_.insert_or_assign(key, std::move(bytes));
   NoteFramesHeld();
   for (auto it = relayed_.lower_bound(prefix); it != relayed_.end() && it->first.starts_with(prefix);) {
-    if (prefetched_.count(it->first)) {  // already downloaded from the store
+    if (Holds(it->first)) {  // already downloaded from the store
       it = relayed_.erase(it);
       continue;
     }
@@ -125,8 +127,7 @@ Status ReceiverWalk::AwaitRelay(uint64_t v, const std::string& id, const std::ve
   for (;;) {
     DCR_RETURN_IF_ERROR(TakeFromRelay(v, id));
     DCR_RETURN_IF_ERROR(arrived());
-    const bool complete =
-        std::all_of(objects.begin(), objects.end(), [&](const std::string& k) { return prefetched_.count(k) > 0; });
+    const bool complete = std::all_of(objects.begin(), objects.end(), [&](const std::string& k) { return Holds(k); });
     // Also while the relay is detached: its client re-attaches upstream
     // within its dead_after, and the new parent sends what is missing.
     if (complete) return Status::Ok();
@@ -144,16 +145,19 @@ void ReceiverWalk::NoteFramesHeld(uint64_t loaded) {
   uint64_t held = loaded;
   for (const auto& [key, bytes] : prefetched_) held += bytes.size();
   for (const auto& [key, bytes] : relayed_) held += bytes.size();
+  for (const auto& [key, object] : released_) held += object.headers.size() * kFrameHeaderBytes;
   frames_held_peak_ = std::max(frames_held_peak_, held);
 }
 
 std::pair<size_t, uint64_t> ReceiverWalk::Relayed(const std::string& prefix) const {
   std::pair<size_t, uint64_t> r{0, 0};
-  for (const auto& [key, bytes] : prefetched_)
-    if (key.starts_with(prefix) && from_relay_.count(key)) {
-      ++r.first;
-      r.second += bytes.size();
-    }
+  for (auto it = from_relay_.lower_bound(prefix); it != from_relay_.end() && it->starts_with(prefix); ++it) {
+    const auto held = prefetched_.find(*it);
+    const auto released = released_.find(*it);
+    if (held == prefetched_.end() && released == released_.end()) continue;  // taken by LoadAttempt: counted there
+    ++r.first;
+    r.second += held != prefetched_.end() ? held->second.size() : released->second.bytes;
+  }
   return r;
 }
 
@@ -182,20 +186,51 @@ Status ReceiverWalk::StreamApply(uint64_t v, const AttemptInfo& a) {
   DCR_RETURN_IF_ERROR(target_.Begin(a.id));
   SetState("applying").IgnoreError();
   DCR_RETURN_IF_ERROR(Fault("stream-applying"));
-  std::vector<FrameView> frames;  // views into prefetched_, which stays put until the target applied them
-  for (const auto& key : todo)
-    ForEachStreamedFrame(
-        key, prefetched_.at(key), st.shape, *st.attempt, [&](const FrameView& f, size_t) { frames.push_back(f); },
+  for (const auto& key : todo) {
+    const std::string& blob = prefetched_.at(key);
+    std::vector<FrameView> frames;  // views into blob, which stays put until the target applied them
+    ReleasedObject headers{blob.size(), {}};
+    const bool whole = ForEachStreamedFrame(
+        key, blob, st.shape, *st.attempt,
+        [&](const FrameView& f, size_t offset) {
+          frames.push_back(f);
+          std::copy_n(blob.data() + offset, kFrameHeaderBytes, headers.headers[offset].begin());
+        },
         [this](const std::string& l) { Log(l); });
-  return target_.ApplyStreamed(st.shape, frames, &st.counts);
+    const uint64_t left = st.counts.left;
+    DCR_RETURN_IF_ERROR(target_.ApplyStreamed(st.shape, frames, &st.counts));
+    if (whole && st.counts.left == left) {  // every frame applied or found done: the payloads are not needed again
+      prefetched_.erase(key);
+      released_.insert_or_assign(key, std::move(headers));
+    }
+  }
+  return Status::Ok();
+}
+
+Status ReceiverWalk::Prefetch(const AttemptInfo& a, bool* progressed) {
+  return PrefetchFrameObjects(store_, a, &prefetched_, kObjectsAhead,
+                              [this](const std::string& key) { return released_.count(key) > 0; }, progressed);
+}
+
+Status ReceiverWalk::StreamRest(uint64_t v, const AttemptInfo& a) {
+  for (bool progressed = true; progressed;) {
+    progressed = false;
+    DCR_RETURN_IF_ERROR(Prefetch(a, &progressed));
+    NoteFramesHeld();
+    DCR_RETURN_IF_ERROR(StreamApply(v, a));
+  }
+  return Status::Ok();
 }
 
 // Catches up to committed version v through its committed attempt (a late
 // or retired receiver); when that fails, once from the newest snapshot.
 Status ReceiverWalk::CatchUp(uint64_t v, const CommitRecord& c) {
   DCR_RETURN_IF_ERROR(TakeFromRelay(v, c.attempt));
+  DCR_ASSIGN_OR_RETURN(auto attempts, ListAttempts(store_, v));
+  for (const auto& a : attempts)
+    if (a.id == c.attempt && a.has_manifest) DCR_RETURN_IF_ERROR(StreamRest(v, a));
   uint64_t loaded = 0;
-  auto delta = LoadAttempt(store_, v, c.attempt, &prefetched_, &loaded);
+  auto delta = LoadAttempt(store_, v, c.attempt, &prefetched_, &loaded, &released_);
   NoteFramesHeld(loaded);
   Status s = delta.status();
   ApplyCounts counts;
@@ -219,9 +254,10 @@ Status ReceiverWalk::ApplyAndAck(uint64_t v, const AttemptInfo& a) {
   // The manifest may be in long before the relay tree delivers the last
   // objects (the store is not the tree's link): apply them as they come.
   DCR_RETURN_IF_ERROR(AwaitRelay(v, a.id, a.frame_objects, [&] { return StreamApply(v, a); }));
+  DCR_RETURN_IF_ERROR(StreamRest(v, a));
   const auto [relayed, relayed_bytes] = Relayed(prefix);
   uint64_t loaded = 0;
-  auto delta = LoadAttempt(store_, v, a.id, &prefetched_, &loaded);
+  auto delta = LoadAttempt(store_, v, a.id, &prefetched_, &loaded, &released_);
   NoteFramesHeld(loaded);
   const auto ready = std::chrono::steady_clock::now();  // the manifest and every frame object are here
   if (Transient(delta.status())) return delta.status();
@@ -290,6 +326,7 @@ Status ReceiverWalk::Step() {
     const std::string prefix = run_keys::Attempt(v, a.id);
     if (a.fenced || handled_.count(a.id) || std::find(a.acks.begin(), a.acks.end(), o_.id) != a.acks.end()) {
       std::erase_if(prefetched_, [&](const auto& kv) { return kv.first.starts_with(prefix); });
+      std::erase_if(released_, [&](const auto& kv) { return kv.first.starts_with(prefix); });
       std::erase_if(relayed_, [&](const auto& kv) { return kv.first.starts_with(prefix); });
       if (o_.relay) o_.relay->Take(prefix);  // dropped
       continue;
@@ -306,8 +343,7 @@ Status ReceiverWalk::Step() {
     const size_t before = prefetched_.size();
     DCR_RETURN_IF_ERROR(TakeFromRelay(v, a.id));
     if (prefetched_.size() != before) progressed = true;
-    if (!o_.relay || !o_.relay->Attached())
-      DCR_RETURN_IF_ERROR(PrefetchFrameObjects(store_, a, &prefetched_, &progressed));
+    if (!o_.relay || !o_.relay->Attached()) DCR_RETURN_IF_ERROR(Prefetch(a, &progressed));
     NoteFramesHeld();
     // Only the newest attempt: an older one is being replaced (a takeover or
     // retry), and its frames would only be overwritten.

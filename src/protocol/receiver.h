@@ -106,8 +106,19 @@ class ReceiverWalk {
   void NoteFramesHeld(uint64_t loaded = 0);
   // Applies the frames of attempt `a` of version v that are in prefetched_
   // and not yet looked at, ahead of the manifest's apply (while the attempt
-  // streams, or while the relay still delivers).
+  // streams, or while the relay still delivers). An object whose frames
+  // are all applied (or found done) moves to released_: its payloads are
+  // dropped.
   Status StreamApply(uint64_t v, const AttemptInfo& a);
+  // Downloads a's objects that are neither held nor released, at most
+  // kObjectsAhead at a time (those of a held count), setting *progressed.
+  Status Prefetch(const AttemptInfo& a, bool* progressed);
+  // Once a's manifest is in: its remaining objects a few at a time, each
+  // applied and released before the next, so that the manifest's apply
+  // reads headers only and the frames held stay O(objects in flight).
+  // Where the target cannot apply ahead, the rest is left to LoadAttempt.
+  Status StreamRest(uint64_t v, const AttemptInfo& a);
+  bool Holds(const std::string& key) const { return prefetched_.count(key) || released_.count(key); }
 
   Store& store_;
   ReceiverTarget& target_;
@@ -121,7 +132,12 @@ class ReceiverWalk {
   // Frame objects of version_ + 1's attempts downloaded before their
   // manifest (full key -> bytes); LoadAttempt takes them from here.
   std::map<std::string, std::string> prefetched_;
-  std::set<std::string> from_relay_;  // keys in prefetched_ that the relay delivered
+  // Objects of prefetched_ whose frames were applied, payloads dropped.
+  std::map<std::string, ReleasedObject> released_;
+  // At most this many objects of an attempt are downloaded and not yet
+  // applied (the relay's deliveries aside).
+  static constexpr size_t kObjectsAhead = 4;
+  std::set<std::string> from_relay_;  // keys in prefetched_ or released_ that the relay delivered
   std::map<std::string, std::string> relayed_;  // delivered, waiting for the key that signs them
   std::map<std::string, StreamedAttempt> attempt_docs_;  // by attempt id, of version_ + 1
   uint64_t refused_objects_ = 0;  // relayed objects whose signature did not verify

@@ -51,15 +51,19 @@ Result<std::optional<std::string>> ObjectSignerOf(Store& store, const std::strin
 }
 
 Status PrefetchFrameObjects(Store& store, const AttemptInfo& a, std::map<std::string, std::string>* prefetched,
-                            bool* progressed) {
+                            size_t at_most, const std::function<bool(const std::string&)>& have, bool* progressed) {
+  size_t held = 0;
+  for (const auto& key : a.frame_objects) held += prefetched->count(key);
   for (const auto& key : a.frame_objects) {
-    if (prefetched->count(key)) continue;
+    if (held >= at_most) break;
+    if (prefetched->count(key) || have(key)) continue;
     auto blob = store.Get(key);
     if (!blob.ok()) {
       if (Transient(blob.status())) return blob.status();
       break;  // LoadAttempt reports it, once the manifest says the object is needed
     }
     (*prefetched)[key] = std::move(*blob);
+    ++held;
     *progressed = true;
   }
   return Status::Ok();
@@ -79,7 +83,7 @@ Result<std::vector<std::string>> StreamedObjectsToApply(Store& store, uint64_t v
   return todo;
 }
 
-void ForEachStreamedFrame(const std::string& key, const std::string& blob, const DeltaManifest& layout,
+bool ForEachStreamedFrame(const std::string& key, const std::string& blob, const DeltaManifest& layout,
                           const StreamedAttempt& st, const std::function<void(const FrameView&, size_t offset)>& fn,
                           const std::function<void(const std::string&)>& log) {
   const std::string_view frames = ObjectFrames(blob);
@@ -109,11 +113,12 @@ void ForEachStreamedFrame(const std::string& key, const std::string& blob, const
     if (!refused.empty()) {
       // The manifest decides: LoadAttempt and the apply report it if the frame is needed.
       log(fmt::format("{} at offset {}: not applied before the manifest: {}", key, offset, refused));
-      return;
+      return false;
     }
     fn(*frame, offset);
     offset += consumed;
   }
+  return true;
 }
 
 }  // namespace dcr::protocol_internal

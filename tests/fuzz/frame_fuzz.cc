@@ -1,7 +1,8 @@
 // Fuzzes frame parsing and applying: any input must be rejected, or parse
 // into a frame whose apply either fails leaving the target untouched, or
-// succeeds with the digest the frame promises. Never a crash, never a read
-// or write outside the chunk.
+// succeeds with the digest the frame promises; its header parses alone to
+// the same, and without its payload it never applies. Never a crash, never
+// a read or write outside the chunk.
 //
 // Checksums would stop almost every mutation at the door, so when the first
 // input byte is odd the target re-seals the frame (recomputes both CRC32Cs)
@@ -31,6 +32,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::memcpy(input.data() + 92, &header_crc, 4);
   }
   auto frame = dcr::ParseFrame(input);
+  auto header = dcr::ParseFrameHeader(input);  // what a receiver keeps of an applied frame
+  if (frame.ok() && (!header.ok() || !(*header == frame->header))) std::abort();
   if (!frame.ok()) return 0;
   const auto& h = frame->header;
   const uint64_t bytes = uint64_t{h.words} * h.word_bytes;
@@ -50,6 +53,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return 0;
   }
   if (after != h.target_digest) std::abort();
+  // Without its payload (released) a frame never writes.
+  if (h.payload_bytes > 0 && *outcome == dcr::ApplyOutcome::kApplied) {
+    std::vector<uint8_t> again = before;
+    dcr::Digest unused;
+    if (applier.Apply(dcr::FrameView{h, {}}, key, first_word, again, h.base_digest, &unused).ok() || again != before)
+      std::abort();
+  }
   if (*outcome == dcr::ApplyOutcome::kApplied &&
       dcr::DigestBytes(key, first_word * h.word_bytes, target) - dcr::DigestBytes(key, first_word * h.word_bytes, before) !=
           h.target_digest - h.base_digest)
