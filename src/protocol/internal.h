@@ -69,18 +69,13 @@ Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& att
 
 // Streaming: frames applied as their objects arrive, before the attempt's
 // manifest (streaming.cc; docs/protocol.md). What attempt.json says: the
-// delta id and class every frame must carry (usable: it names both).
-struct StreamedAttempt {
-  bool usable = false;
-  uint64_t delta_id = 0;
-  DeltaClass cls = DeltaClass::kXorClass;
-  // Who signs its frame objects (protocol.h, "Frame object signatures"):
-  // object_key for all of them, or else, for an attempt of `processes`
-  // trainer processes, each process its own (procs/p<P>.pub). Neither: an
-  // older publisher that signs nothing.
-  std::string object_key;
-  uint64_t processes = 0;
-};
+// delta id and class every frame must carry, and who signs its frame
+// objects (protocol.h, "Frame object signatures"): object_key for all of
+// them, or else, for an attempt of `processes` trainer processes, each
+// process its own (procs/p<P>.pub); neither: an older publisher that signs
+// nothing. nullopt when it does not parse or names another version: the
+// attempt's frames are then applied once its manifest exists.
+using StreamedAttempt = std::optional<AttemptRecord>;
 // Where trainer process P's frame-object signing key lies, relative to its
 // attempt: procs/p<P>.pub.
 std::string ProcessSignerKey(uint32_t process);
@@ -104,12 +99,12 @@ Result<std::vector<std::string>> StreamedObjectsToApply(Store& store, uint64_t v
                                                         const std::map<std::string, std::string>& prefetched,
                                                         std::set<std::string>* seen);
 // Calls fn on each frame of frame object `key` in order, each checked: it
-// parses (header and payload checksums), carries attempt.json's delta id and
+// parses (header and payload checksums), carries `attempt`'s delta id and
 // a mode of its class, and has the run's (`layout`'s) shape of its chunk.
 // Stops at the first that does not, logging why: the manifest decides.
 // Returns whether fn saw every frame of the object.
 bool ForEachStreamedFrame(const std::string& key, const std::string& blob, const DeltaManifest& layout,
-                          const StreamedAttempt& st, const std::function<void(const FrameView&, size_t offset)>& fn,
+                          const AttemptRecord& attempt, const std::function<void(const FrameView&, size_t offset)>& fn,
                           const std::function<void(const std::string&)>& log);
 
 // Snapshots: the regular files of a checkpoint (a file, or the top-level

@@ -170,17 +170,16 @@ std::pair<size_t, uint64_t> ReceiverWalk::Relayed(const std::string& prefix) con
 // knows its bits may be between versions. Nothing is applied once the
 // attempt is fenced.
 Status ReceiverWalk::StreamApply(uint64_t v, const AttemptInfo& a) {
-  auto it = streamed_.find(a.id);
-  if (it == streamed_.end()) {
-    DCR_ASSIGN_OR_RETURN(const StreamedAttempt* attempt, AttemptDoc(v, a.id));
-    if (!attempt) return Status::Ok();
-    Streamed st{attempt, shape_, {}, {}};
-    st.shape.delta_id = attempt->delta_id;
-    st.shape.delta_class = attempt->cls;
-    it = streamed_.emplace(a.id, std::move(st)).first;
+  Streamed& st = streamed_[a.id];
+  if (!st.attempt) {
+    DCR_ASSIGN_OR_RETURN(const StreamedAttempt* doc, AttemptDoc(v, a.id));
+    if (!doc || !*doc) return Status::Ok();  // not visible yet, or left to the manifest
+    st.attempt = &**doc;
+    st.shape = shape_;
+    st.shape.delta_id = st.attempt->delta_id;
+    st.shape.delta_class = st.attempt->cls;
   }
-  Streamed& st = it->second;
-  if (!st.attempt->usable || !target_.MayStream(a.id, st.attempt->cls)) return Status::Ok();
+  if (!target_.MayStream(a.id, st.attempt->cls)) return Status::Ok();
   DCR_ASSIGN_OR_RETURN(auto todo, StreamedObjectsToApply(store_, v, a, prefetched_, &st.objects));
   if (todo.empty()) return Status::Ok();
   DCR_RETURN_IF_ERROR(target_.Begin(a.id));

@@ -143,7 +143,7 @@ class ReceiverWalk {
   uint64_t refused_objects_ = 0;  // relayed objects whose signature did not verify
   uint64_t frames_held_peak_ = 0;  // towards version_ + 1: the heartbeat's frames_held_bytes at its commit
   struct Streamed {
-    const StreamedAttempt* attempt = nullptr;  // in attempt_docs_
+    const AttemptRecord* attempt = nullptr;  // in attempt_docs_
     DeltaManifest shape;            // the run's shape with the attempt's delta id and class
     std::set<std::string> objects;  // frame objects looked at
     ApplyCounts counts;

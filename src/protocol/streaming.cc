@@ -16,25 +16,20 @@ Result<std::optional<StreamedAttempt>> ReadStreamedAttempt(Store& store, uint64_
   if (!text) return std::optional<StreamedAttempt>();  // not yet visible: look again next time
   StreamedAttempt st;
   auto record = AttemptRecord::FromJson(*text, StoreContext(store.url(), prefix + "attempt.json"));
-  if (record.ok() && record->version == v) {
-    st.usable = true;
-    st.delta_id = record->delta_id;
-    st.cls = record->cls;
-    st.object_key = record->object_key;
-    st.processes = record->processes;
-  }
-  if (!st.usable)
+  if (record.ok() && record->version == v) st = std::move(*record);
+  else
     log(fmt::format("{}attempt.json does not name this version's delta id, class and signing keys ({}); its frames are "
                     "applied once its manifest exists",
                     prefix, record.ok() ? "another version" : record.status().message()));
-  return std::optional<StreamedAttempt>(st);
+  return std::optional<StreamedAttempt>(std::move(st));
 }
 
 std::string ProcessSignerKey(uint32_t process) { return fmt::format("procs/p{}.pub", process); }
 
 Result<std::optional<std::string>> ObjectSignerOf(Store& store, const std::string& attempt_prefix,
                                                   const StreamedAttempt& st, const std::string& key) {
-  if (!st.object_key.empty() || st.processes == 0) return std::optional<std::string>(st.object_key);
+  if (!st) return std::optional<std::string>("");
+  if (!st->object_key.empty() || st->processes == 0) return std::optional<std::string>(st->object_key);
   // frames/s<P>-<NNNN>.bin: process P's object.
   const std::string_view name = std::string_view(key).substr(std::min(key.size(), attempt_prefix.size()));
   const size_t dash = name.find('-');
@@ -84,7 +79,7 @@ Result<std::vector<std::string>> StreamedObjectsToApply(Store& store, uint64_t v
 }
 
 bool ForEachStreamedFrame(const std::string& key, const std::string& blob, const DeltaManifest& layout,
-                          const StreamedAttempt& st, const std::function<void(const FrameView&, size_t offset)>& fn,
+                          const AttemptRecord& st, const std::function<void(const FrameView&, size_t offset)>& fn,
                           const std::function<void(const std::string&)>& log) {
   const std::string_view frames = ObjectFrames(blob);
   const auto bytes = std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(frames.data()), frames.size());
