@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dcr/delta.h"
+#include "dcr/json.h"
 
 namespace dcr {
 namespace {
@@ -14,16 +15,13 @@ Status Bad(const std::string& where, std::string_view what) {
   return InvalidArgument(fmt::format("{}: malformed delta manifest: {}", where, what));
 }
 
-// Typed field access that never throws.
-Result<uint64_t> U64(const json& obj, const char* key, const std::string& where) {
-  auto it = obj.find(key);
-  if (it == obj.end() || !it->is_number_unsigned()) return Bad(where, fmt::format("'{}' must be a non-negative integer", key));
-  return it->get<uint64_t>();
+// Typed field access that never throws, in this document's wording.
+JsonFields Fields(const json& obj, const std::string& where) {
+  return JsonFields(obj, [where](std::string_view what) { return Bad(where, what); });
 }
+Result<uint64_t> U64(const json& obj, const char* key, const std::string& where) { return Fields(obj, where).U64(key); }
 Result<std::string> Str(const json& obj, const char* key, const std::string& where) {
-  auto it = obj.find(key);
-  if (it == obj.end() || !it->is_string()) return Bad(where, fmt::format("'{}' must be a string", key));
-  return it->get<std::string>();
+  return Fields(obj, where).String(key);
 }
 Result<Digest> Dig(const json& obj, const char* key, const std::string& where) {
   DCR_ASSIGN_OR_RETURN(std::string hex, Str(obj, key, where));
@@ -91,7 +89,7 @@ std::string DeltaManifest::ToJson() const {
   for (const auto& f : frames)
     fs.push_back({{"tensor", f.tensor}, {"chunk", f.chunk}, {"object", f.object}, {"offset", f.offset}, {"bytes", f.bytes},
                   {"mode", ModeName(f.mode)}, {"codec", CodecName(f.codec)}, {"changed", f.changed}});
-  return doc.dump(1, ' ', false, json::error_handler_t::replace) + "\n";
+  return JsonText(doc, 1) + "\n";
 }
 
 Result<DeltaManifest> DeltaManifest::FromJson(std::string_view text, const std::string& where) {

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 
+#include "dcr/json.h"
 #include "dcr/mapped_file.h"
 
 namespace dcr {
@@ -229,7 +230,7 @@ Result<Checkpoint> Checkpoint::Create(const std::string& path, const std::vector
     if (runs.size() > 1) {
       json doc = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
       std::ofstream out(index, std::ios::binary | std::ios::trunc);
-      out << doc.dump(2) << "\n";
+      out << JsonText(doc, 2) << "\n";
       if (!out.flush()) return Unavailable("cannot write " + index);
     }
   }

@@ -1,4 +1,5 @@
 #include "dcr/safetensors.h"
+#include "dcr/json.h"
 
 #include <fmt/format.h>
 
@@ -22,7 +23,7 @@ Status Malformed(std::string_view what) {
 Result<uint64_t> AsUint(const ordered_json& v, std::string_view tensor, std::string_view field) {
   if (!v.is_number_unsigned() && !(v.is_number_integer() && v.get<int64_t>() >= 0))
     return Malformed(fmt::format("tensor '{}': {} must hold non-negative integers, got {}", tensor,
-                                 field, v.dump()));
+                                 field, JsonText(v)));
   return v.get<uint64_t>();
 }
 
@@ -152,7 +153,7 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const uint8_t> prefix
 std::string EncodeSafetensorsHeader(std::span<const TensorInfo> tensors, const Metadata& metadata) {
   // nlohmann::json sorts keys; build the text by hand to keep the given order.
   // Strings that are not valid UTF-8 are written with U+FFFD, never thrown.
-  auto quote = [](const std::string& s) { return json(s).dump(-1, ' ', false, json::error_handler_t::replace); };
+  auto quote = [](const std::string& s) { return JsonText(json(s)); };
   std::string text = "{";
   bool first = true;
   auto sep = [&] {
@@ -173,7 +174,7 @@ std::string EncodeSafetensorsHeader(std::span<const TensorInfo> tensors, const M
     sep();
     json entry = {{"dtype", std::string(Name(t.dtype))}, {"shape", t.shape},
                   {"data_offsets", {offset, offset + t.nbytes}}};
-    text += quote(t.name) + ":" + entry.dump();
+    text += quote(t.name) + ":" + JsonText(entry);
     offset += t.nbytes;
   }
   text += '}';

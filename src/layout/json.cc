@@ -3,6 +3,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "dcr/json.h"
 #include "dcr/layout.h"
 
 namespace dcr {
@@ -14,22 +15,14 @@ Status Bad(const std::string& where, std::string_view what) {
   return InvalidArgument(fmt::format("{}: malformed layout map: {}", where, what));
 }
 
-Result<std::string> Str(const json& obj, const char* key, const std::string& where) {
-  auto it = obj.find(key);
-  if (it == obj.end() || !it->is_string()) return Bad(where, fmt::format("'{}' must be a string", key));
-  return it->get<std::string>();
+JsonFields Fields(const json& obj, const std::string& where) {
+  return JsonFields(obj, [where](std::string_view what) { return Bad(where, what); });
 }
-
+Result<std::string> Str(const json& obj, const char* key, const std::string& where) {
+  return Fields(obj, where).String(key);
+}
 Result<std::vector<uint64_t>> Dims(const json& obj, const char* key, const std::string& where) {
-  auto it = obj.find(key);
-  if (it == obj.end() || !it->is_array()) return Bad(where, fmt::format("'{}' must be an array of integers", key));
-  if (it->size() > 16) return Bad(where, fmt::format("'{}' has {} dimensions; at most 16 are supported", key, it->size()));
-  std::vector<uint64_t> out;
-  for (const json& d : *it) {
-    if (!d.is_number_unsigned()) return Bad(where, fmt::format("'{}' must hold non-negative integers", key));
-    out.push_back(d.get<uint64_t>());
-  }
-  return out;
+  return Fields(obj, where).U64s(key, 16);
 }
 
 Result<DType> DTypeField(const json& obj, const std::string& where) {
@@ -40,9 +33,7 @@ Result<DType> DTypeField(const json& obj, const std::string& where) {
 }
 
 Result<const json*> Array(const json& doc, const char* key, const std::string& where) {
-  auto it = doc.find(key);
-  if (it == doc.end() || !it->is_array()) return Bad(where, fmt::format("'{}' must be an array", key));
-  return &*it;
+  return Fields(doc, where).Array(key);
 }
 
 }  // namespace
@@ -65,7 +56,7 @@ std::string LayoutMapToJson(const LayoutMap& map) {
     if (!c.primary) e["primary"] = false;
     cs.push_back(std::move(e));
   }
-  return doc.dump(1, ' ', false, json::error_handler_t::replace) + "\n";
+  return JsonText(doc, 1) + "\n";
 }
 
 Result<LayoutMap> LayoutMapFromJson(std::string_view text, const std::string& where) {

@@ -7,6 +7,8 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "dcr/json.h"
+
 namespace dcr::protocol_internal {
 
 namespace {
@@ -48,7 +50,7 @@ Result<FollowJournal> ParseFollowJournal(std::string_view text, const std::strin
 
 std::string FollowJournalJson(const FollowJournal& j) {
   nlohmann::json doc = {{"run_id", j.run_id}, {"receiver", j.receiver}, {"version", j.version}, {"attempt", j.attempt}};
-  return doc.dump(1) + "\n";
+  return JsonText(doc, 1) + "\n";
 }
 
 Result<RankJournal> ParseRankJournal(std::string_view text, const std::string& path) {
@@ -84,7 +86,7 @@ std::string RankJournalJson(const RankJournal& j) {
                         {"ranks", j.rank.ranks},     {"version", j.version},
                         {"digest", j.digest.ToHex()}, {"attempt", j.attempt},
                         {"attempt_state", j.attempt_state}, {"attempt_digest", j.attempt_digest.ToHex()}};
-  return doc.dump(1) + "\n";
+  return JsonText(doc, 1) + "\n";
 }
 
 std::string FrameLogHeader(const std::string& attempt) { return "dcr-rank-frames " + attempt + "\n"; }

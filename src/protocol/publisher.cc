@@ -19,6 +19,7 @@
 #include <tuple>
 
 #include "dcr/contribution.h"
+#include "dcr/json.h"
 #include "dcr/layout_apply.h"
 #include "dcr/progress.h"
 #include "ack_tally.h"
@@ -63,7 +64,7 @@ Result<std::optional<BaselineState>> ReadBaseline(const std::string& state_dir) 
 
 Status WriteBaseline(const std::string& state_dir, const BaselineState& s) {
   nlohmann::json doc = {{"run_id", s.run_id}, {"version", s.version}};
-  return WriteFileAtomically(BaselineRecord(state_dir), doc.dump(1) + "\n");
+  return WriteFileAtomically(BaselineRecord(state_dir), JsonText(doc, 1) + "\n");
 }
 
 // state_dir/baseline-digests.json: the baseline's chunk digests at a
@@ -113,7 +114,7 @@ void WriteDigestCache(const std::string& state_dir, uint64_t version, const Chec
   }
   nlohmann::json doc = {{"format", "dcr-baseline-digests"}, {"version", version}, {"boot_id", BootId()},
                         {"files", BaselineFileStamps(baseline)}, {"chunks", std::move(table)}};
-  if (!WriteFileAtomically(DigestCachePath(state_dir), doc.dump() + "\n").ok()) DropDigestCache(state_dir);
+  if (!WriteFileAtomically(DigestCachePath(state_dir), JsonText(doc) + "\n").ok()) DropDigestCache(state_dir);
 }
 
 // The cached chunk digests of `baseline` at `version` in `layout`'s chunking,
@@ -285,7 +286,7 @@ Result<PublishReport> PublishRun::PublishSnapshot(const Checkpoint& next) {
   }
   uint64_t need = 0;
   for (const auto& [from, to] : copies) need += fs::file_size(from, ec);
-  const std::string what = "the publisher's baseline (a copy of version 0; or pass another --state)";
+  const std::string what = "the publisher's baseline (a copy of version 0; or give it another state directory)";
   DCR_RETURN_IF_ERROR(CheckFreeSpace(dir, need, what));
   for (const auto& [from, to] : copies)
     if (!fs::copy_file(from, to, ec) || ec)
@@ -322,7 +323,7 @@ Status PublishRun::Fence(uint64_t v, const std::string& id, const Status& why) {
   // Never fence a committed attempt (its commit's response may have been lost).
   if (auto c = ReadCommit(store_, v); c.ok() && c->attempt == id) return Status::Ok();
   nlohmann::json doc = {{"format", "dcr-fence"}, {"reason", why.ToString()}, {"time", UnixNow()}};
-  DCR_RETURN_IF_ERROR(store_.Put(run_keys::Attempt(v, id) + "fence", doc.dump(1) + "\n"));
+  DCR_RETURN_IF_ERROR(store_.Put(run_keys::Attempt(v, id) + "fence", JsonText(doc, 1) + "\n"));
   // The store's fence is the one receivers obey; the relays' copy only lets
   // them drop the attempt's frames early.
   if (o_.relay) o_.relay->Fence(run_keys::Attempt(v, id));
@@ -1117,7 +1118,7 @@ Status ShardRun::Prepare() {
 Status ShardRun::WriteShardsRecord(uint64_t version, const Digest& digest) {
   nlohmann::json doc = {{"run_id", record_.run_id}, {"version", version}, {"senders", local_ids_},
                         {"digest", digest.ToHex()}};
-  DCR_RETURN_IF_ERROR(WriteFileAtomically(ShardsRecord(state_dir_), doc.dump(1) + "\n"));
+  DCR_RETURN_IF_ERROR(WriteFileAtomically(ShardsRecord(state_dir_), JsonText(doc, 1) + "\n"));
   memo_.valid = true;
   memo_.dir = state_dir_;
   memo_.run_id = record_.run_id;
@@ -1377,7 +1378,7 @@ Result<ShardRun::Participation> ShardRun::Participate(uint64_t v, const std::str
         return out;
       }
       return Unavailable(fmt::format("process {} wrote no contributions for attempt {} within the peer timeout ({} "
-                                     "ms); is it running, with --process {}/{}?",
+                                     "ms); is it running, as process {} of {}?",
                                      *missing.begin(), id, o_.peer_timeout.count(), *missing.begin(), P()));
     }
     std::this_thread::sleep_for(o_.peer_poll);
@@ -1465,7 +1466,7 @@ Result<PublishReport> ShardRun::Coordinate(uint64_t v) {
         if (r.attempt != id || r.process != q || r.processes != P() || r.senders != senders_of_[q])
           return FailedPrecondition(fmt::format(
               "{}: the record is of attempt {}, process {} of {}, senders {}; expected attempt {}, process {} of {}, "
-              "senders {}: give every process the same --maps and placement",
+              "senders {}: give every process the same layout maps and placement",
               StoreContext(store_.url(), key), r.attempt, r.process, r.processes, fmt::join(r.senders, ","), id, q, P(),
               fmt::join(senders_of_[q], ",")));
         records[q] = std::move(r);

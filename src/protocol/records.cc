@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dcr/frame.h"
+#include "dcr/json.h"
 #include "dcr/protocol.h"
 
 namespace dcr {
@@ -43,26 +44,13 @@ Result<json> Parse(std::string_view text, const std::string& where, std::string_
   return doc;
 }
 
-Result<uint64_t> U64(const json& o, const char* key, const std::string& where) {
-  auto it = o.find(key);
-  if (it == o.end() || !it->is_number_unsigned()) return Bad(where, fmt::format("'{}' must be a non-negative integer", key));
-  return it->get<uint64_t>();
+JsonFields Fields(const json& o, const std::string& where) {
+  return JsonFields(o, [where](std::string_view what) { return Bad(where, what); });
 }
-Result<double> Num(const json& o, const char* key, const std::string& where) {
-  auto it = o.find(key);
-  if (it == o.end() || !it->is_number()) return Bad(where, fmt::format("'{}' must be a number", key));
-  return it->get<double>();
-}
-Result<std::string> Str(const json& o, const char* key, const std::string& where) {
-  auto it = o.find(key);
-  if (it == o.end() || !it->is_string()) return Bad(where, fmt::format("'{}' must be a string", key));
-  return it->get<std::string>();
-}
-Result<bool> Bool(const json& o, const char* key, const std::string& where) {
-  auto it = o.find(key);
-  if (it == o.end() || !it->is_boolean()) return Bad(where, fmt::format("'{}' must be true or false", key));
-  return it->get<bool>();
-}
+Result<uint64_t> U64(const json& o, const char* key, const std::string& where) { return Fields(o, where).U64(key); }
+Result<double> Num(const json& o, const char* key, const std::string& where) { return Fields(o, where).Number(key); }
+Result<std::string> Str(const json& o, const char* key, const std::string& where) { return Fields(o, where).String(key); }
+Result<bool> Bool(const json& o, const char* key, const std::string& where) { return Fields(o, where).Bool(key); }
 Result<Digest> Dig(const json& o, const char* key, const std::string& where) {
   DCR_ASSIGN_OR_RETURN(std::string hex, Str(o, key, where));
   Digest d;
@@ -70,18 +58,10 @@ Result<Digest> Dig(const json& o, const char* key, const std::string& where) {
   return d;
 }
 Result<std::vector<std::string>> Strs(const json& o, const char* key, const std::string& where) {
-  auto it = o.find(key);
-  if (it == o.end() || !it->is_array()) return Bad(where, fmt::format("'{}' must be an array of strings", key));
-  std::vector<std::string> out;
-  for (const auto& s : *it) {
-    if (!s.is_string()) return Bad(where, fmt::format("'{}' must be an array of strings", key));
-    out.push_back(s.get<std::string>());
-  }
-  return out;
+  return Fields(o, where).Strings(key);
 }
 
-std::string Dump(const json& doc) { return doc.dump(1, ' ', false, json::error_handler_t::replace) + "\n"; }
-
+std::string Dump(const json& doc) { return JsonText(doc, 1) + "\n"; }
 
 // The optional "engine" member of acks and receiver records: {"id", "rank", "ranks"}.
 void PutEngine(json& doc, const EngineRank& e) {

@@ -33,7 +33,7 @@ RelayMessage Credit(uint64_t bytes) {
 
 Status CheckClientOptions(const RelayClientOptions& o, std::string_view what) {
   if (o.id.empty()) return InvalidArgument(fmt::format("{}: an id is needed", what));
-  if (o.addresses.empty()) return InvalidArgument(fmt::format("{}: no relay address (--relay tcp://HOST:PORT)", what));
+  if (o.addresses.empty()) return InvalidArgument(fmt::format("{}: no relay address (tcp://HOST:PORT)", what));
   if (o.security.enabled() && o.security.server_public.empty())
     return InvalidArgument(fmt::format("{}: CURVE keys given but not the relays' public key", what));
   if (!o.security.enabled()) {

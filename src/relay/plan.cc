@@ -5,6 +5,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "dcr/json.h"
 #include "dcr/relay.h"
 
 namespace dcr {
@@ -108,7 +109,7 @@ std::string TreePlan::ToJson() const {
     for (size_t c : n.children) cs.push_back(nodes[c].relay.id);
     ns.push_back(std::move(j));
   }
-  return doc.dump(1) + "\n";
+  return JsonText(doc, 1) + "\n";
 }
 
 Result<std::vector<RelaySpec>> ParseRelayList(std::string_view json, const std::string& where) {

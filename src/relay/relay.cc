@@ -16,6 +16,7 @@
 
 #include "dcr/frame.h"
 #include "dcr/hash.h"
+#include "dcr/json.h"
 #include "dcr/mapped_file.h"
 #include "scripted_relay.h"
 #include "zmq_io.h"
@@ -188,8 +189,8 @@ Status RelayServer::Attach(size_t index) {
 }
 
 Status RelayServer::Run(const std::function<bool()>& stop) {
-  if (o_.id.empty()) return InvalidArgument("relay: an id is needed (--id)");
-  if (o_.listen.empty()) return InvalidArgument("relay " + o_.id + ": a listen address is needed (--listen tcp://HOST:PORT)");
+  if (o_.id.empty()) return InvalidArgument("relay: an id is needed");
+  if (o_.listen.empty()) return InvalidArgument("relay " + o_.id + ": a listen address is needed (tcp://HOST:PORT)");
   if (o_.security.enabled()) {
     DCR_ASSIGN_OR_RETURN(zap_, OpenSocket(ctx_.ctx, ZMQ_REP));
     if (zmq_bind(zap_.get(), "inproc://zeromq.zap.01") != 0) return Internal(ZmqError("relay: ZAP handler"));
@@ -794,7 +795,7 @@ std::string RelayServer::StatsJson() {
                      {"evicted", l.evicted},
                      {"spooled", l.spooled}});
   }
-  return doc.dump(1) + "\n";
+  return JsonText(doc, 1) + "\n";
 }
 
 void RelayServer::WriteStats() {

@@ -7,12 +7,21 @@
 #include "dcr/frame.h"
 #include "dcr/hash.h"
 #include "dcr/relay.h"
+#include "dcr/text.h"
 
 namespace dcr {
 
 namespace {
 
 constexpr size_t kHeaderBytes = 8;  // magic u32, version u8, type u8, reserved u16
+
+// A peer's or receiver's id as it may appear in logs, stats and records:
+// not empty, UTF-8, no control bytes.
+bool IsPeerId(std::string_view id) {
+  for (unsigned char c : id)
+    if (c < 0x20 || c == 0x7f) return false;
+  return !id.empty() && IsValidUtf8(id);
+}
 
 void PutU16(std::string& out, uint16_t v) { out.append(reinterpret_cast<const char*>(&v), 2); }
 void PutU32(std::string& out, uint32_t v) { out.append(reinterpret_cast<const char*>(&v), 4); }
@@ -184,7 +193,8 @@ Result<RelayMessage> DecodeMessage(std::span<const std::string_view> parts) {
       uint32_t count = 0;
       if (!r.Get(&role) || role < 1 || role > 3) return InvalidArgument("relay HELLO: bad role");
       m.role = static_cast<RelayRole>(role);
-      if (!r.GetStr(&m.id, kRelayMaxIdBytes) || m.id.empty()) return InvalidArgument("relay HELLO: bad id");
+      if (!r.GetStr(&m.id, kRelayMaxIdBytes) || !IsPeerId(m.id))
+        return InvalidArgument("relay HELLO: bad id (it must be UTF-8 without control bytes)");
       if (!r.Get(&count) || count > kRelayMaxHave) return InvalidArgument("relay HELLO: bad have count");
       m.have.reserve(std::min<uint32_t>(count, 1024));
       for (uint32_t i = 0; i < count; ++i) {
@@ -225,7 +235,7 @@ Result<RelayMessage> DecodeMessage(std::span<const std::string_view> parts) {
       for (uint32_t i = 0; i < count; ++i) {
         AckRecord a;
         uint8_t ok = 0;
-        if (!r.GetStr(&a.receiver, kRelayMaxIdBytes) || a.receiver.empty() || !r.Get(&ok) || ok > 1 ||
+        if (!r.GetStr(&a.receiver, kRelayMaxIdBytes) || !IsPeerId(a.receiver) || !r.Get(&ok) || ok > 1 ||
             !r.Get(&a.digest.lane[0]) || !r.Get(&a.digest.lane[1]) || !r.GetStr(&a.error, kRelayMaxAckErrorBytes))
           return InvalidArgument(fmt::format("relay ACK: truncated or bad entry {}", i));
         if (a.digest.lane[0] >= kDigestPrime || a.digest.lane[1] >= kDigestPrime)

@@ -140,6 +140,17 @@ TEST(RelayWire, RefusesMalformedMessages) {
   ack.acks[0].digest.lane[1] = 0;
   ack.acks[0].receiver = "";
   cases.push_back({"ack of an empty receiver id", EncodeMessage(ack), Code::kInvalidArgument});
+  ack.acks[0].receiver = "e\xff";
+  cases.push_back({"ack of a receiver id that is not UTF-8", EncodeMessage(ack), Code::kInvalidArgument});
+  ack.acks[0].receiver = "e\x1b[2J";
+  cases.push_back({"ack of a receiver id with a control byte", EncodeMessage(ack), Code::kInvalidArgument});
+  RelayMessage hello;
+  hello.type = RelayMessageType::kHello;
+  hello.role = RelayRole::kReceiver;
+  for (const char* id : {"", "r\xc3", "r\n1", "\x7f"}) {
+    hello.id = id;
+    cases.push_back({"hello with a bad id", EncodeMessage(hello), Code::kInvalidArgument});
+  }
   ack.acks[0].receiver = "e0";
   std::string bad_ok = EncodeMessage(ack)[0];
   bad_ok[8 + 2 + ack.key.size() + 4 + 2 + 2] = 2;  // header, str16 prefix, u32 count, str16 "e0": the ok byte

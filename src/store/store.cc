@@ -8,6 +8,7 @@
 #include <filesystem>
 
 #include "dcr/s3.h"
+#include "dcr/text.h"
 
 namespace dcr {
 
@@ -21,6 +22,7 @@ std::string_view KeyProblem(std::string_view key) {
   for (unsigned char c : key) {
     if (c < 0x20 || c == 0x7f) return "contains a control byte";
   }
+  if (!IsValidUtf8(key)) return "not valid UTF-8";
   size_t start = 0;
   while (start <= key.size()) {
     size_t end = key.find('/', start);

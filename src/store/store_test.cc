@@ -39,6 +39,9 @@ TEST(ValidateKeyTest, RejectsEveryRuleWithAReason) {
       {"del\x7f", "control"},
       {".dcr-tmp/x", "reserved"},
       {"a/.dcr-anything", "reserved"},
+      {"bad\xff" "byte", "UTF-8"},
+      {"receivers/r\xc3.json", "UTF-8"},
+      {"\xed\xa0\x80surrogate", "UTF-8"},
   };
   for (const auto& [key, why] : cases) {
     Status s = ValidateKey(key);

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dcr/checkpoint.h"
+#include "dcr/json.h"
 #include "dcr/progress.h"
 #include "dcr/synth.h"
 #include "dcr/thread_pool.h"
@@ -231,7 +232,7 @@ Result<GenReport> GenerateVersions(const std::string& out_dir, const GenOptions&
   };
   const std::string meta = out_dir + "/gen.json";
   std::ofstream out(meta, std::ios::trunc);
-  out << doc.dump(2) << "\n";
+  out << JsonText(doc, 2) << "\n";
   if (!out.flush()) return Unavailable("cannot write " + meta);
   return report;
 }

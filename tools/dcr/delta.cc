@@ -7,6 +7,7 @@
 #include "cli.h"
 #include "dcr/checkpoint.h"
 #include "dcr/delta.h"
+#include "dcr/json.h"
 #include "dcr/progress.h"
 
 namespace dcr::cli {
@@ -62,7 +63,7 @@ int RunMake(const DeltaArgs& a) {
                 {"seconds", seconds},
                 {"base_digest", m->base_digest.ToHex()},
                 {"target_digest", m->target_digest.ToHex()}};
-    fmt::print("{}\n", doc.dump(2));
+    fmt::print("{}\n", JsonText(doc, 2));
   } else {
     fmt::print("delta {} ({} class): {} frames, {} changed words of {} elements ({:.3f}%)\n", a.out, a.mode,
                m->frames.size(), m->changed_words, m->total_elements,
@@ -115,7 +116,7 @@ int RunApply(const DeltaArgs& a) {
                 {"verified", true},
                 {"seconds", seconds},
                 {"verify_seconds", verify_seconds}};
-    fmt::print("{}\n", doc.dump(2));
+    fmt::print("{}\n", JsonText(doc, 2));
   } else {
     fmt::print("applied {} frames ({} payload bytes, {} changed words) to {} in {:.2f}s{}; read back and verified "
                "in {:.2f}s\n",
@@ -141,7 +142,7 @@ int RunVerify(const DeltaArgs& a) {
   if (a.json) {
     json doc = {{"target", a.target}, {"delta", a.delta}, {"against", what}, {"matches", report->matches},
                 {"differing", report->differing}};
-    fmt::print("{}\n", doc.dump(2));
+    fmt::print("{}\n", JsonText(doc, 2));
   } else {
     constexpr size_t kShown = 20;
     for (size_t i = 0; i < std::min(kShown, report->differing.size()); ++i)
@@ -189,7 +190,7 @@ int RunInspect(const DeltaArgs& a) {
         fs.push_back({{"tensor", m.tensors[f.tensor].name}, {"chunk", f.chunk}, {"mode", ModeName(f.mode)},
                       {"codec", CodecName(f.codec)}, {"changed", f.changed}, {"bytes", f.bytes}});
     }
-    fmt::print("{}\n", doc.dump(2));
+    fmt::print("{}\n", JsonText(doc, 2));
     return kExitOk;
   }
   fmt::print("delta {} (id {:016x}, {} class, chunks of {} elements)\n", a.delta, m.delta_id,

@@ -7,6 +7,7 @@
 #include "cli.h"
 #include "dcr/checkpoint.h"
 #include "dcr/compare.h"
+#include "dcr/json.h"
 #include "dcr/progress.h"
 
 namespace dcr::cli {
@@ -71,7 +72,7 @@ int RunDiff(const DiffArgs& args) {
         tensors.push_back(std::move(e));
       }
     }
-    fmt::print("{}\n", doc.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
+    fmt::print("{}\n", JsonText(doc, 2));
   } else {
     if (!args.summary) {
       size_t width = 6;

@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.h"
+#include "dcr/json.h"
 #include "dcr/progress.h"
 #include "dcr/synth.h"
 
@@ -57,7 +58,7 @@ int RunGen(const GenArgs& args) {
                                   {"update", UpdateModelName(opt.update)},
                                   {"learning_rate", report->learning_rate},
                                   {"changed_per_version", report->changed}};
-    fmt::print("{}\n", doc.dump(2));
+    fmt::print("{}\n", JsonText(doc, 2));
     return kExitOk;
   }
   fmt::print("{}: {} layers, hidden {}, {} experts; {} bytes ({:.3f} GB) and {} elements per version\n",

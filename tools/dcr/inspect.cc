@@ -7,6 +7,7 @@
 #include "cli.h"
 #include "dcr/checkpoint.h"
 #include "dcr/hash.h"
+#include "dcr/json.h"
 #include "dcr/progress.h"
 #include "dcr/thread_pool.h"
 
@@ -59,7 +60,7 @@ int RunInspect(const InspectArgs& args) {
     doc["total_tensors"] = ckpt.size();
     doc["total_elements"] = ckpt.total_elements();
     doc["total_bytes"] = ckpt.total_bytes();
-    fmt::print("{}\n", doc.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
+    fmt::print("{}\n", JsonText(doc, 2));
     return kExitOk;
   }
 

@@ -16,6 +16,7 @@
 
 #include "cli.h"
 #include "dcr/checkpoint.h"
+#include "dcr/json.h"
 #include "dcr/layout.h"
 #include "dcr/layout_apply.h"
 #include "dcr/progress.h"
@@ -293,7 +294,7 @@ int RunPublish(const PublishArgs& a) {
                 {"baseline_seconds", r->baseline_seconds}, {"advance_seconds", r->advance_seconds},
                 {"total_seconds", r->total_seconds},   {"state_dir", r->state_dir},
                 {"memory", MemoryJson(r->memory)}};
-    std::cout << doc.dump(1) << "\n";
+    std::cout << JsonText(doc, 1) << "\n";
   } else if (r->already_committed) {
     fmt::print("version {} was already committed ({})\n", r->version,
                r->attempt.empty() ? "snapshot" : "attempt " + r->attempt);
@@ -430,7 +431,7 @@ int RunStatus(const StatusArgs& a) {
     json& bad = doc["unreadable_receivers"] = json::array();
     for (const auto& u : r->unreadable_receivers) bad.push_back({{"key", u.key}, {"error", u.error.ToString()}});
     if (relays) doc["relays"] = json::parse(**relays);
-    std::cout << doc.dump(1) << "\n";
+    std::cout << JsonText(doc, 1) << "\n";
     return kExitOk;
   }
   if (!r->run) {

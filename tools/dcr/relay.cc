@@ -12,6 +12,7 @@
 #include <sstream>
 #include <thread>
 
+#include "dcr/json.h"
 #include "dcr/store.h"
 
 #include "cli.h"
@@ -132,7 +133,7 @@ Result<std::string> FormatRelayTree(const std::vector<std::string>& stats_files,
       return InvalidArgument(f + ": not a relay stats file (dcr relay --stats FILE writes one)");
     docs.push_back(std::move(doc));
   }
-  if (as_json) return nlohmann::json(docs).dump(1);
+  if (as_json) return JsonText(nlohmann::json(docs), 1);
   std::map<std::string, std::string> id_of, up_of;  // listen address -> id, id -> upstream address
   for (const auto& d : docs) {
     id_of[d.value("listen", "")] = d.value("id", "");
@@ -178,8 +179,8 @@ void AddRelayCommand(CLI::App& app) {
       "relay", "Run a relay of the relay tree (frames in from the parent or senders, out to children and receivers)");
   relay->require_subcommand(0, 1);
   auto ra = std::make_shared<RelayArgs>();
-  relay->add_option("--id", ra->id, "This relay's id (logs, stats, the plan)");
-  relay->add_option("--listen", ra->listen, "Address to listen on, e.g. tcp://0.0.0.0:7400");
+  relay->add_option("--id", ra->id, "This relay's id (logs, stats, the plan)")->required();
+  relay->add_option("--listen", ra->listen, "Address to listen on, e.g. tcp://0.0.0.0:7400")->required();
   relay->add_option("--parent", ra->parents,
                     "Parent relay address; repeat for its ancestors, in order (used when the parent is silent). "
                     "None: a root, which senders push into");
