@@ -124,6 +124,23 @@ ceph_cmd() {
     timeout "$(step_timeout 15)" ceph -c "$CONF" --connect-timeout 5 "$@"
 }
 
+# ceph_retry ARGS...: ceph_cmd for an idempotent command, tried again until
+# it succeeds or 60 s have passed (on a loaded machine one CLI call can time
+# out before it reaches the monitor); each try's errors go to
+# $DIR/log/ceph-cli.log, which a failure shows.
+ceph_retry() {
+    local deadline=$((SECONDS + 60)) out
+    while :; do
+        if out=$(ceph_cmd "$@" 2>>"$DIR/log/ceph-cli.log"); then
+            printf '%s' "$out"
+            return 0
+        fi
+        (( SECONDS >= deadline )) && return 1
+        echo "radosgw.sh: retrying ceph $*" >>"$DIR/log/ceph-cli.log"
+        sleep 1
+    done
+}
+
 # fail MSG [FILE...]: print MSG and the tail of each non-empty FILE (daemon
 # log, captured stdout/stderr), kill what we launched, exit 1.
 fail() {
@@ -337,11 +354,13 @@ cmd_start() {
     # OSD on memstore (RAM only).
     local olog=$DIR/log/osd.0.log osd_uuid osd_id
     osd_uuid=$(cat /proc/sys/kernel/random/uuid)
-    osd_id=$(ceph_cmd osd new "$osd_uuid" 2>/dev/null) \
-        || fail "ceph osd new failed" "$mlog"
+    # Both idempotent: the same uuid gets the same id, the same placement
+    # changes nothing.
+    osd_id=$(ceph_retry osd new "$osd_uuid") \
+        || fail "ceph osd new failed" "$DIR/log/ceph-cli.log" "$mlog"
     [[ $osd_id == 0 ]] || fail "unexpected osd id '$osd_id'"
-    ceph_cmd osd crush add osd.0 1.0 root=default host=dcr-test \
-        >/dev/null 2>&1 || fail "ceph osd crush add failed" "$mlog"
+    ceph_retry osd crush add osd.0 1.0 root=default host=dcr-test >/dev/null \
+        || fail "ceph osd crush add failed" "$DIR/log/ceph-cli.log" "$mlog"
     mkdir -p "$DIR/osd/osd.0"
     timeout "$(step_timeout 30)" ceph-osd -c "$CONF" -i 0 --mkfs \
         --osd-uuid "$osd_uuid" >>"$DIR/log/osd.0.out" 2>&1 \
