@@ -26,6 +26,11 @@ Result<void*> MapFd(int fd, const std::string& path, uint64_t size, bool writabl
   const int prot = writable ? PROT_READ | PROT_WRITE : PROT_READ;
   void* p = ::mmap(nullptr, size, prot, writable ? MAP_SHARED : MAP_PRIVATE, fd, 0);
   if (p == MAP_FAILED) return ErrnoError(errno, "mmap " + path);
+  // Huge pages where the kernel offers them for this file (a tmpfs file,
+  // such as the publisher's baseline in /dev/shm, with shmem_enabled
+  // "advise"): fewer TLB misses in the encode's and apply's sweeps. Advice
+  // only; ignored elsewhere.
+  if (writable) ::madvise(p, size, MADV_HUGEPAGE);
   return p;
 }
 
@@ -82,8 +87,7 @@ Result<MappedFile> MappedFile::Create(const std::string& path, uint64_t size) {
     const int err = ::posix_fallocate(fd, 0, static_cast<off_t>(size));
     if (err != 0 && err != EOPNOTSUPP && err != EINVAL)
       return ErrnoError(err, "cannot allocate " + std::to_string(size) + " bytes for " + path);
-    if (err != 0 && ::ftruncate(fd, static_cast<off_t>(size)) != 0)
-      return ErrnoError(errno, "cannot size " + path);
+    if (err != 0 && ::ftruncate(fd, static_cast<off_t>(size)) != 0) return ErrnoError(errno, "cannot size " + path);
   }
   DCR_ASSIGN_OR_RETURN(void* addr, MapFd(fd, path, size, /*writable=*/true));
   MappedFile f;
@@ -126,6 +130,5 @@ Status WriteFileAtomically(const std::string& path, std::string_view text, unsig
   if (::rename(tmp.c_str(), path.c_str()) != 0) return ErrnoError(errno, "cannot rename " + tmp);
   return Status::Ok();
 }
-
 
 }  // namespace dcr
