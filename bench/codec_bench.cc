@@ -46,6 +46,7 @@
 #include <thread>
 #include <vector>
 
+#include "../src/delta/kernels.h"  // internal: the encoder's digest kernel, timed alone
 #include "dcr/checkpoint.h"
 #include "dcr/chunk_codec.h"
 #include "dcr/delta.h"
@@ -55,7 +56,6 @@
 #include "dcr/progress.h"
 #include "dcr/synth.h"
 #include "dcr/thread_pool.h"
-#include "../src/delta/kernels.h"  // internal: the encoder's digest kernel, timed alone
 
 namespace {
 
@@ -73,12 +73,12 @@ constexpr uint64_t kChunkElements = kDefaultChunkElements;  // 2^20
 
 struct DataSet {
   std::string name;  // "training 3%"
-  std::string key;   // "training-3" (for --sets)
+  std::string key;  // "training-3" (for --sets)
   UpdateModel update;
   double rate;
   std::string dir;
   std::string base_dir, next_dir;  // the pair's checkpoints
-  bool real = false;               // from --real: figures counted from the checkpoints, not gen.json
+  bool real = false;  // from --real: figures counted from the checkpoints, not gen.json
   // From gen.json (synthetic) or counted (real).
   uint64_t bytes = 0, elements = 0, changed = 0;
   uint64_t tensors = 0, chunks = 0;
@@ -180,20 +180,20 @@ void EnsureGenerated(DataSet& d, uint64_t size) {
 
 struct ChunkRef {
   uint32_t base_tensor, next_tensor;  // indices in the two checkpoints
-  uint32_t key;                       // index into keys
+  uint32_t key;  // index into keys
   DType dtype;
   uint32_t wb;
   uint64_t first_word, words;
   uint32_t elements;
   uint64_t offset, bytes;  // within the tensor's data
-  uint64_t work_offset;    // within the apply copy
+  uint64_t work_offset;  // within the apply copy
 };
 
 struct Pair {
   Checkpoint base, next;
-  std::vector<DigestKey> keys;        // per base tensor
+  std::vector<DigestKey> keys;  // per base tensor
   std::vector<uint64_t> work_offset;  // per base tensor
-  std::vector<size_t> next_index;     // per base tensor: its index in next
+  std::vector<size_t> next_index;  // per base tensor: its index in next
   std::vector<ChunkRef> chunks;
   uint64_t bytes = 0;
 
@@ -309,7 +309,8 @@ void DcrApply(const Pair& p, const ChunkRef& c, const DcrOut& f, uint8_t* work) 
   Digest after;
   auto r = Ws().applier.Apply(FrameView{f.header, f.payload}, p.keys[c.key], c.first_word,
                               std::span<uint8_t>(work + c.work_offset, c.bytes), f.base_digest, &after);
-  if (!r.ok()) Die(fmt::format("Apply (tensor {}, words from {}): {}", c.base_tensor, c.first_word, r.status().ToString()));
+  if (!r.ok())
+    Die(fmt::format("Apply (tensor {}, words from {}): {}", c.base_tensor, c.first_word, r.status().ToString()));
   if (*r != ApplyOutcome::kApplied || after != f.header.target_digest)
     Die(fmt::format("Apply (tensor {}, words from {}): not applied, or wrong digest", c.base_tensor, c.first_word));
 }
@@ -489,8 +490,8 @@ TermsTiming TimeDigestTerms(const Pair& p) {
   for (const ChunkRef& c : p.chunks) {
     positions.resize(c.words + 8);
     records.resize((c.words * ChangeRecordBytes(c.wb) + 7) / 8);
-    const uint32_t n = kernels::Kernels().find_changes(c.wb, p.Base(c).data(), p.Next(c).data(),
-                                                       static_cast<uint32_t>(c.words), positions.data(), records.data());
+    const uint32_t n = kernels::Kernels().find_changes(
+        c.wb, p.Base(c).data(), p.Next(c).data(), static_cast<uint32_t>(c.words), positions.data(), records.data());
     if (n == 0) continue;
     Digest d;
     const double t0 = MonotonicSeconds();
@@ -615,10 +616,10 @@ int main(int argc, char** argv) {
       only = ",";
       only += value();
       only += ",";
-    }
-    else if (k == "--help" || k == "-h") {
-      fmt::print("usage: dcr_codec_bench [--dir DIR] [--size 1GB] [--quick] [--reps N] [--sets training-3,stress-5] "
-                 "[--dcr-only] [--real DIR]\n");
+    } else if (k == "--help" || k == "-h") {
+      fmt::print(
+          "usage: dcr_codec_bench [--dir DIR] [--size 1GB] [--quick] [--reps N] [--sets training-3,stress-5] "
+          "[--dcr-only] [--real DIR]\n");
       return 0;
     } else {
       fmt::print(stderr, "unknown option {}\n", k);
@@ -692,7 +693,8 @@ int main(int argc, char** argv) {
       pool_all.ParallelFor(p->base.size(), [&](size_t t) {
         const auto want = p->next.Data(p->next_index[t]);
         if (std::memcmp(work.get() + p->work_offset[t], want.data(), want.size()) != 0)
-          Die(fmt::format("{}: {} applied to v0 does not give v1 in tensor {}", d.name, who, p->base.tensors()[t].name));
+          Die(fmt::format("{}: {} applied to v0 does not give v1 in tensor {}", d.name, who,
+                          p->base.tensors()[t].name));
       });
     };
 
@@ -720,18 +722,27 @@ int main(int argc, char** argv) {
       std::vector<DcrOut> undigested(nchunks);
       Timing enc{1e30, 0}, enc_nd{1e30, 0};
       for (int r = 0; r < reps; ++r) {
-        const Timing a = BestOf(1, nullptr, [&] {
-          for (size_t i = 0; i < nchunks; ++i) DcrEncode(*p, p->chunks[i], &frames[i], &digests[i]);
-        }, nullptr);
-        const Timing b = BestOf(1, nullptr, [&] {
-          for (size_t i = 0; i < nchunks; ++i) DcrEncode(*p, p->chunks[i], &undigested[i], &digests[i], false);
-        }, nullptr);
+        const Timing a = BestOf(
+            1, nullptr,
+            [&] {
+              for (size_t i = 0; i < nchunks; ++i) DcrEncode(*p, p->chunks[i], &frames[i], &digests[i]);
+            },
+            nullptr);
+        const Timing b = BestOf(
+            1, nullptr,
+            [&] {
+              for (size_t i = 0; i < nchunks; ++i) DcrEncode(*p, p->chunks[i], &undigested[i], &digests[i], false);
+            },
+            nullptr);
         if (a.wall < enc.wall) enc = a;
         if (b.wall < enc_nd.wall) enc_nd = b;
       }
-      const Timing dec = BestOf(reps, copy_base, [&] {
-        for (size_t i = 0; i < nchunks; ++i) DcrApply(*p, p->chunks[i], frames[i], work.get());
-      }, [&] { verify("dcr"); });
+      const Timing dec = BestOf(
+          reps, copy_base,
+          [&] {
+            for (size_t i = 0; i < nchunks; ++i) DcrApply(*p, p->chunks[i], frames[i], work.get());
+          },
+          [&] { verify("dcr"); });
       uint64_t changed = 0, payload = 0, hash = 0;  // hash: of every frame, equal across builds that encode alike
       for (const auto& f : frames) {
         if (!f.frame) continue;
@@ -741,49 +752,71 @@ int main(int argc, char** argv) {
         hash = Xxh3_64(bytes.data(), bytes.size(), hash);
       }
       auto by_cpu = [&](const Timing& t) { return fmt::format("{:.2f}", dense / t.cpu / 1e9); };
-      fmt::print("{}: dcr only: {} changed words, {:.4f} payload bytes per changed, frames hash {:016x}; "
-                 "encode {} GB/s ({} by CPU time; digests add {:.1f}%), decode+apply {} GB/s ({} by CPU time) "
-                 "(1 thread)\n",
-                 d.name, changed, static_cast<double>(payload) / static_cast<double>(changed), hash,
-                 Gbps(dense, enc, 1), by_cpu(enc), 100.0 * (enc.wall - enc_nd.wall) / enc_nd.wall, Gbps(dense, dec, 1),
-                 by_cpu(dec));
+      fmt::print(
+          "{}: dcr only: {} changed words, {:.4f} payload bytes per changed, frames hash {:016x}; "
+          "encode {} GB/s ({} by CPU time; digests add {:.1f}%), decode+apply {} GB/s ({} by CPU time) "
+          "(1 thread)\n",
+          d.name, changed, static_cast<double>(payload) / static_cast<double>(changed), hash, Gbps(dense, enc, 1),
+          by_cpu(enc), 100.0 * (enc.wall - enc_nd.wall) / enc_nd.wall, Gbps(dense, dec, 1), by_cpu(dec));
       continue;
     }
     const Timing t_read = BestOf(reps, nullptr, read_both, nullptr);
-    const Timing t_memcpy = BestOf(reps, nullptr, [&] {
-      for (size_t t = 0; t < p->base.size(); ++t) {
-        const auto src = p->next.Data(p->next_index[t]);
-        std::memcpy(work.get() + p->work_offset[t], src.data(), src.size());
-      }
-    }, nullptr);
+    const Timing t_memcpy = BestOf(
+        reps, nullptr,
+        [&] {
+          for (size_t t = 0; t < p->base.size(); ++t) {
+            const auto src = p->next.Data(p->next_index[t]);
+            std::memcpy(work.get() + p->work_offset[t], src.data(), src.size());
+          }
+        },
+        nullptr);
 
     // dcr: digest (a full pass, as at join or audit), encode with tracked
     // digests (steady state), encode computing them, apply.
     std::vector<DcrOut> dcr(nchunks);
     std::vector<Digest> tracked(nchunks);
-    const Timing t_digest = BestOf(reps, nullptr, [&] {
-      for (size_t i = 0; i < nchunks; ++i) {
-        const auto& c = p->chunks[i];
-        tracked[i] = ChunkDigest(p->keys[c.key], c.wb, c.first_word, p->Base(c));
-      }
-    }, nullptr);
+    const Timing t_digest = BestOf(
+        reps, nullptr,
+        [&] {
+          for (size_t i = 0; i < nchunks; ++i) {
+            const auto& c = p->chunks[i];
+            tracked[i] = ChunkDigest(p->keys[c.key], c.wb, c.first_word, p->Base(c));
+          }
+        },
+        nullptr);
     Row r_dcr{"dcr"};
     for (int k = 0; k < configs; ++k)
-      r_dcr.enc[k] = BestOf(reps, nullptr, [&] { pools[k]->ParallelFor(nchunks, [&](size_t i) { DcrEncode(*p, p->chunks[i], &dcr[i], &tracked[i]); }); }, nullptr);
+      r_dcr.enc[k] = BestOf(
+          reps, nullptr,
+          [&] { pools[k]->ParallelFor(nchunks, [&](size_t i) { DcrEncode(*p, p->chunks[i], &dcr[i], &tracked[i]); }); },
+          nullptr);
     // What digests add to encode: the same encode without target digests
     // (frames that do not apply), alternating with it, 1 thread.
     Timing t_enc_with{1e30, 0}, t_enc_without{1e30, 0};
     {
       std::vector<DcrOut> scratch(nchunks);
       for (int r = 0; r < reps; ++r) {
-        const Timing a = BestOf(1, nullptr, [&] { for (size_t i = 0; i < nchunks; ++i) DcrEncode(*p, p->chunks[i], &scratch[i], &tracked[i]); }, nullptr);
-        const Timing b = BestOf(1, nullptr, [&] { for (size_t i = 0; i < nchunks; ++i) DcrEncode(*p, p->chunks[i], &scratch[i], &tracked[i], false); }, nullptr);
+        const Timing a = BestOf(
+            1, nullptr,
+            [&] {
+              for (size_t i = 0; i < nchunks; ++i) DcrEncode(*p, p->chunks[i], &scratch[i], &tracked[i]);
+            },
+            nullptr);
+        const Timing b = BestOf(
+            1, nullptr,
+            [&] {
+              for (size_t i = 0; i < nchunks; ++i) DcrEncode(*p, p->chunks[i], &scratch[i], &tracked[i], false);
+            },
+            nullptr);
         if (a.wall < t_enc_with.wall) t_enc_with = a;
         if (b.wall < t_enc_without.wall) t_enc_without = b;
       }
     }
     const double digests_add = 100.0 * (t_enc_with.wall - t_enc_without.wall) / t_enc_without.wall;
-    const Timing t_enc_full = BestOf(reps, nullptr, [&] { pools[0]->ParallelFor(nchunks, [&](size_t i) { DcrEncode(*p, p->chunks[i], &dcr[i], nullptr); }); }, nullptr);
+    const Timing t_enc_full = BestOf(
+        reps, nullptr,
+        [&] { pools[0]->ParallelFor(nchunks, [&](size_t i) { DcrEncode(*p, p->chunks[i], &dcr[i], nullptr); }); },
+        nullptr);
     TermsTiming t_terms{1e30, {}};
     for (int r = 0; r < reps; ++r) {
       const TermsTiming t = TimeDigestTerms(*p);
@@ -800,28 +833,34 @@ int main(int argc, char** argv) {
     }
     r_dcr.bytes = static_cast<double>(payload);
     for (int k = 0; k < configs; ++k)
-      r_dcr.dec[k] = BestOf(reps, copy_base, [&] {
-        pools[k]->ParallelFor(nchunks, [&](size_t i) { DcrApply(*p, p->chunks[i], dcr[i], work.get()); });
-      }, [&] { verify("dcr"); });
+      r_dcr.dec[k] = BestOf(
+          reps, copy_base,
+          [&] { pools[k]->ParallelFor(nchunks, [&](size_t i) { DcrApply(*p, p->chunks[i], dcr[i], work.get()); }); },
+          [&] { verify("dcr"); });
 
     // (a) the paper's codec.
     std::vector<PaperOut> paper(nchunks);
     Row r_a{"(a) paper: gaps+xor, zstd-1"};
     for (int k = 0; k < configs; ++k)
-      r_a.enc[k] = BestOf(reps, nullptr, [&] { pools[k]->ParallelFor(nchunks, [&](size_t i) { PaperEncode(*p, p->chunks[i], &paper[i]); }); }, nullptr);
+      r_a.enc[k] = BestOf(
+          reps, nullptr,
+          [&] { pools[k]->ParallelFor(nchunks, [&](size_t i) { PaperEncode(*p, p->chunks[i], &paper[i]); }); },
+          nullptr);
     uint64_t a_bytes = 0, a_wide = 0;
     for (size_t i = 0; i < nchunks; ++i) {
       const uint32_t want = dcr[i].frame ? dcr[i].header.changed : 0;
       if (paper[i].changed != want)
-        Die(fmt::format("{}: chunk {}: baseline (a) finds {} changed words, dcr {}", d.name, i, paper[i].changed, want));
+        Die(fmt::format("{}: chunk {}: baseline (a) finds {} changed words, dcr {}", d.name, i, paper[i].changed,
+                        want));
       a_bytes += paper[i].zpos.size() + paper[i].zval.size();
       a_wide += paper[i].width > 2;
     }
     r_a.bytes = static_cast<double>(a_bytes);
     for (int k = 0; k < configs; ++k)
-      r_a.dec[k] = BestOf(reps, copy_base, [&] {
-        pools[k]->ParallelFor(nchunks, [&](size_t i) { PaperApply(p->chunks[i], paper[i], work.get()); });
-      }, [&] { verify("baseline (a)"); });
+      r_a.dec[k] = BestOf(
+          reps, copy_base,
+          [&] { pools[k]->ParallelFor(nchunks, [&](size_t i) { PaperApply(p->chunks[i], paper[i], work.get()); }); },
+          [&] { verify("baseline (a)"); });
     std::vector<uint64_t> planes(nchunks);
     pool_all.ParallelFor(nchunks, [&](size_t i) { planes[i] = PaperPlanesBytes(*p, p->chunks[i], paper[i]); });
     Row r_a2{"(a') = (a) as byte planes"};
@@ -833,7 +872,10 @@ int main(int argc, char** argv) {
     std::vector<uint64_t> b_sizes(nchunks);
     Row r_b{"(b) zstd-1 of dense xor"};
     for (int k = 0; k < configs; ++k)
-      r_b.enc[k] = BestOf(reps, nullptr, [&] { pools[k]->ParallelFor(nchunks, [&](size_t i) { b_sizes[i] = DenseXorZstd(*p, p->chunks[i]); }); }, nullptr);
+      r_b.enc[k] = BestOf(
+          reps, nullptr,
+          [&] { pools[k]->ParallelFor(nchunks, [&](size_t i) { b_sizes[i] = DenseXorZstd(*p, p->chunks[i]); }); },
+          nullptr);
     for (size_t i = 0; i < nchunks; ++i)
       if (dcr[i].frame) r_b.bytes += static_cast<double>(b_sizes[i]);
 
@@ -872,39 +914,45 @@ int main(int argc, char** argv) {
           mix += fmt::format("{}{} {}/{}", mix.empty() ? "" : ", ", by_kind[m][c], ModeName(static_cast<Mode>(m)),
                              CodecName(static_cast<Codec>(c)));
     fmt::print("dcr frames: {}; dcr payload {} (+headers {}), (a) {} ({} chunks with gaps wider than 16 bits)\n", mix,
-               FormatBytes(static_cast<double>(payload)), FormatBytes(static_cast<double>(payload + frames * kFrameHeaderBytes)),
-               FormatBytes(r_a.bytes), a_wide);
-    fmt::print("dcr encode above uses tracked chunk digests (a sender's steady state); computing them in the\n"
-               "encoder instead (no tracked digests): {} GB/s/core (1 thread). Digest full pass alone: {} GB/s\n"
-               "= {:.1f}% of steady-state encode time (needed at join and audits, not per step)\n",
-               Gbps(dense, t_enc_full, 1), Gbps(dense, t_digest, 1), 100.0 * t_digest.wall / r_dcr.enc[0].wall);
+               FormatBytes(static_cast<double>(payload)),
+               FormatBytes(static_cast<double>(payload + frames * kFrameHeaderBytes)), FormatBytes(r_a.bytes), a_wide);
+    fmt::print(
+        "dcr encode above uses tracked chunk digests (a sender's steady state); computing them in the\n"
+        "encoder instead (no tracked digests): {} GB/s/core (1 thread). Digest full pass alone: {} GB/s\n"
+        "= {:.1f}% of steady-state encode time (needed at join and audits, not per step)\n",
+        Gbps(dense, t_enc_full, 1), Gbps(dense, t_digest, 1), 100.0 * t_digest.wall / r_dcr.enc[0].wall);
     {
       // The kernel's sum must be what the frames say the chunks' digests moved by.
       Digest moved;
       for (const auto& f : dcr)
         if (f.frame) moved += f.header.target_digest - f.header.base_digest;
-      if (moved != t_terms.moved) Die(fmt::format("{}: the digest terms of the changes do not sum to the frames' digests", d.name));
+      if (moved != t_terms.moved)
+        Die(fmt::format("{}: the digest terms of the changes do not sum to the frames' digests", d.name));
     }
-    fmt::print("digest terms of the changes alone: {:.1f}% of encode time, {:.1f}% of decode+apply time (1 thread; "
-               "{:.2f} ns per change); digests add {:.1f}% to encode time (encode with and without target digests, "
-               "alternating, 1 thread: the encoder sums the terms of 16-bit add frames while it writes them)\n",
-               100.0 * t_terms.seconds / r_dcr.enc[0].wall, 100.0 * t_terms.seconds / r_dcr.dec[0].wall,
-               1e9 * t_terms.seconds / static_cast<double>(changed), digests_add);
-    fmt::print("memory reference (1 thread): read base+next, count differing 8-byte words {} GB/s; memcpy next {} GB/s\n",
-               Gbps(dense, t_read, 1), Gbps(dense, t_memcpy, 1));
-    summaries.push_back(fmt::format(
-        "{}: dcr {:.2f} B/changed ({:.2f}x of (a)); encode {} GB/s/core ({} computing digests); decode+apply {} GB/s/core; "
-        "digests add {:.1f}% to encode (terms alone {:.0f}%); full digest pass {:.0f}% of encode",
-        d.name, r_dcr.bytes / ch, r_dcr.bytes / r_a.bytes, Gbps(dense, r_dcr.enc[0], 1), Gbps(dense, t_enc_full, 1),
-        Gbps(dense, r_dcr.dec[0], 1), digests_add, 100.0 * t_terms.seconds / r_dcr.enc[0].wall,
-        100.0 * t_digest.wall / r_dcr.enc[0].wall));
+    fmt::print(
+        "digest terms of the changes alone: {:.1f}% of encode time, {:.1f}% of decode+apply time (1 thread; "
+        "{:.2f} ns per change); digests add {:.1f}% to encode time (encode with and without target digests, "
+        "alternating, 1 thread: the encoder sums the terms of 16-bit add frames while it writes them)\n",
+        100.0 * t_terms.seconds / r_dcr.enc[0].wall, 100.0 * t_terms.seconds / r_dcr.dec[0].wall,
+        1e9 * t_terms.seconds / static_cast<double>(changed), digests_add);
+    fmt::print(
+        "memory reference (1 thread): read base+next, count differing 8-byte words {} GB/s; memcpy next {} GB/s\n",
+        Gbps(dense, t_read, 1), Gbps(dense, t_memcpy, 1));
+    summaries.push_back(
+        fmt::format("{}: dcr {:.2f} B/changed ({:.2f}x of (a)); encode {} GB/s/core ({} computing digests); "
+                    "decode+apply {} GB/s/core; "
+                    "digests add {:.1f}% to encode (terms alone {:.0f}%); full digest pass {:.0f}% of encode",
+                    d.name, r_dcr.bytes / ch, r_dcr.bytes / r_a.bytes, Gbps(dense, r_dcr.enc[0], 1),
+                    Gbps(dense, t_enc_full, 1), Gbps(dense, r_dcr.dec[0], 1), digests_add,
+                    100.0 * t_terms.seconds / r_dcr.enc[0].wall, 100.0 * t_digest.wall / r_dcr.enc[0].wall));
   }
   fmt::print("\nload average at end: {}\n", LoadAverage());
   fmt::print("\nsummary (throughputs with 1 thread):\n");
   for (const auto& s : summaries) fmt::print("{}\n", s);
   if (g_busy_seen)
-    fmt::print("\n* the best run got under {:.0f}% of its threads' time on a CPU (other work on the machine): the figure\n"
-               "  understates; rerun on a quiet machine or with more --reps\n",
-               100 * kBusyShare);
+    fmt::print(
+        "\n* the best run got under {:.0f}% of its threads' time on a CPU (other work on the machine): the figure\n"
+        "  understates; rerun on a quiet machine or with more --reps\n",
+        100 * kBusyShare);
   return 0;
 }

@@ -69,8 +69,7 @@ int main(int argc, char** argv) {
         return 2;
       }
       size = *parsed;
-    }
-    else if (k == "--family") family = v;
+    } else if (k == "--family") family = v;
     else if (k == "--rate") rate = std::stod(v);
     else {
       fmt::print(stderr, "unknown option {}\n", k);
@@ -103,8 +102,8 @@ int main(int argc, char** argv) {
   }
   const double gb = static_cast<double>(a->total_bytes()) / 1e9;
   const size_t cores = std::thread::hardware_concurrency();
-  fmt::print("dcr diff throughput: {} checkpoint pair, {:.2f} GB each, {} tensors; {} cores\n", family, gb,
-             a->size(), cores);
+  fmt::print("dcr diff throughput: {} checkpoint pair, {:.2f} GB each, {} tensors; {} cores\n", family, gb, a->size(),
+             cores);
   fmt::print("(files in the page cache; best of 3 runs after a warm-up)\n\n");
   fmt::print("{:<34} {:>8} {:>10} {:>14} {:>12}\n", "pass", "threads", "seconds", "GB/s/core", "vs baseline");
 
@@ -120,9 +119,8 @@ int main(int argc, char** argv) {
     fmt::print("{:<34} {:>8} {:>10.3f} {:>14.2f} {:>11.2f}x\n", "dcr diff (DiffCheckpoints)", threads, ours,
                gb / ours / per_core, base / ours);
     if (threads == cores)
-      fmt::print("\nchanged elements {} of {} ({:.3f}%); differing 64-bit words {}\n", changed,
-                 a->total_elements(), 100.0 * static_cast<double>(changed) / static_cast<double>(a->total_elements()),
-                 words);
+      fmt::print("\nchanged elements {} of {} ({:.3f}%); differing 64-bit words {}\n", changed, a->total_elements(),
+                 100.0 * static_cast<double>(changed) / static_cast<double>(a->total_elements()), words);
   }
   return 0;
 }

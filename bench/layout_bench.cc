@@ -48,7 +48,8 @@ Shards Load(const CompiledLayout& l, const Checkpoint& ckpt) {
 
 std::string Kind(const std::string& name) {
   if (name.find(".mlp.experts.") != std::string::npos) return "routed experts";
-  if (name.find("embed_tokens") != std::string::npos || name.find("lm_head") != std::string::npos) return "embed + head";
+  if (name.find("embed_tokens") != std::string::npos || name.find("lm_head") != std::string::npos)
+    return "embed + head";
   if (name.find("norm") != std::string::npos || name.find("mlp.gate.") != std::string::npos) return "norms + routers";
   if (name.find("self_attn") != std::string::npos) return "attention";
   return "dense + shared MLP";
@@ -92,9 +93,10 @@ void Run(Family family, const std::string& dir, uint64_t size, double rate) {
     total += t.nbytes;
     if (std::find(unmapped.begin(), unmapped.end(), t.name) != unmapped.end()) converted += t.nbytes;
   }
-  fmt::print("\n{}: {} layers, hidden {}, {} experts, {:.1f} MB, {} tensors; trainer tp {} x ep {} x pp {}{} ({} ranks)\n",
-             FamilyName(family), shape.num_layers, shape.hidden_size, shape.num_experts, total / 1e6,
-             v0->tensors().size(), tp.tp, tp.ep, tp.pp, tp.expert_tp ? " (expert tp)" : "", senders.size());
+  fmt::print(
+      "\n{}: {} layers, hidden {}, {} experts, {:.1f} MB, {} tensors; trainer tp {} x ep {} x pp {}{} ({} ranks)\n",
+      FamilyName(family), shape.num_layers, shape.hidden_size, shape.num_experts, total / 1e6, v0->tensors().size(),
+      tp.tp, tp.ep, tp.pp, tp.expert_tp ? " (expert tp)" : "", senders.size());
   fmt::print("  projected by box copies: {:.2f}% of bytes; converted (residual): {:.2f}%\n",
              100.0 * static_cast<double>(total - converted) / static_cast<double>(total),
              100.0 * static_cast<double>(converted) / static_cast<double>(total));
@@ -137,7 +139,8 @@ void Run(Family family, const std::string& dir, uint64_t size, double rate) {
   double best_canonical = 1e30, best_assemble = 1e30;
   std::string canonical_frames;
   for (int run = 0; run < kRuns; ++run) {
-    const std::string out = fmt::format("{}/assembled-{}", fs::exists("/dev/shm") ? "/dev/shm" : dir, FamilyName(family));
+    const std::string out =
+        fmt::format("{}/assembled-{}", fs::exists("/dev/shm") ? "/dev/shm" : dir, FamilyName(family));
     fs::remove_all(out);
     const double t0 = MonotonicSeconds();
     auto assembled = Checkpoint::Create(out, v1->tensors());
@@ -161,10 +164,13 @@ void Run(Family family, const std::string& dir, uint64_t size, double rate) {
     const double t1 = MonotonicSeconds();
     auto m = StartDelta(*v0, *assembled, opt);
     std::string frames;
-    auto enc = EncodeFrames(*v0, *assembled, *m, AllChunks(*m), opt.encode, [&](std::string_view f) {
-      frames += f;
-      return Status::Ok();
-    }, nullptr, nullptr, &one);
+    auto enc = EncodeFrames(
+        *v0, *assembled, *m, AllChunks(*m), opt.encode,
+        [&](std::string_view f) {
+          frames += f;
+          return Status::Ok();
+        },
+        nullptr, nullptr, &one);
     if (!enc.ok()) fmt::print(stderr, "{}\n", enc.status().ToString()), std::exit(2);
     const double t2 = MonotonicSeconds();
     best_assemble = std::min(best_assemble, t1 - t0);
@@ -172,10 +178,11 @@ void Run(Family family, const std::string& dir, uint64_t size, double rate) {
     canonical_frames = std::move(frames);
     fs::remove_all(out);
   }
-  fmt::print("  contribution records {}, {} of them ({:.1f}%) handed to another owner, carrying {} of {} changed "
-             "elements ({:.1f}%)\n",
-             records, handed, 100.0 * static_cast<double>(handed) / static_cast<double>(records), handed_changes,
-             changes, changes ? 100.0 * static_cast<double>(handed_changes) / static_cast<double>(changes) : 0.0);
+  fmt::print(
+      "  contribution records {}, {} of them ({:.1f}%) handed to another owner, carrying {} of {} changed "
+      "elements ({:.1f}%)\n",
+      records, handed, 100.0 * static_cast<double>(handed) / static_cast<double>(records), handed_changes, changes,
+      changes ? 100.0 * static_cast<double>(handed_changes) / static_cast<double>(changes) : 0.0);
   fmt::print("  delta from shards: {:.3f} s ({:.2f} GB/s of checkpoint); frames identical to canonical: {}\n",
              best_shards, total / best_shards / 1e9, shard_frames == canonical_frames ? "yes" : "NO");
   fmt::print("  baseline, assemble canonical then encode: {:.3f} s (assemble {:.3f} s) -> shards/baseline {:.2f}x\n",

@@ -37,9 +37,7 @@ T Take(dcr::Result<T> r) {
   return std::move(*r);
 }
 
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+double Now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 }  // namespace
 
@@ -72,13 +70,14 @@ int main(int argc, char** argv) {
     const std::vector<uint64_t> zeros(t.shape.size(), 0);
     doc["tensors"].push_back({{"name", t.name}, {"dtype", dtype}, {"shape", t.shape}});
     doc["buffers"].push_back({{"id", t.name}, {"dtype", dtype}, {"shape", t.shape}});
-    doc["copies"].push_back({{"tensor", t.name}, {"offset", zeros}, {"extent", t.shape}, {"buffer", t.name},
-                             {"buffer_offset", zeros}});
+    doc["copies"].push_back(
+        {{"tensor", t.name}, {"offset", zeros}, {"extent", t.shape}, {"buffer", t.name}, {"buffer_offset", zeros}});
   }
   dcr::CompiledLayout layout =
       Take(dcr::CompiledLayout::Compile(Take(dcr::LayoutMapFromJson(doc.dump(), "identity layout"))));
   std::vector<dcr::TensorInfo> tensors;
-  for (const dcr::LayoutTensor& t : layout.map().tensors) tensors.push_back(Take(dcr::MakeTensorInfo(t.name, t.dtype, t.shape)));
+  for (const dcr::LayoutTensor& t : layout.map().tensors)
+    tensors.push_back(Take(dcr::MakeTensorInfo(t.name, t.dtype, t.shape)));
 
   std::vector<std::vector<uint8_t>> baseline, current, engine;
   uint64_t bytes = 0;
@@ -111,7 +110,8 @@ int main(int argc, char** argv) {
     make_best = std::min(make_best, t1 - t0);
 
     const double t2 = Now();
-    std::vector<std::span<const uint8_t>> objects = {{reinterpret_cast<const uint8_t*>(frames->data()), frames->size()}};
+    std::vector<std::span<const uint8_t>> objects = {
+        {reinterpret_cast<const uint8_t*>(frames->data()), frames->size()}};
     dcr::DeltaReader reader = Take(dcr::DeltaReader::FromObjects(manifest, objects, frames, "in-memory delta"));
     dcr::PlacedRank placed{&layout, {}};
     for (auto& b : engine) placed.buffers.emplace_back(b);
@@ -127,8 +127,8 @@ int main(int argc, char** argv) {
     changed = manifest.changed_words;
     frame_bytes = frames->size();
   }
-  nlohmann::json out = {{"bytes", bytes},         {"changed_words", changed}, {"frame_bytes", frame_bytes},
-                        {"make_s", make_best},    {"apply_s", apply_best},    {"reps", reps},
+  nlohmann::json out = {{"bytes", bytes},      {"changed_words", changed}, {"frame_bytes", frame_bytes},
+                        {"make_s", make_best}, {"apply_s", apply_best},    {"reps", reps},
                         {"mode", mode}};
   fmt::print("{}\n", out.dump());
   return 0;

@@ -190,7 +190,8 @@ Speed PutGet(Store& store, const std::string& tag, const std::string& data, uint
     t0 = MonotonicSeconds();
     for (const auto& k : keys) {
       if (Status s = store.ReadRange(k, 0, buffer); !s.ok()) Die("read " + k, s);
-      if (std::memcmp(buffer.data() + size - 1, bytes.data() + size - 1, 1) != 0) Die("read " + k, DataLoss("wrong bytes"));
+      if (std::memcmp(buffer.data() + size - 1, bytes.data() + size - 1, 1) != 0)
+        Die("read " + k, DataLoss("wrong bytes"));
     }
     best_read = std::min(best_read, MonotonicSeconds() - t0);
     for (const auto& k : keys)
@@ -347,8 +348,10 @@ Config ParseArgs(int argc, char** argv) {
     if (k == "--max-size") c.max_size = Bytes(k, value());
     else if (k == "--min-size") c.min_size = Bytes(k, value());
     else if (k == "--grid-size") c.grid_size = Bytes(k, value());
-    else if (k == "--part-sizes") c.part_sizes = ParseList<uint64_t>(k, value(), [&](const std::string& s) { return Bytes(k, s); });
-    else if (k == "--parallel") c.parallel = ParseList<uint64_t>(k, value(), [&](const std::string& s) { return Bytes(k, s); });  // plain counts
+    else if (k == "--part-sizes")
+      c.part_sizes = ParseList<uint64_t>(k, value(), [&](const std::string& s) { return Bytes(k, s); });
+    else if (k == "--parallel")
+      c.parallel = ParseList<uint64_t>(k, value(), [&](const std::string& s) { return Bytes(k, s); });  // plain counts
     else if (k == "--rates") c.rates = ParseList<double>(k, value(), [](const std::string& s) { return std::stod(s); });
     else if (k == "--repeat") c.repeat = std::max(1, std::stoi(value()));
     else if (k == "--after-each") c.after_each = value();
@@ -406,8 +409,8 @@ int main(int argc, char** argv) {
   const double memcpy_mbs = MemcpySpeed(data, largest);
   ReadBuffer(largest);
 
-  fmt::print("dcr_store_bench: sizes {}..{}, best of {}, {} cores, load average {:.2f} at start\n",
-             Mib(c.min_size), Mib(c.max_size), c.repeat, std::thread::hardware_concurrency(), LoadAverage());
+  fmt::print("dcr_store_bench: sizes {}..{}, best of {}, {} cores, load average {:.2f} at start\n", Mib(c.min_size),
+             Mib(c.max_size), c.repeat, std::thread::hardware_concurrency(), LoadAverage());
   fmt::print("baseline: memcpy of {}: {:.0f} MB/s\n", Mib(largest), memcpy_mbs);
 
   for (const auto& url : c.urls) {
@@ -423,9 +426,10 @@ int main(int argc, char** argv) {
                                  "reads larger than a part use the caller and the one thread, so two GETs)"
                             : !dir.empty() ? "raw write+fsync of files in the same directory / pread into a buffer"
                                            : "memcpy";
-    fmt::print("\n| size | baseline put MB/s | put MB/s | put vs baseline | baseline get MB/s | get MB/s | "
-               "get vs baseline | ReadRange MB/s | ReadRange vs baseline | load |\n"
-               "|---|---|---|---|---|---|---|---|---|---|\n");
+    fmt::print(
+        "\n| size | baseline put MB/s | put MB/s | put vs baseline | baseline get MB/s | get MB/s | "
+        "get vs baseline | ReadRange MB/s | ReadRange vs baseline | load |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n");
     auto store = Open(url);
     std::unique_ptr<Store> single;
     if (s3) single = Open(WithQuery(url, {{"parts_in_flight", "1"}, {"threads", "1"}}));
@@ -434,8 +438,8 @@ int main(int argc, char** argv) {
       if (s3) base = PutGet(*single, "single", data, size, c.repeat);
       else if (!dir.empty()) base = RawFile(dir, data, size, c.repeat);
       const Speed sp = PutGet(*store, "default", data, size, c.repeat);
-      fmt::print("| {} | {:.0f} | {:.0f} | {:.2f}x | {:.0f} | {:.0f} | {:.2f}x | {:.0f} | {:.2f}x | {:.2f} |\n", Mib(size),
-                 base.put, sp.put, sp.put / base.put, base.get, sp.get, sp.get / base.get, sp.read,
+      fmt::print("| {} | {:.0f} | {:.0f} | {:.2f}x | {:.0f} | {:.0f} | {:.2f}x | {:.0f} | {:.2f}x | {:.2f} |\n",
+                 Mib(size), base.put, sp.put, sp.put / base.put, base.get, sp.get, sp.get / base.get, sp.read,
                  sp.read / (s3 ? base.read : base.get), sp.load);
       std::fflush(stdout);
       steps.Done(fmt::format("{} put/get {}: {:.0f} / {:.0f} MB/s", s3 ? "s3" : url, Mib(size), sp.put, sp.get));
@@ -457,13 +461,14 @@ int main(int argc, char** argv) {
         std::string row = fmt::format("| {} |", Mib(part));
         for (uint64_t p : c.parallel) {
           const std::string u = WithQuery(
-              url, {{"part_size", PartArg(part)}, {"parts_in_flight", std::to_string(p)}, {"threads", std::to_string(p)}});
+              url,
+              {{"part_size", PartArg(part)}, {"parts_in_flight", std::to_string(p)}, {"threads", std::to_string(p)}});
           auto st = Open(u);
           const Speed sp = PutGet(*st, "grid", data, c.grid_size, c.repeat);
           worst_load = std::max(worst_load, sp.load);
           row += fmt::format(" {:.0f} / {:.0f} |", sp.put, sp.get);
-          steps.Done(fmt::format("s3 grid {} part {} x{}: {:.0f} / {:.0f} MB/s", Mib(c.grid_size), Mib(part), p,
-                                 sp.put, sp.get));
+          steps.Done(fmt::format("s3 grid {} part {} x{}: {:.0f} / {:.0f} MB/s", Mib(c.grid_size), Mib(part), p, sp.put,
+                                 sp.get));
         }
         fmt::print("{}\n", row);
         std::fflush(stdout);
@@ -473,9 +478,10 @@ int main(int argc, char** argv) {
 
     // 3. Streaming put against a paced producer.
     if (c.overlap) {
-      fmt::print("\nstreaming put of {} fed at a fixed rate (ratio = put time / producer time; 1.00 = perfect "
-                 "overlap):\n\n| producer | settings | producer s | put s | ratio | load |\n|---|---|---|---|---|---|\n",
-                 Mib(c.grid_size));
+      fmt::print(
+          "\nstreaming put of {} fed at a fixed rate (ratio = put time / producer time; 1.00 = perfect "
+          "overlap):\n\n| producer | settings | producer s | put s | ratio | load |\n|---|---|---|---|---|---|\n",
+          Mib(c.grid_size));
       for (double rate : c.rates) {
         std::vector<std::pair<std::string, Store*>> variants = {{s3 ? "defaults" : "store", store.get()}};
         if (s3) variants.insert(variants.begin(), {"one connection", single.get()});

@@ -52,6 +52,14 @@ export DCR_S3_TEST_URL="s3://dcr-conformance?create_bucket=1"
 echo "== module dependencies along the data path"
 python3 scripts/check_includes.py
 
+echo "== C++ formatting (.clang-format; fix with: .venv/bin/clang-format -i FILES)"
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  mapfile -t cxx_files < <(git ls-files '*.cc' '*.h')
+else
+  mapfile -t cxx_files < <(find src include tools python/src bench tests -name '*.cc' -o -name '*.h')
+fi
+.venv/bin/clang-format --dry-run -Werror "${cxx_files[@]}"
+
 echo "== C++ unit tests"
 ctest --test-dir build --output-on-failure -j "$(nproc)"
 

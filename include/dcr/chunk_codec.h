@@ -21,7 +21,7 @@ namespace dcr {
 
 // What the receiver may be assumed to hold.
 enum class DeltaClass {
-  kXorClass,   // the base bits: frames use xor or add, whichever is smaller
+  kXorClass,  // the base bits: frames use xor or add, whichever is smaller
   kOverwrite,  // nothing: frames carry new bits (idempotent)
 };
 
@@ -40,9 +40,9 @@ struct EncodeOptions {
 
 struct ChunkInput {
   DType dtype;
-  DigestKey key;          // of the tensor
-  uint64_t first_word;    // the chunk's first word within the tensor
-  uint32_t elements;      // elements in the chunk
+  DigestKey key;  // of the tensor
+  uint64_t first_word;  // the chunk's first word within the tensor
+  uint32_t elements;  // elements in the chunk
   std::span<const uint8_t> base, next;  // the chunk's bytes, equal length
   // The base chunk's digest when the caller tracks it (a sender updates its
   // baseline's chunk digests from each delta); null: computed here.
@@ -50,9 +50,9 @@ struct ChunkInput {
 };
 
 struct EncodedChunk {
-  FrameHeader header;            // tensor, chunk, first_element, delta_id left 0
+  FrameHeader header;  // tensor, chunk, first_element, delta_id left 0
   std::vector<uint8_t> payload;  // owned by the encoder; valid until the next call
-  Digest base_digest;            // of the chunk, whether or not it changed
+  Digest base_digest;  // of the chunk, whether or not it changed
 };
 
 class ChunkEncoder {
@@ -75,7 +75,7 @@ class ChunkEncoder {
 };
 
 enum class ApplyOutcome {
-  kApplied,         // the chunk was the base and is now the target
+  kApplied,  // the chunk was the base and is now the target
   kAlreadyApplied,  // the chunk already held the target (duplicate frame); untouched
 };
 
@@ -116,7 +116,7 @@ class ChunkApplier {
   std::unique_ptr<uint8_t[]> changes_;
   size_t changes_capacity_ = 0;  // bytes
   std::vector<uint8_t> payload_;  // a sparse payload's bit stream, zero-padded
-  std::vector<uint8_t> dense_;    // a zstd payload, decompressed
+  std::vector<uint8_t> dense_;  // a zstd payload, decompressed
   // The sparse decoder's table for the last add frame's code parameters
   // (decode_table_key_: word bytes, gap and value parameters; 0: none).
   std::unique_ptr<uint32_t[]> decode_table_;

@@ -19,8 +19,8 @@ class ThreadPool;
 
 struct BitDiffStats {
   uint64_t elements = 0;
-  uint64_t changed = 0;           // elements whose stored bits differ
-  uint64_t sign_changed = 0;      // floats: elements whose sign bit differs
+  uint64_t changed = 0;  // elements whose stored bits differ
+  uint64_t sign_changed = 0;  // floats: elements whose sign bit differs
   uint64_t exponent_changed = 0;  // floats: ... whose exponent field differs
   uint64_t mantissa_changed = 0;  // floats: ... whose mantissa field differs
   // Largest distance between old and new: for floats in units in the last
@@ -46,12 +46,10 @@ struct TensorDiff {
 
 struct CheckpointDiff {
   std::vector<TensorDiff> tensors;  // tensors present in both with equal dtype and shape, by name
-  BitDiffStats total;               // over `tensors` (first_changed unused)
+  BitDiffStats total;  // over `tensors` (first_changed unused)
   std::vector<std::string> only_in_a, only_in_b;
   std::vector<std::string> mismatched;  // same name, different dtype or shape: "name: BF16[2,3] vs F32[6]"
-  bool identical() const {
-    return total.changed == 0 && only_in_a.empty() && only_in_b.empty() && mismatched.empty();
-  }
+  bool identical() const { return total.changed == 0 && only_in_a.empty() && only_in_b.empty() && mismatched.empty(); }
 };
 
 // Compares every tensor of `a` with its namesake in `b`, in parallel on

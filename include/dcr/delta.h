@@ -44,7 +44,7 @@ struct DeltaTensor {
 
 struct DeltaFrameEntry {
   uint32_t tensor = 0, chunk = 0;
-  uint32_t object = 0;             // index into DeltaManifest::objects
+  uint32_t object = 0;  // index into DeltaManifest::objects
   uint64_t offset = 0, bytes = 0;  // within that object, header included
   Mode mode = Mode::kOverwrite;
   Codec codec = Codec::kRaw;
@@ -56,7 +56,7 @@ struct DeltaManifest {
   DeltaClass delta_class = DeltaClass::kXorClass;
   uint64_t chunk_elements = kDefaultChunkElements;
   Digest base_digest, target_digest;  // the whole checkpoint: sums over tensors
-  std::vector<DeltaTensor> tensors;   // sorted by name; a frame's tensor id indexes this
+  std::vector<DeltaTensor> tensors;  // sorted by name; a frame's tensor id indexes this
   // Names of the frame objects, relative to where the manifest lives
   // ('/'-separated, no '.' or '..' components).
   std::vector<std::string> objects;
@@ -162,8 +162,8 @@ using ChunkDigestTable = std::vector<std::vector<Digest>>;
 
 // Digest of every chunk of every tensor of `ckpt`, computed in parallel, in
 // the chunking of `manifest`: result[t][c]. Precondition: the tensors match.
-ChunkDigestTable ChunkDigests(const Checkpoint& ckpt, const DeltaManifest& manifest,
-                                              Progress* progress = nullptr, ThreadPool* pool = nullptr);
+ChunkDigestTable ChunkDigests(const Checkpoint& ckpt, const DeltaManifest& manifest, Progress* progress = nullptr,
+                              ThreadPool* pool = nullptr);
 
 // Refuses (kFailedPrecondition, naming the tensor) unless `ckpt` has exactly
 // the manifest's tensors (names, dtypes, shapes).
@@ -172,7 +172,7 @@ Status CheckSameTensors(const Checkpoint& ckpt, const DeltaManifest& manifest);
 struct ApplyReport {
   uint64_t frames_applied = 0;
   uint64_t frames_already_applied = 0;  // found done (a resumed or repeated apply)
-  uint64_t payload_bytes = 0;           // of the frames applied
+  uint64_t payload_bytes = 0;  // of the frames applied
   uint64_t changed_words = 0;
 };
 

@@ -40,7 +40,8 @@ struct Digest {
     return *this;
   }
   Digest& operator-=(const Digest& o) {
-    for (int k = 0; k < 2; ++k) lane[k] = lane[k] >= o.lane[k] ? lane[k] - o.lane[k] : lane[k] + kDigestPrime - o.lane[k];
+    for (int k = 0; k < 2; ++k)
+      lane[k] = lane[k] >= o.lane[k] ? lane[k] - o.lane[k] : lane[k] + kDigestPrime - o.lane[k];
     return *this;
   }
   friend Digest operator+(Digest a, const Digest& b) { return a += b; }

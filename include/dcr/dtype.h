@@ -11,8 +11,28 @@
 namespace dcr {
 
 enum class DType : uint8_t {
-  kBool, kU8, kI8, kI16, kU16, kF16, kBF16, kI32, kU32, kF32, kF64, kI64, kU64, kC64,
-  kF8_E4M3, kF8_E5M2, kF8_E8M0, kF8_E4M3FNUZ, kF8_E5M2FNUZ, kF4, kF6_E2M3, kF6_E3M2,
+  kBool,
+  kU8,
+  kI8,
+  kI16,
+  kU16,
+  kF16,
+  kBF16,
+  kI32,
+  kU32,
+  kF32,
+  kF64,
+  kI64,
+  kU64,
+  kC64,
+  kF8_E4M3,
+  kF8_E5M2,
+  kF8_E8M0,
+  kF8_E4M3FNUZ,
+  kF8_E5M2FNUZ,
+  kF4,
+  kF6_E2M3,
+  kF6_E3M2,
 };
 inline constexpr int kDTypeCount = 22;
 
@@ -24,7 +44,7 @@ enum class DTypeKind : uint8_t { kBool, kUnsigned, kSigned, kFloat, kComplex };
 struct DTypeInfo {
   DType dtype;
   std::string_view name;  // as in safetensors headers, e.g. "BF16"
-  uint8_t bits;           // storage bits per element: 1..64
+  uint8_t bits;  // storage bits per element: 1..64
   DTypeKind kind;
   // For floats: field widths. sign_bits is 0 for unsigned formats (E8M0).
   uint8_t sign_bits, exponent_bits, mantissa_bits;

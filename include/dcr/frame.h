@@ -20,8 +20,8 @@ inline constexpr uint32_t kFrameHeaderBytes = 96;
 
 // How a frame's values relate to the receiver's bits.
 enum class Mode : uint8_t {
-  kXor = 1,        // value = old ^ new; needs the base bits
-  kAdd = 2,        // value = image(new) - image(old) mod 2^word; needs the base bits
+  kXor = 1,  // value = old ^ new; needs the base bits
+  kAdd = 2,  // value = image(new) - image(old) mod 2^word; needs the base bits
   kOverwrite = 3,  // value = new; idempotent, needs nothing
 };
 std::string_view ModeName(Mode mode);  // "xor", "add", "overwrite"
@@ -30,28 +30,28 @@ bool ModeFromName(std::string_view name, Mode* mode);
 
 enum class Codec : uint8_t {
   kSparse = 1,  // Rice-coded position gaps, interleaved with coded values
-  kZstd = 2,    // zstd frame of the dense layout
-  kRaw = 3,     // the dense layout: one value per word of the chunk
+  kZstd = 2,  // zstd frame of the dense layout
+  kRaw = 3,  // the dense layout: one value per word of the chunk
 };
 std::string_view CodecName(Codec codec);  // "sparse", "zstd", "raw"
 bool CodecFromName(std::string_view name, Codec* codec);  // as ModeFromName
 
 struct FrameHeader {
-  uint32_t tensor = 0;          // index into the delta's tensor list
-  uint32_t chunk = 0;           // chunk index within the tensor
-  uint64_t first_element = 0;   // chunk * chunk_elements
-  uint32_t elements = 0;        // elements in this chunk
-  uint32_t words = 0;           // words in this chunk (see WordBytes)
-  uint32_t changed = 0;         // words whose bits change
+  uint32_t tensor = 0;  // index into the delta's tensor list
+  uint32_t chunk = 0;  // chunk index within the tensor
+  uint64_t first_element = 0;  // chunk * chunk_elements
+  uint32_t elements = 0;  // elements in this chunk
+  uint32_t words = 0;  // words in this chunk (see WordBytes)
+  uint32_t changed = 0;  // words whose bits change
   Mode mode = Mode::kOverwrite;
   Codec codec = Codec::kRaw;
   DType dtype = DType::kU8;
   uint8_t word_bytes = 1;
   uint32_t payload_bytes = 0;
-  uint32_t payload_crc = 0;     // CRC32C of the payload
-  Digest base_digest;           // the chunk's digest before
-  Digest target_digest;         // ... and after applying
-  uint64_t delta_id = 0;        // the delta (attempt) this frame belongs to
+  uint32_t payload_crc = 0;  // CRC32C of the payload
+  Digest base_digest;  // the chunk's digest before
+  Digest target_digest;  // ... and after applying
+  uint64_t delta_id = 0;  // the delta (attempt) this frame belongs to
 
   friend bool operator==(const FrameHeader&, const FrameHeader&) = default;
 };

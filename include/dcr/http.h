@@ -26,8 +26,8 @@ using HttpHeaders = std::vector<HttpHeader>;
 const std::string* FindHeader(const HttpHeaders& headers, std::string_view name);
 
 struct HttpRequest {
-  std::string method;   // "GET", "HEAD", "PUT", "POST", "DELETE"
-  std::string url;      // absolute; path and query already percent-encoded, sent as is
+  std::string method;  // "GET", "HEAD", "PUT", "POST", "DELETE"
+  std::string url;  // absolute; path and query already percent-encoded, sent as is
   HttpHeaders headers;  // sent as given (a Host header here replaces the one derived from url)
   // The body, sent with a Content-Length (PUT and POST always carry one, even
   // when empty). The caller keeps it alive until Send returns. Bodies are in

@@ -51,8 +51,8 @@ struct BoxCopy {
   std::string tensor;
   std::vector<uint64_t> offset, extent;  // the canonical box; one entry per tensor dimension
   std::string buffer;
-  std::vector<uint64_t> buffer_offset;   // where the box starts in the buffer; one entry per buffer dimension
-  bool primary = true;                   // the engine's one copy of these elements (see above)
+  std::vector<uint64_t> buffer_offset;  // where the box starts in the buffer; one entry per buffer dimension
+  bool primary = true;  // the engine's one copy of these elements (see above)
   friend bool operator==(const BoxCopy&, const BoxCopy&) = default;
 };
 

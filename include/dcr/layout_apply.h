@@ -113,9 +113,9 @@ ChunkDigestTable RankChunkDigests(const PlacedRank& rank, const DeltaManifest& m
 
 // What ApplyRankFrame did to one rank's elements of a chunk.
 struct RankFrameResult {
-  Digest base, target;    // the rank's partial digests of the chunk, before and after
-  uint64_t held = 0;      // chunk elements its primary copies hold
-  uint64_t written = 0;   // elements written, over all copies (primaries and replicas)
+  Digest base, target;  // the rank's partial digests of the chunk, before and after
+  uint64_t held = 0;  // chunk elements its primary copies hold
+  uint64_t written = 0;  // elements written, over all copies (primaries and replicas)
 };
 
 // Applies one frame of `manifest` to the elements of its chunk that `rank`
@@ -183,7 +183,7 @@ struct SenderRank {
 // What one sender knows about one canonical chunk.
 struct ChunkContribution {
   uint32_t tensor = 0, chunk = 0;  // manifest tensor index and chunk
-  uint32_t from = 0;               // sender index
+  uint32_t from = 0;  // sender index
   // The chunk-relative element ranges [first, first + length) its primary
   // copies cover, and the digest of those elements in its baseline.
   std::vector<std::pair<uint32_t, uint32_t>> covered;
@@ -222,10 +222,10 @@ Result<std::vector<ChunkContribution>> ProjectSender(
     const std::function<bool(uint32_t tensor, uint32_t chunk)>& direct = {});
 
 struct OwnedFrames {
-  std::vector<ChunkId> chunks;                 // the chunks merged, in order
+  std::vector<ChunkId> chunks;  // the chunks merged, in order
   std::vector<Digest> base_digests, target_digests;  // per chunk
-  std::vector<int64_t> frame_of;               // per chunk: index into frames, -1 when it did not change
-  std::vector<std::string> frames;             // encoded frames of the chunks that changed
+  std::vector<int64_t> frame_of;  // per chunk: index into frames, -1 when it did not change
+  std::vector<std::string> frames;  // encoded frames of the chunks that changed
 };
 
 // Merges `contributions` (from every sender, for the chunks one owner

@@ -59,12 +59,12 @@ struct Fp8BlockShape {
 // block's finite magnitudes (1 when amax is 0), stored as F32 in `scales`
 // [scale_rows, scale_cols]; each element -> Fp32ToE4m3(x / scale), NaN stays
 // NaN, infinities saturate. Errors: kInvalidArgument (sizes, dtype).
-Status QuantizeFp8Blocks(DType dtype, std::span<const uint8_t> src, const Fp8BlockShape& shape,
-                         std::span<uint8_t> fp8, std::span<uint8_t> scales);
+Status QuantizeFp8Blocks(DType dtype, std::span<const uint8_t> src, const Fp8BlockShape& shape, std::span<uint8_t> fp8,
+                         std::span<uint8_t> scales);
 
 enum class ConversionKind {
   kZeroCentred,  // the buffer holds weight - 1: canonical = round(float(b) + 1)
-  kCast,         // the buffer holds another float dtype: canonical = round(float(b))
+  kCast,  // the buffer holds another float dtype: canonical = round(float(b))
 };
 // One tensor the sender holds whole in its own representation. Rounding to
 // the canonical dtype is to nearest even (BF16) or exact (F32 from BF16).

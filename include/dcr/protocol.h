@@ -20,16 +20,16 @@
 // "<seq:04>-<random hex>" so listings sort by age.
 #pragma once
 
-#include <chrono>
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
-#include <string_view>
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "dcr/delta.h"
@@ -57,7 +57,7 @@ std::string VersionDir(uint64_t v);  // "v0000000042"
 std::string Commit(uint64_t v);
 std::string Attempts(uint64_t v);  // prefix, ends in '/'
 std::string Attempt(uint64_t v, std::string_view attempt);  // prefix, ends in '/'
-std::string Acks(uint64_t v, std::string_view attempt);     // prefix, ends in '/'
+std::string Acks(uint64_t v, std::string_view attempt);  // prefix, ends in '/'
 std::string Ack(uint64_t v, std::string_view attempt, std::string_view receiver);
 std::string Snapshot(uint64_t v);  // prefix, ends in '/'
 std::string Receiver(std::string_view id);
@@ -105,9 +105,9 @@ struct CommitRecord {
 
 struct ReceiverRecord {
   std::string id, state;  // state: joining, following, applying, retired, stopped
-  uint64_t version = 0;   // committed version it holds
-  double heartbeat = 0;   // unix seconds
-  EngineRank engine;      // a rank of an engine, or ranks == 0
+  uint64_t version = 0;  // committed version it holds
+  double heartbeat = 0;  // unix seconds
+  EngineRank engine;  // a rank of an engine, or ranks == 0
   // The most frame bytes it held at once (downloaded or relayed objects not
   // yet applied, and the headers of frames applied) while applying the last
   // version it applied (docs/protocol.md, "Memory"). 0 before the first.
@@ -125,11 +125,11 @@ struct ReceiverRecord {
 struct AttemptRecord {
   uint64_t version = 0;
   DeltaClass cls = DeltaClass::kXorClass;
-  uint64_t delta_id = 0;   // non-zero
+  uint64_t delta_id = 0;  // non-zero
   std::string object_key;  // hex Ed25519 public key; empty with processes > 0
   std::string coordinator;
   uint64_t processes = 0, senders = 0;  // trainer processes and their senders; 0 for one publisher
-  double time = 0;                      // unix seconds
+  double time = 0;  // unix seconds
   std::string ToJson() const;
   static Result<AttemptRecord> FromJson(std::string_view json, const std::string& where);
 };
@@ -253,18 +253,18 @@ class FrameObjectVerifier {
 
 struct PublishOptions {
   uint32_t senders = 1;
-  DeltaOptions delta;                 // chunking and encoder options (class is per attempt)
-  uint32_t max_attempts = 3;          // the first in xor class, retries in overwrite
-  std::chrono::milliseconds ack_timeout{60000};        // then silent receivers are retired
+  DeltaOptions delta;  // chunking and encoder options (class is per attempt)
+  uint32_t max_attempts = 3;  // the first in xor class, retries in overwrite
+  std::chrono::milliseconds ack_timeout{60000};  // then silent receivers are retired
   std::chrono::milliseconds heartbeat_timeout{10000};  // receivers older than this are not waited for
-  uint64_t snapshot_every = 0;        // also publish a snapshot every N versions (0: only v0)
-  uint64_t keep_versions = 2;         // GC: keep attempts of this many versions below the floor
+  uint64_t snapshot_every = 0;  // also publish a snapshot every N versions (0: only v0)
+  uint64_t keep_versions = 2;  // GC: keep attempts of this many versions below the floor
   // Each sender's frames go to objects of about this many bytes (a frame is
   // never split), each visible once written, so that receivers download one
   // while the next is encoded and uploaded. 0: the checkpoint's size / 4096,
   // within [256 KiB, 16 MiB] (a 3% delta then spans some 100 objects).
   uint64_t segment_bytes = 0;
-  std::string coordinator_id;         // for records; default host:pid
+  std::string coordinator_id;  // for records; default host:pid
   // Also hand every frame object and fence to this transport (the relay
   // tree's roots); not owned, must outlive Publish. The store still gets
   // every object (the record, and the receivers' fallback).
@@ -534,7 +534,7 @@ class RankFollower {
 
 struct AttemptStatus {
   std::string id, state;  // state: committed, fenced, open (manifest written), starting
-  std::string mode;       // xor / overwrite (from the manifest), or empty
+  std::string mode;  // xor / overwrite (from the manifest), or empty
   uint64_t frame_bytes = 0, frames = 0;
   std::vector<std::string> acks, nacks;
   std::string fence_reason;

@@ -39,7 +39,7 @@ namespace dcr {
 // ---- Tree plans ---------------------------------------------------------------
 
 struct RelaySpec {
-  std::string id;       // unique, [A-Za-z0-9._-]{1,64}
+  std::string id;  // unique, [A-Za-z0-9._-]{1,64}
   std::string address;  // where it listens, e.g. tcp://10.0.0.7:7400
   std::string cluster;  // the destination cluster it serves
 };
@@ -49,12 +49,12 @@ struct TreePlan {
     RelaySpec relay;
     std::optional<size_t> parent;  // index into nodes; none at a cluster's root
     std::vector<size_t> children;  // indices into nodes
-    uint32_t depth = 0;            // 0 at a root
+    uint32_t depth = 0;  // 0 at a root
   };
   uint32_t fanout = 0;
-  std::vector<Node> nodes;   // clusters in name order, each breadth first from its root
-  std::vector<size_t> roots; // one per cluster, in cluster order
-  uint32_t depth = 0;        // the deepest node's depth
+  std::vector<Node> nodes;  // clusters in name order, each breadth first from its root
+  std::vector<size_t> roots;  // one per cluster, in cluster order
+  uint32_t depth = 0;  // the deepest node's depth
 
   // The node with this id, or nullptr.
   const Node* Find(std::string_view id) const;
@@ -87,21 +87,21 @@ inline constexpr size_t kRelayMaxIdBytes = 128;
 inline constexpr size_t kRelayMaxKeyBytes = 1024;
 inline constexpr uint32_t kRelayMaxHave = 1 << 16;
 inline constexpr uint64_t kRelayMaxObjectBytes = 1ull << 30;
-inline constexpr uint32_t kRelayMaxAcks = 1 << 16;         // entries in one ACK
+inline constexpr uint32_t kRelayMaxAcks = 1 << 16;  // entries in one ACK
 // Per socket: no part of a message may be larger (ZMQ_MAXMSGSIZE; a peer
 // that sends one is disconnected before anything is allocated for it), and
 // a message of more parts is read, dropped and counted malformed.
 inline constexpr uint64_t kRelayMaxPartBytes = kRelayMaxObjectBytes + (64ull << 20);
 inline constexpr size_t kRelayMaxParts = 4;  // route, header, data, and one to tell a longer message
-inline constexpr size_t kRelayMaxAckErrorBytes = 1024;     // a failed ack's error, truncated to this
+inline constexpr size_t kRelayMaxAckErrorBytes = 1024;  // a failed ack's error, truncated to this
 
 enum class RelayMessageType : uint8_t {
-  kHello = 1,   // client -> relay: who I am, which objects I already hold
+  kHello = 1,  // client -> relay: who I am, which objects I already hold
   kObject = 2,  // a frame object (parent -> child, sender -> root)
   kCredit = 3,  // receiver of objects -> their sender: window returned
-  kFence = 4,   // an attempt is obsolete: drop its objects (sender -> root -> down)
-  kPing = 5,    // liveness, both ways
-  kAck = 6,     // receivers' acks of an attempt (receiver -> relay -> up -> root -> senders)
+  kFence = 4,  // an attempt is obsolete: drop its objects (sender -> root -> down)
+  kPing = 5,  // liveness, both ways
+  kAck = 6,  // receivers' acks of an attempt (receiver -> relay -> up -> root -> senders)
 };
 enum class RelayRole : uint8_t { kRelay = 1, kReceiver = 2, kSender = 3 };
 std::string_view RelayRoleName(RelayRole role);
@@ -185,7 +185,7 @@ Result<std::map<std::string, RelayRoles>> ReadCurveAllowList(const std::string& 
 // in that role.
 struct RelaySecurity {
   std::optional<CurveKeyPair> own;  // this process's keys
-  std::string server_public;        // the relays it connects to (clients)
+  std::string server_public;  // the relays it connects to (clients)
   std::map<std::string, RelayRoles> allowed;  // client keys a relay admits, and as what (servers)
   bool enabled() const { return own.has_value(); }
 };
@@ -207,8 +207,8 @@ inline constexpr std::string_view kRelayInsecureWarning =
 // ---- The daemon ----------------------------------------------------------------
 
 struct RelayOptions {
-  std::string id;                 // for logs, stats and HELLO
-  std::string listen;             // bind address (tcp://host:port)
+  std::string id;  // for logs, stats and HELLO
+  std::string listen;  // bind address (tcp://host:port)
   std::vector<std::string> upstream;  // parent first, then ancestors; empty at a root
   RelaySecurity security;
   // Per child: bytes sent and not yet credited back (the in-memory window).
@@ -262,8 +262,8 @@ struct RelayClientOptions {
   RelaySecurity security;
   std::chrono::milliseconds ping_every{250};
   std::chrono::milliseconds dead_after{1500};
-  uint64_t window_bytes = 64ull << 20;        // senders: uncredited bytes per root
-  double link_bytes_per_second = 0;           // senders: pace each root link (benchmarks); 0: unlimited
+  uint64_t window_bytes = 64ull << 20;  // senders: uncredited bytes per root
+  double link_bytes_per_second = 0;  // senders: pace each root link (benchmarks); 0: unlimited
   // Senders: queued per root before the oldest are dropped. Receivers:
   // verified objects kept until taken, the oldest dropped beyond it.
   uint64_t max_queue_bytes = 1ull << 30;

@@ -98,15 +98,15 @@
 namespace dcr {
 
 enum class S3Addressing {
-  kAuto,     // virtual-hosted on AWS endpoints when the bucket name allows it, else path
-  kPath,     // http://host/bucket/key
+  kAuto,  // virtual-hosted on AWS endpoints when the bucket name allows it, else path
+  kPath,  // http://host/bucket/key
   kVirtual,  // http://bucket.host/key
 };
 
 struct S3Options {
   // Where.
   std::string bucket;
-  std::string prefix;    // object names are prefix + key; empty or ending in '/'
+  std::string prefix;  // object names are prefix + key; empty or ending in '/'
   std::string endpoint;  // "http[s]://host[:port]"; empty: https://s3.<region>.amazonaws.com
   std::string region = "us-east-1";
   S3Addressing addressing = S3Addressing::kAuto;
@@ -123,7 +123,7 @@ struct S3Options {
   size_t threads = 16;
   int max_attempts = 10;
   std::chrono::milliseconds initial_backoff{100};  // backoff before retry n: uniform in
-  std::chrono::milliseconds max_backoff{10'000};   // [0, min(max_backoff, initial_backoff * 2^(n-1))]
+  std::chrono::milliseconds max_backoff{10'000};  // [0, min(max_backoff, initial_backoff * 2^(n-1))]
   uint64_t create_if_absent_limit = uint64_t{1} << 30;
   bool create_bucket = false;  // OpenS3Store calls CreateS3Bucket first
   CurlTransportOptions http;
@@ -143,10 +143,10 @@ Result<S3Options> ParseS3Url(std::string_view url, const GetEnvFunction& getenv 
 // Side effects the driver uses, injectable for tests. Null members get the
 // real thing.
 struct S3Runtime {
-  std::shared_ptr<HttpTransport> transport;                     // default: NewCurlTransport(options.http)
+  std::shared_ptr<HttpTransport> transport;  // default: NewCurlTransport(options.http)
   std::function<std::chrono::system_clock::time_point()> now;  // request dates
-  std::function<void(std::chrono::milliseconds)> sleep;        // retry backoff
-  std::function<void(std::string_view line)> warn;             // one-line warnings; default: stderr
+  std::function<void(std::chrono::milliseconds)> sleep;  // retry backoff
+  std::function<void(std::string_view line)> warn;  // one-line warnings; default: stderr
 };
 
 // Opens s3://... (ParseS3Url with the process environment). No request is

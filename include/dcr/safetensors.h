@@ -25,7 +25,7 @@ struct TensorInfo {
   std::string name;
   DType dtype = DType::kU8;
   std::vector<uint64_t> shape;
-  uint64_t numel = 0;   // product of shape (1 for a scalar)
+  uint64_t numel = 0;  // product of shape (1 for a scalar)
   uint64_t nbytes = 0;  // numel * bits / 8
   friend bool operator==(const TensorInfo&, const TensorInfo&) = default;
 };
@@ -43,9 +43,9 @@ struct SafetensorsEntry {
 
 struct SafetensorsHeader {
   uint64_t header_bytes = 0;  // N: the JSON's length; data starts at 8 + N
-  uint64_t data_bytes = 0;    // length of the data buffer
+  uint64_t data_bytes = 0;  // length of the data buffer
   std::vector<SafetensorsEntry> entries;  // in data-offset order
-  Metadata metadata;                      // __metadata__, in file order
+  Metadata metadata;  // __metadata__, in file order
 };
 
 // Parses and validates the header of a file of `file_size` bytes whose first

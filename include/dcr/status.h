@@ -16,18 +16,18 @@ namespace dcr {
 
 enum class Code : uint8_t {
   kOk = 0,
-  kInvalidArgument,     // the caller's input is malformed (bad file, bad flag)
-  kNotFound,            // a named file, key or tensor does not exist
-  kAlreadyExists,       // a create-if-absent found the object present
-  kPermissionDenied,    // credentials rejected or access denied
-  kOutOfRange,          // a read past the end of an object or file
+  kInvalidArgument,  // the caller's input is malformed (bad file, bad flag)
+  kNotFound,  // a named file, key or tensor does not exist
+  kAlreadyExists,  // a create-if-absent found the object present
+  kPermissionDenied,  // credentials rejected or access denied
+  kOutOfRange,  // a read past the end of an object or file
   kFailedPrecondition,  // the system is not in the state the call needs (wrong base)
-  kAborted,             // a concurrent actor won (fenced attempt, lost race)
-  kUnavailable,         // transient: a service or connection failed; retry
-  kDeadlineExceeded,    // a deadline passed; retry may succeed
-  kDataLoss,            // stored bytes are corrupt or truncated
-  kUnimplemented,       // not supported (unknown format version, dtype op)
-  kInternal,            // a bug in dcr
+  kAborted,  // a concurrent actor won (fenced attempt, lost race)
+  kUnavailable,  // transient: a service or connection failed; retry
+  kDeadlineExceeded,  // a deadline passed; retry may succeed
+  kDataLoss,  // stored bytes are corrupt or truncated
+  kUnimplemented,  // not supported (unknown format version, dtype op)
+  kInternal,  // a bug in dcr
 };
 
 std::string_view CodeName(Code code);
@@ -51,9 +51,7 @@ class [[nodiscard]] Status {
   // Explicitly discard a status whose failure does not matter.
   void IgnoreError() const {}
 
-  friend bool operator==(const Status& a, const Status& b) {
-    return a.code_ == b.code_ && a.message_ == b.message_;
-  }
+  friend bool operator==(const Status& a, const Status& b) { return a.code_ == b.code_ && a.message_ == b.message_; }
 
  private:
   Code code_ = Code::kOk;
@@ -105,7 +103,9 @@ class [[nodiscard]] Result {
 namespace internal {
 inline Status AsStatus(Status s) { return s; }
 template <typename T>
-Status AsStatus(const Result<T>& r) { return r.status(); }
+Status AsStatus(const Result<T>& r) {
+  return r.status();
+}
 }  // namespace internal
 
 }  // namespace dcr
@@ -115,16 +115,15 @@ Status AsStatus(const Result<T>& r) { return r.status(); }
 
 // Returns the Status from the enclosing function when `expr` (a Status or a
 // Result) is not OK.
-#define DCR_RETURN_IF_ERROR(expr)                                        \
-  do {                                                                   \
-    ::dcr::Status dcr_status_ = ::dcr::internal::AsStatus((expr));       \
-    if (!dcr_status_.ok()) return dcr_status_;                           \
+#define DCR_RETURN_IF_ERROR(expr)                                  \
+  do {                                                             \
+    ::dcr::Status dcr_status_ = ::dcr::internal::AsStatus((expr)); \
+    if (!dcr_status_.ok()) return dcr_status_;                     \
   } while (0)
 
 // DCR_ASSIGN_OR_RETURN(auto x, MakeX()); declares/assigns x from a Result or
 // returns its Status.
-#define DCR_ASSIGN_OR_RETURN(lhs, expr) \
-  DCR_ASSIGN_OR_RETURN_IMPL_(DCR_CONCAT_(dcr_result_, __LINE__), lhs, expr)
+#define DCR_ASSIGN_OR_RETURN(lhs, expr) DCR_ASSIGN_OR_RETURN_IMPL_(DCR_CONCAT_(dcr_result_, __LINE__), lhs, expr)
 #define DCR_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
   auto tmp = (expr);                               \
   if (!tmp.ok()) return tmp.status();              \

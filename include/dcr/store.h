@@ -50,7 +50,7 @@ struct ObjectInfo {
 };
 
 enum class WriteMode {
-  kOverwrite,       // replace whatever is there
+  kOverwrite,  // replace whatever is there
   kCreateIfAbsent,  // fail with kAlreadyExists if the key exists (atomic)
 };
 

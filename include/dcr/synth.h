@@ -38,8 +38,8 @@ struct ModelShape {
 // How a tensor's initial values are drawn.
 enum class InitKind {
   kWeight,  // N(0, 0.02)
-  kNorm,    // 1 + N(0, 0.02)
-  kBias,    // N(0, 0.01)
+  kNorm,  // 1 + N(0, 0.02)
+  kBias,  // N(0, 0.01)
 };
 
 struct SynthTensor {
@@ -80,15 +80,14 @@ struct GenOptions {
 };
 
 struct GenReport {
-  double learning_rate = 0;            // training model: the calibrated step
-  std::vector<uint64_t> changed;       // per version 1..K: elements whose bits changed
+  double learning_rate = 0;  // training model: the calibrated step
+  std::vector<uint64_t> changed;  // per version 1..K: elements whose bits changed
   uint64_t elements_per_version = 0;
   uint64_t bytes_per_version = 0;
 };
 
 // Writes `out_dir`/v0 .. v<K> (checkpoint directories) and `out_dir`/gen.json
 // (options and report). Memory is O(threads x chunk), whatever the size.
-Result<GenReport> GenerateVersions(const std::string& out_dir, const GenOptions& options,
-                                   Progress* progress = nullptr);
+Result<GenReport> GenerateVersions(const std::string& out_dir, const GenOptions& options, Progress* progress = nullptr);
 
 }  // namespace dcr

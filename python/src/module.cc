@@ -133,7 +133,8 @@ nb::dlpack::dtype ViewDType(dcr::DType d) {
     case DType::kI16: return nb::dtype<int16_t>();
     case DType::kI32: return nb::dtype<int32_t>();
     case DType::kI64: return nb::dtype<int64_t>();
-    case DType::kU16: case DType::kBF16: return nb::dtype<uint16_t>();
+    case DType::kU16:
+    case DType::kBF16: return nb::dtype<uint16_t>();
     case DType::kU32: return nb::dtype<uint32_t>();
     case DType::kU64: return nb::dtype<uint64_t>();
     case DType::kF16: return {static_cast<uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
@@ -199,8 +200,9 @@ void WriteDelta(const PyDelta& d, const std::filesystem::path& path) {
     } else {
       // Frames first, manifest last: a directory with a manifest is complete.
       s = dcr::WriteFileAtomically((std::filesystem::path(dir) / d.manifest.objects[0]).string(), *d.frames);
-      if (s.ok()) s = dcr::WriteFileAtomically((std::filesystem::path(dir) / dcr::kManifestFileName).string(),
-                                               d.manifest.ToJson());
+      if (s.ok())
+        s = dcr::WriteFileAtomically((std::filesystem::path(dir) / dcr::kManifestFileName).string(),
+                                     d.manifest.ToJson());
     }
   }
   Check(s);
@@ -220,7 +222,8 @@ std::vector<std::span<uint8_t>> RankBuffers(const dcr::CompiledLayout& layout, c
     Raise(dcr::InvalidArgument(who + ": " + std::to_string(arrays.size()) + " buffers given, the layout declares " +
                                std::to_string(buffers.size())));
   std::vector<std::span<uint8_t>> spans;
-  for (size_t b = 0; b < arrays.size(); ++b) spans.push_back(BytesOf(arrays[b], who + ": buffer '" + buffers[b].id + "'"));
+  for (size_t b = 0; b < arrays.size(); ++b)
+    spans.push_back(BytesOf(arrays[b], who + ": buffer '" + buffers[b].id + "'"));
   Check(dcr::CheckRankBuffers(layout, spans));
   return spans;
 }
@@ -562,55 +565,67 @@ uint64_t RunFollowing(F& follower, const std::string& who, std::optional<uint64_
   return follower.version();
 }
 
-
 }  // namespace
 
 NB_MODULE(_dcr, m) {
   m.doc() = "dcr's C++ core (private: use the dcr package)";
 
-  m.def("_raise_status", [](const std::string& code, const std::string& message) {
-    for (int c = 1; c <= static_cast<int>(dcr::Code::kInternal); ++c)
-      if (dcr::CodeName(static_cast<dcr::Code>(c)) == code) Raise(dcr::Status(static_cast<dcr::Code>(c), message));
-    Raise(dcr::InvalidArgument("unknown code " + code));
-  }, "code"_a, "message"_a, "Raises the exception a C++ Status of this code becomes (for tests).");
+  m.def(
+      "_raise_status",
+      [](const std::string& code, const std::string& message) {
+        for (int c = 1; c <= static_cast<int>(dcr::Code::kInternal); ++c)
+          if (dcr::CodeName(static_cast<dcr::Code>(c)) == code) Raise(dcr::Status(static_cast<dcr::Code>(c), message));
+        Raise(dcr::InvalidArgument("unknown code " + code));
+      },
+      "code"_a, "message"_a, "Raises the exception a C++ Status of this code becomes (for tests).");
 
   // Checkpoint
   nb::class_<PyCheckpoint>(m, "Checkpoint")
-      .def_static("open", [](const std::string& path, bool writable) {
-        dcr::Result<dcr::Checkpoint> r = dcr::Internal("not run");
-        {
-          nb::gil_scoped_release release;
-          r = dcr::Checkpoint::Open(path, writable ? dcr::OpenMode::kReadWrite : dcr::OpenMode::kReadOnly);
-        }
-        return PyCheckpoint{Take(std::move(r))};
-      }, "path"_a, "writable"_a = false)
-      .def_static("create", [](const std::string& path, const std::vector<std::tuple<std::string, std::string,
-                                                                                      std::vector<uint64_t>>>& specs,
-                               uint64_t max_shard_bytes) {
-        std::vector<dcr::TensorInfo> tensors;
-        for (const auto& [name, dtype, shape] : specs)
-          tensors.push_back(Take(dcr::MakeTensorInfo(name, ParseDTypeOrRaise(dtype), shape)));
-        dcr::CreateOptions o;
-        o.max_shard_bytes = max_shard_bytes;
-        dcr::Result<dcr::Checkpoint> r = dcr::Internal("not run");
-        {
-          nb::gil_scoped_release release;
-          r = dcr::Checkpoint::Create(path, tensors, o);
-        }
-        return PyCheckpoint{Take(std::move(r))};
-      }, "path"_a, "tensors"_a, "max_shard_bytes"_a = 0)
+      .def_static(
+          "open",
+          [](const std::string& path, bool writable) {
+            dcr::Result<dcr::Checkpoint> r = dcr::Internal("not run");
+            {
+              nb::gil_scoped_release release;
+              r = dcr::Checkpoint::Open(path, writable ? dcr::OpenMode::kReadWrite : dcr::OpenMode::kReadOnly);
+            }
+            return PyCheckpoint{Take(std::move(r))};
+          },
+          "path"_a, "writable"_a = false)
+      .def_static(
+          "create",
+          [](const std::string& path,
+             const std::vector<std::tuple<std::string, std::string, std::vector<uint64_t>>>& specs,
+             uint64_t max_shard_bytes) {
+            std::vector<dcr::TensorInfo> tensors;
+            for (const auto& [name, dtype, shape] : specs)
+              tensors.push_back(Take(dcr::MakeTensorInfo(name, ParseDTypeOrRaise(dtype), shape)));
+            dcr::CreateOptions o;
+            o.max_shard_bytes = max_shard_bytes;
+            dcr::Result<dcr::Checkpoint> r = dcr::Internal("not run");
+            {
+              nb::gil_scoped_release release;
+              r = dcr::Checkpoint::Create(path, tensors, o);
+            }
+            return PyCheckpoint{Take(std::move(r))};
+          },
+          "path"_a, "tensors"_a, "max_shard_bytes"_a = 0)
       .def_prop_ro("path", [](const PyCheckpoint& c) { return c.ckpt.path(); })
       .def_prop_ro("writable", [](const PyCheckpoint& c) { return c.ckpt.mode() == dcr::OpenMode::kReadWrite; })
       .def_prop_ro("total_bytes", [](const PyCheckpoint& c) { return c.ckpt.total_bytes(); })
       .def_prop_ro("files", [](const PyCheckpoint& c) { return c.ckpt.files(); })
-      .def("tensors", [](const PyCheckpoint& c) {
-        std::vector<nb::tuple> out;
-        for (const auto& t : c.ckpt.tensors()) out.push_back(TensorTuple(t));
-        return out;
-      })
-      .def("array", [](nb::handle self, const std::string& name) {
-        return TensorArray(self, nb::cast<PyCheckpoint&>(self), name);
-      }, "name"_a)
+      .def("tensors",
+           [](const PyCheckpoint& c) {
+             std::vector<nb::tuple> out;
+             for (const auto& t : c.ckpt.tensors()) out.push_back(TensorTuple(t));
+             return out;
+           })
+      .def(
+          "array",
+          [](nb::handle self, const std::string& name) {
+            return TensorArray(self, nb::cast<PyCheckpoint&>(self), name);
+          },
+          "name"_a)
       .def("sync", [](PyCheckpoint& c) {
         dcr::Status s;
         {
@@ -621,54 +636,66 @@ NB_MODULE(_dcr, m) {
       });
 
   // File deltas
-  m.def("make_delta", [](const PyCheckpoint& base, const PyCheckpoint& next, const std::string& out_dir,
-                         const std::string& mode, uint64_t chunk_elements, uint64_t delta_id) {
-    const dcr::DeltaOptions opt = MakeDeltaOptions(mode, chunk_elements, delta_id);
-    dcr::Result<dcr::DeltaManifest> r = dcr::Internal("not run");
-    {
-      nb::gil_scoped_release release;
-      r = dcr::MakeDelta(base.ckpt, next.ckpt, opt, out_dir);
-    }
-    return Take(std::move(r)).ToJson();
-  }, "base"_a, "next"_a, "out_dir"_a, "mode"_a, "chunk_elements"_a, "delta_id"_a);
+  m.def(
+      "make_delta",
+      [](const PyCheckpoint& base, const PyCheckpoint& next, const std::string& out_dir, const std::string& mode,
+         uint64_t chunk_elements, uint64_t delta_id) {
+        const dcr::DeltaOptions opt = MakeDeltaOptions(mode, chunk_elements, delta_id);
+        dcr::Result<dcr::DeltaManifest> r = dcr::Internal("not run");
+        {
+          nb::gil_scoped_release release;
+          r = dcr::MakeDelta(base.ckpt, next.ckpt, opt, out_dir);
+        }
+        return Take(std::move(r)).ToJson();
+      },
+      "base"_a, "next"_a, "out_dir"_a, "mode"_a, "chunk_elements"_a, "delta_id"_a);
 
-  m.def("apply_delta", [](PyCheckpoint& target, const std::string& delta_dir) {
-    if (target.ckpt.mode() != dcr::OpenMode::kReadWrite)
-      Raise(dcr::InvalidArgument(target.ckpt.path() + ": opened read-only; open it with writable=True to apply"));
-    dcr::Result<dcr::ApplyReport> r = dcr::Internal("not run");
-    {
-      nb::gil_scoped_release release;
-      auto reader = dcr::DeltaReader::Open(delta_dir);
-      r = reader.ok() ? dcr::ApplyDelta(target.ckpt, *reader) : dcr::Result<dcr::ApplyReport>(reader.status());
-    }
-    return ApplyReportDict(Take(std::move(r)));
-  }, "target"_a, "delta_dir"_a);
+  m.def(
+      "apply_delta",
+      [](PyCheckpoint& target, const std::string& delta_dir) {
+        if (target.ckpt.mode() != dcr::OpenMode::kReadWrite)
+          Raise(dcr::InvalidArgument(target.ckpt.path() + ": opened read-only; open it with writable=True to apply"));
+        dcr::Result<dcr::ApplyReport> r = dcr::Internal("not run");
+        {
+          nb::gil_scoped_release release;
+          auto reader = dcr::DeltaReader::Open(delta_dir);
+          r = reader.ok() ? dcr::ApplyDelta(target.ckpt, *reader) : dcr::Result<dcr::ApplyReport>(reader.status());
+        }
+        return ApplyReportDict(Take(std::move(r)));
+      },
+      "target"_a, "delta_dir"_a);
 
-  m.def("verify_delta", [](const PyCheckpoint& ckpt, const std::string& delta_dir, bool against_base) {
-    dcr::Result<dcr::VerifyReport> r = dcr::Internal("not run");
-    {
-      nb::gil_scoped_release release;
-      auto reader = dcr::DeltaReader::Open(delta_dir);
-      r = reader.ok() ? dcr::VerifyDelta(ckpt.ckpt, reader->manifest(), against_base)
-                      : dcr::Result<dcr::VerifyReport>(reader.status());
-    }
-    dcr::VerifyReport v = Take(std::move(r));
-    return std::make_pair(v.matches, v.differing);
-  }, "checkpoint"_a, "delta_dir"_a, "against_base"_a = false);
+  m.def(
+      "verify_delta",
+      [](const PyCheckpoint& ckpt, const std::string& delta_dir, bool against_base) {
+        dcr::Result<dcr::VerifyReport> r = dcr::Internal("not run");
+        {
+          nb::gil_scoped_release release;
+          auto reader = dcr::DeltaReader::Open(delta_dir);
+          r = reader.ok() ? dcr::VerifyDelta(ckpt.ckpt, reader->manifest(), against_base)
+                          : dcr::Result<dcr::VerifyReport>(reader.status());
+        }
+        dcr::VerifyReport v = Take(std::move(r));
+        return std::make_pair(v.matches, v.differing);
+      },
+      "checkpoint"_a, "delta_dir"_a, "against_base"_a = false);
 
   // The manifest, after checking every frame (checksums, headers): DATA_LOSS otherwise.
-  m.def("inspect_delta", [](const std::string& delta_dir) {
-    dcr::Result<std::string> r = dcr::Internal("not run");
-    {
-      nb::gil_scoped_release release;
-      r = [&]() -> dcr::Result<std::string> {
-        DCR_ASSIGN_OR_RETURN(dcr::DeltaReader reader, dcr::DeltaReader::Open(delta_dir));
-        for (size_t i = 0; i < reader.manifest().frames.size(); ++i) DCR_RETURN_IF_ERROR(reader.Frame(i));
-        return reader.manifest().ToJson();
-      }();
-    }
-    return Take(std::move(r));
-  }, "delta_dir"_a);
+  m.def(
+      "inspect_delta",
+      [](const std::string& delta_dir) {
+        dcr::Result<std::string> r = dcr::Internal("not run");
+        {
+          nb::gil_scoped_release release;
+          r = [&]() -> dcr::Result<std::string> {
+            DCR_ASSIGN_OR_RETURN(dcr::DeltaReader reader, dcr::DeltaReader::Open(delta_dir));
+            for (size_t i = 0; i < reader.manifest().frames.size(); ++i) DCR_RETURN_IF_ERROR(reader.Frame(i));
+            return reader.manifest().ToJson();
+          }();
+        }
+        return Take(std::move(r));
+      },
+      "delta_dir"_a);
 
   // In-memory deltas
   nb::class_<PyDelta>(m, "Delta")
@@ -679,199 +706,252 @@ NB_MODULE(_dcr, m) {
       .def_prop_ro("frame_bytes", [](const PyDelta& d) { return d.manifest.frame_bytes; })
       .def_prop_ro("changed_words", [](const PyDelta& d) { return d.manifest.changed_words; })
       .def_prop_ro("delta_id", [](const PyDelta& d) { return d.manifest.delta_id; })
-      .def_prop_ro("mode", [](const PyDelta& d) {
-        return std::string(d.manifest.delta_class == dcr::DeltaClass::kXorClass ? "xor" : "overwrite");
-      })
+      .def_prop_ro("mode",
+                   [](const PyDelta& d) {
+                     return std::string(d.manifest.delta_class == dcr::DeltaClass::kXorClass ? "xor" : "overwrite");
+                   })
       .def_prop_ro("target_digest", [](const PyDelta& d) { return d.manifest.target_digest.ToHex(); })
       .def_prop_ro("base_digest", [](const PyDelta& d) { return d.manifest.base_digest.ToHex(); })
       .def("write", &WriteDelta, "dir"_a);
 
   // Layouts
-  m.def("validate_layout", [](const std::string& json) {
-    return dcr::LayoutMapToJson(Take(dcr::LayoutMapFromJson(json, "layout")));
-  }, "json"_a, "Validates a layout map; returns its canonical JSON.");
+  m.def(
+      "validate_layout",
+      [](const std::string& json) { return dcr::LayoutMapToJson(Take(dcr::LayoutMapFromJson(json, "layout"))); },
+      "json"_a, "Validates a layout map; returns its canonical JSON.");
 
   nb::class_<PySender>(m, "Sender")
-      .def("__init__", [](PySender* self, const std::string& layout_json, const std::vector<nb::ndarray<>>& buffers) {
-        new (self) PySender(CompileJson(layout_json, "sender layout"), buffers);
-      }, "layout_json"_a, "buffers"_a)
+      .def(
+          "__init__",
+          [](PySender* self, const std::string& layout_json, const std::vector<nb::ndarray<>>& buffers) {
+            new (self) PySender(CompileJson(layout_json, "sender layout"), buffers);
+          },
+          "layout_json"_a, "buffers"_a)
       .def("make_delta", &PySender::MakeDelta, "buffers"_a, "mode"_a, "chunk_elements"_a, "delta_id"_a)
       .def("commit", &PySender::Commit, "delta"_a)
       .def("baseline_digest", &PySender::BaselineDigest);
 
   nb::class_<PyReceiver>(m, "Receiver")
-      .def("__init__", [](PyReceiver* self, const std::string& layout_json, std::vector<nb::ndarray<>> buffers,
-                          std::vector<std::string> residuals) {
-        new (self) PyReceiver(CompileJson(layout_json, "receiver layout"), std::move(buffers), std::move(residuals));
-      }, "layout_json"_a, "buffers"_a, "residuals"_a)
+      .def(
+          "__init__",
+          [](PyReceiver* self, const std::string& layout_json, std::vector<nb::ndarray<>> buffers,
+             std::vector<std::string> residuals) {
+            new (self)
+                PyReceiver(CompileJson(layout_json, "receiver layout"), std::move(buffers), std::move(residuals));
+          },
+          "layout_json"_a, "buffers"_a, "residuals"_a)
       .def("apply", &PyReceiver::Apply, "delta"_a)
       .def("digest", &PyReceiver::Digest);
 
   // Stores
   nb::class_<PyStore>(m, "Store")
       .def_prop_ro("url", [](const PyStore& s) { return s.store->url(); })
-      .def("put", [](PyStore& s, const std::string& key, nb::bytes data, bool create_if_absent) {
-        dcr::Status st;
-        {
-          nb::gil_scoped_release release;
-          st = s.store->Put(key, std::string_view(data.c_str(), data.size()),
-                            create_if_absent ? dcr::WriteMode::kCreateIfAbsent : dcr::WriteMode::kOverwrite);
-        }
-        Check(st);
-      }, "key"_a, "data"_a, "create_if_absent"_a = false)
-      .def("get", [](PyStore& s, const std::string& key) {
-        dcr::Result<std::string> r = dcr::Internal("not run");
-        {
-          nb::gil_scoped_release release;
-          r = s.store->Get(key);
-        }
-        std::string v = Take(std::move(r));
-        return nb::bytes(v.data(), v.size());
-      }, "key"_a)
-      .def("head", [](PyStore& s, const std::string& key) {
-        dcr::Result<dcr::ObjectInfo> r = dcr::Internal("not run");
-        {
-          nb::gil_scoped_release release;
-          r = s.store->Head(key);
-        }
-        dcr::ObjectInfo i = Take(std::move(r));
-        return nb::make_tuple(i.key, i.size, i.etag);
-      }, "key"_a)
-      .def("list", [](PyStore& s, const std::string& prefix) {
-        dcr::Result<std::vector<dcr::ObjectInfo>> r = dcr::Internal("not run");
-        {
-          nb::gil_scoped_release release;
-          r = s.store->List(prefix);
-        }
-        std::vector<nb::tuple> out;
-        for (const auto& i : Take(std::move(r))) out.push_back(nb::make_tuple(i.key, i.size, i.etag));
-        return out;
-      }, "prefix"_a = "")
-      .def("delete", [](PyStore& s, const std::string& key) {
-        dcr::Status st;
-        {
-          nb::gil_scoped_release release;
-          st = s.store->Delete(key);
-        }
-        Check(st);
-      }, "key"_a);
+      .def(
+          "put",
+          [](PyStore& s, const std::string& key, nb::bytes data, bool create_if_absent) {
+            dcr::Status st;
+            {
+              nb::gil_scoped_release release;
+              st = s.store->Put(key, std::string_view(data.c_str(), data.size()),
+                                create_if_absent ? dcr::WriteMode::kCreateIfAbsent : dcr::WriteMode::kOverwrite);
+            }
+            Check(st);
+          },
+          "key"_a, "data"_a, "create_if_absent"_a = false)
+      .def(
+          "get",
+          [](PyStore& s, const std::string& key) {
+            dcr::Result<std::string> r = dcr::Internal("not run");
+            {
+              nb::gil_scoped_release release;
+              r = s.store->Get(key);
+            }
+            std::string v = Take(std::move(r));
+            return nb::bytes(v.data(), v.size());
+          },
+          "key"_a)
+      .def(
+          "head",
+          [](PyStore& s, const std::string& key) {
+            dcr::Result<dcr::ObjectInfo> r = dcr::Internal("not run");
+            {
+              nb::gil_scoped_release release;
+              r = s.store->Head(key);
+            }
+            dcr::ObjectInfo i = Take(std::move(r));
+            return nb::make_tuple(i.key, i.size, i.etag);
+          },
+          "key"_a)
+      .def(
+          "list",
+          [](PyStore& s, const std::string& prefix) {
+            dcr::Result<std::vector<dcr::ObjectInfo>> r = dcr::Internal("not run");
+            {
+              nb::gil_scoped_release release;
+              r = s.store->List(prefix);
+            }
+            std::vector<nb::tuple> out;
+            for (const auto& i : Take(std::move(r))) out.push_back(nb::make_tuple(i.key, i.size, i.etag));
+            return out;
+          },
+          "prefix"_a = "")
+      .def(
+          "delete",
+          [](PyStore& s, const std::string& key) {
+            dcr::Status st;
+            {
+              nb::gil_scoped_release release;
+              st = s.store->Delete(key);
+            }
+            Check(st);
+          },
+          "key"_a);
 
-  m.def("default_publisher_state_dir", [](const std::string& store_url) {
-    return Take(dcr::DefaultPublisherStateDir(store_url));
-  }, "store_url"_a);
-  m.def("open_store", [](const std::string& url, bool create_root) {
-    dcr::OpenStoreOptions o;
-    o.create_root = create_root;
-    dcr::Result<std::unique_ptr<dcr::Store>> r = dcr::Internal("not run");
-    {
-      nb::gil_scoped_release release;
-      r = dcr::OpenStore(url, o);
-    }
-    return new PyStore{Take(std::move(r))};
-  }, "url"_a, "create_root"_a = true, nb::rv_policy::take_ownership);
+  m.def(
+      "default_publisher_state_dir",
+      [](const std::string& store_url) { return Take(dcr::DefaultPublisherStateDir(store_url)); }, "store_url"_a);
+  m.def(
+      "open_store",
+      [](const std::string& url, bool create_root) {
+        dcr::OpenStoreOptions o;
+        o.create_root = create_root;
+        dcr::Result<std::unique_ptr<dcr::Store>> r = dcr::Internal("not run");
+        {
+          nb::gil_scoped_release release;
+          r = dcr::OpenStore(url, o);
+        }
+        return new PyStore{Take(std::move(r))};
+      },
+      "url"_a, "create_root"_a = true, nb::rv_policy::take_ownership);
 
   // The protocol
   nb::class_<PyPublisher>(m, "Publisher")
-      .def("__init__", [](PyPublisher* self, PyStore& store, const std::string& state_dir, uint32_t senders,
-                          uint32_t max_attempts, double ack_timeout_s, double heartbeat_timeout_s,
-                          uint64_t snapshot_every, uint64_t chunk_elements) {
-        Interruptible interrupt;
-        dcr::PublishOptions o =
-            MakePublishOptions(senders, max_attempts, ack_timeout_s, heartbeat_timeout_s, snapshot_every, chunk_elements);
-        o.cancel = interrupt.Hook();
-        new (self) PyPublisher{dcr::Publisher(*store.store, state_dir, std::move(o)), interrupt};
-      }, "store"_a, "state_dir"_a, "senders"_a, "max_attempts"_a, "ack_timeout_s"_a, "heartbeat_timeout_s"_a,
-           "snapshot_every"_a, "chunk_elements"_a, nb::keep_alive<1, 2>())
-      .def("publish", [](PyPublisher& p, uint64_t version, const PyCheckpoint& next) {
-        return p.interrupt.Run([&] { return p.publisher.Publish(version, next.ckpt); });
-      }, "version"_a, "checkpoint"_a);
+      .def(
+          "__init__",
+          [](PyPublisher* self, PyStore& store, const std::string& state_dir, uint32_t senders, uint32_t max_attempts,
+             double ack_timeout_s, double heartbeat_timeout_s, uint64_t snapshot_every, uint64_t chunk_elements) {
+            Interruptible interrupt;
+            dcr::PublishOptions o = MakePublishOptions(senders, max_attempts, ack_timeout_s, heartbeat_timeout_s,
+                                                       snapshot_every, chunk_elements);
+            o.cancel = interrupt.Hook();
+            new (self) PyPublisher{dcr::Publisher(*store.store, state_dir, std::move(o)), interrupt};
+          },
+          "store"_a, "state_dir"_a, "senders"_a, "max_attempts"_a, "ack_timeout_s"_a, "heartbeat_timeout_s"_a,
+          "snapshot_every"_a, "chunk_elements"_a, nb::keep_alive<1, 2>())
+      .def(
+          "publish",
+          [](PyPublisher& p, uint64_t version, const PyCheckpoint& next) {
+            return p.interrupt.Run([&] { return p.publisher.Publish(version, next.ckpt); });
+          },
+          "version"_a, "checkpoint"_a);
 
   nb::class_<PyFollower>(m, "Follower")
-      .def("__init__", [](PyFollower* self, PyStore& store, const std::string& target, const std::string& id,
-                          double poll_s, bool quiet, const std::vector<std::string>& relay, const std::string& relay_key,
-                          const std::string& relay_pub, bool relay_insecure) {
-        dcr::FollowOptions o = MakeFollowOptions(id.empty() ? dcr::DefaultReceiverId() : id, poll_s, quiet);
-        auto relayed = StartRelay(o.id, relay, relay_key, relay_pub, relay_insecure, quiet);
-        o.relay = relayed.get();
-        auto follower = std::make_unique<dcr::Follower>(*store.store, target, std::move(o));
-        new (self) PyFollower{std::move(relayed), std::move(follower)};
-      }, "store"_a, "target"_a, "id"_a, "poll_s"_a, "quiet"_a, "relay"_a, "relay_key"_a, "relay_pub"_a,
-           "relay_insecure"_a, nb::keep_alive<1, 2>())
-      .def("run", [](PyFollower& f, std::optional<uint64_t> until, std::optional<double> timeout_s,
-                     nb::object on_version) { return RunFollowing(*f.follower, "Follower.run", until, timeout_s, on_version);
-      }, "until"_a = nb::none(), "timeout_s"_a = nb::none(), "on_version"_a = nb::none())
+      .def(
+          "__init__",
+          [](PyFollower* self, PyStore& store, const std::string& target, const std::string& id, double poll_s,
+             bool quiet, const std::vector<std::string>& relay, const std::string& relay_key,
+             const std::string& relay_pub, bool relay_insecure) {
+            dcr::FollowOptions o = MakeFollowOptions(id.empty() ? dcr::DefaultReceiverId() : id, poll_s, quiet);
+            auto relayed = StartRelay(o.id, relay, relay_key, relay_pub, relay_insecure, quiet);
+            o.relay = relayed.get();
+            auto follower = std::make_unique<dcr::Follower>(*store.store, target, std::move(o));
+            new (self) PyFollower{std::move(relayed), std::move(follower)};
+          },
+          "store"_a, "target"_a, "id"_a, "poll_s"_a, "quiet"_a, "relay"_a, "relay_key"_a, "relay_pub"_a,
+          "relay_insecure"_a, nb::keep_alive<1, 2>())
+      .def(
+          "run",
+          [](PyFollower& f, std::optional<uint64_t> until, std::optional<double> timeout_s, nb::object on_version) {
+            return RunFollowing(*f.follower, "Follower.run", until, timeout_s, on_version);
+          },
+          "until"_a = nb::none(), "timeout_s"_a = nb::none(), "on_version"_a = nb::none())
       .def_prop_ro("version", [](const PyFollower& f) { return f.follower->version(); });
 
   nb::class_<PyRankFollower>(m, "RankFollower")
-      .def("__init__", [](PyRankFollower* self, PyStore& store, const std::string& layout_json,
-                          std::vector<nb::ndarray<>> buffers, const std::string& state_dir, const std::string& engine,
-                          uint32_t rank, uint32_t ranks, const std::string& id, double poll_s, bool quiet,
-                          const std::vector<std::string>& relay, const std::string& relay_key,
-                          const std::string& relay_pub, bool relay_insecure) {
-        auto layout = std::make_unique<dcr::CompiledLayout>(CompileJson(layout_json, "receiver layout"));
-        std::vector<std::span<uint8_t>> spans = RankBuffers(*layout, buffers, "Receiver.follow");
-        const dcr::PlacedRank placed{layout.get(), spans};
-        dcr::FollowOptions o = MakeFollowOptions(id.empty() ? engine + "-r" + std::to_string(rank) : id, poll_s, quiet);
-        auto relayed = StartRelay(o.id, relay, relay_key, relay_pub, relay_insecure, quiet);
-        o.relay = relayed.get();
-        auto follower = std::make_unique<dcr::RankFollower>(*store.store, placed, state_dir,
-                                                            dcr::EngineRank{engine, rank, ranks}, std::move(o));
-        new (self) PyRankFollower{std::move(layout), std::move(buffers), std::move(relayed), std::move(follower)};
-      }, "store"_a, "layout"_a, "buffers"_a, "state_dir"_a, "engine"_a, "rank"_a, "ranks"_a, "id"_a, "poll_s"_a,
-           "quiet"_a, "relay"_a, "relay_key"_a, "relay_pub"_a, "relay_insecure"_a, nb::keep_alive<1, 2>())
-      .def("run", [](PyRankFollower& f, std::optional<uint64_t> until, std::optional<double> timeout_s,
-                     nb::object on_version) {
-        return RunFollowing(*f.follower, "Receiver.follow", until, timeout_s, on_version);
-      }, "until"_a = nb::none(), "timeout_s"_a = nb::none(), "on_version"_a = nb::none())
+      .def(
+          "__init__",
+          [](PyRankFollower* self, PyStore& store, const std::string& layout_json, std::vector<nb::ndarray<>> buffers,
+             const std::string& state_dir, const std::string& engine, uint32_t rank, uint32_t ranks,
+             const std::string& id, double poll_s, bool quiet, const std::vector<std::string>& relay,
+             const std::string& relay_key, const std::string& relay_pub, bool relay_insecure) {
+            auto layout = std::make_unique<dcr::CompiledLayout>(CompileJson(layout_json, "receiver layout"));
+            std::vector<std::span<uint8_t>> spans = RankBuffers(*layout, buffers, "Receiver.follow");
+            const dcr::PlacedRank placed{layout.get(), spans};
+            dcr::FollowOptions o =
+                MakeFollowOptions(id.empty() ? engine + "-r" + std::to_string(rank) : id, poll_s, quiet);
+            auto relayed = StartRelay(o.id, relay, relay_key, relay_pub, relay_insecure, quiet);
+            o.relay = relayed.get();
+            auto follower = std::make_unique<dcr::RankFollower>(*store.store, placed, state_dir,
+                                                                dcr::EngineRank{engine, rank, ranks}, std::move(o));
+            new (self) PyRankFollower{std::move(layout), std::move(buffers), std::move(relayed), std::move(follower)};
+          },
+          "store"_a, "layout"_a, "buffers"_a, "state_dir"_a, "engine"_a, "rank"_a, "ranks"_a, "id"_a, "poll_s"_a,
+          "quiet"_a, "relay"_a, "relay_key"_a, "relay_pub"_a, "relay_insecure"_a, nb::keep_alive<1, 2>())
+      .def(
+          "run",
+          [](PyRankFollower& f, std::optional<uint64_t> until, std::optional<double> timeout_s, nb::object on_version) {
+            return RunFollowing(*f.follower, "Receiver.follow", until, timeout_s, on_version);
+          },
+          "until"_a = nb::none(), "timeout_s"_a = nb::none(), "on_version"_a = nb::none())
       .def_prop_ro("version", [](const PyRankFollower& f) { return f.follower->version(); })
-      .def("take_changed", [](PyRankFollower& f) { return f.follower->TakeChangedTensors(); },
-           "The map's tensors Run may have written since the last call (from run's on_version, or after run).");
+      .def(
+          "take_changed", [](PyRankFollower& f) { return f.follower->TakeChangedTensors(); },
+          "The map's tensors Run may have written since the last call (from run's on_version, or after run).");
 
   nb::class_<PyShardPublisher>(m, "ShardPublisher")
-      .def("__init__", [](PyShardPublisher* self, PyStore& store, const std::string& state_dir,
-                          const std::vector<std::string>& layouts, uint32_t senders, uint32_t max_attempts,
-                          double ack_timeout_s, double heartbeat_timeout_s, uint64_t snapshot_every,
-                          uint64_t chunk_elements, uint32_t process, uint32_t processes,
-                          const std::vector<std::string>& all_layouts, const std::vector<uint32_t>& placement,
-                          double peer_timeout_s, const std::vector<std::string>& inject_failures) {
-        std::vector<std::unique_ptr<dcr::CompiledLayout>> compiled, all;
-        for (size_t k = 0; k < layouts.size(); ++k)
-          compiled.push_back(std::make_unique<dcr::CompiledLayout>(
-              CompileJson(layouts[k], "sender " + std::to_string(k) + "'s layout")));
-        for (size_t k = 0; k < all_layouts.size(); ++k)
-          all.push_back(std::make_unique<dcr::CompiledLayout>(
-              CompileJson(all_layouts[k], "global sender " + std::to_string(k) + "'s layout")));
-        Interruptible interrupt;
-        dcr::PublishOptions o = MakePublishOptions(senders, max_attempts, ack_timeout_s, heartbeat_timeout_s,
-                                                   snapshot_every, chunk_elements);
-        o.peer_timeout = std::chrono::milliseconds(static_cast<int64_t>(peer_timeout_s * 1000));
-        o.cancel = interrupt.Hook();
-        o.fault = InjectedFailures(inject_failures);
-        auto publisher = std::make_unique<dcr::ShardPublisher>(*store.store, state_dir, std::move(o));
-        new (self) PyShardPublisher{std::move(compiled), std::move(all), dcr::ShardProcesses{process, processes, placement},
-                                    std::move(publisher), interrupt};
-      }, "store"_a, "state_dir"_a, "layouts"_a, "senders"_a, "max_attempts"_a, "ack_timeout_s"_a,
-           "heartbeat_timeout_s"_a, "snapshot_every"_a, "chunk_elements"_a, "process"_a = 0, "processes"_a = 1,
-           "all_layouts"_a = std::vector<std::string>{}, "placement"_a = std::vector<uint32_t>{},
-           "peer_timeout_s"_a = 60.0, "inject_failures"_a = std::vector<std::string>{}, nb::keep_alive<1, 2>())
-      .def("adopt", [](PyShardPublisher& p, uint64_t version, const std::vector<std::vector<nb::ndarray<>>>& buffers,
-                       const std::vector<nb::object>& stagers) {
-        std::vector<dcr::ShardSource> sources = ShardSources(p, buffers, stagers, "ShardPublisher.adopt");
-        dcr::Status s;
-        {
-          nb::gil_scoped_release release;
-          s = p.publisher->Adopt(version, sources);
-        }
-        Check(s);
-      }, "version"_a, "buffers"_a, "stagers"_a = std::vector<nb::object>{})
-      .def("publish", [](PyShardPublisher& p, uint64_t version, const std::vector<std::vector<nb::ndarray<>>>& buffers,
-                         const std::vector<nb::object>& stagers) {
-        std::vector<dcr::ShardSource> sources = ShardSources(p, buffers, stagers, "ShardPublisher.publish");
-        return p.interrupt.Run([&] {
-          if (p.all.empty()) return p.publisher->Publish(version, sources);
-          std::vector<const dcr::CompiledLayout*> maps;
-          for (const auto& l : p.all) maps.push_back(l.get());
-          return p.publisher->Publish(version, maps, sources, p.procs);
-        });
-      }, "version"_a, "buffers"_a, "stagers"_a = std::vector<nb::object>{});
+      .def(
+          "__init__",
+          [](PyShardPublisher* self, PyStore& store, const std::string& state_dir,
+             const std::vector<std::string>& layouts, uint32_t senders, uint32_t max_attempts, double ack_timeout_s,
+             double heartbeat_timeout_s, uint64_t snapshot_every, uint64_t chunk_elements, uint32_t process,
+             uint32_t processes, const std::vector<std::string>& all_layouts, const std::vector<uint32_t>& placement,
+             double peer_timeout_s, const std::vector<std::string>& inject_failures) {
+            std::vector<std::unique_ptr<dcr::CompiledLayout>> compiled, all;
+            for (size_t k = 0; k < layouts.size(); ++k)
+              compiled.push_back(std::make_unique<dcr::CompiledLayout>(
+                  CompileJson(layouts[k], "sender " + std::to_string(k) + "'s layout")));
+            for (size_t k = 0; k < all_layouts.size(); ++k)
+              all.push_back(std::make_unique<dcr::CompiledLayout>(
+                  CompileJson(all_layouts[k], "global sender " + std::to_string(k) + "'s layout")));
+            Interruptible interrupt;
+            dcr::PublishOptions o = MakePublishOptions(senders, max_attempts, ack_timeout_s, heartbeat_timeout_s,
+                                                       snapshot_every, chunk_elements);
+            o.peer_timeout = std::chrono::milliseconds(static_cast<int64_t>(peer_timeout_s * 1000));
+            o.cancel = interrupt.Hook();
+            o.fault = InjectedFailures(inject_failures);
+            auto publisher = std::make_unique<dcr::ShardPublisher>(*store.store, state_dir, std::move(o));
+            new (self)
+                PyShardPublisher{std::move(compiled), std::move(all),
+                                 dcr::ShardProcesses{process, processes, placement}, std::move(publisher), interrupt};
+          },
+          "store"_a, "state_dir"_a, "layouts"_a, "senders"_a, "max_attempts"_a, "ack_timeout_s"_a,
+          "heartbeat_timeout_s"_a, "snapshot_every"_a, "chunk_elements"_a, "process"_a = 0, "processes"_a = 1,
+          "all_layouts"_a = std::vector<std::string>{}, "placement"_a = std::vector<uint32_t>{},
+          "peer_timeout_s"_a = 60.0, "inject_failures"_a = std::vector<std::string>{}, nb::keep_alive<1, 2>())
+      .def(
+          "adopt",
+          [](PyShardPublisher& p, uint64_t version, const std::vector<std::vector<nb::ndarray<>>>& buffers,
+             const std::vector<nb::object>& stagers) {
+            std::vector<dcr::ShardSource> sources = ShardSources(p, buffers, stagers, "ShardPublisher.adopt");
+            dcr::Status s;
+            {
+              nb::gil_scoped_release release;
+              s = p.publisher->Adopt(version, sources);
+            }
+            Check(s);
+          },
+          "version"_a, "buffers"_a, "stagers"_a = std::vector<nb::object>{})
+      .def(
+          "publish",
+          [](PyShardPublisher& p, uint64_t version, const std::vector<std::vector<nb::ndarray<>>>& buffers,
+             const std::vector<nb::object>& stagers) {
+            std::vector<dcr::ShardSource> sources = ShardSources(p, buffers, stagers, "ShardPublisher.publish");
+            return p.interrupt.Run([&] {
+              if (p.all.empty()) return p.publisher->Publish(version, sources);
+              std::vector<const dcr::CompiledLayout*> maps;
+              for (const auto& l : p.all) maps.push_back(l.get());
+              return p.publisher->Publish(version, maps, sources, p.procs);
+            });
+          },
+          "version"_a, "buffers"_a, "stagers"_a = std::vector<nb::object>{});
 }

@@ -12,9 +12,7 @@
 
 namespace dcr {
 
-uint64_t Xxh3_64(const void* data, size_t size, uint64_t seed) {
-  return XXH3_64bits_withSeed(data, size, seed);
-}
+uint64_t Xxh3_64(const void* data, size_t size, uint64_t seed) { return XXH3_64bits_withSeed(data, size, seed); }
 
 namespace {
 
@@ -83,9 +81,8 @@ uint32_t Crc32cPortable(const void* data, size_t size, uint32_t crc) {
     std::memcpy(&lo, p, 4);
     std::memcpy(&hi, p + 4, 4);
     lo ^= c;
-    c = kTables.t[7][lo & 0xFF] ^ kTables.t[6][(lo >> 8) & 0xFF] ^
-        kTables.t[5][(lo >> 16) & 0xFF] ^ kTables.t[4][lo >> 24] ^
-        kTables.t[3][hi & 0xFF] ^ kTables.t[2][(hi >> 8) & 0xFF] ^
+    c = kTables.t[7][lo & 0xFF] ^ kTables.t[6][(lo >> 8) & 0xFF] ^ kTables.t[5][(lo >> 16) & 0xFF] ^
+        kTables.t[4][lo >> 24] ^ kTables.t[3][hi & 0xFF] ^ kTables.t[2][(hi >> 8) & 0xFF] ^
         kTables.t[1][(hi >> 16) & 0xFF] ^ kTables.t[0][hi >> 24];
     p += 8;
     size -= 8;

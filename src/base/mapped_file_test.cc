@@ -1,5 +1,5 @@
-#include "testing/temp_dir.h"
 #include "dcr/mapped_file.h"
+#include "testing/temp_dir.h"
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>
@@ -21,7 +21,6 @@ namespace fs = std::filesystem;
 
 class MappedFileTest : public testing::TempDirTest {
  protected:
-
   static void WriteFile(const std::string& path, const std::string& bytes) {
     std::ofstream out(path, std::ios::binary | std::ios::trunc);
     out << bytes;
@@ -31,7 +30,6 @@ class MappedFileTest : public testing::TempDirTest {
     std::ifstream in(path, std::ios::binary);
     return std::string(std::istreambuf_iterator<char>(in), {});
   }
-
 };
 
 TEST_F(MappedFileTest, DefaultIsEmpty) {
@@ -91,7 +89,7 @@ TEST_F(MappedFileTest, WritableOpenWritesThroughAndIsVisibleAfterReopen) {
     f->mutable_data()[5000] = 'Y';
     f->mutable_data()[9999] = 'Z';
     ASSERT_TRUE(f->Sync(5000, 1).ok());
-    ASSERT_TRUE(f->Sync(4090, 100).ok());      // straddles a page boundary
+    ASSERT_TRUE(f->Sync(4090, 100).ok());  // straddles a page boundary
     ASSERT_TRUE(f->Sync(9000, 1 << 20).ok());  // runs past the end: clamped
     ASSERT_TRUE(f->Sync(0, 0).ok());
     // Another mapping of the same file sees the stores at once (shared).
@@ -123,8 +121,8 @@ TEST_F(MappedFileTest, SyncWithRangePastTheEndIsHarmless) {
   ASSERT_TRUE(f.ok());
   f->mutable_data()[99] = 1;
   EXPECT_TRUE(f->Sync(50, ~0ull - 10).ok());  // offset + len wraps
-  EXPECT_TRUE(f->Sync(100, 10).ok());         // starts at the end
-  EXPECT_TRUE(f->Sync(1 << 20, 10).ok());     // starts far past the end
+  EXPECT_TRUE(f->Sync(100, 10).ok());  // starts at the end
+  EXPECT_TRUE(f->Sync(1 << 20, 10).ok());  // starts far past the end
   EXPECT_TRUE(f->Sync().ok());
   EXPECT_EQ(ReadFile(path)[99], '\x01');
 }

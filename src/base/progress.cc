@@ -34,9 +34,17 @@ Result<uint64_t> ParseBytes(const std::string& text) {
   const double value = std::strtod(begin, &end);
   if (end == begin) return InvalidArgument("'" + text + "' is not a size (try 64MB, 1.5GiB or 4096)");
   const std::string unit(end);
-  static const std::pair<const char*, double> kUnits[] = {
-      {"", 1}, {"B", 1}, {"kB", 1e3}, {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12},
-      {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}};
+  static const std::pair<const char*, double> kUnits[] = {{"", 1},
+                                                          {"B", 1},
+                                                          {"kB", 1e3},
+                                                          {"KB", 1e3},
+                                                          {"MB", 1e6},
+                                                          {"GB", 1e9},
+                                                          {"TB", 1e12},
+                                                          {"KiB", 1024.0},
+                                                          {"MiB", 1048576.0},
+                                                          {"GiB", 1073741824.0},
+                                                          {"TiB", 1099511627776.0}};
   for (const auto& [name, scale] : kUnits)
     if (unit == name) {
       const double bytes = value * scale;

@@ -59,15 +59,30 @@ Status ErrnoError(int err, std::string_view what) {
   m += std::strerror(err);
   Code code = Code::kInternal;
   switch (err) {
-    case ENOENT: case ENOTDIR: code = Code::kNotFound; break;
-    case EEXIST: case ENOTEMPTY: code = Code::kAlreadyExists; break;
-    case EACCES: case EPERM: code = Code::kPermissionDenied; break;
-    case EROFS: case EISDIR: case EINVAL: case ENAMETOOLONG:
-    case ELOOP: case EFBIG:
-      code = Code::kInvalidArgument; break;
-    case ENOSPC: case EDQUOT: case ENOMEM: case EAGAIN: case EINTR: case EBUSY: case EMFILE:
-    case ENFILE: case ETIMEDOUT: case ECONNREFUSED: case ECONNRESET: case EPIPE:
-      code = Code::kUnavailable; break;
+    case ENOENT:
+    case ENOTDIR: code = Code::kNotFound; break;
+    case EEXIST:
+    case ENOTEMPTY: code = Code::kAlreadyExists; break;
+    case EACCES:
+    case EPERM: code = Code::kPermissionDenied; break;
+    case EROFS:
+    case EISDIR:
+    case EINVAL:
+    case ENAMETOOLONG:
+    case ELOOP:
+    case EFBIG: code = Code::kInvalidArgument; break;
+    case ENOSPC:
+    case EDQUOT:
+    case ENOMEM:
+    case EAGAIN:
+    case EINTR:
+    case EBUSY:
+    case EMFILE:
+    case ENFILE:
+    case ETIMEDOUT:
+    case ECONNREFUSED:
+    case ECONNRESET:
+    case EPIPE: code = Code::kUnavailable; break;
     case EIO: code = Code::kDataLoss; break;
     default: break;
   }

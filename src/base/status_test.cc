@@ -13,10 +13,9 @@ namespace dcr {
 namespace {
 
 constexpr Code kAllCodes[] = {
-    Code::kOk,          Code::kInvalidArgument,  Code::kNotFound, Code::kAlreadyExists,
-    Code::kFailedPrecondition, Code::kAborted,   Code::kUnavailable, Code::kDeadlineExceeded,
-    Code::kDataLoss,    Code::kUnimplemented,    Code::kInternal, Code::kPermissionDenied,
-    Code::kOutOfRange,
+    Code::kOk,       Code::kInvalidArgument,  Code::kNotFound,         Code::kAlreadyExists, Code::kFailedPrecondition,
+    Code::kAborted,  Code::kUnavailable,      Code::kDeadlineExceeded, Code::kDataLoss,      Code::kUnimplemented,
+    Code::kInternal, Code::kPermissionDenied, Code::kOutOfRange,
 };
 
 TEST(StatusTest, DefaultIsOk) {
@@ -57,11 +56,16 @@ TEST(StatusTest, ConstructorsSetCodeAndMessage) {
     Code code;
   };
   const Case cases[] = {
-      {InvalidArgument, Code::kInvalidArgument},   {NotFound, Code::kNotFound},
-      {AlreadyExists, Code::kAlreadyExists},       {FailedPrecondition, Code::kFailedPrecondition},
-      {Aborted, Code::kAborted},                   {Unavailable, Code::kUnavailable},
-      {DeadlineExceeded, Code::kDeadlineExceeded}, {DataLoss, Code::kDataLoss},
-      {Unimplemented, Code::kUnimplemented},       {Internal, Code::kInternal},
+      {InvalidArgument, Code::kInvalidArgument},
+      {NotFound, Code::kNotFound},
+      {AlreadyExists, Code::kAlreadyExists},
+      {FailedPrecondition, Code::kFailedPrecondition},
+      {Aborted, Code::kAborted},
+      {Unavailable, Code::kUnavailable},
+      {DeadlineExceeded, Code::kDeadlineExceeded},
+      {DataLoss, Code::kDataLoss},
+      {Unimplemented, Code::kUnimplemented},
+      {Internal, Code::kInternal},
   };
   for (const auto& c : cases) {
     const Status s = c.make("boom 42");
@@ -111,19 +115,32 @@ TEST(StatusTest, ErrnoErrorMapping) {
     Code code;
   };
   const Case cases[] = {
-      {ENOENT, Code::kNotFound},          {ENOTDIR, Code::kNotFound},
-      {EEXIST, Code::kAlreadyExists},     {ENOTEMPTY, Code::kAlreadyExists},
-      {EACCES, Code::kPermissionDenied},  {EPERM, Code::kPermissionDenied},
-      {EROFS, Code::kInvalidArgument},    {EISDIR, Code::kInvalidArgument},
-      {EINVAL, Code::kInvalidArgument},   {ENAMETOOLONG, Code::kInvalidArgument},
-      {ELOOP, Code::kInvalidArgument},    {EFBIG, Code::kInvalidArgument},
-      {ENOSPC, Code::kUnavailable},       {EDQUOT, Code::kUnavailable},
-      {ENOMEM, Code::kUnavailable},       {EAGAIN, Code::kUnavailable},
-      {EINTR, Code::kUnavailable},        {EBUSY, Code::kUnavailable},
-      {EMFILE, Code::kUnavailable},       {ENFILE, Code::kUnavailable},
-      {ETIMEDOUT, Code::kUnavailable},    {ECONNREFUSED, Code::kUnavailable},
-      {ECONNRESET, Code::kUnavailable},   {EPIPE, Code::kUnavailable},
-      {EIO, Code::kDataLoss},             {EXDEV, Code::kInternal},
+      {ENOENT, Code::kNotFound},
+      {ENOTDIR, Code::kNotFound},
+      {EEXIST, Code::kAlreadyExists},
+      {ENOTEMPTY, Code::kAlreadyExists},
+      {EACCES, Code::kPermissionDenied},
+      {EPERM, Code::kPermissionDenied},
+      {EROFS, Code::kInvalidArgument},
+      {EISDIR, Code::kInvalidArgument},
+      {EINVAL, Code::kInvalidArgument},
+      {ENAMETOOLONG, Code::kInvalidArgument},
+      {ELOOP, Code::kInvalidArgument},
+      {EFBIG, Code::kInvalidArgument},
+      {ENOSPC, Code::kUnavailable},
+      {EDQUOT, Code::kUnavailable},
+      {ENOMEM, Code::kUnavailable},
+      {EAGAIN, Code::kUnavailable},
+      {EINTR, Code::kUnavailable},
+      {EBUSY, Code::kUnavailable},
+      {EMFILE, Code::kUnavailable},
+      {ENFILE, Code::kUnavailable},
+      {ETIMEDOUT, Code::kUnavailable},
+      {ECONNREFUSED, Code::kUnavailable},
+      {ECONNRESET, Code::kUnavailable},
+      {EPIPE, Code::kUnavailable},
+      {EIO, Code::kDataLoss},
+      {EXDEV, Code::kInternal},
       {EDOM, Code::kInternal},
   };
   for (const auto& c : cases) {

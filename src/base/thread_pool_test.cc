@@ -148,16 +148,12 @@ class ScopedEnv {
  public:
   ScopedEnv(const char* name, const char* value) : name_(name) {
     if (const char* old = std::getenv(name)) old_ = old;
-    if (value)
-      ::setenv(name, value, 1);
-    else
-      ::unsetenv(name);
+    if (value) ::setenv(name, value, 1);
+    else ::unsetenv(name);
   }
   ~ScopedEnv() {
-    if (old_)
-      ::setenv(name_.c_str(), old_->c_str(), 1);
-    else
-      ::unsetenv(name_.c_str());
+    if (old_) ::setenv(name_.c_str(), old_->c_str(), 1);
+    else ::unsetenv(name_.c_str());
   }
 
  private:
@@ -176,8 +172,8 @@ TEST(DefaultThreadCountTest, ParsesDcrThreads) {
     size_t expected;  // 0: hardware concurrency
   };
   const Case cases[] = {
-      {"1", 1},     {"3", 3},      {"17", 17}, {"4096", 4096}, {"4097", 0}, {"0", 0},
-      {"-2", 0},    {"", 0},       {"abc", 0}, {"4x", 0},      {"2.5", 0},  {"99999999999999999999", 0},
+      {"1", 1},  {"3", 3}, {"17", 17}, {"4096", 4096}, {"4097", 0}, {"0", 0},
+      {"-2", 0}, {"", 0},  {"abc", 0}, {"4x", 0},      {"2.5", 0},  {"99999999999999999999", 0},
   };
   for (const auto& c : cases) {
     ScopedEnv env("DCR_THREADS", c.value);

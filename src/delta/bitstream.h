@@ -94,7 +94,7 @@ class BitReader {
   [[gnu::always_inline]] void Refill() {
     uint64_t w;
     std::memcpy(&w, p_, 8);  // little-endian host (see frame.cc)
-    acc_ |= w << bits_;      // the bits above bits_ are the same data again, or zero
+    acc_ |= w << bits_;  // the bits above bits_ are the same data again, or zero
     p_ += (63 - bits_) >> 3;
     bits_ |= 56;
   }

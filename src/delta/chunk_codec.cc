@@ -71,14 +71,16 @@ inline uint64_t MagnitudeMinus1(U v, uint64_t* negative) {
 template <WordImage image, typename U>
 inline U ToImage(U x) {
   constexpr U kSign = static_cast<U>(U{1} << (kWordBits<U> - 1));
-  if constexpr (image == WordImage::kSignMagnitude) return static_cast<U>(x ^ (static_cast<U>(0 - (x >> (kWordBits<U> - 1))) | kSign));
+  if constexpr (image == WordImage::kSignMagnitude)
+    return static_cast<U>(x ^ (static_cast<U>(0 - (x >> (kWordBits<U> - 1))) | kSign));
   else if constexpr (image == WordImage::kTwosComplement) return static_cast<U>(x ^ kSign);
   else return x;
 }
 template <WordImage image, typename U>
 inline U FromImage(U y) {
   constexpr U kSign = static_cast<U>(U{1} << (kWordBits<U> - 1));
-  if constexpr (image == WordImage::kSignMagnitude) return static_cast<U>(y ^ (static_cast<U>((y >> (kWordBits<U> - 1)) - 1) | kSign));
+  if constexpr (image == WordImage::kSignMagnitude)
+    return static_cast<U>(y ^ (static_cast<U>((y >> (kWordBits<U> - 1)) - 1) | kSign));
   else if constexpr (image == WordImage::kTwosComplement) return static_cast<U>(y ^ kSign);
   else return y;
 }
@@ -109,7 +111,7 @@ inline void WithWordType(uint32_t wb, F&& f) {
   }
 }
 constexpr kernels::Image KernelImage(WordImage image) {
-  return image == WordImage::kSignMagnitude   ? kernels::Image::kFloat
+  return image == WordImage::kSignMagnitude    ? kernels::Image::kFloat
          : image == WordImage::kTwosComplement ? kernels::Image::kSigned
                                                : kernels::Image::kUnsigned;
 }
@@ -318,14 +320,14 @@ RiceChoice ChooseRice(size_t n, size_t stride, Get get, uint32_t escape_bits, ui
 // ---- the sparse payload -----------------------------------------------------------
 
 enum class ValueCoding : uint8_t {
-  kRaw = 0,            // word bits as they are (overwrite: the new word)
+  kRaw = 0,  // word bits as they are (overwrite: the new word)
   kSignExpGolomb = 1,  // add: the sign bit, then Exp-Golomb of |delta| - 1
-  kXorLength = 2,      // xor: Exp-Golomb of bit length - 1, then the bits below the top one
+  kXorLength = 2,  // xor: Exp-Golomb of bit length - 1, then the bits below the top one
 };
 constexpr size_t kSparsePrefix = 4;  // value coding, gap k, value k, reserved
 
 template <ValueCoding coding>
-constexpr Mode kModeOf = coding == ValueCoding::kRaw ? Mode::kOverwrite
+constexpr Mode kModeOf = coding == ValueCoding::kRaw         ? Mode::kOverwrite
                          : coding == ValueCoding::kXorLength ? Mode::kXor
                                                              : Mode::kAdd;
 
@@ -416,7 +418,8 @@ template <typename U, ValueCoding coding, WordImage image>
         if constexpr (coding == ValueCoding::kSignExpGolomb) code = negative | (code << 1);
         else code |= (v ^ (1ull << low)) << (zeros + len);
       }
-      w.Put((1ull << q) | ((g & gap_mask) << (q + 1)) | (code << gap_bits), static_cast<uint32_t>(gap_bits) + value_bits);
+      w.Put((1ull << q) | ((g & gap_mask) << (q + 1)) | (code << gap_bits),
+            static_cast<uint32_t>(gap_bits) + value_bits);
     } else {
       uint8_t general[32];
       const uint32_t bits = GeneralCode<U, coding>(g, v, gap_k, value_k, general);
@@ -538,8 +541,8 @@ void BuildAddDecodeTable(uint32_t word_bits, uint32_t gap_k, uint32_t value_k, u
           const int32_t magnitude = static_cast<int32_t>(magnitude_minus_1 + 1);
           for (uint32_t negative = 0; negative < 2; ++negative) {
             // The sign bit, zeros zeros, a one, the low bits of u.
-            const uint32_t code = gap_code | (negative << gap_bits) | (1u << (gap_bits + 1 + zeros)) |
-                                  (u_low << (gap_bits + 2 + zeros));
+            const uint32_t code =
+                gap_code | (negative << gap_bits) | (1u << (gap_bits + 1 + zeros)) | (u_low << (gap_bits + 2 + zeros));
             const int32_t v = negative ? -magnitude : magnitude;
             const uint32_t e = bits | (g << 4) | (static_cast<uint32_t>(v) << 16);
             for (uint32_t x = code; x < kDecodeTableSize; x += 1u << bits) table[x] = e;
@@ -561,9 +564,9 @@ void BuildAddDecodeTable(uint32_t word_bits, uint32_t gap_k, uint32_t value_k, u
 // read in a second pass, which knows the positions ahead and prefetches
 // them (sparse changes in a large chunk miss the caches).
 template <typename U, ValueCoding coding, WordImage image>
-[[gnu::always_inline]] inline Status DecodeSparseLoop(uint32_t gap_k, uint32_t value_k, const FrameHeader& h, const std::string& where,
-                                      const uint8_t* target, BitReader* reader, Change<U>* changes,
-                                      const uint32_t* table) {
+[[gnu::always_inline]] inline Status DecodeSparseLoop(uint32_t gap_k, uint32_t value_k, const FrameHeader& h,
+                                                      const std::string& where, const uint8_t* target,
+                                                      BitReader* reader, Change<U>* changes, const uint32_t* table) {
   constexpr uint32_t kBits = kWordBits<U>;
   constexpr Mode mode = kModeOf<coding>;
   constexpr uint64_t kMaxMagnitudeMinus1 = Mask(kBits) >> 1;
@@ -584,7 +587,7 @@ template <typename U, ValueCoding coding, WordImage image>
     const uint32_t q = static_cast<uint32_t>(__builtin_ctzll(w | (1ull << kEscape)));
     if (q < kEscape) [[likely]] {
       const uint32_t gap_bits = q + 1 + gap_k;  // <= 63
-      const uint64_t rest = w >> gap_bits;      // the value's code
+      const uint64_t rest = w >> gap_bits;  // the value's code
       uint32_t value_bits = 0;
       if constexpr (coding == ValueCoding::kRaw) {
         if constexpr (kBits <= 32) {
@@ -622,7 +625,8 @@ template <typename U, ValueCoding coding, WordImage image>
           }
           value_bits = length_bits + static_cast<uint32_t>(length_minus_1);
           if (gap_bits + value_bits <= 56) [[likely]] {
-            v = static_cast<U>((1ull << length_minus_1) | LowBits(rest >> length_bits, static_cast<uint32_t>(length_minus_1)));
+            v = static_cast<U>((1ull << length_minus_1) |
+                               LowBits(rest >> length_bits, static_cast<uint32_t>(length_minus_1)));
             fast = true;
           }
         }
@@ -658,7 +662,8 @@ template <typename U, ValueCoding coding, WordImage image>
   };
   auto fail = [&](uint32_t i) {
     if (past)
-      return DataLoss(fmt::format("{}: change {} at word {} is past the chunk's {} words", where, i, error_word, words));
+      return DataLoss(
+          fmt::format("{}: change {} at word {} is past the chunk's {} words", where, i, error_word, words));
     return DataLoss(fmt::format("{}: {} at change {}", where, error, i));
   };
   uint32_t i = 0;
@@ -805,16 +810,21 @@ void EncodeChanges(const ChunkInput& in, const EncodeOptions& opt, uint32_t word
     if (opt.allow_add) {
       std::pair<uint32_t, uint64_t> choice;
       WithImage(image, [&](auto image_constant) {
-        choice = ChooseExpGolomb(n, stride, [&](size_t i) {
-          uint64_t negative;
-          return MagnitudeMinus1(ValueOf<Mode::kAdd, decltype(image_constant)::value>(old_word(i), new_word(i)),
-                                 &negative);
-        }, kBits);
+        choice = ChooseExpGolomb(
+            n, stride,
+            [&](size_t i) {
+              uint64_t negative;
+              return MagnitudeMinus1(ValueOf<Mode::kAdd, decltype(image_constant)::value>(old_word(i), new_word(i)),
+                                     &negative);
+            },
+            kBits);
       });
       consider({ValueCoding::kSignExpGolomb, choice.first, kSparsePrefix + (gaps.bits + n + choice.second + 7) / 8});
     }
     if (opt.allow_xor) {
-      auto length_minus_1 = [&](size_t i) -> uint64_t { return BitLength(static_cast<U>(old_word(i) ^ new_word(i))) - 1; };
+      auto length_minus_1 = [&](size_t i) -> uint64_t {
+        return BitLength(static_cast<U>(old_word(i) ^ new_word(i))) - 1;
+      };
       uint64_t low_bits = 0, sampled = 0;
       for (size_t i = 0; i < n; i += stride, ++sampled) low_bits += length_minus_1(i);
       low_bits = low_bits * n / sampled;
@@ -955,8 +965,10 @@ Status ChunkApplier::Decode(const FrameView& frame, std::span<const uint8_t> tar
                             uint32_t* count) {
   const FrameHeader& h = frame.header;
   if (!frame.PayloadHeld())
-    return FailedPrecondition(fmt::format("{}: its payload was dropped once the frame was applied, so it cannot be "
-                                          "applied again", where));
+    return FailedPrecondition(
+        fmt::format("{}: its payload was dropped once the frame was applied, so it cannot be "
+                    "applied again",
+                    where));
   const uint32_t wb = h.word_bytes;
   const WordImage image = ImageKind(h.dtype);
   // The changes, decoded with the old and new words and checked against the
@@ -973,7 +985,8 @@ Status ChunkApplier::Decode(const FrameView& frame, std::span<const uint8_t> tar
       return DataLoss(fmt::format("{}: bad sparse prefix {:02x} {:02x} {:02x} {:02x}", where, frame.payload[0],
                                   frame.payload[1], frame.payload[2], frame.payload[3]));
     if (ModeOf(coding) != h.mode)
-      return DataLoss(fmt::format("{}: value coding {} does not fit mode {}", where, frame.payload[0], ModeName(h.mode)));
+      return DataLoss(
+          fmt::format("{}: value coding {} does not fit mode {}", where, frame.payload[0], ModeName(h.mode)));
     // The bit stream, copied with the zero padding BitReader reads into.
     const size_t stream_bytes = frame.payload.size() - kSparsePrefix;
     payload_.resize(stream_bytes + BitReader::kPadding);
@@ -1013,7 +1026,8 @@ Status ChunkApplier::Decode(const FrameView& frame, std::span<const uint8_t> tar
     std::span<const uint8_t> dense;
     if (h.codec == Codec::kRaw) {
       if (frame.payload.size() != dense_bytes)
-        return DataLoss(fmt::format("{}: raw payload of {} bytes, the chunk needs {}", where, frame.payload.size(), dense_bytes));
+        return DataLoss(
+            fmt::format("{}: raw payload of {} bytes, the chunk needs {}", where, frame.payload.size(), dense_bytes));
       dense = frame.payload;
     } else {
       const unsigned long long size = ZSTD_getFrameContentSize(frame.payload.data(), frame.payload.size());
@@ -1096,10 +1110,10 @@ Result<ApplyOutcome> ChunkApplier::Apply(const FrameView& frame, const DigestKey
     return ApplyOutcome::kAlreadyApplied;
   }
   if (h.mode != Mode::kOverwrite && current != h.base_digest)
-    return FailedPrecondition(fmt::format(
-        "{}: the target chunk is neither this frame's base nor its target (digest {} , base {}); "
-        "it needs an overwrite frame or a resync from a snapshot",
-        where, current.ToHex(), h.base_digest.ToHex()));
+    return FailedPrecondition(
+        fmt::format("{}: the target chunk is neither this frame's base nor its target (digest {} , base {}); "
+                    "it needs an overwrite frame or a resync from a snapshot",
+                    where, current.ToHex(), h.base_digest.ToHex()));
 
   uint32_t n = 0;
   DCR_RETURN_IF_ERROR(Decode(frame, target, where, &n));
@@ -1111,12 +1125,12 @@ Result<ApplyOutcome> ChunkApplier::Apply(const FrameView& frame, const DigestKey
   });
   if (d != h.target_digest) {
     if (h.mode == Mode::kOverwrite && current != h.base_digest)
-      return FailedPrecondition(fmt::format(
-          "{}: the target chunk differs from the base outside this frame's positions; it needs a dense "
-          "overwrite or a resync from a snapshot",
-          where));
-    return DataLoss(fmt::format("{}: decodes to digest {} but the frame promises {}", where, d.ToHex(),
-                                h.target_digest.ToHex()));
+      return FailedPrecondition(
+          fmt::format("{}: the target chunk differs from the base outside this frame's positions; it needs a dense "
+                      "overwrite or a resync from a snapshot",
+                      where));
+    return DataLoss(
+        fmt::format("{}: decodes to digest {} but the frame promises {}", where, d.ToHex(), h.target_digest.ToHex()));
   }
   WriteChanges(wb, n, target);
   *after = d;

@@ -91,11 +91,11 @@ std::vector<uint64_t> SpecialWords(DType dtype) {
   if (f.is_float) {
     const uint64_t e = f.exponent, m = f.mantissa, s = f.sign;
     v.insert(v.end(), {
-                          s,                     // -0
-                          e, s | e,              // +-inf (or the top exponent)
+                          s,  // -0
+                          e, s | e,  // +-inf (or the top exponent)
                           e | 1, e | m, s | e | 1, e | ((m >> 1) + 1),  // NaNs, payloads
-                          1, m, s | 1, s | m,    // subnormals
-                          (e - (m + 1)) | m,     // largest finite
+                          1, m, s | 1, s | m,  // subnormals
+                          (e - (m + 1)) | m,  // largest finite
                       });
   }
   for (auto& x : v) x &= mask;
@@ -152,7 +152,7 @@ uint64_t ChangeWord(DType dtype, uint64_t old, std::mt19937_64& rng) {
       [[fallthrough]];
     case 6: nw = rng(); break;
     case 7: nw = old + (rng() % 16) - 8; break;  // small steps
-    default: nw = old ^ (rng() & 0xF); break;    // low bits
+    default: nw = old ^ (rng() & 0xF); break;  // low bits
   }
   nw &= mask;
   if (nw == old) nw = old ^ 1;
@@ -438,8 +438,7 @@ void RunCase(const CaseParams& c) {
     for (size_t cut : {size_t{1}, size_t{2}, size_t{5}, payload.size() / 2, payload.size()}) {
       if (cut == 0 || cut > payload.size()) continue;
       const Bytes p(payload.begin(), payload.end() - static_cast<ptrdiff_t>(cut));
-      check(WithPayload(h, p), false,
-                              "payload truncated by " + std::to_string(cut));
+      check(WithPayload(h, p), false, "payload truncated by " + std::to_string(cut));
     }
     // One extra byte.
     {
@@ -470,8 +469,7 @@ void RunCase(const CaseParams& c) {
       // Exp-Golomb order can read the last value's code plus zero padding
       // as the same value. A raw payload has no slack: every flip is caught.
       const bool slack = zstd || h.codec == Codec::kSparse;
-      check(WithPayload(h, p), slack,
-                              "payload bit " + std::to_string(bit) + " flipped");
+      check(WithPayload(h, p), slack, "payload bit " + std::to_string(bit) + " flipped");
     }
     // Garbage of the same length, and of other lengths.
     for (int i = 0; i < 4; ++i) {
@@ -497,8 +495,7 @@ void RunCase(const CaseParams& c) {
         lie.mode = m;
         // The payload read in another mode: it may happen to give the same
         // bits (an xor of 1 on an even word is an add of 1), never others.
-        check(WithPayload(lie, payload), true,
-                                std::string("mode ") + std::string(ModeName(m)));
+        check(WithPayload(lie, payload), true, std::string("mode ") + std::string(ModeName(m)));
       }
       if (h.mode != Mode::kOverwrite) {
         lie = h;

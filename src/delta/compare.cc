@@ -34,8 +34,7 @@ inline uint64_t PackedElement(const uint8_t* p, uint64_t i, uint32_t bits) {
   return (word >> (bit % 8)) & ((1u << bits) - 1);
 }
 
-void ComparePacked(const DTypeInfo& info, const uint8_t* a, const uint8_t* b, uint64_t n,
-                   BitDiffStats* out) {
+void ComparePacked(const DTypeInfo& info, const uint8_t* a, const uint8_t* b, uint64_t n, BitDiffStats* out) {
   const Fields f = FieldMasks(info, info.bits);
   for (uint64_t i = 0; i < n; ++i) {
     const uint64_t va = PackedElement(a, i, info.bits), vb = PackedElement(b, i, info.bits);
@@ -75,8 +74,7 @@ void CompareComplex(const uint8_t* a, const uint8_t* b, uint64_t n, BitDiffStats
 }  // namespace
 
 void BitDiffStats::Append(const BitDiffStats& o) {
-  if (first_changed == std::numeric_limits<uint64_t>::max() &&
-      o.first_changed != std::numeric_limits<uint64_t>::max())
+  if (first_changed == std::numeric_limits<uint64_t>::max() && o.first_changed != std::numeric_limits<uint64_t>::max())
     first_changed = elements + o.first_changed;
   elements += o.elements;
   changed += o.changed;
@@ -100,9 +98,9 @@ BitDiffStats CompareBits(DType dtype, uint64_t numel, std::span<const uint8_t> a
   }
   const Fields f = FieldMasks(info, info.bits);
   using kernels::Image;
-  const Image image = info.kind == DTypeKind::kFloat
-                          ? (info.sign_bits ? Image::kFloat : Image::kUnsigned)
-                          : info.kind == DTypeKind::kSigned ? Image::kSigned : Image::kUnsigned;
+  const Image image = info.kind == DTypeKind::kFloat    ? (info.sign_bits ? Image::kFloat : Image::kUnsigned)
+                      : info.kind == DTypeKind::kSigned ? Image::kSigned
+                                                        : Image::kUnsigned;
   kernels::Kernels().compare(info.bits, image, a.data(), b.data(), numel, f.sign, f.exponent, f.mantissa, &out);
   return out;
 }
@@ -110,9 +108,9 @@ BitDiffStats CompareBits(DType dtype, uint64_t numel, std::span<const uint8_t> a
 CheckpointDiff DiffCheckpoints(const Checkpoint& a, const Checkpoint& b, Progress* progress, ThreadPool* pool) {
   CheckpointDiff diff;
   struct Piece {
-    size_t tensor;       // index into diff.tensors
-    size_t ia, ib;       // tensor indices in a and b
-    uint64_t begin, n;   // element range
+    size_t tensor;  // index into diff.tensors
+    size_t ia, ib;  // tensor indices in a and b
+    uint64_t begin, n;  // element range
   };
   std::vector<Piece> pieces;
   std::vector<size_t> first_piece;
@@ -128,15 +126,15 @@ CheckpointDiff DiffCheckpoints(const Checkpoint& a, const Checkpoint& b, Progres
     }
     const TensorInfo& tb = b.tensors()[static_cast<size_t>(ib)];
     if (ta.dtype != tb.dtype || ta.shape != tb.shape) {
-      diff.mismatched.push_back(fmt::format("{}: {}[{}] vs {}[{}]", ta.name, Name(ta.dtype),
-                                            fmt::join(ta.shape, ","), Name(tb.dtype), fmt::join(tb.shape, ",")));
+      diff.mismatched.push_back(fmt::format("{}: {}[{}] vs {}[{}]", ta.name, Name(ta.dtype), fmt::join(ta.shape, ","),
+                                            Name(tb.dtype), fmt::join(tb.shape, ",")));
       continue;
     }
     diff.tensors.push_back({ta.name, ta.dtype, {}});
     first_piece.push_back(pieces.size());
     for (uint64_t begin = 0; begin < ta.numel || begin == 0; begin += kPiece) {
-      pieces.push_back({diff.tensors.size() - 1, ia, static_cast<size_t>(ib), begin,
-                        std::min(kPiece, ta.numel - begin)});
+      pieces.push_back(
+          {diff.tensors.size() - 1, ia, static_cast<size_t>(ib), begin, std::min(kPiece, ta.numel - begin)});
       if (ta.numel == 0) break;
     }
   }

@@ -1,5 +1,5 @@
-#include "testing/temp_dir.h"
 #include "dcr/compare.h"
+#include "testing/temp_dir.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -36,10 +36,8 @@ void SetBits(std::vector<uint8_t>& buf, uint64_t i, uint32_t bits, uint64_t v) {
   for (uint32_t k = 0; k < bits; ++k) {
     const uint64_t bit = i * bits + k;
     const uint8_t m = static_cast<uint8_t>(1u << (bit % 8));
-    if ((v >> k) & 1)
-      buf[bit / 8] |= m;
-    else
-      buf[bit / 8] &= static_cast<uint8_t>(~m);
+    if ((v >> k) & 1) buf[bit / 8] |= m;
+    else buf[bit / 8] &= static_cast<uint8_t>(~m);
   }
 }
 
@@ -117,13 +115,19 @@ std::vector<uint64_t> SpecialPatterns(const DTypeInfo& info, uint32_t lane_bits)
   const uint64_t sign = info.sign_bits ? 1ull << (lane_bits - 1) : 0;
   const uint64_t exp_all = ((1ull << e) - 1) << m;
   const uint64_t mant_all = (1ull << m) - 1;
-  std::vector<uint64_t> v = {0,            sign,                   // +0, -0
-                             exp_all,      exp_all | sign,         // inf (or NaN/max in some formats)
-                             exp_all | 1,  exp_all | mant_all,     // NaN payloads
-                             exp_all | sign | (mant_all >> 1),     // negative NaN
-                             1,            sign | 1,               // smallest subnormals
-                             mant_all,     sign | mant_all,        // largest subnormals
-                             1ull << m,    (exp_all - (1ull << m)) | mant_all};  // min normal, max finite
+  std::vector<uint64_t> v = {0,
+                             sign,  // +0, -0
+                             exp_all,
+                             exp_all | sign,  // inf (or NaN/max in some formats)
+                             exp_all | 1,
+                             exp_all | mant_all,  // NaN payloads
+                             exp_all | sign | (mant_all >> 1),  // negative NaN
+                             1,
+                             sign | 1,  // smallest subnormals
+                             mant_all,
+                             sign | mant_all,  // largest subnormals
+                             1ull << m,
+                             (exp_all - (1ull << m)) | mant_all};  // min normal, max finite
   for (auto& x : v) x &= mask;
   return v;
 }
@@ -155,10 +159,10 @@ void MakePair(DType dtype, uint64_t n, double rate, uint64_t from, uint32_t seed
     const uint64_t idx = i * lanes + l;
     uint64_t v = GetBits(*b, idx, lane_bits);
     switch (rng() % 4) {
-      case 0: v ^= 1ull << (rng() % lane_bits); break;                    // one bit
-      case 1: v = special[rng() % special.size()]; break;                 // to a special value
+      case 0: v ^= 1ull << (rng() % lane_bits); break;  // one bit
+      case 1: v = special[rng() % special.size()]; break;  // to a special value
       case 2: v ^= (rng() & ((lane_bits == 64 ? ~0ull : (1ull << lane_bits) - 1))); break;  // many bits
-      case 3: v ^= 1ull << (lane_bits - 1); break;                        // the top (sign) bit
+      case 3: v ^= 1ull << (lane_bits - 1); break;  // the top (sign) bit
     }
     SetBits(*b, idx, lane_bits, v);
   }
@@ -190,9 +194,8 @@ TEST_P(CompareBitsAllDTypes, MatchesReference) {
   };
   // Sizes around the 4096-element block of the fast path; changes starting in
   // a later block; sparse and dense.
-  const Case cases[] = {{0, 0.5, 0},     {2, 1.0, 0},      {8, 0.5, 0},       {16, 0.3, 5},
-                        {4096, 0.01, 0}, {4104, 0.2, 4100}, {10000, 0.05, 0}, {10000, 0.001, 9000},
-                        {12288, 1.0, 0}, {9000, 0.0, 0}};
+  const Case cases[] = {{0, 0.5, 0},       {2, 1.0, 0},      {8, 0.5, 0},          {16, 0.3, 5},    {4096, 0.01, 0},
+                        {4104, 0.2, 4100}, {10000, 0.05, 0}, {10000, 0.001, 9000}, {12288, 1.0, 0}, {9000, 0.0, 0}};
   uint32_t seed = 100 + static_cast<uint32_t>(GetParam());
   for (const auto& c : cases) {
     if ((c.n * bits) % 8 != 0) continue;
@@ -200,7 +203,8 @@ TEST_P(CompareBitsAllDTypes, MatchesReference) {
     MakePair(dtype, c.n, c.rate, c.from, seed++, &a, &b);
     const BitDiffStats want = ReferenceCompare(dtype, c.n, a, b);
     const BitDiffStats got = CompareBits(dtype, c.n, S(a), S(b));
-    ExpectStatsEq(got, want, std::string(Name(dtype)) + " n=" + std::to_string(c.n) + " rate=" + std::to_string(c.rate));
+    ExpectStatsEq(got, want,
+                  std::string(Name(dtype)) + " n=" + std::to_string(c.n) + " rate=" + std::to_string(c.rate));
     if (c.rate > 0 && c.from < c.n) {
       // The case exercised something, from where it meant to.
       EXPECT_GT(want.changed, 0u);
@@ -421,13 +425,13 @@ TEST_F(DiffCheckpointsTest, ReportsChangesAndStructuralDifferences) {
   const uint64_t big_n = (1ull << 21) + 1000;
   const uint64_t packed_n = (1ull << 21) + 64;
   const std::vector<TensorInfo> ta = {
-      T("w", DType::kBF16, {64, 33}), T("f", DType::kF32, {100}), T("big", DType::kU8, {big_n}),
+      T("w", DType::kBF16, {64, 33}),      T("f", DType::kF32, {100}),   T("big", DType::kU8, {big_n}),
       T("packed", DType::kF4, {packed_n}), T("empty", DType::kF32, {0}), T("only_a", DType::kU8, {3}),
-      T("shape", DType::kBF16, {2, 3}), T("dtype", DType::kF32, {6}), T("same", DType::kI32, {50})};
+      T("shape", DType::kBF16, {2, 3}),    T("dtype", DType::kF32, {6}), T("same", DType::kI32, {50})};
   const std::vector<TensorInfo> tb = {
-      T("w", DType::kBF16, {64, 33}), T("f", DType::kF32, {100}), T("big", DType::kU8, {big_n}),
-      T("packed", DType::kF4, {packed_n}), T("empty", DType::kF32, {0}), T("only_b", DType::kU8, {4}),
-      T("shape", DType::kBF16, {3, 2}), T("dtype", DType::kBF16, {6}), T("same", DType::kI32, {50})};
+      T("w", DType::kBF16, {64, 33}),      T("f", DType::kF32, {100}),    T("big", DType::kU8, {big_n}),
+      T("packed", DType::kF4, {packed_n}), T("empty", DType::kF32, {0}),  T("only_b", DType::kU8, {4}),
+      T("shape", DType::kBF16, {3, 2}),    T("dtype", DType::kBF16, {6}), T("same", DType::kI32, {50})};
   auto ca = Checkpoint::Create(dir_ + "/a", ta);
   auto cb = Checkpoint::Create(dir_ + "/b.safetensors", tb);
   ASSERT_TRUE(ca.ok()) << ca.status().ToString();
@@ -449,12 +453,12 @@ TEST_F(DiffCheckpointsTest, ReportsChangesAndStructuralDifferences) {
     auto d = cb->MutableData(static_cast<size_t>(cb->Find(name)));
     d[byte] ^= xor_mask;
   };
-  plant("w", 10, 0x80);                      // element 5, low byte
-  plant("w", 4001, 0x80);                    // element 2000: sign bit
-  plant("f", 399, 0x01);                     // element 99, top byte
-  plant("big", (1ull << 21) + 5, 0x0F);      // in the third 2^20-element piece
-  plant("big", big_n - 1, 0x01);             // the last element
-  plant("packed", (1ull << 19) + 3, 0x10);   // element 2^20 + 7: high nibble of that byte
+  plant("w", 10, 0x80);  // element 5, low byte
+  plant("w", 4001, 0x80);  // element 2000: sign bit
+  plant("f", 399, 0x01);  // element 99, top byte
+  plant("big", (1ull << 21) + 5, 0x0F);  // in the third 2^20-element piece
+  plant("big", big_n - 1, 0x01);  // the last element
+  plant("packed", (1ull << 19) + 3, 0x10);  // element 2^20 + 7: high nibble of that byte
   for (const char* name_chars : {"w", "f", "big", "packed", "empty", "same"}) {
     const std::string name = name_chars;
     const TensorInfo& t = ca->tensors()[static_cast<size_t>(ca->Find(name))];
@@ -473,8 +477,8 @@ TEST_F(DiffCheckpointsTest, ReportsChangesAndStructuralDifferences) {
   EXPECT_FALSE(diff.identical());
   EXPECT_EQ(diff.only_in_a, std::vector<std::string>{"only_a"});
   EXPECT_EQ(diff.only_in_b, std::vector<std::string>{"only_b"});
-  EXPECT_THAT(diff.mismatched, ::testing::UnorderedElementsAre("dtype: F32[6] vs BF16[6]",
-                                                                "shape: BF16[2,3] vs BF16[3,2]"));
+  EXPECT_THAT(diff.mismatched,
+              ::testing::UnorderedElementsAre("dtype: F32[6] vs BF16[6]", "shape: BF16[2,3] vs BF16[3,2]"));
   std::vector<std::string> names;
   BitDiffStats total;
   for (const auto& td : diff.tensors) {

@@ -48,15 +48,17 @@ Status CheckSameTensors(const Checkpoint& ckpt, const DeltaManifest& m) {
       return FailedPrecondition(fmt::format("{} has no tensor '{}', which the delta covers", ckpt.path(), t.name));
     const TensorInfo& info = ckpt.tensors()[static_cast<size_t>(i)];
     if (info.dtype != t.dtype || info.shape != t.shape)
-      return FailedPrecondition(fmt::format("tensor '{}' is {}[{}] in {} but {}[{}] in the delta", t.name, Name(info.dtype),
-                                            fmt::join(info.shape, ","), ckpt.path(), Name(t.dtype), fmt::join(t.shape, ",")));
+      return FailedPrecondition(fmt::format("tensor '{}' is {}[{}] in {} but {}[{}] in the delta", t.name,
+                                            Name(info.dtype), fmt::join(info.shape, ","), ckpt.path(), Name(t.dtype),
+                                            fmt::join(t.shape, ",")));
   }
   if (ckpt.size() != m.tensors.size()) {  // every manifest tensor is present: find the extra one
     std::unordered_set<std::string_view> covered;
     for (const auto& t : m.tensors) covered.insert(t.name);
     for (const auto& info : ckpt.tensors())
       if (!covered.count(info.name))
-        return FailedPrecondition(fmt::format("{} has tensor '{}', which the delta does not cover", ckpt.path(), info.name));
+        return FailedPrecondition(
+            fmt::format("{} has tensor '{}', which the delta does not cover", ckpt.path(), info.name));
   }
   return Status::Ok();
 }
@@ -85,7 +87,8 @@ ChunkDigestTable ChunkDigests(const Checkpoint& ckpt, const DeltaManifest& m, Pr
 
 Result<DeltaManifest> StartDelta(const Checkpoint& base, const Checkpoint& next, const DeltaOptions& options) {
   if (options.chunk_elements == 0 || options.chunk_elements % 8 != 0 || options.chunk_elements > (1ull << 28))
-    return InvalidArgument(fmt::format("chunk size {} must be a positive multiple of 8, at most 2^28", options.chunk_elements));
+    return InvalidArgument(
+        fmt::format("chunk size {} must be a positive multiple of 8, at most 2^28", options.chunk_elements));
   DeltaManifest m;
   m.chunk_elements = options.chunk_elements;
   m.delta_class = options.encode.delta_class;
@@ -119,7 +122,8 @@ Result<EncodedFrames> EncodeFrames(const Checkpoint& base, const Checkpoint& nex
   std::vector<DigestKey> keys(m.tensors.size());
   for (size_t t = 0; t < m.tensors.size(); ++t) {
     const int64_t b = base.Find(m.tensors[t].name), n = next.Find(m.tensors[t].name);
-    if (b < 0 || n < 0) return FailedPrecondition(fmt::format("tensor '{}' is missing from a checkpoint", m.tensors[t].name));
+    if (b < 0 || n < 0)
+      return FailedPrecondition(fmt::format("tensor '{}' is missing from a checkpoint", m.tensors[t].name));
     base_index[t] = static_cast<size_t>(b);
     next_index[t] = static_cast<size_t>(n);
     keys[t] = MakeDigestKey(m.tensors[t].name);
@@ -168,8 +172,12 @@ Result<EncodedFrames> EncodeFrames(const Checkpoint& base, const Checkpoint& nex
       uint64_t first_word, words;
       uint32_t elements;
       m.ChunkWords(t, c, &first_word, &words, &elements);
-      ChunkInput in{m.tensors[t].dtype, keys[t], first_word, elements,
-                    base.Data(base_index[t]).subspan(off, bytes), next.Data(next_index[t]).subspan(off, bytes),
+      ChunkInput in{m.tensors[t].dtype,
+                    keys[t],
+                    first_word,
+                    elements,
+                    base.Data(base_index[t]).subspan(off, bytes),
+                    next.Data(next_index[t]).subspan(off, bytes),
                     base_digests ? &(*base_digests)[begin + i] : nullptr};
       auto changed = encoder.Encode(in, options, &encoded);
       if (!changed.ok()) {
@@ -195,8 +203,9 @@ Result<EncodedFrames> EncodeFrames(const Checkpoint& base, const Checkpoint& nex
 }
 
 void FinishDelta(DeltaManifest& m, std::span<const Digest> base_digests, std::span<const Digest> target_digests) {
-  std::sort(m.frames.begin(), m.frames.end(),
-            [](const DeltaFrameEntry& a, const DeltaFrameEntry& b) { return std::pair(a.tensor, a.chunk) < std::pair(b.tensor, b.chunk); });
+  std::sort(m.frames.begin(), m.frames.end(), [](const DeltaFrameEntry& a, const DeltaFrameEntry& b) {
+    return std::pair(a.tensor, a.chunk) < std::pair(b.tensor, b.chunk);
+  });
   m.base_digest = m.target_digest = Digest();
   size_t i = 0;
   for (auto& t : m.tensors) {
@@ -229,14 +238,15 @@ Result<DeltaManifest> MakeDelta(const Checkpoint& base, const Checkpoint& next, 
   std::ofstream frames_out(frames_path, std::ios::binary | std::ios::trunc);
   if (!frames_out) return ErrnoError(errno, "cannot create " + frames_path);
   const auto chunks = AllChunks(m);
-  DCR_ASSIGN_OR_RETURN(
-      EncodedFrames encoded,
-      EncodeFrames(base, next, m, chunks, options.encode,
-                   [&](std::string_view frame) {
-                     frames_out.write(frame.data(), static_cast<std::streamsize>(frame.size()));
-                     return frames_out ? Status::Ok() : Unavailable("cannot write " + frames_path + " (disk full?)");
-                   },
-                   nullptr, progress, pool));
+  DCR_ASSIGN_OR_RETURN(EncodedFrames encoded,
+                       EncodeFrames(
+                           base, next, m, chunks, options.encode,
+                           [&](std::string_view frame) {
+                             frames_out.write(frame.data(), static_cast<std::streamsize>(frame.size()));
+                             return frames_out ? Status::Ok()
+                                               : Unavailable("cannot write " + frames_path + " (disk full?)");
+                           },
+                           nullptr, progress, pool));
   frames_out.close();
   if (!frames_out) return Unavailable("cannot write " + frames_path);
   {
@@ -258,9 +268,9 @@ Result<DeltaReader> DeltaReader::Open(const std::string& dir) {
     return NotFound(fmt::format("{} is not a delta: no {} in it", dir, kManifestFileName));
   DCR_ASSIGN_OR_RETURN(MappedFile manifest_file, MappedFile::Open(manifest_path, false));
   const auto text = manifest_file.data();
-  DCR_ASSIGN_OR_RETURN(DeltaManifest m, DeltaManifest::FromJson(
-                                            std::string_view(reinterpret_cast<const char*>(text.data()), text.size()),
-                                            manifest_path));
+  DCR_ASSIGN_OR_RETURN(DeltaManifest m,
+                       DeltaManifest::FromJson(
+                           std::string_view(reinterpret_cast<const char*>(text.data()), text.size()), manifest_path));
   auto files = std::make_shared<std::vector<MappedFile>>();
   std::vector<std::span<const uint8_t>> objects;
   for (const auto& name : m.objects) {
@@ -275,10 +285,11 @@ Result<DeltaReader> DeltaReader::FromObjects(DeltaManifest manifest, std::vector
                                              std::shared_ptr<const void> owner, std::string where,
                                              ReleasedFrames released) {
   if (objects.size() != manifest.objects.size())
-    return InvalidArgument(fmt::format("{}: {} frame objects given for {} named", where, objects.size(), manifest.objects.size()));
+    return InvalidArgument(
+        fmt::format("{}: {} frame objects given for {} named", where, objects.size(), manifest.objects.size()));
   if (!released.empty() && released.rbegin()->first >= manifest.frames.size())
-    return InvalidArgument(fmt::format("{}: a released frame {} of {}", where, released.rbegin()->first,
-                                       manifest.frames.size()));
+    return InvalidArgument(
+        fmt::format("{}: a released frame {} of {}", where, released.rbegin()->first, manifest.frames.size()));
   for (size_t i = 0; i < manifest.frames.size(); ++i) {
     const DeltaFrameEntry& f = manifest.frames[i];
     if (released.count(i)) continue;  // Frame() checks its header's size against the entry
@@ -340,14 +351,14 @@ Status CheckTargetDigests(const DeltaManifest& m, std::span<const Digest> digest
   for (size_t t = 0; t < m.tensors.size(); ++t) {
     total += digests[t];
     if (digests[t] != m.tensors[t].target_digest)
-      return DataLoss(fmt::format(
-          "delta {}: tensor '{}' has target digest {} in the manifest, but {} {}; {}", where, m.tensors[t].name,
-          m.tensors[t].target_digest.ToHex(), what, digests[t].ToHex(), next));
+      return DataLoss(fmt::format("delta {}: tensor '{}' has target digest {} in the manifest, but {} {}; {}", where,
+                                  m.tensors[t].name, m.tensors[t].target_digest.ToHex(), what, digests[t].ToHex(),
+                                  next));
   }
   if (total != m.target_digest)
-    return DataLoss(fmt::format(
-        "delta {}: the manifest's total target digest is {}, but {} {} (the sum over its tensors); {}", where,
-        m.target_digest.ToHex(), what, total.ToHex(), next));
+    return DataLoss(
+        fmt::format("delta {}: the manifest's total target digest is {}, but {} {} (the sum over its tensors); {}",
+                    where, m.target_digest.ToHex(), what, total.ToHex(), next));
   return Status::Ok();
 }
 
@@ -356,7 +367,8 @@ Status CheckTargetDigests(const DeltaManifest& m, std::span<const Digest> digest
 Result<ApplyReport> ApplyDelta(Checkpoint& target, const DeltaReader& delta, Progress* progress, ThreadPool* pool,
                                ChunkDigestTable* tracked, bool sync) {
   const DeltaManifest& m = delta.manifest();
-  if (target.mode() != OpenMode::kReadWrite) return InvalidArgument(target.path() + " must be opened read-write to apply");
+  if (target.mode() != OpenMode::kReadWrite)
+    return InvalidArgument(target.path() + " must be opened read-write to apply");
   DCR_RETURN_IF_ERROR(CheckSameTensors(target, m));
   ChunkDigestTable computed;
   if (!tracked || tracked->empty()) {

@@ -50,9 +50,7 @@ std::map<std::string, std::string> Files(const std::string& dir) {
   return out;
 }
 
-void CopyDir(const std::string& from, const std::string& to) {
-  fs::copy(from, to, fs::copy_options::recursive);
-}
+void CopyDir(const std::string& from, const std::string& to) { fs::copy(from, to, fs::copy_options::recursive); }
 
 // Words whose bits differ between the tensors of two checkpoints.
 uint64_t ChangedWords(const Checkpoint& a, const Checkpoint& b) {
@@ -359,7 +357,7 @@ TEST_F(DeltaTest, ApplyToACheckpointWithOneStrayChangeIsRefused) {
       if (r.ok()) {
         ADD_FAILURE() << "ApplyDelta accepted a target that is not the base; the result is "
                       << (ReadFile(t) == ReadFile(Path("b.safetensors")) ? "the delta's target"
-                                                                           : "NOT the delta's target");
+                                                                         : "NOT the delta's target");
         continue;
       }
       EXPECT_EQ(r.status().code(), Code::kFailedPrecondition) << r.status().ToString();
@@ -547,7 +545,8 @@ TEST_F(DeltaTest, EveryDtypeRoundTrips) {
   std::mt19937_64 rng(5);
   std::vector<TensorInfo> infos;
   for (int d = 0; d < kDTypeCount; ++d) {
-    auto info = MakeTensorInfo(fmt::format("t{:02}.{}", d, Name(static_cast<DType>(d))), static_cast<DType>(d), {7, 40});
+    auto info =
+        MakeTensorInfo(fmt::format("t{:02}.{}", d, Name(static_cast<DType>(d))), static_cast<DType>(d), {7, 40});
     ASSERT_TRUE(info.ok());
     infos.push_back(*info);
   }
@@ -663,8 +662,7 @@ class ManifestTest : public DeltaTest {
     auto r = DeltaManifest::FromJson(doc.dump(), "manifest.json");
     return r.ok() ? Status::Ok() : r.status();
   }
-  void ExpectBad(const std::function<void(json&)>& edit, const std::string& what,
-                 Code code = Code::kInvalidArgument) {
+  void ExpectBad(const std::function<void(json&)>& edit, const std::string& what, Code code = Code::kInvalidArgument) {
     json doc = doc_;
     edit(doc);
     const Status s = Parse(doc);
@@ -737,12 +735,14 @@ TEST_F(ManifestTest, FromJsonRejectsMalformedManifests) {
   // Digests.
   ExpectBad([](json& d) { d["base_digest"] = "1234"; }, "short base digest");
   ExpectBad([](json& d) { d["target_digest"] = std::string(32, 'g'); }, "non-hex target digest");
-  ExpectBad([](json& d) {
-    std::string s = d["base_digest"];
-    for (auto& ch : s) ch = static_cast<char>(std::toupper(ch));
-    if (s == d["base_digest"].get<std::string>()) s[0] = 'X';
-    d["base_digest"] = s;
-  }, "uppercase digest");
+  ExpectBad(
+      [](json& d) {
+        std::string s = d["base_digest"];
+        for (auto& ch : s) ch = static_cast<char>(std::toupper(ch));
+        if (s == d["base_digest"].get<std::string>()) s[0] = 'X';
+        d["base_digest"] = s;
+      },
+      "uppercase digest");
   ExpectBad([](json& d) { d["tensors"][0]["base_digest"] = 5; }, "numeric tensor digest");
   ExpectBad([](json& d) { d["tensors"][1]["target_digest"] = std::string(33, '0'); }, "long tensor digest");
   // Tensors.
@@ -755,16 +755,20 @@ TEST_F(ManifestTest, FromJsonRejectsMalformedManifests) {
   // Frames.
   ExpectBad([](json& d) { std::swap(d["frames"][0], d["frames"][1]); }, "unsorted frames");
   ExpectBad([](json& d) { d["frames"][1] = d["frames"][0]; }, "duplicate frames");
-  ExpectBad([](json& d) {
-    d["frames"][1]["tensor"] = d["frames"][0]["tensor"];
-    d["frames"][1]["chunk"] = d["frames"][0]["chunk"];
-  }, "two frames for one chunk");
+  ExpectBad(
+      [](json& d) {
+        d["frames"][1]["tensor"] = d["frames"][0]["tensor"];
+        d["frames"][1]["chunk"] = d["frames"][0]["chunk"];
+      },
+      "two frames for one chunk");
   ExpectBad([&](json& d) { d["frames"].back()["tensor"] = manifest_.tensors.size(); }, "tensor out of range");
   ExpectBad([](json& d) { d["frames"][0]["tensor"] = -1; }, "negative tensor");
-  ExpectBad([&](json& d) {
-    const auto& f = manifest_.frames.back();
-    d["frames"].back()["chunk"] = manifest_.ChunkCount(f.tensor);
-  }, "chunk out of range");
+  ExpectBad(
+      [&](json& d) {
+        const auto& f = manifest_.frames.back();
+        d["frames"].back()["chunk"] = manifest_.ChunkCount(f.tensor);
+      },
+      "chunk out of range");
   ExpectBad([](json& d) { d["frames"][0]["mode"] = "same"; }, "unknown mode");
   ExpectBad([](json& d) { d["frames"][0]["codec"] = "lz4"; }, "unknown codec");
   ExpectBad([](json& d) { d["frames"][0]["bytes"] = 95; }, "frame shorter than a header");
@@ -863,7 +867,11 @@ TEST_F(DeltaTest, ReaderRejectsManifestThatDisagreesWithFrames) {
       {"codec", [](json& d) { d["frames"][0]["codec"] = d["frames"][0]["codec"] == "raw" ? "sparse" : "raw"; }},
       {"delta id", [](json& d) { d["delta_id"] = "0123456789abcdef"; }},
       {"class", [](json& d) { d["class"] = "overwrite"; }},
-      {"chunk", [](json& d) { d["frames"][0]["chunk"] = d["frames"][0]["chunk"].get<uint64_t>() + 0; d["chunk_elements"] = 8192; }},
+      {"chunk",
+       [](json& d) {
+         d["frames"][0]["chunk"] = d["frames"][0]["chunk"].get<uint64_t>() + 0;
+         d["chunk_elements"] = 8192;
+       }},
   };
   for (const auto& [name, f] : edits) {
     edit(f);
@@ -903,8 +911,7 @@ TEST_F(DeltaTest, ApplyRefusesAManifestWhoseTargetDigestsTheFramesDoNotMake) {
   ASSERT_LT(t, m.tensors.size());
   const std::string tensor = m.tensors[t].name;
   const std::vector<std::pair<std::string, std::function<void(json&)>>> edits = {
-      {"tensor '" + tensor + "'",
-       [&](json& d) { d["tensors"][t]["target_digest"] = d["tensors"][t]["base_digest"]; }},
+      {"tensor '" + tensor + "'", [&](json& d) { d["tensors"][t]["target_digest"] = d["tensors"][t]["base_digest"]; }},
       {"total target digest", [](json& d) { d["target_digest"] = d["base_digest"]; }},
   };
   const std::string target = CopyOf("qwen", 0, "t");

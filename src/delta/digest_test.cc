@@ -278,7 +278,8 @@ TEST(DigestTest, SameChangeAtAnotherPositionIsDetected) {
       for (size_t j = i + 1; j < n; ++j)
         if (moved[i] == moved[j] && collisions++ == 0)
           first = "words " + std::to_string(i) + " and " + std::to_string(j);
-    EXPECT_EQ(collisions, 0) << wb << "-byte words: flipping the top bit of word i or of word j gives the same digest for "
+    EXPECT_EQ(collisions, 0) << wb
+                             << "-byte words: flipping the top bit of word i or of word j gives the same digest for "
                              << collisions << " of " << n * (n - 1) / 2 << " pairs (first: " << first << ")";
   }
 }
@@ -302,8 +303,8 @@ TEST(DigestTest, SwappingTwoWordsIsDetected) {
 TEST(DigestTest, DigestsDifferAcrossTensorNames) {
   std::mt19937_64 rng(7);
   const auto bytes = RandomBytes(2 * 1000, rng);
-  const std::vector<std::string> names = {"a", "b", "model.layers.0.self_attn.q_proj.weight",
-                                          "model.layers.1.self_attn.q_proj.weight", "", "A"};
+  const std::vector<std::string> names = {
+      "a", "b", "model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight", "", "A"};
   std::vector<Digest> digests;
   for (const auto& name : names) {
     const DigestKey k = MakeDigestKey(name);
@@ -333,12 +334,12 @@ TEST(DigestTest, DigestsDependOnPosition) {
 
 TEST(DigestTest, WordBytesForEveryDtype) {
   const std::pair<DType, uint32_t> expected[] = {
-      {DType::kBool, 1},        {DType::kU8, 1},          {DType::kI8, 1},          {DType::kI16, 2},
-      {DType::kU16, 2},         {DType::kF16, 2},         {DType::kBF16, 2},        {DType::kI32, 4},
-      {DType::kU32, 4},         {DType::kF32, 4},         {DType::kF64, 8},         {DType::kI64, 8},
-      {DType::kU64, 8},         {DType::kC64, 4},         {DType::kF8_E4M3, 1},     {DType::kF8_E5M2, 1},
-      {DType::kF8_E8M0, 1},     {DType::kF8_E4M3FNUZ, 1}, {DType::kF8_E5M2FNUZ, 1}, {DType::kF4, 1},
-      {DType::kF6_E2M3, 1},     {DType::kF6_E3M2, 1},
+      {DType::kBool, 1},    {DType::kU8, 1},          {DType::kI8, 1},          {DType::kI16, 2},
+      {DType::kU16, 2},     {DType::kF16, 2},         {DType::kBF16, 2},        {DType::kI32, 4},
+      {DType::kU32, 4},     {DType::kF32, 4},         {DType::kF64, 8},         {DType::kI64, 8},
+      {DType::kU64, 8},     {DType::kC64, 4},         {DType::kF8_E4M3, 1},     {DType::kF8_E5M2, 1},
+      {DType::kF8_E8M0, 1}, {DType::kF8_E4M3FNUZ, 1}, {DType::kF8_E5M2FNUZ, 1}, {DType::kF4, 1},
+      {DType::kF6_E2M3, 1}, {DType::kF6_E3M2, 1},
   };
   static_assert(std::size(expected) == kDTypeCount);
   std::vector<bool> seen(kDTypeCount, false);

@@ -134,7 +134,8 @@ Result<FrameHeader> ParseFrameHeader(std::span<const uint8_t> bytes) {
     return InvalidArgument(fmt::format("{}: word size {} is wrong for {}", where, h.word_bytes, Name(h.dtype)));
   const auto chunk_bytes = ByteSize(h.dtype, h.elements);
   if (!chunk_bytes || *chunk_bytes != static_cast<uint64_t>(h.words) * h.word_bytes)
-    return InvalidArgument(fmt::format("{}: {} elements of {} are not {} words", where, h.elements, Name(h.dtype), h.words));
+    return InvalidArgument(
+        fmt::format("{}: {} elements of {} are not {} words", where, h.elements, Name(h.dtype), h.words));
   if (h.changed > h.words)
     return InvalidArgument(fmt::format("{}: {} changed words in a chunk of {}", where, h.changed, h.words));
   if (Get<uint32_t>(p, 88) != 0) return InvalidArgument(fmt::format("{}: reserved field is not zero", where));
@@ -145,8 +146,8 @@ Result<FrameView> ParseFrame(std::span<const uint8_t> bytes, size_t* consumed) {
   DCR_ASSIGN_OR_RETURN(FrameHeader h, ParseFrameHeader(bytes));
   const std::string where = fmt::format("frame (tensor {}, chunk {})", h.tensor, h.chunk);
   if (bytes.size() - kFrameHeaderBytes < h.payload_bytes)
-    return DataLoss(fmt::format("{}: truncated payload: {} of {} bytes", where, bytes.size() - kFrameHeaderBytes,
-                                h.payload_bytes));
+    return DataLoss(
+        fmt::format("{}: truncated payload: {} of {} bytes", where, bytes.size() - kFrameHeaderBytes, h.payload_bytes));
   const auto payload = bytes.subspan(kFrameHeaderBytes, h.payload_bytes);
   if (Crc32c(payload.data(), payload.size()) != h.payload_crc)
     return DataLoss(fmt::format("{}: payload checksum mismatch", where));

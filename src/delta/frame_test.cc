@@ -16,9 +16,7 @@ namespace {
 
 constexpr size_t kHeaderCrcOffset = 92;
 
-std::span<const uint8_t> Bytes(const std::string& s) {
-  return {reinterpret_cast<const uint8_t*>(s.data()), s.size()};
-}
+std::span<const uint8_t> Bytes(const std::string& s) { return {reinterpret_cast<const uint8_t*>(s.data()), s.size()}; }
 
 // Elements of `dtype` filling `words` words exactly (words chosen to fit).
 FrameHeader HeaderFor(DType dtype, uint32_t words, std::mt19937_64& rng) {

@@ -67,11 +67,16 @@ const KernelSet& Kernels() {
 #if defined(__x86_64__)
     if (!BaselineIsa() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi") &&
         __builtin_cpu_supports("bmi2"))
-      return KernelSet{avx2::CompareWholeBytes, avx2::DigestLimbs, avx2::FindChanges, avx2::DigestChanges,
-                       avx2::AddCodes16, avx2::AddApply16, avx2::AddPutDigest16};
+      return KernelSet{avx2::CompareWholeBytes, avx2::DigestLimbs, avx2::FindChanges,   avx2::DigestChanges,
+                       avx2::AddCodes16,        avx2::AddApply16,  avx2::AddPutDigest16};
 #endif
-    return KernelSet{generic::CompareWholeBytes, generic::DigestLimbs, generic::FindChanges, generic::DigestChanges,
-                    nullptr, nullptr, nullptr};
+    return KernelSet{generic::CompareWholeBytes,
+                     generic::DigestLimbs,
+                     generic::FindChanges,
+                     generic::DigestChanges,
+                     nullptr,
+                     nullptr,
+                     nullptr};
   }();
   return set;
 }

@@ -37,7 +37,9 @@ static inline uint64_t DigestMix(uint64_t x) {
 }
 static inline uint64_t BlockSeed(uint64_t seed, uint64_t block) { return DigestMix(seed ^ DigestMix(block)); }
 // In [1, 2^60]: never 0 mod the prime.
-static inline uint64_t LimbHash(uint64_t table_entry, uint64_t block_seed) { return ((table_entry ^ block_seed) >> 4) + 1; }
+static inline uint64_t LimbHash(uint64_t table_entry, uint64_t block_seed) {
+  return ((table_entry ^ block_seed) >> 4) + 1;
+}
 // x mod (2^61 - 1) for any 128-bit x.
 static inline uint64_t ModPrime(Uint128 x) {
   uint64_t lo = static_cast<uint64_t>(x & kPrime) + static_cast<uint64_t>((x >> 61) & kPrime);
@@ -79,8 +81,8 @@ using FindChangesFn = uint32_t (*)(uint32_t word_bytes, const uint8_t* a, const 
 // (`changes`: Change<U>[n] as for FindChangesFn, positions increasing) of a
 // tensor with per-lane seeds `seed`: the word at first_word + position goes
 // from its old to its new bits.
-using DigestChangesFn = void (*)(uint32_t word_bytes, const uint64_t seed[2], uint64_t first_word,
-                                 const void* changes, uint32_t n, uint64_t out[2]);
+using DigestChangesFn = void (*)(uint32_t word_bytes, const uint64_t seed[2], uint64_t first_word, const void* changes,
+                                 uint32_t n, uint64_t out[2]);
 
 // The sparse codec's codes (chunk_codec.cc) of add-mode changes of 16-bit
 // words whose image is `image`, two changes at a time: for changes 2i and
@@ -107,9 +109,9 @@ using AddApply16Fn = void (*)(Change<uint16_t>* changes, uint32_t n, const uint8
 // calls) and AddPutDigest16, read by Digest16Finish.
 struct Digest16Sum {
   int64_t lo[4], hi[4], sum[4];  // the vector accumulators (see kernels.inc)
-  uint32_t steps;                // vector steps since lo and hi were emptied
+  uint32_t steps;  // vector steps since lo and hi were emptied
   uint64_t seed[2], first_word;
-  uint64_t block, s0, s1;        // the digest block of the last limb, its seeds
+  uint64_t block, s0, s1;  // the digest block of the last limb, its seeds
   Int128 acc0, acc1;
   int64_t scalar_sum;
 };
@@ -137,12 +139,12 @@ struct KernelSet {
   AddPutDigest16Fn add_put_digest16;  // null where no vector version is built
 };
 
-#define DCR_DECLARE_KERNELS                                                                                     \
-  void CompareWholeBytes(uint32_t bits, Image image, const uint8_t* a, const uint8_t* b, uint64_t n,            \
+#define DCR_DECLARE_KERNELS                                                                                      \
+  void CompareWholeBytes(uint32_t bits, Image image, const uint8_t* a, const uint8_t* b, uint64_t n,             \
                          uint64_t sign_mask, uint64_t exponent_mask, uint64_t mantissa_mask, BitDiffStats* out); \
-  void DigestLimbs(const uint64_t seed[2], uint64_t first, const uint8_t* bytes, uint64_t n, uint64_t acc[2]);     \
+  void DigestLimbs(const uint64_t seed[2], uint64_t first, const uint8_t* bytes, uint64_t n, uint64_t acc[2]);   \
   uint32_t FindChanges(uint32_t word_bytes, const uint8_t* a, const uint8_t* b, uint32_t n, uint32_t* positions, \
-                       void* changes);                                                                          \
+                       void* changes);                                                                           \
   void DigestChanges(uint32_t word_bytes, const uint64_t seed[2], uint64_t first_word, const void* changes,      \
                      uint32_t n, uint64_t out[2]);
 
@@ -157,7 +159,7 @@ void AddCodes16(const Change<uint16_t>* changes, uint32_t n, uint32_t next, uint
 void AddApply16(Change<uint16_t>* changes, uint32_t n, const uint8_t* target, uint32_t words, Image image);
 uint32_t AddPutDigest16(const uint64_t* codes, const Change<uint16_t>* changes, uint32_t groups, BitWriter* writer,
                         Digest16Sum* sum);
-}
+}  // namespace avx2
 #endif
 #undef DCR_DECLARE_KERNELS
 

@@ -147,8 +147,8 @@ TEST(KernelsTest, AddCodes16MatchesTheFormat) {
   for (Image image : {Image::kFloat, Image::kSigned, Image::kUnsigned}) {
     for (uint32_t gap_k : {0u, 1u, 4u, 9u, 20u, 31u}) {
       for (uint32_t value_k = 0; value_k <= 4; ++value_k) {
-        SCOPED_TRACE(testing::Message() << "image " << static_cast<int>(image) << ", gap_k " << gap_k
-                                        << ", value_k " << value_k);
+        SCOPED_TRACE(testing::Message() << "image " << static_cast<int>(image) << ", gap_k " << gap_k << ", value_k "
+                                        << value_k);
         // Gaps and values from tiny to huge, so that every limit is met.
         std::vector<Change<uint16_t>> c;
         uint32_t pos = static_cast<uint32_t>(rng() % 100);
@@ -168,8 +168,8 @@ TEST(KernelsTest, AddCodes16MatchesTheFormat) {
         size_t fast = 0;
         for (size_t i = 0; i < c.size(); i += 2) {
           Uint128 a, b;
-          const uint32_t abits = ReferenceCode(c[i].position - after, c[i].old_word, c[i].new_word, gap_k, value_k,
-                                               image, &a);
+          const uint32_t abits =
+              ReferenceCode(c[i].position - after, c[i].old_word, c[i].new_word, gap_k, value_k, image, &a);
           const uint32_t bbits = ReferenceCode(c[i + 1].position - c[i].position - 1, c[i + 1].old_word,
                                                c[i + 1].new_word, gap_k, value_k, image, &b);
           after = c[i + 1].position + 1;

@@ -73,9 +73,8 @@ std::string DeltaManifest::ToJson() const {
   doc["chunk_elements"] = chunk_elements;
   doc["base_digest"] = base_digest.ToHex();
   doc["target_digest"] = target_digest.ToHex();
-  doc["totals"] = {{"tensors", tensors.size()},   {"frames", frames.size()},
-                   {"elements", total_elements},  {"bytes", total_bytes},
-                   {"changed_words", changed_words}, {"payload_bytes", payload_bytes},
+  doc["totals"] = {{"tensors", tensors.size()}, {"frames", frames.size()},        {"elements", total_elements},
+                   {"bytes", total_bytes},      {"changed_words", changed_words}, {"payload_bytes", payload_bytes},
                    {"frame_bytes", frame_bytes}};
   json& ts = doc["tensors"] = json::array();
   for (const auto& t : tensors)
@@ -87,8 +86,14 @@ std::string DeltaManifest::ToJson() const {
   doc["objects"] = objects;
   json& fs = doc["frames"] = json::array();
   for (const auto& f : frames)
-    fs.push_back({{"tensor", f.tensor}, {"chunk", f.chunk}, {"object", f.object}, {"offset", f.offset}, {"bytes", f.bytes},
-                  {"mode", ModeName(f.mode)}, {"codec", CodecName(f.codec)}, {"changed", f.changed}});
+    fs.push_back({{"tensor", f.tensor},
+                  {"chunk", f.chunk},
+                  {"object", f.object},
+                  {"offset", f.offset},
+                  {"bytes", f.bytes},
+                  {"mode", ModeName(f.mode)},
+                  {"codec", CodecName(f.codec)},
+                  {"changed", f.changed}});
   return JsonText(doc, 1) + "\n";
 }
 
@@ -125,9 +130,11 @@ Result<DeltaManifest> DeltaManifest::FromJson(std::string_view text, const std::
     if (!parsed) return Bad(where, fmt::format("tensor '{}': unknown dtype '{}'", dt.name, dtype));
     dt.dtype = *parsed;
     auto sh = t.find("shape");
-    if (sh == t.end() || !sh->is_array()) return Bad(where, fmt::format("tensor '{}': 'shape' must be an array", dt.name));
+    if (sh == t.end() || !sh->is_array())
+      return Bad(where, fmt::format("tensor '{}': 'shape' must be an array", dt.name));
     for (const auto& d : *sh) {
-      if (!d.is_number_unsigned()) return Bad(where, fmt::format("tensor '{}': shape must hold non-negative integers", dt.name));
+      if (!d.is_number_unsigned())
+        return Bad(where, fmt::format("tensor '{}': shape must hold non-negative integers", dt.name));
       dt.shape.push_back(d.get<uint64_t>());
     }
     auto info = MakeTensorInfo(dt.name, dt.dtype, dt.shape);
@@ -166,11 +173,12 @@ Result<DeltaManifest> DeltaManifest::FromJson(std::string_view text, const std::
     DCR_ASSIGN_OR_RETURN(uint64_t changed, U64(f, "changed", where));
     DCR_ASSIGN_OR_RETURN(std::string mode, Str(f, "mode", where));
     DCR_ASSIGN_OR_RETURN(std::string codec, Str(f, "codec", where));
-    if (tensor >= m.tensors.size()) return Bad(where, fmt::format("frame names tensor {} of {}", tensor, m.tensors.size()));
+    if (tensor >= m.tensors.size())
+      return Bad(where, fmt::format("frame names tensor {} of {}", tensor, m.tensors.size()));
     e.tensor = static_cast<uint32_t>(tensor);
     if (chunk >= m.ChunkCount(e.tensor))
-      return Bad(where, fmt::format("frame names chunk {} of tensor '{}', which has {}", chunk, m.tensors[e.tensor].name,
-                                    m.ChunkCount(e.tensor)));
+      return Bad(where, fmt::format("frame names chunk {} of tensor '{}', which has {}", chunk,
+                                    m.tensors[e.tensor].name, m.ChunkCount(e.tensor)));
     e.chunk = static_cast<uint32_t>(chunk);
     if (changed > 0xFFFFFFFFu || e.bytes < kFrameHeaderBytes || e.offset > (1ull << 62) || e.bytes > (1ull << 32))
       return Bad(where, fmt::format("frame (tensor {}, chunk {}) has impossible sizes", tensor, chunk));
@@ -180,7 +188,8 @@ Result<DeltaManifest> DeltaManifest::FromJson(std::string_view text, const std::
     if (!m.frames.empty()) {
       const auto& prev = m.frames.back();
       if (std::pair(prev.tensor, prev.chunk) >= std::pair(e.tensor, e.chunk))
-        return Bad(where, fmt::format("frames must be sorted by (tensor, chunk) and unique (tensor {}, chunk {})", tensor, chunk));
+        return Bad(where, fmt::format("frames must be sorted by (tensor, chunk) and unique (tensor {}, chunk {})",
+                                      tensor, chunk));
     }
     m.frames.push_back(e);
     m.changed_words += e.changed;

@@ -14,8 +14,8 @@ uint64_t RoundUp(uint64_t v, uint64_t m) { return (v + m - 1) / m * m; }
 
 Status NeedDivisible(uint64_t value, uint64_t by, std::string_view what, std::string_view split) {
   if (by == 0 || value % by != 0)
-    return InvalidArgument(fmt::format("{} = {} is not divisible by {} = {}; choose a {} that divides it", what, value,
-                                       split, by, split));
+    return InvalidArgument(
+        fmt::format("{} = {} is not divisible by {} = {}; choose a {} that divides it", what, value, split, by, split));
   return Status::Ok();
 }
 
@@ -82,10 +82,11 @@ void FusedMlp(Builder& b, const std::string& canon, const std::string& fc1, cons
 Status CheckCommon(const ModelShape& s, uint32_t tp) {
   if (tp == 0) return InvalidArgument("tensor-parallel size 0; use 1 or more");
   DCR_RETURN_IF_ERROR(NeedDivisible(s.num_heads, tp, "num_heads", "tensor-parallel size"));
-  if (s.intermediate_size > 0) DCR_RETURN_IF_ERROR(NeedDivisible(s.intermediate_size, tp, "intermediate_size", "tensor-parallel size"));
+  if (s.intermediate_size > 0)
+    DCR_RETURN_IF_ERROR(NeedDivisible(s.intermediate_size, tp, "intermediate_size", "tensor-parallel size"));
   if (s.num_shared_experts > 0)
-    DCR_RETURN_IF_ERROR(NeedDivisible(s.moe_intermediate_size * s.num_shared_experts, tp,
-                                      "shared expert width", "tensor-parallel size"));
+    DCR_RETURN_IF_ERROR(NeedDivisible(s.moe_intermediate_size * s.num_shared_experts, tp, "shared expert width",
+                                      "tensor-parallel size"));
   return Status::Ok();
 }
 
@@ -121,11 +122,12 @@ Result<LayoutMap> MegatronLayout(const ModelShape& s, const TrainerParallel& p, 
     DCR_RETURN_IF_ERROR(NeedDivisible(s.num_kv_heads, p.tp, "num_kv_heads (query groups)", "tensor-parallel size"));
   if (s.num_experts > 0 && p.expert_tp)
     DCR_RETURN_IF_ERROR(NeedDivisible(s.moe_intermediate_size, p.tp, "moe_intermediate_size", "tensor-parallel size"));
-  if (s.num_layers < p.pp) return InvalidArgument(fmt::format("{} layers cannot fill {} pipeline stages", s.num_layers, p.pp));
+  if (s.num_layers < p.pp)
+    return InvalidArgument(fmt::format("{} layers cannot fill {} pipeline stages", s.num_layers, p.pp));
 
   Builder b(s);
   const uint64_t h = s.hidden_size, tp = p.tp, r = rank.tp;
-  const bool dense_primary = rank.ep == 0;           // TP-split tensors, replicated over ep
+  const bool dense_primary = rank.ep == 0;  // TP-split tensors, replicated over ep
   const bool replica_primary = rank.ep == 0 && r == 0;  // replicated over the stage
   const bool first_stage = rank.pp == 0, last_stage = rank.pp + 1 == p.pp;
   const uint64_t vpad = RoundUp(s.vocab_size, p.vocab_multiple * tp), vrows = vpad / tp;
@@ -193,10 +195,8 @@ Result<LayoutMap> MegatronLayout(const ModelShape& s, const TrainerParallel& p, 
       const std::string ce = fmt::format("{}.mlp.experts.{}", c, er.first + i);
       const std::string fc1 = fmt::format("{}.mlp.experts.linear_fc1.weight{}", m, i);
       const std::string fc2 = fmt::format("{}.mlp.experts.linear_fc2.weight{}", m, i);
-      if (p.expert_tp)
-        FusedMlp(b, ce, fc1, fc2, s.moe_intermediate_size, h, tp, r, true);
-      else
-        FusedMlp(b, ce, fc1, fc2, s.moe_intermediate_size, h, 1, 0, r == 0);
+      if (p.expert_tp) FusedMlp(b, ce, fc1, fc2, s.moe_intermediate_size, h, tp, r, true);
+      else FusedMlp(b, ce, fc1, fc2, s.moe_intermediate_size, h, 1, 0, r == 0);
     }
     if (s.num_shared_experts > 0)
       FusedMlp(b, c + ".mlp.shared_experts", m + ".mlp.shared_experts.linear_fc1.weight",
@@ -209,7 +209,8 @@ Result<LayoutMap> MegatronLayout(const ModelShape& s, const TrainerParallel& p, 
 }
 
 Result<LayoutMap> VllmLayout(const ModelShape& s, const ServingParallel& p, uint32_t rank) {
-  if (rank >= p.tp) return InvalidArgument(fmt::format("serving rank {} is outside tensor-parallel size {}", rank, p.tp));
+  if (rank >= p.tp)
+    return InvalidArgument(fmt::format("serving rank {} is outside tensor-parallel size {}", rank, p.tp));
   DCR_RETURN_IF_ERROR(CheckCommon(s, p.tp));
   if (s.num_experts > 0 && !p.expert_parallel)
     DCR_RETURN_IF_ERROR(NeedDivisible(s.moe_intermediate_size, p.tp, "moe_intermediate_size", "tensor-parallel size"));

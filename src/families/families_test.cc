@@ -1,8 +1,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "dcr/layout_families.h"
 #include <fmt/format.h>
+#include "dcr/layout_families.h"
 
 #include <map>
 
@@ -43,7 +43,8 @@ TEST(ExpertsOfRankTest, ContiguousWithTheRemainderFirst) {
       {5, 1, {{0, 5}}},
   };
   for (const Case& c : cases)
-    for (uint32_t r = 0; r < c.ranks; ++r) EXPECT_EQ(ExpertsOfRank(c.experts, c.ranks, r), c.want[r]) << c.experts << "/" << c.ranks << " rank " << r;
+    for (uint32_t r = 0; r < c.ranks; ++r)
+      EXPECT_EQ(ExpertsOfRank(c.experts, c.ranks, r), c.want[r]) << c.experts << "/" << c.ranks << " rank " << r;
 }
 
 // One expected copy of a tensor in a generated map.
@@ -63,7 +64,7 @@ struct FamilyCase {
   TrainerRank trainer_rank;
   ServingParallel serving;
   uint32_t serving_rank;
-  std::vector<WantCopy> want;                                   // every copy of these tensors, in order
+  std::vector<WantCopy> want;  // every copy of these tensors, in order
   std::vector<std::pair<std::string, std::vector<uint64_t>>> buffers;  // buffer shapes
 };
 
@@ -71,7 +72,8 @@ class FamilyMapTest : public ::testing::TestWithParam<FamilyCase> {};
 
 TEST_P(FamilyMapTest, ExactBoxes) {
   const FamilyCase& c = GetParam();
-  auto map = c.megatron ? MegatronLayout(c.shape, c.trainer, c.trainer_rank) : VllmLayout(c.shape, c.serving, c.serving_rank);
+  auto map =
+      c.megatron ? MegatronLayout(c.shape, c.trainer, c.trainer_rank) : VllmLayout(c.shape, c.serving, c.serving_rank);
   ASSERT_TRUE(map.ok()) << map.status().ToString();
   std::map<std::string, std::vector<BoxCopy>> want;
   for (const WantCopy& w : c.want) {
@@ -93,13 +95,25 @@ INSTANTIATE_TEST_SUITE_P(
     Cases, FamilyMapTest,
     ::testing::Values(
         // Megatron fused QKV, tp 2, rank 1: its one query group (group 1): q heads 2-3, then k head 1, then v head 1.
-        FamilyCase{"megatron_qkv_tp2_rank1", LlamaShape(), true, {2, 1, 1, false, 4}, {0, 0, 1}, {}, 0,
+        FamilyCase{"megatron_qkv_tp2_rank1",
+                   LlamaShape(),
+                   true,
+                   {2, 1, 1, false, 4},
+                   {0, 0, 1},
+                   {},
+                   0,
                    {{kQ, {4, 0}, {4, 8}, "decoder.layers.0.self_attention.linear_qkv.weight", {0, 0}, true},
                     {kK, {2, 0}, {2, 8}, "decoder.layers.0.self_attention.linear_qkv.weight", {4, 0}, true},
                     {kV, {2, 0}, {2, 8}, "decoder.layers.0.self_attention.linear_qkv.weight", {6, 0}, true}},
                    {{"decoder.layers.0.self_attention.linear_qkv.weight", {8, 8}}}},
         // tp 1: both groups interleaved q q k v | q q k v.
-        FamilyCase{"megatron_qkv_tp1", LlamaShape(), true, {1, 1, 1, false, 4}, {0, 0, 0}, {}, 0,
+        FamilyCase{"megatron_qkv_tp1",
+                   LlamaShape(),
+                   true,
+                   {1, 1, 1, false, 4},
+                   {0, 0, 0},
+                   {},
+                   0,
                    {{kQ, {0, 0}, {4, 8}, "decoder.layers.0.self_attention.linear_qkv.weight", {0, 0}, true},
                     {kQ, {4, 0}, {4, 8}, "decoder.layers.0.self_attention.linear_qkv.weight", {8, 0}, true},
                     {kK, {0, 0}, {2, 8}, "decoder.layers.0.self_attention.linear_qkv.weight", {4, 0}, true},
@@ -109,62 +123,223 @@ INSTANTIATE_TEST_SUITE_P(
                    {}},
         // Gate/up fused per shard, down row-parallel; vocab 10 padded to 16 (4 x tp), rank 1 holds rows 8-9;
         // replicated norm: ep 1's copy is not primary; pipeline stage 1 of 2 holds layer 1 as local layer 0.
-        FamilyCase{"megatron_mlp_vocab_pp", LlamaShape(), true, {2, 2, 2, false, 4}, {1, 1, 1}, {}, 0,
-                   {{"model.layers.1.mlp.gate_proj.weight", {4, 0}, {4, 8}, "decoder.layers.0.mlp.linear_fc1.weight", {0, 0}, false},
-                    {"model.layers.1.mlp.up_proj.weight", {4, 0}, {4, 8}, "decoder.layers.0.mlp.linear_fc1.weight", {4, 0}, false},
-                    {"model.layers.1.mlp.down_proj.weight", {0, 4}, {8, 4}, "decoder.layers.0.mlp.linear_fc2.weight", {0, 0}, false},
-                    {"lm_head.weight", {8, 0}, {2, 8}, "output_layer.weight", {0, 0}, false},
-                    {"model.layers.1.input_layernorm.weight", {0}, {8}, "decoder.layers.0.input_layernorm.weight", {0}, false},
-                    {"model.layers.0.input_layernorm.weight", {}, {}, "", {}, false}},
-                   {{"output_layer.weight", {8, 8}}, {"decoder.layers.0.mlp.linear_fc1.weight", {8, 8}}}},
+        FamilyCase{
+            "megatron_mlp_vocab_pp",
+            LlamaShape(),
+            true,
+            {2, 2, 2, false, 4},
+            {1, 1, 1},
+            {},
+            0,
+            {{"model.layers.1.mlp.gate_proj.weight",
+              {4, 0},
+              {4, 8},
+              "decoder.layers.0.mlp.linear_fc1.weight",
+              {0, 0},
+              false},
+             {"model.layers.1.mlp.up_proj.weight",
+              {4, 0},
+              {4, 8},
+              "decoder.layers.0.mlp.linear_fc1.weight",
+              {4, 0},
+              false},
+             {"model.layers.1.mlp.down_proj.weight",
+              {0, 4},
+              {8, 4},
+              "decoder.layers.0.mlp.linear_fc2.weight",
+              {0, 0},
+              false},
+             {"lm_head.weight", {8, 0}, {2, 8}, "output_layer.weight", {0, 0}, false},
+             {"model.layers.1.input_layernorm.weight", {0}, {8}, "decoder.layers.0.input_layernorm.weight", {0}, false},
+             {"model.layers.0.input_layernorm.weight", {}, {}, "", {}, false}},
+            {{"output_layer.weight", {8, 8}}, {"decoder.layers.0.mlp.linear_fc1.weight", {8, 8}}}},
         // Experts on ep rank 2 of 4 (6 experts: 2, 2, 1, 1): global expert 4 is local expert 0; expert tp splits it.
-        FamilyCase{"megatron_experts_etp", QwenShape(), true, {2, 1, 4, true, 4}, {0, 2, 1}, {}, 0,
-                   {{"model.layers.0.mlp.experts.4.gate_proj.weight", {2, 0}, {2, 8}, "decoder.layers.0.mlp.experts.linear_fc1.weight0", {0, 0}, true},
-                    {"model.layers.0.mlp.experts.4.up_proj.weight", {2, 0}, {2, 8}, "decoder.layers.0.mlp.experts.linear_fc1.weight0", {2, 0}, true},
-                    {"model.layers.0.mlp.experts.4.down_proj.weight", {0, 2}, {8, 2}, "decoder.layers.0.mlp.experts.linear_fc2.weight0", {0, 0}, true},
-                    {"model.layers.0.mlp.experts.3.up_proj.weight", {}, {}, "", {}, false},
-                    {"model.layers.0.mlp.gate.weight", {0, 0}, {6, 8}, "decoder.layers.0.mlp.router.weight", {0, 0}, false}},
-                   {}},
+        FamilyCase{
+            "megatron_experts_etp",
+            QwenShape(),
+            true,
+            {2, 1, 4, true, 4},
+            {0, 2, 1},
+            {},
+            0,
+            {{"model.layers.0.mlp.experts.4.gate_proj.weight",
+              {2, 0},
+              {2, 8},
+              "decoder.layers.0.mlp.experts.linear_fc1.weight0",
+              {0, 0},
+              true},
+             {"model.layers.0.mlp.experts.4.up_proj.weight",
+              {2, 0},
+              {2, 8},
+              "decoder.layers.0.mlp.experts.linear_fc1.weight0",
+              {2, 0},
+              true},
+             {"model.layers.0.mlp.experts.4.down_proj.weight",
+              {0, 2},
+              {8, 2},
+              "decoder.layers.0.mlp.experts.linear_fc2.weight0",
+              {0, 0},
+              true},
+             {"model.layers.0.mlp.experts.3.up_proj.weight", {}, {}, "", {}, false},
+             {"model.layers.0.mlp.gate.weight", {0, 0}, {6, 8}, "decoder.layers.0.mlp.router.weight", {0, 0}, false}},
+            {}},
         // vLLM tp 4 > 2 kv heads: rank 1 holds q heads 1 (rows 2-3) and a non-primary replica of kv head 0.
-        FamilyCase{"vllm_kv_replicated", LlamaShape(), false, {}, {}, {4, false, 16}, 1,
+        FamilyCase{"vllm_kv_replicated",
+                   LlamaShape(),
+                   false,
+                   {},
+                   {},
+                   {4, false, 16},
+                   1,
                    {{kQ, {2, 0}, {2, 8}, "model.layers.0.self_attn.qkv_proj.weight", {0, 0}, true},
                     {kK, {0, 0}, {2, 8}, "model.layers.0.self_attn.qkv_proj.weight", {2, 0}, false},
                     {kV, {0, 0}, {2, 8}, "model.layers.0.self_attn.qkv_proj.weight", {4, 0}, false},
                     {"model.embed_tokens.weight", {4, 0}, {4, 8}, "model.embed_tokens.weight", {0, 0}, true}},
                    {{"model.layers.0.self_attn.qkv_proj.weight", {6, 8}}, {"model.embed_tokens.weight", {4, 8}}}},
         // vLLM tp 4, rank 2: the primary copy of kv head 1; the last vocab rows are padding (rank 3 holds none).
-        FamilyCase{"vllm_kv_primary", LlamaShape(), false, {}, {}, {4, false, 16}, 2,
+        FamilyCase{"vllm_kv_primary",
+                   LlamaShape(),
+                   false,
+                   {},
+                   {},
+                   {4, false, 16},
+                   2,
                    {{kK, {2, 0}, {2, 8}, "model.layers.0.self_attn.qkv_proj.weight", {2, 0}, true},
                     {"model.embed_tokens.weight", {8, 0}, {2, 8}, "model.embed_tokens.weight", {0, 0}, true}},
                    {}},
         // vLLM EP over 4 ranks: rank 2 holds expert 4 alone, stacked as w13 = [gate; up] and w2.
-        FamilyCase{"vllm_expert_map", QwenShape(), false, {}, {}, {4, true, 4}, 2,
-                   {{"model.layers.1.mlp.experts.4.gate_proj.weight", {0, 0}, {4, 8}, "model.layers.1.mlp.experts.w13_weight", {0, 0, 0}, true},
-                    {"model.layers.1.mlp.experts.4.up_proj.weight", {0, 0}, {4, 8}, "model.layers.1.mlp.experts.w13_weight", {0, 4, 0}, true},
-                    {"model.layers.1.mlp.experts.4.down_proj.weight", {0, 0}, {8, 4}, "model.layers.1.mlp.experts.w2_weight", {0, 0, 0}, true},
+        FamilyCase{"vllm_expert_map",
+                   QwenShape(),
+                   false,
+                   {},
+                   {},
+                   {4, true, 4},
+                   2,
+                   {{"model.layers.1.mlp.experts.4.gate_proj.weight",
+                     {0, 0},
+                     {4, 8},
+                     "model.layers.1.mlp.experts.w13_weight",
+                     {0, 0, 0},
+                     true},
+                    {"model.layers.1.mlp.experts.4.up_proj.weight",
+                     {0, 0},
+                     {4, 8},
+                     "model.layers.1.mlp.experts.w13_weight",
+                     {0, 4, 0},
+                     true},
+                    {"model.layers.1.mlp.experts.4.down_proj.weight",
+                     {0, 0},
+                     {8, 4},
+                     "model.layers.1.mlp.experts.w2_weight",
+                     {0, 0, 0},
+                     true},
                     {"model.layers.1.mlp.experts.5.gate_proj.weight", {}, {}, "", {}, false}},
-                   {{"model.layers.1.mlp.experts.w13_weight", {1, 8, 8}}, {"model.layers.1.mlp.experts.w2_weight", {1, 8, 4}}}},
+                   {{"model.layers.1.mlp.experts.w13_weight", {1, 8, 8}},
+                    {"model.layers.1.mlp.experts.w2_weight", {1, 8, 4}}}},
         // vLLM without EP, tp 2: every expert narrowed; expert 1 is slot 1 of the stack.
-        FamilyCase{"vllm_experts_tp", QwenShape(), false, {}, {}, {2, false, 4}, 1,
-                   {{"model.layers.0.mlp.experts.1.gate_proj.weight", {2, 0}, {2, 8}, "model.layers.0.mlp.experts.w13_weight", {1, 0, 0}, true},
-                    {"model.layers.0.mlp.experts.1.up_proj.weight", {2, 0}, {2, 8}, "model.layers.0.mlp.experts.w13_weight", {1, 2, 0}, true},
-                    {"model.layers.0.mlp.experts.1.down_proj.weight", {0, 2}, {8, 2}, "model.layers.0.mlp.experts.w2_weight", {1, 0, 0}, true}},
+        FamilyCase{"vllm_experts_tp",
+                   QwenShape(),
+                   false,
+                   {},
+                   {},
+                   {2, false, 4},
+                   1,
+                   {{"model.layers.0.mlp.experts.1.gate_proj.weight",
+                     {2, 0},
+                     {2, 8},
+                     "model.layers.0.mlp.experts.w13_weight",
+                     {1, 0, 0},
+                     true},
+                    {"model.layers.0.mlp.experts.1.up_proj.weight",
+                     {2, 0},
+                     {2, 8},
+                     "model.layers.0.mlp.experts.w13_weight",
+                     {1, 2, 0},
+                     true},
+                    {"model.layers.0.mlp.experts.1.down_proj.weight",
+                     {0, 2},
+                     {8, 2},
+                     "model.layers.0.mlp.experts.w2_weight",
+                     {1, 0, 0},
+                     true}},
                    {{"model.layers.0.mlp.experts.w13_weight", {6, 4, 8}}}},
         // DeepSeek MLA on vLLM tp 2, rank 1: fused q_a + kv_a (replica), q_b/kv_b by heads, o_proj by columns.
-        FamilyCase{"vllm_mla", DeepseekShape(), false, {}, {}, {2, false, 4}, 1,
-                   {{"model.layers.0.self_attn.q_a_proj.weight", {0, 0}, {4, 8}, "model.layers.0.self_attn.fused_qkv_a_proj.weight", {0, 0}, false},
-                    {"model.layers.0.self_attn.kv_a_proj_with_mqa.weight", {0, 0}, {5, 8}, "model.layers.0.self_attn.fused_qkv_a_proj.weight", {4, 0}, false},
-                    {"model.layers.0.self_attn.q_b_proj.weight", {6, 0}, {6, 4}, "model.layers.0.self_attn.q_b_proj.weight", {0, 0}, true},
-                    {"model.layers.0.self_attn.kv_b_proj.weight", {8, 0}, {8, 4}, "model.layers.0.self_attn.kv_b_proj.weight", {0, 0}, true},
-                    {"model.layers.0.self_attn.o_proj.weight", {0, 4}, {8, 4}, "model.layers.0.self_attn.o_proj.weight", {0, 0}, true},
-                    {"model.layers.1.mlp.gate.e_score_correction_bias", {0}, {6}, "model.layers.1.mlp.gate.e_score_correction_bias", {0}, false}},
+        FamilyCase{"vllm_mla",
+                   DeepseekShape(),
+                   false,
+                   {},
+                   {},
+                   {2, false, 4},
+                   1,
+                   {{"model.layers.0.self_attn.q_a_proj.weight",
+                     {0, 0},
+                     {4, 8},
+                     "model.layers.0.self_attn.fused_qkv_a_proj.weight",
+                     {0, 0},
+                     false},
+                    {"model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+                     {0, 0},
+                     {5, 8},
+                     "model.layers.0.self_attn.fused_qkv_a_proj.weight",
+                     {4, 0},
+                     false},
+                    {"model.layers.0.self_attn.q_b_proj.weight",
+                     {6, 0},
+                     {6, 4},
+                     "model.layers.0.self_attn.q_b_proj.weight",
+                     {0, 0},
+                     true},
+                    {"model.layers.0.self_attn.kv_b_proj.weight",
+                     {8, 0},
+                     {8, 4},
+                     "model.layers.0.self_attn.kv_b_proj.weight",
+                     {0, 0},
+                     true},
+                    {"model.layers.0.self_attn.o_proj.weight",
+                     {0, 4},
+                     {8, 4},
+                     "model.layers.0.self_attn.o_proj.weight",
+                     {0, 0},
+                     true},
+                    {"model.layers.1.mlp.gate.e_score_correction_bias",
+                     {0},
+                     {6},
+                     "model.layers.1.mlp.gate.e_score_correction_bias",
+                     {0},
+                     false}},
                    {{"model.layers.0.self_attn.fused_qkv_a_proj.weight", {9, 8}}}},
         // DeepSeek on Megatron tp 2: MLA down projections replicated (primary on tp 0), up projections by heads.
-        FamilyCase{"megatron_mla", DeepseekShape(), true, {2, 1, 1, false, 4}, {0, 0, 0}, {}, 0,
-                   {{"model.layers.0.self_attn.kv_a_proj_with_mqa.weight", {0, 0}, {5, 8}, "decoder.layers.0.self_attention.linear_kv_down_proj.weight", {0, 0}, true},
-                    {"model.layers.0.self_attn.q_b_proj.weight", {0, 0}, {6, 4}, "decoder.layers.0.self_attention.linear_q_up_proj.weight", {0, 0}, true},
-                    {"model.layers.0.self_attn.q_a_layernorm.weight", {0}, {4}, "decoder.layers.0.self_attention.linear_q_up_proj.layer_norm_weight", {0}, true},
-                    {"model.layers.1.mlp.shared_experts.gate_proj.weight", {0, 0}, {2, 8}, "decoder.layers.1.mlp.shared_experts.linear_fc1.weight", {0, 0}, true}},
+        FamilyCase{"megatron_mla",
+                   DeepseekShape(),
+                   true,
+                   {2, 1, 1, false, 4},
+                   {0, 0, 0},
+                   {},
+                   0,
+                   {{"model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+                     {0, 0},
+                     {5, 8},
+                     "decoder.layers.0.self_attention.linear_kv_down_proj.weight",
+                     {0, 0},
+                     true},
+                    {"model.layers.0.self_attn.q_b_proj.weight",
+                     {0, 0},
+                     {6, 4},
+                     "decoder.layers.0.self_attention.linear_q_up_proj.weight",
+                     {0, 0},
+                     true},
+                    {"model.layers.0.self_attn.q_a_layernorm.weight",
+                     {0},
+                     {4},
+                     "decoder.layers.0.self_attention.linear_q_up_proj.layer_norm_weight",
+                     {0},
+                     true},
+                    {"model.layers.1.mlp.shared_experts.gate_proj.weight",
+                     {0, 0},
+                     {2, 8},
+                     "decoder.layers.1.mlp.shared_experts.linear_fc1.weight",
+                     {0, 0},
+                     true}},
                    {}}),
     [](const auto& test_info) { return test_info.param.name; });
 
@@ -179,7 +354,8 @@ TEST(FamilyMapTest, AbsentTensorsHaveNoCopies) {
 TEST(FamilyMapTest, RefusesSplitsThatDoNotDivide) {
   auto r = MegatronLayout(LlamaShape(), {4, 1, 1, false, 4}, {0, 0, 0});  // 2 query groups over tp 4
   ASSERT_FALSE(r.ok());
-  EXPECT_THAT(r.status().message(), HasSubstr("num_kv_heads (query groups) = 2 is not divisible by tensor-parallel size = 4"));
+  EXPECT_THAT(r.status().message(),
+              HasSubstr("num_kv_heads (query groups) = 2 is not divisible by tensor-parallel size = 4"));
   r = VllmLayout(LlamaShape(), {3, false, 4}, 0);
   ASSERT_FALSE(r.ok());
   EXPECT_THAT(r.status().message(), HasSubstr("num_heads = 4 is not divisible by tensor-parallel size = 3"));
@@ -197,8 +373,12 @@ TEST(FamilyMapTest, EveryGridCoversTheCheckpointOnce) {
     std::vector<ServingParallel> servers;
   };
   const std::vector<Grid> grids = {
-      {LlamaShape(), {{1, 1, 1, false, 4}, {2, 2, 1, false, 4}, {2, 1, 4, false, 4}}, {{1, false, 4}, {2, false, 4}, {4, false, 4}}},
-      {QwenShape(), {{2, 1, 4, false, 4}, {2, 2, 4, true, 4}, {1, 2, 2, false, 4}}, {{1, false, 4}, {2, true, 4}, {4, true, 4}, {4, false, 4}}},
+      {LlamaShape(),
+       {{1, 1, 1, false, 4}, {2, 2, 1, false, 4}, {2, 1, 4, false, 4}},
+       {{1, false, 4}, {2, false, 4}, {4, false, 4}}},
+      {QwenShape(),
+       {{2, 1, 4, false, 4}, {2, 2, 4, true, 4}, {1, 2, 2, false, 4}},
+       {{1, false, 4}, {2, true, 4}, {4, true, 4}, {4, false, 4}}},
       {DeepseekShape(), {{2, 1, 4, false, 4}, {2, 2, 4, true, 4}}, {{1, false, 4}, {2, false, 4}, {4, true, 4}}},
   };
   for (const Grid& g : grids) {

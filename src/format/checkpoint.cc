@@ -41,8 +41,7 @@ Result<std::string> ReadSmallFile(const std::string& path) {
     return InvalidArgument(fmt::format("{} is {} bytes, more than an index file may hold", path, size));
   std::ifstream in(path, std::ios::binary);
   std::string text(size, '\0');
-  if (!in.read(text.data(), static_cast<std::streamsize>(size)))
-    return Unavailable("cannot read " + path);
+  if (!in.read(text.data(), static_cast<std::streamsize>(size))) return Unavailable("cannot read " + path);
   return text;
 }
 
@@ -52,8 +51,7 @@ Status ReadIndex(const std::string& index_path, std::vector<std::string>* files,
                  std::map<std::string, std::string>* weight_map) {
   DCR_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(index_path));
   json doc = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (doc.is_discarded() || !doc.is_object())
-    return InvalidArgument(index_path + ": not a JSON object");
+  if (doc.is_discarded() || !doc.is_object()) return InvalidArgument(index_path + ": not a JSON object");
   auto wm = doc.find("weight_map");
   if (wm == doc.end() || !wm->is_object())
     return InvalidArgument(index_path + ": needs a \"weight_map\" object {tensor: file}");
@@ -62,8 +60,8 @@ Status ReadIndex(const std::string& index_path, std::vector<std::string>* files,
       return InvalidArgument(fmt::format("{}: weight_map['{}'] must be a file name", index_path, name));
     const auto& f = file.get_ref<const std::string&>();
     if (f.empty() || f.find('/') != std::string::npos || f == "." || f == "..")
-      return InvalidArgument(fmt::format("{}: weight_map['{}'] = '{}' must name a file in the same directory",
-                                         index_path, name, f));
+      return InvalidArgument(
+          fmt::format("{}: weight_map['{}'] = '{}' must name a file in the same directory", index_path, name, f));
     if (std::find(files->begin(), files->end(), f) == files->end()) files->push_back(f);
     (*weight_map)[name] = f;
   }
@@ -127,8 +125,7 @@ Result<Checkpoint> Checkpoint::Open(const std::string& path, OpenMode mode) {
           files.push_back(entry.path().filename().string());
       if (ec) return ErrnoError(ec.value(), "cannot list " + path);
       std::sort(files.begin(), files.end());
-      if (files.empty())
-        return NotFound(fmt::format("{} holds no .safetensors files and no {}", path, kIndexFileName));
+      if (files.empty()) return NotFound(fmt::format("{} holds no .safetensors files and no {}", path, kIndexFileName));
     }
     for (const auto& f : files) DCR_RETURN_IF_ERROR(ckpt.AddShard((fs::path(path) / f).string(), mode));
   } else {
@@ -148,9 +145,11 @@ Result<Checkpoint> Checkpoint::Open(const std::string& path, OpenMode mode) {
         auto it = weight_map.find(name);
         const std::string file = fs::path(ckpt.FileOf(i)).filename().string();
         if (it == weight_map.end())
-          return InvalidArgument(fmt::format("{}: tensor '{}' in {} is missing from the weight_map", index, name, file));
+          return InvalidArgument(
+              fmt::format("{}: tensor '{}' in {} is missing from the weight_map", index, name, file));
         if (it->second != file)
-          return InvalidArgument(fmt::format("{}: weight_map puts '{}' in {} but it is in {}", index, name, it->second, file));
+          return InvalidArgument(
+              fmt::format("{}: weight_map puts '{}' in {} but it is in {}", index, name, it->second, file));
         weight_map.erase(it);
       }
       if (!weight_map.empty())
@@ -170,8 +169,8 @@ Result<Checkpoint> Checkpoint::Create(const std::string& path, const std::vector
   std::vector<std::pair<size_t, size_t>> runs;  // [begin, end)
   uint64_t in_shard = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
-    if (runs.empty() || (options.max_shard_bytes != 0 && in_shard > 0 &&
-                         in_shard + tensors[i].nbytes > options.max_shard_bytes)) {
+    if (runs.empty() ||
+        (options.max_shard_bytes != 0 && in_shard > 0 && in_shard + tensors[i].nbytes > options.max_shard_bytes)) {
       runs.push_back({i, i});
       in_shard = 0;
     }
@@ -193,8 +192,8 @@ Result<Checkpoint> Checkpoint::Create(const std::string& path, const std::vector
     for (const auto& entry : fs::directory_iterator(path, ec)) {
       const std::string name = entry.path().filename().string();
       if (EndsWith(name, ".safetensors") || name == kIndexFileName)
-        return AlreadyExists(fmt::format("{} already holds a checkpoint ({}); remove it first or choose another path",
-                                         path, name));
+        return AlreadyExists(
+            fmt::format("{} already holds a checkpoint ({}); remove it first or choose another path", path, name));
     }
     for (size_t s = 0; s < runs.size(); ++s)
       names.push_back(runs.size() == 1 ? "model.safetensors"
@@ -258,9 +257,7 @@ std::span<uint8_t> Checkpoint::MutableData(size_t index) {
   return shards_[loc.shard]->file.mutable_data().subspan(loc.offset, tensors_[index].nbytes);
 }
 
-const std::string& Checkpoint::FileOf(size_t index) const {
-  return shards_[locations_[index].shard]->file.path();
-}
+const std::string& Checkpoint::FileOf(size_t index) const { return shards_[locations_[index].shard]->file.path(); }
 
 std::vector<std::string> Checkpoint::files() const {
   std::vector<std::string> out;

@@ -1,5 +1,5 @@
-#include "testing/temp_dir.h"
 #include "dcr/checkpoint.h"
+#include "testing/temp_dir.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -35,12 +35,10 @@ uint8_t Pattern(const std::string& name, uint64_t i) {
 
 class CheckpointTest : public testing::TempDirTest {
  protected:
-
   // Tensors given out of name order, with several dtypes and an empty one.
   static std::vector<TensorInfo> SampleTensors() {
-    return {T("z.weight", DType::kBF16, {16, 8}), T("a.bias", DType::kF32, {8}),
-            T("m.scale", DType::kF16, {3}),        T("empty", DType::kF32, {0, 4}),
-            T("b.ids", DType::kI64, {5}),          T("c.packed", DType::kF4, {6})};
+    return {T("z.weight", DType::kBF16, {16, 8}), T("a.bias", DType::kF32, {8}), T("m.scale", DType::kF16, {3}),
+            T("empty", DType::kF32, {0, 4}),      T("b.ids", DType::kI64, {5}),  T("c.packed", DType::kF4, {6})};
   }
 
   static void Fill(Checkpoint& c) {
@@ -81,7 +79,6 @@ class CheckpointTest : public testing::TempDirTest {
     auto c = Checkpoint::Create(path, tensors);
     ASSERT_TRUE(c.ok()) << c.status().ToString();
   }
-
 };
 
 TEST_F(CheckpointTest, CreateSingleFileAndReopen) {
@@ -115,8 +112,8 @@ TEST_F(CheckpointTest, CreateSingleFileAndReopen) {
   uint64_t data = 0;
   for (const auto& t : tensors) data += t.nbytes;
   const std::string bytes = ReadText(path);
-  auto header = ParseSafetensorsHeader(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()),
-                                       bytes.size());
+  auto header = ParseSafetensorsHeader(
+      std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()), bytes.size());
   ASSERT_TRUE(header.ok()) << header.status().ToString();
   EXPECT_EQ(header->data_bytes, data);
   // Stored in the given order.

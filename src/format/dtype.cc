@@ -50,8 +50,7 @@ std::optional<DType> ParseDType(std::string_view name) {
 
 std::optional<uint64_t> ByteSize(DType dtype, uint64_t numel) {
   uint64_t bits;
-  if (__builtin_mul_overflow(numel, static_cast<uint64_t>(BitsPerElement(dtype)), &bits))
-    return std::nullopt;
+  if (__builtin_mul_overflow(numel, static_cast<uint64_t>(BitsPerElement(dtype)), &bits)) return std::nullopt;
   if (bits % 8 != 0) return std::nullopt;
   return bits / 8;
 }

@@ -139,8 +139,7 @@ TEST(DTypeTest, ByteSizeSubByteNeedsWholeBytes) {
   EXPECT_FALSE(ByteSize(DType::kF4, 3).has_value());
   EXPECT_EQ(ByteSize(DType::kF6_E2M3, 4), 3u);
   EXPECT_EQ(ByteSize(DType::kF6_E3M2, 8), 6u);
-  for (uint64_t n : {1, 2, 3, 5, 6, 7, 9})
-    EXPECT_FALSE(ByteSize(DType::kF6_E2M3, n).has_value()) << n;
+  for (uint64_t n : {1, 2, 3, 5, 6, 7, 9}) EXPECT_FALSE(ByteSize(DType::kF6_E2M3, n).has_value()) << n;
 }
 
 TEST(DTypeTest, ByteSizeOverflow) {
@@ -217,10 +216,8 @@ TEST(OrderedImageTest, MatchesFloatOrderForAllBf16) {
     if (std::isnan(f)) {
       // NaNs order beyond the infinities, on their sign's side.
       const uint64_t img = OrderedImage(p, 16);
-      if (p & 0x8000)
-        EXPECT_LT(img, OrderedImage(0xFF80, 16)) << std::hex << p;
-      else
-        EXPECT_GT(img, OrderedImage(0x7F80, 16)) << std::hex << p;
+      if (p & 0x8000) EXPECT_LT(img, OrderedImage(0xFF80, 16)) << std::hex << p;
+      else EXPECT_GT(img, OrderedImage(0x7F80, 16)) << std::hex << p;
       continue;
     }
     values.push_back({f, OrderedImage(p, 16)});
@@ -237,8 +234,8 @@ TEST(OrderedImageTest, MatchesFloatOrderForAllBf16) {
 
 TEST(OrderedImageTest, MatchesFloatOrderForRandomF32) {
   std::mt19937 rng(11);
-  std::vector<uint32_t> patterns = {0x00000000u, 0x80000000u, 0x00000001u, 0x80000001u, 0x007FFFFFu,
-                                    0x807FFFFFu, 0x00800000u, 0x80800000u, 0x7F7FFFFFu, 0xFF7FFFFFu,
+  std::vector<uint32_t> patterns = {0x00000000u, 0x80000000u, 0x00000001u,   0x80000001u,   0x007FFFFFu,
+                                    0x807FFFFFu, 0x00800000u, 0x80800000u,   0x7F7FFFFFu,   0xFF7FFFFFu,
                                     0x7F800000u, 0xFF800000u, F32Bits(1.0f), F32Bits(-1.0f)};
   for (int i = 0; i < 4000; ++i) patterns.push_back(static_cast<uint32_t>(rng()));
   std::vector<uint32_t> finite;

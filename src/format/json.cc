@@ -49,7 +49,8 @@ Result<std::vector<std::string>> JsonFields::Strings(const char* key) const {
 Result<std::vector<uint64_t>> JsonFields::U64s(const char* key, size_t at_most) const {
   const Json* v = Find(key);
   if (!v || !v->is_array()) return bad_(fmt::format("'{}' must be an array of integers", key));
-  if (v->size() > at_most) return bad_(fmt::format("'{}' has {} entries; at most {} are supported", key, v->size(), at_most));
+  if (v->size() > at_most)
+    return bad_(fmt::format("'{}' has {} entries; at most {} are supported", key, v->size(), at_most));
   std::vector<uint64_t> out;
   for (const Json& d : *v) {
     if (!d.is_number_unsigned()) return bad_(fmt::format("'{}' must hold non-negative integers", key));

@@ -22,8 +22,8 @@ Status Malformed(std::string_view what) {
 
 Result<uint64_t> AsUint(const ordered_json& v, std::string_view tensor, std::string_view field) {
   if (!v.is_number_unsigned() && !(v.is_number_integer() && v.get<int64_t>() >= 0))
-    return Malformed(fmt::format("tensor '{}': {} must hold non-negative integers, got {}", tensor,
-                                 field, JsonText(v)));
+    return Malformed(
+        fmt::format("tensor '{}': {} must hold non-negative integers, got {}", tensor, field, JsonText(v)));
   return v.get<uint64_t>();
 }
 
@@ -38,8 +38,7 @@ Result<SafetensorsEntry> ParseEntry(const std::string& name, const ordered_json&
   if (!dt->is_string()) return Malformed(fmt::format("tensor '{}': dtype must be a string", name));
   const auto dtype = ParseDType(dt->get_ref<const std::string&>());
   if (!dtype)
-    return InvalidArgument(fmt::format("tensor '{}': unknown dtype '{}'", name,
-                                       dt->get_ref<const std::string&>()));
+    return InvalidArgument(fmt::format("tensor '{}': unknown dtype '{}'", name, dt->get_ref<const std::string&>()));
   if (!sh->is_array()) return Malformed(fmt::format("tensor '{}': shape must be an array", name));
   std::vector<uint64_t> shape;
   shape.reserve(sh->size());
@@ -52,13 +51,12 @@ Result<SafetensorsEntry> ParseEntry(const std::string& name, const ordered_json&
   DCR_ASSIGN_OR_RETURN(uint64_t begin, AsUint((*off)[0], name, "data_offsets"));
   DCR_ASSIGN_OR_RETURN(uint64_t end, AsUint((*off)[1], name, "data_offsets"));
   if (end < begin)
-    return InvalidArgument(fmt::format("tensor '{}': data_offsets [{}, {}) end before begin", name,
-                                       begin, end));
+    return InvalidArgument(fmt::format("tensor '{}': data_offsets [{}, {}) end before begin", name, begin, end));
   DCR_ASSIGN_OR_RETURN(TensorInfo info, MakeTensorInfo(name, *dtype, std::move(shape)));
   if (end - begin != info.nbytes)
-    return InvalidArgument(fmt::format(
-        "tensor '{}': data_offsets [{}, {}) hold {} bytes but {} with {} elements needs {}", name,
-        begin, end, end - begin, Name(*dtype), info.numel, info.nbytes));
+    return InvalidArgument(
+        fmt::format("tensor '{}': data_offsets [{}, {}) hold {} bytes but {} with {} elements needs {}", name, begin,
+                    end, end - begin, Name(*dtype), info.numel, info.nbytes));
   return SafetensorsEntry{std::move(info), begin};
 }
 
@@ -68,29 +66,27 @@ Result<TensorInfo> MakeTensorInfo(std::string name, DType dtype, std::vector<uin
   uint64_t numel = 1;
   for (uint64_t d : shape)
     if (__builtin_mul_overflow(numel, d, &numel))
-      return InvalidArgument(fmt::format("tensor '{}': element count of shape [{}] overflows 64 bits",
-                                         name, fmt::join(shape, ", ")));
+      return InvalidArgument(
+          fmt::format("tensor '{}': element count of shape [{}] overflows 64 bits", name, fmt::join(shape, ", ")));
   const auto nbytes = ByteSize(dtype, numel);
   if (!nbytes)
-    return InvalidArgument(fmt::format("tensor '{}': {} elements of {} ({} bits) {}", name, numel,
-                                       Name(dtype), BitsPerElement(dtype),
-                                       BitsPerElement(dtype) % 8 ? "do not fill whole bytes"
-                                                                 : "overflow 64-bit byte counts"));
+    return InvalidArgument(
+        fmt::format("tensor '{}': {} elements of {} ({} bits) {}", name, numel, Name(dtype), BitsPerElement(dtype),
+                    BitsPerElement(dtype) % 8 ? "do not fill whole bytes" : "overflow 64-bit byte counts"));
   return TensorInfo{std::move(name), dtype, std::move(shape), numel, *nbytes};
 }
 
 Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const uint8_t> prefix, uint64_t file_size) {
   if (file_size < 8 || prefix.size() < 8)
-    return DataLoss(fmt::format("truncated: {} bytes, a safetensors file starts with an 8-byte header length",
-                                file_size));
+    return DataLoss(
+        fmt::format("truncated: {} bytes, a safetensors file starts with an 8-byte header length", file_size));
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | prefix[static_cast<size_t>(i)];
   if (n > kMaxSafetensorsHeaderBytes)
-    return InvalidArgument(fmt::format("header length {} exceeds the limit of {} bytes", n,
-                                       kMaxSafetensorsHeaderBytes));
+    return InvalidArgument(
+        fmt::format("header length {} exceeds the limit of {} bytes", n, kMaxSafetensorsHeaderBytes));
   if (n > file_size - 8)
-    return DataLoss(fmt::format("truncated: header length {} runs past the end of the file ({} bytes)", n,
-                                file_size));
+    return DataLoss(fmt::format("truncated: header length {} runs past the end of the file ({} bytes)", n, file_size));
   if (prefix.size() < 8 + n)
     return Internal(fmt::format("caller passed {} header bytes, need {}", prefix.size(), 8 + n));
   const auto* text = reinterpret_cast<const char*>(prefix.data() + 8);
@@ -99,8 +95,7 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const uint8_t> prefix
   // nlohmann keeps the last of duplicate keys; catch them while parsing.
   std::set<std::string> seen;
   std::string duplicate;
-  ordered_json::parser_callback_t on_event = [&](int depth, ordered_json::parse_event_t event,
-                                                  ordered_json& parsed) {
+  ordered_json::parser_callback_t on_event = [&](int depth, ordered_json::parse_event_t event, ordered_json& parsed) {
     if (depth == 1 && event == ordered_json::parse_event_t::key && duplicate.empty()) {
       const auto& key = parsed.get_ref<const std::string&>();
       if (!seen.insert(key).second) duplicate = key;
@@ -136,14 +131,13 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const uint8_t> prefix
   for (const auto& e : header.entries) {
     if (e.offset != expected)
       return InvalidArgument(fmt::format("tensor '{}': data starts at {} but the previous tensor ends at {} ({})",
-                                         e.info.name, e.offset, expected,
-                                         e.offset < expected ? "overlap" : "hole"));
+                                         e.info.name, e.offset, expected, e.offset < expected ? "overlap" : "hole"));
     expected = e.offset + e.info.nbytes;
   }
   if (expected != header.data_bytes) {
     if (expected > header.data_bytes)
-      return DataLoss(fmt::format("truncated: tensors need {} data bytes but the file holds {}", expected,
-                                  header.data_bytes));
+      return DataLoss(
+          fmt::format("truncated: tensors need {} data bytes but the file holds {}", expected, header.data_bytes));
     return InvalidArgument(fmt::format("{} bytes after the last tensor (data buffer holds {}, tensors {})",
                                        header.data_bytes - expected, header.data_bytes, expected));
   }
@@ -172,8 +166,8 @@ std::string EncodeSafetensorsHeader(std::span<const TensorInfo> tensors, const M
   uint64_t offset = 0;
   for (const auto& t : tensors) {
     sep();
-    json entry = {{"dtype", std::string(Name(t.dtype))}, {"shape", t.shape},
-                  {"data_offsets", {offset, offset + t.nbytes}}};
+    json entry = {
+        {"dtype", std::string(Name(t.dtype))}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.nbytes}}};
     text += quote(t.name) + ":" + JsonText(entry);
     offset += t.nbytes;
   }

@@ -27,9 +27,7 @@ std::vector<uint8_t> MakeFile(const std::string& json, uint64_t data_bytes = 0) 
   return MakeFile(json, data_bytes, json.size());
 }
 
-Result<SafetensorsHeader> Parse(const std::vector<uint8_t>& file) {
-  return ParseSafetensorsHeader(file, file.size());
-}
+Result<SafetensorsHeader> Parse(const std::vector<uint8_t>& file) { return ParseSafetensorsHeader(file, file.size()); }
 
 TensorInfo MakeInfo(const std::string& name, DType dtype, std::vector<uint64_t> shape) {
   auto r = MakeTensorInfo(name, dtype, std::move(shape));
@@ -130,8 +128,11 @@ TEST(SafetensorsTest, RoundTripEveryDTypeWithMetadata) {
   tensors.push_back(MakeInfo("empty2d", DType::kI64, {5, 0}));
   tensors.push_back(MakeInfo("4d", DType::kU16, {1, 2, 3, 4}));
   tensors.push_back(MakeInfo("empty.f4", DType::kF4, {0, 3}));
-  const Metadata metadata = {{"format", "pt"}, {"zeta", "last? no, second"}, {"alpha", "q\"uo\\te\n"},
-                             {"unicode", "\xc3\xa9t\xc3\xa9 \xe2\x9c\x93"}, {"empty", ""}};
+  const Metadata metadata = {{"format", "pt"},
+                             {"zeta", "last? no, second"},
+                             {"alpha", "q\"uo\\te\n"},
+                             {"unicode", "\xc3\xa9t\xc3\xa9 \xe2\x9c\x93"},
+                             {"empty", ""}};
   const auto file = Encode(tensors, metadata);
   auto parsed = Parse(file);
   ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
@@ -188,13 +189,16 @@ TEST(SafetensorsTest, MetadataOnly) {
 }
 
 TEST(SafetensorsTest, InvalidUtf8MetadataIsEncodedAsReplacement) {
-  const Metadata metadata = {{"bad", std::string("a\xff" "b")}};
+  const Metadata metadata = {{"bad", std::string("a\xff"
+                                                 "b")}};
   std::string header;
   ASSERT_NO_THROW(header = EncodeSafetensorsHeader({}, metadata));
   auto parsed = Parse(Encode({}, metadata));
   ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
   ASSERT_EQ(parsed->metadata.size(), 1u);
-  EXPECT_EQ(parsed->metadata[0].second, "a\xef\xbf\xbd" "b");
+  EXPECT_EQ(parsed->metadata[0].second,
+            "a\xef\xbf\xbd"
+            "b");
 }
 
 TEST(SafetensorsTest, AcceptsHandWrittenFiles) {
@@ -233,7 +237,8 @@ TEST(SafetensorsTest, PrefixMayHoldMoreThanTheHeader) {
   auto parsed = ParseSafetensorsHeader(file, file.size());
   ASSERT_TRUE(parsed.ok());
   // Only the header bytes are needed.
-  auto prefix_only = ParseSafetensorsHeader(std::span<const uint8_t>(file).first(8 + parsed->header_bytes), file.size());
+  auto prefix_only =
+      ParseSafetensorsHeader(std::span<const uint8_t>(file).first(8 + parsed->header_bytes), file.size());
   ASSERT_TRUE(prefix_only.ok()) << prefix_only.status().ToString();
   EXPECT_EQ(prefix_only->entries.size(), 1u);
   // A prefix shorter than the announced header is the caller's mistake.
@@ -257,13 +262,11 @@ TEST(SafetensorsErrorsTest, HeaderLengthPastEndOfFile) {
   // Only the 8 length bytes.
   ExpectError(Parse(MakeFile("", 0, 2)), Code::kDataLoss, {"truncated"});
   // Length near 2^64 must not wrap.
-  ExpectError(Parse(MakeFile("{}", 0, std::numeric_limits<uint64_t>::max())), Code::kInvalidArgument,
-              {"exceeds"});
+  ExpectError(Parse(MakeFile("{}", 0, std::numeric_limits<uint64_t>::max())), Code::kInvalidArgument, {"exceeds"});
 }
 
 TEST(SafetensorsErrorsTest, HeaderTooLarge) {
-  ExpectError(Parse(MakeFile("{}", 0, kMaxSafetensorsHeaderBytes + 1)), Code::kInvalidArgument,
-              {"100000000"});
+  ExpectError(Parse(MakeFile("{}", 0, kMaxSafetensorsHeaderBytes + 1)), Code::kInvalidArgument, {"100000000"});
 }
 
 TEST(SafetensorsErrorsTest, NotJson) {
@@ -299,9 +302,9 @@ TEST(SafetensorsErrorsTest, EntryNotAnObject) {
 }
 
 TEST(SafetensorsErrorsTest, MissingFields) {
-  for (const char* json : {R"({"w":{"shape":[1],"data_offsets":[0,1]}})",
-                           R"({"w":{"dtype":"U8","data_offsets":[0,1]}})",
-                           R"({"w":{"dtype":"U8","shape":[1]}})", R"({"w":{}})"}) {
+  for (const char* json :
+       {R"({"w":{"shape":[1],"data_offsets":[0,1]}})", R"({"w":{"dtype":"U8","data_offsets":[0,1]}})",
+        R"({"w":{"dtype":"U8","shape":[1]}})", R"({"w":{}})"}) {
     SCOPED_TRACE(json);
     ExpectError(Parse(MakeFile(json, 1)), Code::kInvalidArgument, {"'w'", "needs dtype, shape and data_offsets"});
   }
@@ -314,17 +317,16 @@ TEST(SafetensorsErrorsTest, WrongFieldTypes) {
               {"'w'", "shape"});
   ExpectError(Parse(MakeFile(R"({"w":{"dtype":"U8","shape":[1],"data_offsets":[0]}})", 1)), Code::kInvalidArgument,
               {"'w'", "data_offsets"});
-  ExpectError(Parse(MakeFile(R"({"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1,2]}})", 1)),
-              Code::kInvalidArgument, {"'w'", "data_offsets"});
-  ExpectError(Parse(MakeFile(R"({"w":{"dtype":"U8","shape":[1],"data_offsets":{"a":0}}})", 1)),
-              Code::kInvalidArgument, {"'w'", "data_offsets"});
+  ExpectError(Parse(MakeFile(R"({"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1,2]}})", 1)), Code::kInvalidArgument,
+              {"'w'", "data_offsets"});
+  ExpectError(Parse(MakeFile(R"({"w":{"dtype":"U8","shape":[1],"data_offsets":{"a":0}}})", 1)), Code::kInvalidArgument,
+              {"'w'", "data_offsets"});
 }
 
 TEST(SafetensorsErrorsTest, BadShapeDims) {
   for (const char* dim : {"-1", "1.0", "1.5", "\"2\"", "null", "true", "[1]", "1e3", "18446744073709551616"}) {
     SCOPED_TRACE(dim);
-    const std::string json =
-        std::string(R"({"w":{"dtype":"U8","shape":[)") + dim + R"(],"data_offsets":[0,1]}})";
+    const std::string json = std::string(R"({"w":{"dtype":"U8","shape":[)") + dim + R"(],"data_offsets":[0,1]}})";
     ExpectError(Parse(MakeFile(json, 1)), Code::kInvalidArgument, {"'w'", "shape"});
   }
 }
@@ -340,20 +342,20 @@ TEST(SafetensorsErrorsTest, BadDataOffsets) {
 TEST(SafetensorsErrorsTest, UnknownDType) {
   ExpectError(Parse(MakeFile(R"({"w":{"dtype":"F128","shape":[1],"data_offsets":[0,16]}})", 16)),
               Code::kInvalidArgument, {"'w'", "F128"});
-  ExpectError(Parse(MakeFile(R"({"w":{"dtype":"bf16","shape":[1],"data_offsets":[0,2]}})", 2)),
-              Code::kInvalidArgument, {"'w'", "unknown dtype"});
+  ExpectError(Parse(MakeFile(R"({"w":{"dtype":"bf16","shape":[1],"data_offsets":[0,2]}})", 2)), Code::kInvalidArgument,
+              {"'w'", "unknown dtype"});
 }
 
 TEST(SafetensorsErrorsTest, EndBeforeBegin) {
-  ExpectError(Parse(MakeFile(R"({"w":{"dtype":"U8","shape":[0],"data_offsets":[4,2]}})", 4)),
-              Code::kInvalidArgument, {"'w'", "end before begin"});
+  ExpectError(Parse(MakeFile(R"({"w":{"dtype":"U8","shape":[0],"data_offsets":[4,2]}})", 4)), Code::kInvalidArgument,
+              {"'w'", "end before begin"});
 }
 
 TEST(SafetensorsErrorsTest, ByteCountMismatch) {
   ExpectError(Parse(MakeFile(R"({"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,15]}})", 15)),
               Code::kInvalidArgument, {"'w'", "15 bytes", "16"});
-  ExpectError(Parse(MakeFile(R"({"w":{"dtype":"BF16","shape":[3],"data_offsets":[0,3]}})", 3)),
-              Code::kInvalidArgument, {"'w'"});
+  ExpectError(Parse(MakeFile(R"({"w":{"dtype":"BF16","shape":[3],"data_offsets":[0,3]}})", 3)), Code::kInvalidArgument,
+              {"'w'"});
 }
 
 TEST(SafetensorsErrorsTest, Overlap) {
@@ -374,8 +376,8 @@ TEST(SafetensorsErrorsTest, Hole) {
       R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[4],"data_offsets":[6,10]}})";
   ExpectError(Parse(MakeFile(json, 10)), Code::kInvalidArgument, {"'b'", "hole"});
   // First tensor not at 0.
-  ExpectError(Parse(MakeFile(R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[1,3]}})", 3)),
-              Code::kInvalidArgument, {"'a'", "hole"});
+  ExpectError(Parse(MakeFile(R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[1,3]}})", 3)), Code::kInvalidArgument,
+              {"'a'", "hole"});
   // An empty tensor beyond the end.
   const std::string beyond =
       R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"e":{"dtype":"U8","shape":[0],"data_offsets":[9,9]}})";
@@ -383,8 +385,8 @@ TEST(SafetensorsErrorsTest, Hole) {
 }
 
 TEST(SafetensorsErrorsTest, TrailingBytes) {
-  ExpectError(Parse(MakeFile(R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}})", 5)),
-              Code::kInvalidArgument, {"1 bytes after the last tensor"});
+  ExpectError(Parse(MakeFile(R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}})", 5)), Code::kInvalidArgument,
+              {"1 bytes after the last tensor"});
   ExpectError(Parse(MakeFile("{}", 3)), Code::kInvalidArgument, {"3 bytes after"});
 }
 
@@ -410,8 +412,7 @@ TEST(SafetensorsErrorsTest, DuplicateNames) {
 }
 
 TEST(SafetensorsErrorsTest, ElementCountOverflow) {
-  const std::string json =
-      R"({"w":{"dtype":"U8","shape":[4294967296,4294967296],"data_offsets":[0,0]}})";
+  const std::string json = R"({"w":{"dtype":"U8","shape":[4294967296,4294967296],"data_offsets":[0,0]}})";
   ExpectError(Parse(MakeFile(json)), Code::kInvalidArgument, {"'w'", "overflows"});
   // Element count fits but the bit count does not.
   const std::string bytes = R"({"w":{"dtype":"F64","shape":[2305843009213693952],"data_offsets":[0,0]}})";
@@ -419,8 +420,8 @@ TEST(SafetensorsErrorsTest, ElementCountOverflow) {
 }
 
 TEST(SafetensorsErrorsTest, F4OddElementCount) {
-  ExpectError(Parse(MakeFile(R"({"w":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}})", 2)),
-              Code::kInvalidArgument, {"'w'", "whole bytes"});
+  ExpectError(Parse(MakeFile(R"({"w":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}})", 2)), Code::kInvalidArgument,
+              {"'w'", "whole bytes"});
   ExpectError(Parse(MakeFile(R"({"w":{"dtype":"F6_E3M2","shape":[3],"data_offsets":[0,3]}})", 3)),
               Code::kInvalidArgument, {"'w'", "whole bytes"});
   // An even count is fine.

@@ -13,7 +13,8 @@ namespace {
 
 Result<std::string> BufferPath(const std::string& dir, const LayoutBuffer& b) {
   if (b.id.empty() || b.id.find('/') != std::string::npos || b.id.front() == '.')
-    return InvalidArgument(fmt::format("buffer '{}' cannot name a file in {} (no '/', not starting with '.')", b.id, dir));
+    return InvalidArgument(
+        fmt::format("buffer '{}' cannot name a file in {} (no '/', not starting with '.')", b.id, dir));
   return (fs::path(dir) / b.id).string();
 }
 
@@ -26,9 +27,10 @@ Result<RankBufferFiles> RankBufferFiles::Open(const CompiledLayout& layout, cons
     DCR_ASSIGN_OR_RETURN(std::string path, BufferPath(dir, layout.map().buffers[i]));
     DCR_ASSIGN_OR_RETURN(MappedFile f, MappedFile::Open(path, true));
     if (f.size() != layout.BufferBytes(i))
-      return InvalidArgument(fmt::format("{} has {} bytes but buffer '{}' of the map has {}; load the rank again "
-                                         "(dcr layout load)",
-                                         path, f.size(), layout.map().buffers[i].id, layout.BufferBytes(i)));
+      return InvalidArgument(
+          fmt::format("{} has {} bytes but buffer '{}' of the map has {}; load the rank again "
+                      "(dcr layout load)",
+                      path, f.size(), layout.map().buffers[i].id, layout.BufferBytes(i)));
     out.files_.push_back(std::move(f));
   }
   return out;

@@ -102,9 +102,10 @@ Result<std::string> WriteContributions(const ContributionHeader& header, const D
   std::string body;
   for (const ChunkContribution* raw : sorted) {
     if (raw->direct())
-      return InvalidArgument(fmt::format("tensor {} chunk {}: sender {}'s contribution is direct (spans of its shards), "
-                                         "which only its own process merges",
-                                         raw->tensor, raw->chunk, raw->from));
+      return InvalidArgument(
+          fmt::format("tensor {} chunk {}: sender {}'s contribution is direct (spans of its shards), "
+                      "which only its own process merges",
+                      raw->tensor, raw->chunk, raw->from));
     uint64_t elements = 0, eb = 0;
     DCR_RETURN_IF_ERROR(ChunkShape(manifest, raw->tensor, raw->chunk, &elements, &eb));
     uint64_t covered = 0;
@@ -158,8 +159,8 @@ Result<std::vector<ChunkContribution>> ParseContributions(std::span<const uint8_
   const uint8_t* p = bytes.data();
   if (std::memcmp(p, kMagic, sizeof kMagic) != 0) return bad(Code::kDataLoss, "bad magic (not a contribution object)");
   if (Get32(p + 8) != kContributionFormatVersion)
-    return bad(Code::kInvalidArgument, fmt::format("format version {}, this build reads {}", Get32(p + 8),
-                                                   kContributionFormatVersion));
+    return bad(Code::kInvalidArgument,
+               fmt::format("format version {}, this build reads {}", Get32(p + 8), kContributionFormatVersion));
   const uint64_t records = Get64(p + 32), body = Get64(p + 40);
   if (body != bytes.size() - kContributionHeaderBytes - kChecksumBytes)
     return bad(Code::kDataLoss, fmt::format("the header says {} body bytes, the object holds {} (truncated or padded)",
@@ -173,9 +174,9 @@ Result<std::vector<ChunkContribution>> ParseContributions(std::span<const uint8_
                                                    Get64(p + 16), cls == 1 ? "xor" : "overwrite", expect.delta_id,
                                                    ClassCode(expect.delta_class) == 1 ? "xor" : "overwrite"));
   if (Get32(p + 24) != expect.from_process || Get32(p + 28) != expect.to_process)
-    return bad(Code::kInvalidArgument, fmt::format("written by process {} for process {}, expected {} for {}",
-                                                   Get32(p + 24), Get32(p + 28), expect.from_process,
-                                                   expect.to_process));
+    return bad(Code::kInvalidArgument,
+               fmt::format("written by process {} for process {}, expected {} for {}", Get32(p + 24), Get32(p + 28),
+                           expect.from_process, expect.to_process));
   if (records > body / kRecordHeaderBytes)
     return bad(Code::kInvalidArgument, fmt::format("{} records cannot fit in {} bytes", records, body));
   const bool overwrite = expect.delta_class == DeltaClass::kOverwrite;
@@ -204,21 +205,24 @@ Result<std::vector<ChunkContribution>> ParseContributions(std::span<const uint8_
     if (Status s = ChunkShape(manifest, c.tensor, c.chunk, &elements, &eb); !s.ok()) return rec_bad(s.message());
     if (std::find(from_senders.begin(), from_senders.end(), c.from) == from_senders.end())
       return rec_bad(fmt::format("sender {} is not one of process {}'s senders", c.from, expect.from_process));
-    if (!out.empty() && std::tie(c.tensor, c.chunk, c.from) <= std::tie(out.back().tensor, out.back().chunk, out.back().from))
+    if (!out.empty() &&
+        std::tie(c.tensor, c.chunk, c.from) <= std::tie(out.back().tensor, out.back().chunk, out.back().from))
       return rec_bad("records are not in increasing (tensor, chunk, sender) order");
     if (ranges == 0) return rec_bad("covers no elements");
     if (ranges > elements || changes > elements)
       return rec_bad(fmt::format("{} ranges and {} changes in a chunk of {} elements", ranges, changes, elements));
     // Sizes are bounded by the chunk (u32 counts, eb <= 16): no overflow.
-    if (left() < ranges * 8 + changes * (4 + 2 * eb)) return bad(Code::kDataLoss, fmt::format("record {} is truncated", r));
+    if (left() < ranges * 8 + changes * (4 + 2 * eb))
+      return bad(Code::kDataLoss, fmt::format("record {} is truncated", r));
     uint64_t covered = 0, end = 0;
     c.covered.reserve(static_cast<size_t>(ranges));
     for (uint64_t i = 0; i < ranges; ++i, at += 8) {
       const uint64_t lo = Get32(p + at), len = Get32(p + at + 4);
       if (len == 0 || lo + len > elements || (i > 0 && lo < end))
-        return rec_bad(fmt::format("covered range [{}, {}) is empty, past the chunk's {} elements, or not after the "
-                                   "previous range",
-                                   lo, lo + len, elements));
+        return rec_bad(
+            fmt::format("covered range [{}, {}) is empty, past the chunk's {} elements, or not after the "
+                        "previous range",
+                        lo, lo + len, elements));
       end = lo + len;
       covered += len;
       c.covered.emplace_back(static_cast<uint32_t>(lo), static_cast<uint32_t>(len));

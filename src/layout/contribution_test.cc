@@ -123,8 +123,8 @@ TEST_P(ContributionTest, RecordsRoundTripAndMergeIntoTheSameFrames) {
   // Sender 0's records of "a" have ranges out of order: the writer sorts them.
   bool unsorted = false;
   for (const auto& c : records_[0])
-    unsorted |= !std::is_sorted(c.covered.begin(), c.covered.end()) ||
-                !std::is_sorted(c.positions.begin(), c.positions.end());
+    unsorted |=
+        !std::is_sorted(c.covered.begin(), c.covered.end()) || !std::is_sorted(c.positions.begin(), c.positions.end());
   ASSERT_TRUE(unsorted) << "the test map should produce unsorted ranges";
   auto parsed = Parse(object_);
   ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
@@ -243,9 +243,10 @@ TEST_P(ContributionTest, TheWriterRefusesRecordsThatDoNotFit) {
   EXPECT_EQ(WriteContributions(other, m_, records_[0]).status().code(), Code::kInvalidArgument);
 }
 
-INSTANTIATE_TEST_SUITE_P(Classes, ContributionTest,
-                         ::testing::Values(DeltaClass::kXorClass, DeltaClass::kOverwrite),
-                         [](const auto& param_info) { return param_info.param == DeltaClass::kXorClass ? "xor" : "overwrite"; });
+INSTANTIATE_TEST_SUITE_P(Classes, ContributionTest, ::testing::Values(DeltaClass::kXorClass, DeltaClass::kOverwrite),
+                         [](const auto& param_info) {
+                           return param_info.param == DeltaClass::kXorClass ? "xor" : "overwrite";
+                         });
 
 }  // namespace
 }  // namespace dcr

@@ -11,8 +11,8 @@
 #include <map>
 
 #include "dcr/checkpoint.h"
-#include "dcr/delta.h"
 #include "dcr/contribution.h"
+#include "dcr/delta.h"
 #include "dcr/layout_apply.h"
 #include "dcr/layout_families.h"
 #include "layout/test_shapes.h"
@@ -72,7 +72,7 @@ struct Projected {
   DeltaManifest manifest;
   std::shared_ptr<std::string> bytes;
   uint64_t contributions = 0, handed_over = 0;  // records, and those sent to another owner
-  uint64_t direct = 0;                          // records that were spans (with `direct`)
+  uint64_t direct = 0;  // records that were spans (with `direct`)
 };
 
 // With `direct`, each sender gives the chunks it owns itself as direct
@@ -440,10 +440,12 @@ TEST_P(Fp8MapTest, BitExactThroughCopies) {
       b[i] = next_random() % 3 == 0 ? static_cast<uint8_t>(next_random()) : a[i];
     }
   }
-  const uint8_t e5[][2] = {{0x00, 0x80}, {0x7C, 0xFC}, {0x7D, 0x7E}, {0xFD, 0x7F}, {0x01, 0x03}, {0x7B, 0xFB}, {0x7E, 0x7E}};
+  const uint8_t e5[][2] = {{0x00, 0x80}, {0x7C, 0xFC}, {0x7D, 0x7E}, {0xFD, 0x7F},
+                           {0x01, 0x03}, {0x7B, 0xFB}, {0x7E, 0x7E}};
   const uint8_t e4[][2] = {{0x80, 0x00}, {0x7F, 0xFF}, {0x01, 0x02}, {0x07, 0x87}, {0x7E, 0xFE}, {0x7F, 0x7F}};
   for (size_t k = 0; k < std::size(e5); ++k) v0->MutableData(0)[k] = e5[k][0], v1->MutableData(0)[k] = e5[k][1];
-  for (size_t k = 0; k < std::size(e4); ++k) v0->MutableData(1)[40 + k] = e4[k][0], v1->MutableData(1)[40 + k] = e4[k][1];
+  for (size_t k = 0; k < std::size(e4); ++k)
+    v0->MutableData(1)[40 + k] = e4[k][0], v1->MutableData(1)[40 + k] = e4[k][1];
   const uint32_t scales0[] = {0x7FC00001, 0x00000000, 0x00000001, 0x3C000000};
   const uint32_t scales1[] = {0x7FC00002, 0x80000000, 0x00000002, 0x3C000000};
   std::memcpy(v0->MutableData(2).data(), scales0, 16);
@@ -451,8 +453,11 @@ TEST_P(Fp8MapTest, BitExactThroughCopies) {
 
   auto sender_map = [](uint64_t r) {
     LayoutMap m;
-    m.tensors = {{"w5", DType::kF8_E5M2, {6, 16}}, {"w8", DType::kF8_E4M3, {6, 16}}, {"w8.weight_scale_inv", DType::kF32, {2, 2}}};
-    m.buffers = {{"fc.w5", DType::kF8_E5M2, {3, 16}}, {"fc.w8", DType::kF8_E4M3, {3, 16}}, {"fc.scale", DType::kF32, {2, 2}}};
+    m.tensors = {{"w5", DType::kF8_E5M2, {6, 16}},
+                 {"w8", DType::kF8_E4M3, {6, 16}},
+                 {"w8.weight_scale_inv", DType::kF32, {2, 2}}};
+    m.buffers = {
+        {"fc.w5", DType::kF8_E5M2, {3, 16}}, {"fc.w8", DType::kF8_E4M3, {3, 16}}, {"fc.scale", DType::kF32, {2, 2}}};
     m.copies = {{"w5", {3 * r, 0}, {3, 16}, "fc.w5", {0, 0}, true},
                 {"w8", {3 * r, 0}, {3, 16}, "fc.w8", {0, 0}, true},
                 {"w8.weight_scale_inv", {0, 0}, {2, 2}, "fc.scale", {0, 0}, r == 0}};
@@ -460,9 +465,13 @@ TEST_P(Fp8MapTest, BitExactThroughCopies) {
   };
   auto receiver_map = [](uint64_t r) {
     LayoutMap m;
-    m.tensors = {{"w5", DType::kF8_E5M2, {6, 16}}, {"w8", DType::kF8_E4M3, {6, 16}}, {"w8.weight_scale_inv", DType::kF32, {2, 2}}};
+    m.tensors = {{"w5", DType::kF8_E5M2, {6, 16}},
+                 {"w8", DType::kF8_E4M3, {6, 16}},
+                 {"w8.weight_scale_inv", DType::kF32, {2, 2}}};
     // Both weights stacked in one [2, 6, 8] buffer; the scales twice on rank 1 (one replica).
-    m.buffers = {{"stack", DType::kF8_E5M2, {1, 6, 8}}, {"w8", DType::kF8_E4M3, {6, 8}}, {"scale", DType::kF32, {2, 2}},
+    m.buffers = {{"stack", DType::kF8_E5M2, {1, 6, 8}},
+                 {"w8", DType::kF8_E4M3, {6, 8}},
+                 {"scale", DType::kF32, {2, 2}},
                  {"scale.copy", DType::kF32, {1, 4}}};
     m.copies = {{"w5", {0, 8 * r}, {6, 8}, "stack", {0, 0, 0}, true},
                 {"w8", {0, 8 * r}, {6, 8}, "w8", {0, 0}, true},
@@ -508,15 +517,27 @@ std::vector<Scenario> Scenarios() {
     const std::string mode = cls == DeltaClass::kXorClass ? "xor" : "overwrite";
     const UpdateModel update = cls == DeltaClass::kXorClass ? UpdateModel::kTraining : UpdateModel::kStress;
     // Llama: trainer tp 2 x pp 2; engines tp 1, 2 and 4 (kv heads replicated at tp 4).
-    out.push_back({"llama_tp2_pp2_" + mode, LlamaShape(), {2, 2, 1, false, 4},
-                   {{1, false, 4}, {2, false, 4}, {4, false, 4}}, cls, update});
+    out.push_back({"llama_tp2_pp2_" + mode,
+                   LlamaShape(),
+                   {2, 2, 1, false, 4},
+                   {{1, false, 4}, {2, false, 4}, {4, false, 4}},
+                   cls,
+                   update});
     // Qwen3-MoE: trainer tp 2 x ep 4 (6 experts: 2, 2, 1, 1 per rank); engines tp 1, 2 with EP, 4 with EP
     // (uneven expert map) and 4 without.
-    out.push_back({"qwen3moe_tp2_ep4_" + mode, QwenShape(), {2, 1, 4, false, 4},
-                   {{1, false, 4}, {2, true, 4}, {4, true, 4}, {4, false, 4}}, cls, update});
+    out.push_back({"qwen3moe_tp2_ep4_" + mode,
+                   QwenShape(),
+                   {2, 1, 4, false, 4},
+                   {{1, false, 4}, {2, true, 4}, {4, true, 4}, {4, false, 4}},
+                   cls,
+                   update});
     // DeepSeek-V3 (MLA, F32 norms and router bias): trainer tp 2 x ep 4 x pp 2 with expert tp.
-    out.push_back({"deepseek_tp2_ep4_pp2_" + mode, DeepseekShape(), {2, 2, 4, true, 4},
-                   {{1, false, 4}, {2, false, 4}, {4, true, 4}}, cls, update});
+    out.push_back({"deepseek_tp2_ep4_pp2_" + mode,
+                   DeepseekShape(),
+                   {2, 2, 4, true, 4},
+                   {{1, false, 4}, {2, false, 4}, {4, true, 4}},
+                   cls,
+                   update});
   }
   return out;
 }

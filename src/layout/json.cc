@@ -43,7 +43,8 @@ std::string LayoutMapToJson(const LayoutMap& map) {
   doc["format"] = kLayoutFormat;
   doc["format_version"] = kLayoutFormatVersion;
   json& ts = doc["tensors"] = json::array();
-  for (const LayoutTensor& t : map.tensors) ts.push_back({{"name", t.name}, {"dtype", Name(t.dtype)}, {"shape", t.shape}});
+  for (const LayoutTensor& t : map.tensors)
+    ts.push_back({{"name", t.name}, {"dtype", Name(t.dtype)}, {"shape", t.shape}});
   json& bs = doc["buffers"] = json::array();
   for (const LayoutBuffer& b : map.buffers) bs.push_back({{"id", b.id}, {"dtype", Name(b.dtype)}, {"shape", b.shape}});
   json& cs = doc["copies"] = json::array();
@@ -67,8 +68,8 @@ Result<LayoutMap> LayoutMapFromJson(std::string_view text, const std::string& wh
   auto v = doc.find("format_version");
   if (v == doc.end() || !v->is_number_unsigned()) return Bad(where, "'format_version' must be a non-negative integer");
   if (v->get<uint64_t>() != kLayoutFormatVersion)
-    return Unimplemented(fmt::format("{}: layout map format version {} (this dcr reads version {}); upgrade dcr",
-                                     where, v->get<uint64_t>(), kLayoutFormatVersion));
+    return Unimplemented(fmt::format("{}: layout map format version {} (this dcr reads version {}); upgrade dcr", where,
+                                     v->get<uint64_t>(), kLayoutFormatVersion));
   LayoutMap map;
   DCR_ASSIGN_OR_RETURN(const json* ts, Array(doc, "tensors", where));
   for (size_t i = 0; i < ts->size(); ++i) {

@@ -30,9 +30,10 @@ bool Product(std::span<const uint64_t> shape, uint64_t* out) {
 
 Status CheckDType(DType dtype, const std::string& what) {
   if (BitsPerElement(dtype) % 8 != 0)
-    return InvalidArgument(fmt::format("{}: dtype {} is packed below a byte and cannot be copied by boxes; "
-                                       "declare it as a residual (no copies) instead",
-                                       what, Name(dtype)));
+    return InvalidArgument(
+        fmt::format("{}: dtype {} is packed below a byte and cannot be copied by boxes; "
+                    "declare it as a residual (no copies) instead",
+                    what, Name(dtype)));
   return Status::Ok();
 }
 
@@ -73,7 +74,8 @@ Status ValidateLayoutMap(const LayoutMap& map) {
   for (size_t i = 0; i < map.tensors.size(); ++i) {
     const LayoutTensor& t = map.tensors[i];
     const std::string what = fmt::format("tensor #{} '{}'", i, t.name);
-    if (t.name.empty()) return InvalidArgument(fmt::format("tensor #{}: empty name; give every tensor its checkpoint name", i));
+    if (t.name.empty())
+      return InvalidArgument(fmt::format("tensor #{}: empty name; give every tensor its checkpoint name", i));
     if (!tensors.emplace(t.name, i).second)
       return InvalidArgument(fmt::format("{}: declared twice; declare each tensor once", what));
     DCR_RETURN_IF_ERROR(CheckDType(t.dtype, what));
@@ -105,9 +107,10 @@ Status ValidateLayoutMap(const LayoutMap& map) {
     const LayoutTensor& t = map.tensors[ti->second];
     const LayoutBuffer& b = map.buffers[bi->second];
     if (t.dtype != b.dtype)
-      return InvalidArgument(fmt::format("{}: the tensor is {} but the buffer is {}; a box copy moves bits unchanged, "
-                                         "so a conversion must be declared as a residual",
-                                         what, Name(t.dtype), Name(b.dtype)));
+      return InvalidArgument(
+          fmt::format("{}: the tensor is {} but the buffer is {}; a box copy moves bits unchanged, "
+                      "so a conversion must be declared as a residual",
+                      what, Name(t.dtype), Name(b.dtype)));
     const size_t n = t.shape.size(), m = b.shape.size();
     if (c.offset.size() != n || c.extent.size() != n)
       return InvalidArgument(fmt::format("{}: offset {} and extent {} need {} entries, one per tensor dimension of {}",
@@ -116,12 +119,14 @@ Status ValidateLayoutMap(const LayoutMap& map) {
       return InvalidArgument(fmt::format("{}: buffer_offset {} needs {} entries, one per dimension of buffer shape {}",
                                          what, Dims(c.buffer_offset), m, Dims(b.shape)));
     if (m < n)
-      return InvalidArgument(fmt::format("{}: the buffer has {} dimensions, fewer than the tensor's {}; "
-                                         "reshape the buffer's declaration to at least the tensor's rank",
-                                         what, m, n));
+      return InvalidArgument(
+          fmt::format("{}: the buffer has {} dimensions, fewer than the tensor's {}; "
+                      "reshape the buffer's declaration to at least the tensor's rank",
+                      what, m, n));
     Box canon{{}, {}, i}, dest{{}, {}, i};
     for (size_t d = 0; d < n; ++d) {
-      if (c.extent[d] == 0) return InvalidArgument(fmt::format("{}: extent {} is empty in dimension {}", what, Dims(c.extent), d));
+      if (c.extent[d] == 0)
+        return InvalidArgument(fmt::format("{}: extent {} is empty in dimension {}", what, Dims(c.extent), d));
       if (c.offset[d] > t.shape[d] || c.extent[d] > t.shape[d] - c.offset[d])
         return InvalidArgument(fmt::format("{}: box offset {} extent {} leaves tensor shape {} in dimension {}", what,
                                            Dims(c.offset), Dims(c.extent), Dims(t.shape), d));
@@ -142,16 +147,18 @@ Status ValidateLayoutMap(const LayoutMap& map) {
   for (size_t b = 0; b < writes.size(); ++b) {
     auto [x, y] = FirstOverlap(writes[b]);
     if (x >= 0)
-      return InvalidArgument(fmt::format("{} and {} write the same elements of buffer '{}'; every buffer element "
-                                         "must have one source",
-                                         CopyName(map, x), CopyName(map, y), map.buffers[b].id));
+      return InvalidArgument(
+          fmt::format("{} and {} write the same elements of buffer '{}'; every buffer element "
+                      "must have one source",
+                      CopyName(map, x), CopyName(map, y), map.buffers[b].id));
   }
   for (size_t t = 0; t < reads.size(); ++t) {
     auto [x, y] = FirstOverlap(reads[t]);
     if (x >= 0)
-      return InvalidArgument(fmt::format("{} and {} are both primary for the same elements of tensor '{}'; mark all "
-                                         "but one of them \"primary\": false",
-                                         CopyName(map, x), CopyName(map, y), map.tensors[t].name));
+      return InvalidArgument(
+          fmt::format("{} and {} are both primary for the same elements of tensor '{}'; mark all "
+                      "but one of them \"primary\": false",
+                      CopyName(map, x), CopyName(map, y), map.tensors[t].name));
   }
   return Status::Ok();
 }
@@ -256,14 +263,16 @@ Status ValidateEngine(std::span<const CompiledLayout* const> ranks, std::span<co
     for (const LayoutTensor& t : m.tensors) {
       auto it = index.find(t.name);
       if (it == index.end())
-        return InvalidArgument(fmt::format("rank {}: tensor '{}' is not in the checkpoint; regenerate the map for this "
-                                           "model",
-                                           r, t.name));
+        return InvalidArgument(
+            fmt::format("rank {}: tensor '{}' is not in the checkpoint; regenerate the map for this "
+                        "model",
+                        r, t.name));
       const TensorInfo& info = tensors[it->second];
       if (info.dtype != t.dtype || info.shape != t.shape)
-        return InvalidArgument(fmt::format("rank {}: tensor '{}' is {} {} in the map but {} {} in the checkpoint; "
-                                           "regenerate the map for this model",
-                                           r, t.name, Name(t.dtype), Dims(t.shape), Name(info.dtype), Dims(info.shape)));
+        return InvalidArgument(
+            fmt::format("rank {}: tensor '{}' is {} {} in the map but {} {} in the checkpoint; "
+                        "regenerate the map for this model",
+                        r, t.name, Name(t.dtype), Dims(t.shape), Name(info.dtype), Dims(info.shape)));
     }
     for (size_t i = 0; i < m.copies.size(); ++i) {
       const BoxCopy& c = m.copies[i];
@@ -271,7 +280,8 @@ Status ValidateEngine(std::span<const CompiledLayout* const> ranks, std::span<co
       mapped[t] = true;
       if (!c.primary) continue;
       Box b{{}, {}, primaries[t].size()};
-      for (size_t d = 0; d < c.offset.size(); ++d) b.lo.push_back(c.offset[d]), b.hi.push_back(c.offset[d] + c.extent[d]);
+      for (size_t d = 0; d < c.offset.size(); ++d)
+        b.lo.push_back(c.offset[d]), b.hi.push_back(c.offset[d] + c.extent[d]);
       primaries[t].push_back(std::move(b));
       rank_of[t].push_back(r);
     }
@@ -284,9 +294,10 @@ Status ValidateEngine(std::span<const CompiledLayout* const> ranks, std::span<co
     std::vector<Box> boxes = primaries[t];
     auto [x, y] = FirstOverlap(boxes);
     if (x >= 0)
-      return InvalidArgument(fmt::format("tensor '{}': ranks {} and {} both hold primary copies of the same elements; "
-                                         "exactly one copy per engine may be primary",
-                                         tensors[t].name, rank_of[t][x], rank_of[t][y]));
+      return InvalidArgument(
+          fmt::format("tensor '{}': ranks {} and {} both hold primary copies of the same elements; "
+                      "exactly one copy per engine may be primary",
+                      tensors[t].name, rank_of[t][x], rank_of[t][y]));
     uint64_t covered = 0;
     for (const Box& b : primaries[t]) {
       uint64_t v = 1;
@@ -294,9 +305,10 @@ Status ValidateEngine(std::span<const CompiledLayout* const> ranks, std::span<co
       covered += v;
     }
     if (covered != tensors[t].numel)
-      return InvalidArgument(fmt::format("tensor '{}': the engine's primary copies cover {} of its {} elements; every "
-                                         "element of a mapped tensor needs exactly one primary copy",
-                                         tensors[t].name, covered, tensors[t].numel));
+      return InvalidArgument(
+          fmt::format("tensor '{}': the engine's primary copies cover {} of its {} elements; every "
+                      "element of a mapped tensor needs exactly one primary copy",
+                      tensors[t].name, covered, tensors[t].numel));
   }
   return Status::Ok();
 }

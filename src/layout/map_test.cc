@@ -13,8 +13,8 @@ using ::testing::HasSubstr;
 LayoutMap Good() {
   LayoutMap m;
   m.tensors = {{"w", DType::kBF16, {4, 6}}, {"n", DType::kF32, {3}}};
-  m.buffers = {{"a", DType::kBF16, {2, 6}}, {"b", DType::kBF16, {1, 2, 6}}, {"n0", DType::kF32, {3}},
-               {"n1", DType::kF32, {3}}};
+  m.buffers = {
+      {"a", DType::kBF16, {2, 6}}, {"b", DType::kBF16, {1, 2, 6}}, {"n0", DType::kF32, {3}}, {"n1", DType::kF32, {3}}};
   m.copies = {{"w", {0, 0}, {2, 6}, "a", {0, 0}, true},
               {"w", {2, 0}, {2, 6}, "b", {0, 0, 0}, true},
               {"n", {0}, {3}, "n0", {0}, true},
@@ -44,33 +44,69 @@ TEST_P(BadMapTest, RefusedWithAClearError) {
 INSTANTIATE_TEST_SUITE_P(
     Cases, BadMapTest,
     ::testing::Values(
-        BadCase{"duplicate tensor", [](LayoutMap& m) { m.tensors.push_back(m.tensors[0]); }, "tensor #2 'w': declared twice"},
-        BadCase{"duplicate buffer", [](LayoutMap& m) { m.buffers.push_back(m.buffers[0]); }, "buffer #4 'a': declared twice"},
+        BadCase{"duplicate tensor", [](LayoutMap& m) { m.tensors.push_back(m.tensors[0]); },
+                "tensor #2 'w': declared twice"},
+        BadCase{"duplicate buffer", [](LayoutMap& m) { m.buffers.push_back(m.buffers[0]); },
+                "buffer #4 'a': declared twice"},
         BadCase{"empty buffer id", [](LayoutMap& m) { m.buffers[1].id = ""; }, "buffer #1: empty id"},
         BadCase{"sub-byte dtype", [](LayoutMap& m) { m.tensors[0].dtype = DType::kF4; }, "packed below a byte"},
-        BadCase{"unknown tensor", [](LayoutMap& m) { m.copies[1].tensor = "x"; }, "copy #1 (tensor 'x' -> buffer 'b'): the tensor is not declared"},
-        BadCase{"unknown buffer", [](LayoutMap& m) { m.copies[0].buffer = "zz"; }, "copy #0 (tensor 'w' -> buffer 'zz'): the buffer is not declared"},
-        BadCase{"dtype differs", [](LayoutMap& m) { m.buffers[0].dtype = DType::kF16; }, "the tensor is BF16 but the buffer is F16"},
+        BadCase{"unknown tensor", [](LayoutMap& m) { m.copies[1].tensor = "x"; },
+                "copy #1 (tensor 'x' -> buffer 'b'): the tensor is not declared"},
+        BadCase{"unknown buffer", [](LayoutMap& m) { m.copies[0].buffer = "zz"; },
+                "copy #0 (tensor 'w' -> buffer 'zz'): the buffer is not declared"},
+        BadCase{"dtype differs", [](LayoutMap& m) { m.buffers[0].dtype = DType::kF16; },
+                "the tensor is BF16 but the buffer is F16"},
         BadCase{"offset rank", [](LayoutMap& m) { m.copies[0].offset = {0}; }, "need 2 entries"},
-        BadCase{"buffer offset rank", [](LayoutMap& m) { m.copies[1].buffer_offset = {0, 0}; }, "needs 3 entries"},
-        BadCase{"buffer rank too small", [](LayoutMap& m) {
+        BadCase{"buffer offset rank",
+                [](LayoutMap& m) {
+                  m.copies[1].buffer_offset = {0, 0};
+                },
+                "needs 3 entries"},
+        BadCase{"buffer rank too small",
+                [](LayoutMap& m) {
                   m.buffers[2].shape = {};
                   m.copies[2].buffer_offset = {};
-                }, "fewer than the tensor's 1"},
-        BadCase{"empty extent", [](LayoutMap& m) { m.copies[0].extent = {0, 6}; }, "is empty in dimension 0"},
-        BadCase{"box leaves tensor", [](LayoutMap& m) { m.copies[1].offset = {3, 0}; }, "leaves tensor shape [4, 6] in dimension 0"},
-        BadCase{"box offset overflows", [](LayoutMap& m) { m.copies[1].offset = {UINT64_MAX, 0}; }, "leaves tensor shape"},
-        BadCase{"buffer box leaves buffer", [](LayoutMap& m) { m.copies[0].buffer_offset = {0, 1}; }, "leaves buffer shape [2, 6] in dimension 1"},
-        BadCase{"two writers", [](LayoutMap& m) {
+                },
+                "fewer than the tensor's 1"},
+        BadCase{"empty extent",
+                [](LayoutMap& m) {
+                  m.copies[0].extent = {0, 6};
+                },
+                "is empty in dimension 0"},
+        BadCase{"box leaves tensor",
+                [](LayoutMap& m) {
+                  m.copies[1].offset = {3, 0};
+                },
+                "leaves tensor shape [4, 6] in dimension 0"},
+        BadCase{"box offset overflows",
+                [](LayoutMap& m) {
+                  m.copies[1].offset = {UINT64_MAX, 0};
+                },
+                "leaves tensor shape"},
+        BadCase{"buffer box leaves buffer",
+                [](LayoutMap& m) {
+                  m.copies[0].buffer_offset = {0, 1};
+                },
+                "leaves buffer shape [2, 6] in dimension 1"},
+        BadCase{"two writers",
+                [](LayoutMap& m) {
                   m.copies[1].buffer = "a";
                   m.copies[1].buffer_offset = {0, 0};
-                }, "copy #0 (tensor 'w' -> buffer 'a') and copy #1 (tensor 'w' -> buffer 'a') write the same elements"},
-        BadCase{"partial overlap of writers", [](LayoutMap& m) {
+                },
+                "copy #0 (tensor 'w' -> buffer 'a') and copy #1 (tensor 'w' -> buffer 'a') write the same elements"},
+        BadCase{"partial overlap of writers",
+                [](LayoutMap& m) {
                   m.copies[0] = {"w", {0, 0}, {1, 4}, "a", {0, 0}, true};
                   m.copies.push_back({"w", {1, 3}, {1, 3}, "a", {0, 3}, true});
-                }, "write the same elements of buffer 'a'"},
-        BadCase{"two primaries", [](LayoutMap& m) { m.copies[3].primary = true; }, "both primary for the same elements of tensor 'n'"},
-        BadCase{"shape overflow", [](LayoutMap& m) { m.buffers[0].shape = {UINT64_MAX, 3}; }, "overflows 64 bits"}),
+                },
+                "write the same elements of buffer 'a'"},
+        BadCase{"two primaries", [](LayoutMap& m) { m.copies[3].primary = true; },
+                "both primary for the same elements of tensor 'n'"},
+        BadCase{"shape overflow",
+                [](LayoutMap& m) {
+                  m.buffers[0].shape = {UINT64_MAX, 3};
+                },
+                "overflows 64 bits"}),
     [](const auto& test_info) {
       std::string n = test_info.param.name;
       for (char& c : n)
@@ -193,10 +229,12 @@ TEST(ValidateEngineTest, PrimariesMustCoverOnce) {
   auto h = CompiledLayout::Compile(half);
   ASSERT_TRUE(h.ok());
   const CompiledLayout* partial[] = {&*h};
-  EXPECT_THAT(ValidateEngine(partial, tensors).message(), HasSubstr("tensor 'w': the engine's primary copies cover 12 of its 24"));
+  EXPECT_THAT(ValidateEngine(partial, tensors).message(),
+              HasSubstr("tensor 'w': the engine's primary copies cover 12 of its 24"));
   // Shape disagreement with the checkpoint.
   tensors[0] = *MakeTensorInfo("w", DType::kBF16, {4, 7});
-  EXPECT_THAT(ValidateEngine(one, tensors).message(), HasSubstr("tensor 'w' is BF16 [4, 6] in the map but BF16 [4, 7]"));
+  EXPECT_THAT(ValidateEngine(one, tensors).message(),
+              HasSubstr("tensor 'w' is BF16 [4, 6] in the map but BF16 [4, 7]"));
 }
 
 }  // namespace

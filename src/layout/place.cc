@@ -90,7 +90,8 @@ Digest RankDigest(const PlacedRank& rank, std::span<const std::string> only) {
       const uint8_t* src = rank.buffers[l.BufferOf(c)].data();
       for (const CopyRun& r : runs)
         for (uint64_t at = 0; at < r.length; at += kPiece)
-          pieces.push_back({key, (r.canonical + at) * eb, src + (r.buffer + at) * eb, std::min(kPiece, r.length - at) * eb});
+          pieces.push_back(
+              {key, (r.canonical + at) * eb, src + (r.buffer + at) * eb, std::min(kPiece, r.length - at) * eb});
     }
   }
   std::vector<Digest> sums(pieces.size());
@@ -134,11 +135,11 @@ namespace {
 // The chunk a frame applies to.
 struct FrameChunk {
   const DeltaTensor* tensor = nullptr;
-  std::string where;        // "tensor 'x' chunk 3", for errors
-  uint64_t first = 0;       // its first element
+  std::string where;  // "tensor 'x' chunk 3", for errors
+  uint64_t first = 0;  // its first element
   uint64_t first_word = 0;  // and word
   uint32_t elements = 0;
-  uint64_t eb = 0;          // bytes per element
+  uint64_t eb = 0;  // bytes per element
 };
 
 // Checks that `frame` is a frame of `manifest` (tensor, chunk, counts, dtype,
@@ -147,7 +148,8 @@ Status CheckFrameFits(const DeltaManifest& manifest, const FrameHeader& h, Frame
   uint64_t words = 0;
   std::string& where = fc->where;
   if (h.tensor >= manifest.tensors.size())
-    return InvalidArgument(fmt::format("frame names tensor {} but the manifest has {}", h.tensor, manifest.tensors.size()));
+    return InvalidArgument(
+        fmt::format("frame names tensor {} but the manifest has {}", h.tensor, manifest.tensors.size()));
   const DeltaTensor& tensor = manifest.tensors[h.tensor];
   where = fmt::format("tensor '{}' chunk {}", tensor.name, h.chunk);
   if (h.chunk >= manifest.ChunkCount(h.tensor))
@@ -155,10 +157,11 @@ Status CheckFrameFits(const DeltaManifest& manifest, const FrameHeader& h, Frame
   manifest.ChunkWords(h.tensor, h.chunk, &fc->first_word, &words, &fc->elements);
   if (h.elements != fc->elements || h.words != words || h.dtype != tensor.dtype ||
       h.first_element != uint64_t{h.chunk} * manifest.chunk_elements)
-    return InvalidArgument(fmt::format("{}: the frame covers {} {} elements ({} words) at {}, the manifest's chunk is {} "
-                                       "{} elements ({} words) at {}",
-                                       where, h.elements, Name(h.dtype), h.words, h.first_element, fc->elements,
-                                       Name(tensor.dtype), words, uint64_t{h.chunk} * manifest.chunk_elements));
+    return InvalidArgument(
+        fmt::format("{}: the frame covers {} {} elements ({} words) at {}, the manifest's chunk is {} "
+                    "{} elements ({} words) at {}",
+                    where, h.elements, Name(h.dtype), h.words, h.first_element, fc->elements, Name(tensor.dtype), words,
+                    uint64_t{h.chunk} * manifest.chunk_elements));
   if (manifest.delta_id != 0 && h.delta_id != manifest.delta_id)
     return InvalidArgument(fmt::format("{}: the frame belongs to delta {:016x}, not this manifest's {:016x}", where,
                                        h.delta_id, manifest.delta_id));
@@ -214,7 +217,8 @@ Result<RankFrameResult> ApplyRankFrame(PlacedRank& rank, const DeltaManifest& ma
   auto partial = [&] {
     Digest d;
     for (const Run& r : held)
-      if (r.primary) d += DigestBytes(key, r.run.canonical * eb, {chunk + (r.run.canonical - first) * eb, r.run.length * eb});
+      if (r.primary)
+        d += DigestBytes(key, r.run.canonical * eb, {chunk + (r.run.canonical - first) * eb, r.run.length * eb});
     return d;
   };
   // Gather; the chunk's other fc.elements are left as they are (whatever an
@@ -226,10 +230,11 @@ Result<RankFrameResult> ApplyRankFrame(PlacedRank& rank, const DeltaManifest& ma
   }
   out.base = partial();
   if (h.mode != Mode::kOverwrite && expected_base != nullptr && out.base != *expected_base)
-    return FailedPrecondition(fmt::format(
-        "{}: this rank's fc.elements of the chunk are not at the digest it tracks (digest {}, tracked {}): they changed "
-        "behind its back or an earlier attempt was partly applied; an overwrite frame repairs them",
-        fc.where, out.base.ToHex(), expected_base->ToHex()));
+    return FailedPrecondition(
+        fmt::format("{}: this rank's fc.elements of the chunk are not at the digest it tracks (digest {}, tracked {}): "
+                    "they changed "
+                    "behind its back or an earlier attempt was partly applied; an overwrite frame repairs them",
+                    fc.where, out.base.ToHex(), expected_base->ToHex()));
   thread_local ChunkApplier applier;
   DCR_RETURN_IF_ERROR(applier.ApplyUnverified(frame, {chunk, chunk_bytes}).status().WithContext(fc.where));
   out.target = partial();
@@ -295,13 +300,15 @@ Result<ApplyOutcome> ApplyEngineFrame(std::span<PlacedRank* const> ranks, const 
     }
   }
   if (covered == 0)
-    return FailedPrecondition(fmt::format("{}: no rank given holds it; it is a residual here (hand its overwrites to the "
-                                          "runtime's loader) or the wrong engine was passed",
-                                          where));
+    return FailedPrecondition(
+        fmt::format("{}: no rank given holds it; it is a residual here (hand its overwrites to the "
+                    "runtime's loader) or the wrong engine was passed",
+                    where));
   if (covered != elements)
-    return FailedPrecondition(fmt::format("{}: the ranks given hold {} of its {} elements; a partial chunk cannot be "
-                                          "verified alone, apply it with every rank of the engine",
-                                          where, covered, elements));
+    return FailedPrecondition(
+        fmt::format("{}: the ranks given hold {} of its {} elements; a partial chunk cannot be "
+                    "verified alone, apply it with every rank of the engine",
+                    where, covered, elements));
   const DigestKey key = MakeDigestKey(tensor.name);
   const Digest current = DigestBytes(key, first * eb, {chunk, uint64_t{elements} * eb});
   std::memcpy(before, chunk, chunk_bytes);  // to find what changed
@@ -389,9 +396,10 @@ Result<ApplyReport> ApplyEngineDelta(std::span<PlacedRank* const> ranks, const D
     if (!residual[t]) expected += m.tensors[t].target_digest, checked.push_back(m.tensors[t].name);
   for (PlacedRank* r : ranks) total += RankDigest(*r, checked);
   if (total != expected)
-    return DataLoss(fmt::format("after applying, the engine's ranks add up to digest {} but the delta's target is {}; "
-                                "a rank is corrupt or a tensor is unmapped (residual) here; resync from a snapshot",
-                                total.ToHex(), expected.ToHex()));
+    return DataLoss(
+        fmt::format("after applying, the engine's ranks add up to digest {} but the delta's target is {}; "
+                    "a rank is corrupt or a tensor is unmapped (residual) here; resync from a snapshot",
+                    total.ToHex(), expected.ToHex()));
   return report;
 }
 

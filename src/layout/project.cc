@@ -61,9 +61,10 @@ Result<uint32_t> ChunkOwner(std::span<const CompiledLayout* const> senders, cons
       if (!runs.empty()) return static_cast<uint32_t>(s);
     }
   }
-  return NotFound(fmt::format("tensor '{}' chunk {}: no sender's primary copy holds its first element; the trainer "
-                              "maps leave it unmapped (declare it a residual)",
-                              t.name, chunk));
+  return NotFound(
+      fmt::format("tensor '{}' chunk {}: no sender's primary copy holds its first element; the trainer "
+                  "maps leave it unmapped (declare it a residual)",
+                  t.name, chunk));
 }
 
 Result<std::vector<ChunkContribution>> ProjectSender(const SenderRank& sender, uint32_t index,
@@ -79,7 +80,8 @@ Result<std::vector<ChunkContribution>> ProjectSender(const SenderRank& sender, u
       return InvalidArgument(fmt::format("sender {}: buffer '{}' must have {} bytes (baseline and current)", index,
                                          buffers[b].id, l.BufferBytes(b)));
   std::map<std::string_view, uint32_t> by_name;
-  for (size_t t = 0; t < manifest.tensors.size(); ++t) by_name.emplace(manifest.tensors[t].name, static_cast<uint32_t>(t));
+  for (size_t t = 0; t < manifest.tensors.size(); ++t)
+    by_name.emplace(manifest.tensors[t].name, static_cast<uint32_t>(t));
   const bool overwrite = manifest.delta_class == DeltaClass::kOverwrite;
 
   // One task per (mapped tensor, chunk); tasks are independent and run in
@@ -96,8 +98,8 @@ Result<std::vector<ChunkContribution>> ProjectSender(const SenderRank& sender, u
     const uint32_t t = it->second;
     const DeltaTensor& tensor = manifest.tensors[t];
     if (tensor.shape != lt_info.shape || tensor.dtype != lt_info.dtype)
-      return InvalidArgument(fmt::format("sender {}: tensor '{}' differs in dtype or shape from the delta's", index,
-                                         tensor.name));
+      return InvalidArgument(
+          fmt::format("sender {}: tensor '{}' differs in dtype or shape from the delta's", index, tensor.name));
     for (uint64_t c = 0, n = manifest.ChunkCount(t); c < n; ++c) tasks.push_back({lt, t, static_cast<uint32_t>(c)});
   }
   std::vector<ChunkContribution> slots(tasks.size());
@@ -208,14 +210,15 @@ Status MergeChunk(const DeltaManifest& manifest, ChunkId id, std::span<const Chu
   const uint64_t eb = ElementBytesOf(tensor.dtype);
   for (const ChunkContribution* c : parts)
     if (c->direct() && parts.size() > 1)
-      return FailedPrecondition(fmt::format("{}: sender {} holds the whole chunk, and {} other senders contribute to "
-                                            "it too; the trainer maps need exactly one primary copy",
-                                            where(), c->from, parts.size() - 1));
+      return FailedPrecondition(
+          fmt::format("{}: sender {} holds the whole chunk, and {} other senders contribute to "
+                      "it too; the trainer maps need exactly one primary copy",
+                      where(), c->from, parts.size() - 1));
   const bool direct = parts.size() == 1 && parts[0]->direct();
   if (direct && (parts[0]->direct_base.size() != uint64_t{elements} * eb ||
                  parts[0]->direct_next.size() != uint64_t{elements} * eb))
-    return InvalidArgument(fmt::format("{}: sender {}'s direct contribution is not the chunk's size", where(),
-                                       parts[0]->from));
+    return InvalidArgument(
+        fmt::format("{}: sender {}'s direct contribution is not the chunk's size", where(), parts[0]->from));
   Digest base_digest;
   ChunkInput in{tensor.dtype, MakeDigestKey(tensor.name), first_word, elements, {}, {}, &base_digest};
   if (direct) {
@@ -232,12 +235,13 @@ Status MergeChunk(const DeltaManifest& manifest, ChunkId id, std::span<const Chu
     uint64_t at = 0;
     for (auto [lo, len] : c->covered) {
       if (uint64_t{lo} + len > elements)
-        return InvalidArgument(fmt::format("{}: sender {} covers elements past the chunk's {}", where(), c->from, elements));
+        return InvalidArgument(
+            fmt::format("{}: sender {} covers elements past the chunk's {}", where(), c->from, elements));
       s.ranges.push_back({lo, len, c->from});
       if (overwrite) {
         if (c->covered_bits.size() < (at + len) * eb)
-          return InvalidArgument(fmt::format("{}: sender {}'s overwrite contribution lacks the new bits it covers",
-                                             where(), c->from));
+          return InvalidArgument(
+              fmt::format("{}: sender {}'s overwrite contribution lacks the new bits it covers", where(), c->from));
         std::memcpy(s.next.data() + uint64_t{lo} * eb, c->covered_bits.data() + at * eb, uint64_t{len} * eb);
       }
       at += len;
@@ -248,16 +252,18 @@ Status MergeChunk(const DeltaManifest& manifest, ChunkId id, std::span<const Chu
   uint64_t next_lo = 0, covered = 0;
   for (const auto& r : s.ranges) {
     if (r.lo < next_lo)
-      return FailedPrecondition(fmt::format("{}: element {} is contributed twice (sender {} among them); the trainer "
-                                            "maps need exactly one primary copy",
-                                            where(), r.lo, r.from));
+      return FailedPrecondition(
+          fmt::format("{}: element {} is contributed twice (sender {} among them); the trainer "
+                      "maps need exactly one primary copy",
+                      where(), r.lo, r.from));
     next_lo = uint64_t{r.lo} + r.len;
     covered += r.len;
   }
   if (covered != elements)
-    return FailedPrecondition(fmt::format("{}: the contributions cover {} of its {} elements; every sender touching "
-                                          "the chunk must hand its record to the owner",
-                                          where(), covered, elements));
+    return FailedPrecondition(
+        fmt::format("{}: the contributions cover {} of its {} elements; every sender touching "
+                    "the chunk must hand its record to the owner",
+                    where(), covered, elements));
   s.base = s.next;
   for (const ChunkContribution* c : parts) {
     if (c->old_bits.size() != c->positions.size() * eb || c->new_bits.size() != c->positions.size() * eb)
@@ -374,9 +380,10 @@ Result<std::string> AssembleLayoutDelta(DeltaManifest& m, std::span<const OwnedF
   for (const OwnedFrames& o : owners)
     for (size_t i = 0; i < o.chunks.size(); ++i)
       if (!slots.emplace(o.chunks[i], Slot{&o, i}).second)
-        return FailedPrecondition(fmt::format("tensor '{}' chunk {} was merged by two owners; ownership must be a "
-                                              "function of the chunk",
-                                              m.tensors.at(o.chunks[i].tensor).name, o.chunks[i].chunk));
+        return FailedPrecondition(
+            fmt::format("tensor '{}' chunk {} was merged by two owners; ownership must be a "
+                        "function of the chunk",
+                        m.tensors.at(o.chunks[i].tensor).name, o.chunks[i].chunk));
   std::map<ChunkId, const std::string*> frames;
   for (const OwnedFrames& o : owners)
     for (size_t i = 0; i < o.chunks.size(); ++i)
@@ -387,16 +394,18 @@ Result<std::string> AssembleLayoutDelta(DeltaManifest& m, std::span<const OwnedF
   for (const ChunkId& id : AllChunks(m)) {
     auto it = slots.find(id);
     if (it == slots.end())
-      return FailedPrecondition(fmt::format("tensor '{}' chunk {} was merged by no owner; every chunk needs its "
-                                            "senders' contributions",
-                                            m.tensors[id.tensor].name, id.chunk));
+      return FailedPrecondition(
+          fmt::format("tensor '{}' chunk {} was merged by no owner; every chunk needs its "
+                      "senders' contributions",
+                      m.tensors[id.tensor].name, id.chunk));
     base.push_back(it->second.owner->base_digests[it->second.index]);
     target.push_back(it->second.owner->target_digests[it->second.index]);
     auto f = frames.find(id);
     if (f == frames.end()) continue;
-    DCR_ASSIGN_OR_RETURN(FrameView v, ParseFrame({reinterpret_cast<const uint8_t*>(f->second->data()), f->second->size()}));
-    m.frames.push_back({id.tensor, id.chunk, 0, bytes.size(), f->second->size(), v.header.mode, v.header.codec,
-                        v.header.changed});
+    DCR_ASSIGN_OR_RETURN(FrameView v,
+                         ParseFrame({reinterpret_cast<const uint8_t*>(f->second->data()), f->second->size()}));
+    m.frames.push_back(
+        {id.tensor, id.chunk, 0, bytes.size(), f->second->size(), v.header.mode, v.header.codec, v.header.changed});
     bytes += *f->second;
   }
   m.objects = {std::string(kFramesFileName)};

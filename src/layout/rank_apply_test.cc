@@ -115,7 +115,10 @@ Delta Encode(const Tensors& base, const Tensors& next, DType dtype, const Encode
       uint32_t elements;
       d.manifest.ChunkWords(t, c, &first_word, &words, &elements);
       const std::string& name = d.manifest.tensors[t].name;
-      ChunkInput in{dtype, MakeDigestKey(name), first_word, elements,
+      ChunkInput in{dtype,
+                    MakeDigestKey(name),
+                    first_word,
+                    elements,
                     {base.at(name).data() + first_word * wb, words * wb},
                     {next.at(name).data() + first_word * wb, words * wb}};
       EncodedChunk out;

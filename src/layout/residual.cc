@@ -53,7 +53,7 @@ uint8_t Fp32ToE4m3(float x) {
   if (std::isnan(x)) return sign | 0x7F;
   const float a = std::fabs(x);
   if (!(a <= 448.0f)) return sign | 0x7E;  // saturate (infinities included)
-  if (a < 0.015625f) {                       // below 2^-6: subnormal steps of 2^-9
+  if (a < 0.015625f) {  // below 2^-6: subnormal steps of 2^-9
     const auto m = static_cast<uint8_t>(std::nearbyint(a * 512.0f));  // 8 is the smallest normal, 0x08
     return sign | m;
   }
@@ -72,10 +72,11 @@ Status QuantizeFp8Blocks(DType dtype, std::span<const uint8_t> src, const Fp8Blo
   const uint64_t eb = BitsPerElement(dtype) / 8, n = s.rows * s.cols;
   if (s.block == 0) return InvalidArgument("block FP8: block size 0");
   if (src.size() != n * eb || fp8.size() != n || scales.size() != s.scale_rows() * s.scale_cols() * 4)
-    return InvalidArgument(fmt::format("block FP8: sizes for [{}, {}] blocks of {}: source {} (want {}), fp8 {} (want {}), "
-                                       "scales {} (want {})",
-                                       s.rows, s.cols, s.block, src.size(), n * eb, fp8.size(), n, scales.size(),
-                                       s.scale_rows() * s.scale_cols() * 4));
+    return InvalidArgument(
+        fmt::format("block FP8: sizes for [{}, {}] blocks of {}: source {} (want {}), fp8 {} (want {}), "
+                    "scales {} (want {})",
+                    s.rows, s.cols, s.block, src.size(), n * eb, fp8.size(), n, scales.size(),
+                    s.scale_rows() * s.scale_cols() * 4));
   std::vector<float> x;
   std::vector<uint8_t> q;
   for (uint64_t br = 0; br < s.scale_rows(); ++br)
@@ -85,7 +86,8 @@ Status QuantizeFp8Blocks(DType dtype, std::span<const uint8_t> src, const Fp8Blo
       x.resize(nr * nc);
       q.resize(nr * nc);
       for (uint64_t r = 0; r < nr; ++r)
-        for (uint64_t c = 0; c < nc; ++c) x[r * nc + c] = LoadFloat(dtype, src.data() + ((r0 + r) * s.cols + c0 + c) * eb);
+        for (uint64_t c = 0; c < nc; ++c)
+          x[r * nc + c] = LoadFloat(dtype, src.data() + ((r0 + r) * s.cols + c0 + c) * eb);
       const float scale = QuantizeValues(x.data(), x.size(), q.data());
       std::memcpy(scales.data() + (br * s.scale_cols() + bc) * 4, &scale, 4);
       for (uint64_t r = 0; r < nr; ++r) std::memcpy(fp8.data() + (r0 + r) * s.cols + c0, q.data() + r * nc, nc);
@@ -166,7 +168,8 @@ Status ConvertToCanonical(const SenderConversion& c, DType canonical, std::span<
                                        Name(c.buffer_dtype), Name(canonical)));
   const uint64_t ib = BitsPerElement(c.buffer_dtype) / 8, ob = BitsPerElement(canonical) / 8;
   if (buffer.size() % ib != 0 || out.size() != buffer.size() / ib * ob)
-    return InvalidArgument(fmt::format("{}: {} buffer bytes do not match {} canonical bytes", what, buffer.size(), out.size()));
+    return InvalidArgument(
+        fmt::format("{}: {} buffer bytes do not match {} canonical bytes", what, buffer.size(), out.size()));
   const uint64_t n = buffer.size() / ib;
   for (uint64_t i = 0; i < n; ++i) {
     float f = LoadFloat(c.buffer_dtype, buffer.data() + i * ib);
@@ -189,8 +192,8 @@ Result<std::vector<ChunkContribution>> ProjectConverted(const SenderConversion& 
   uint32_t t = 0;
   while (t < manifest.tensors.size() && manifest.tensors[t].name != c.tensor) ++t;
   if (t == manifest.tensors.size())
-    return NotFound(fmt::format("converted tensor '{}' is not in the delta; put it in the residual delta's manifest",
-                                c.tensor));
+    return NotFound(
+        fmt::format("converted tensor '{}' is not in the delta; put it in the residual delta's manifest", c.tensor));
   const DeltaTensor& tensor = manifest.tensors[t];
   const uint64_t eb = BitsPerElement(tensor.dtype) / 8;
   std::vector<uint8_t> old_bits(tensor.elements * eb), new_bits(tensor.elements * eb);
@@ -229,19 +232,22 @@ Fp8BlockPlacer::Fp8BlockPlacer(std::string tensor, DType source_dtype, Fp8BlockS
 Status Fp8BlockPlacer::Overwrite(const DeltaManifest& manifest, const FrameView& frame) {
   const FrameHeader& h = frame.header;
   if (h.tensor >= manifest.tensors.size() || manifest.tensors[h.tensor].name != tensor_)
-    return InvalidArgument(fmt::format("a frame of another tensor was handed to the block FP8 placer of '{}'", tensor_));
+    return InvalidArgument(
+        fmt::format("a frame of another tensor was handed to the block FP8 placer of '{}'", tensor_));
   const DeltaTensor& t = manifest.tensors[h.tensor];
   const std::string where = fmt::format("tensor '{}' chunk {}", t.name, h.chunk);
   DCR_RETURN_IF_ERROR(CheckSourceDType(t.dtype));
   if (t.shape != std::vector<uint64_t>{shape_.rows, shape_.cols} || t.dtype != dtype_)
     return InvalidArgument(fmt::format("{}: the delta's tensor is {} [{}], the placer expects {} [{}, {}]", where,
-                                       Name(t.dtype), fmt::join(t.shape, ", "), Name(dtype_), shape_.rows, shape_.cols));
+                                       Name(t.dtype), fmt::join(t.shape, ", "), Name(dtype_), shape_.rows,
+                                       shape_.cols));
   if (fp8_.size() != shape_.rows * shape_.cols || scales_.size() != shape_.scale_rows() * shape_.scale_cols() * 4)
     return InvalidArgument(fmt::format("{}: the FP8 or scale buffer has the wrong size", where));
   if (h.mode != Mode::kOverwrite || h.changed != h.words)
-    return FailedPrecondition(fmt::format("{}: a {} frame with {} of {} words; a tensor quantized on load needs "
-                                          "full-chunk overwrites (a residual delta, EncodeFullChunkOverwrites)",
-                                          where, ModeName(h.mode), h.changed, h.words));
+    return FailedPrecondition(
+        fmt::format("{}: a {} frame with {} of {} words; a tensor quantized on load needs "
+                    "full-chunk overwrites (a residual delta, EncodeFullChunkOverwrites)",
+                    where, ModeName(h.mode), h.changed, h.words));
   uint64_t first_word, words;
   uint32_t elements;
   manifest.ChunkWords(h.tensor, h.chunk, &first_word, &words, &elements);
@@ -254,9 +260,10 @@ Status Fp8BlockPlacer::Overwrite(const DeltaManifest& manifest, const FrameView&
   Result<ApplyOutcome> outcome = applier_.Apply(frame, MakeDigestKey(t.name), first_word, scratch_, Digest{}, &after);
   if (!outcome.ok()) {
     if (outcome.status().code() == Code::kFailedPrecondition)
-      return DataLoss(fmt::format("{}: the full-chunk overwrite decodes to the wrong digest (a corrupt payload); "
-                                  "re-fetch the frame",
-                                  where));
+      return DataLoss(
+          fmt::format("{}: the full-chunk overwrite decodes to the wrong digest (a corrupt payload); "
+                      "re-fetch the frame",
+                      where));
     return outcome.status();
   }
   // kAlreadyApplied: the chunk's bits are all zero, as the scratch is.
@@ -291,9 +298,10 @@ void Fp8BlockPlacer::QuantizeBlock(uint64_t block, const Staged& s) {
 Status Fp8BlockPlacer::Finish() const {
   if (staged_.empty()) return Status::Ok();
   const auto& [block, s] = *staged_.begin();
-  return FailedPrecondition(fmt::format("tensor '{}': block {} received {} of its {} elements; every chunk of a changed "
-                                        "tensor must arrive (re-fetch the residual delta)",
-                                        tensor_, block, s.count, s.values.size()));
+  return FailedPrecondition(
+      fmt::format("tensor '{}': block {} received {} of its {} elements; every chunk of a changed "
+                  "tensor must arrive (re-fetch the residual delta)",
+                  tensor_, block, s.count, s.values.size()));
 }
 
 }  // namespace dcr

@@ -34,14 +34,21 @@ TEST(Fp32ToE4m3Test, RoundsToNearestEvenAndSaturates) {
     uint8_t want;
   };
   const Case cases[] = {
-      {0.0f, 0x00},          {-0.0f, 0x80},         {1.0f, 0x38},        {-1.0f, 0xB8},
-      {448.0f, 0x7E},        {-448.0f, 0xFE},       {500.0f, 0x7E},      {1e30f, 0x7E},
-      {240.0f, 0x77},        {1.0625f, 0x38},       // halfway 1 / 1.125: to even (1)
-      {1.1875f, 0x3A},       // halfway 1.125 / 1.25: to even (1.25)
-      {0.015625f, 0x08},     // 2^-6, the smallest normal
+      {0.0f, 0x00},
+      {-0.0f, 0x80},
+      {1.0f, 0x38},
+      {-1.0f, 0xB8},
+      {448.0f, 0x7E},
+      {-448.0f, 0xFE},
+      {500.0f, 0x7E},
+      {1e30f, 0x7E},
+      {240.0f, 0x77},
+      {1.0625f, 0x38},  // halfway 1 / 1.125: to even (1)
+      {1.1875f, 0x3A},  // halfway 1.125 / 1.25: to even (1.25)
+      {0.015625f, 0x08},  // 2^-6, the smallest normal
       {0.001953125f, 0x01},  // 2^-9, the smallest subnormal
-      {0.0009765625f, 0x00}, // half of it: to even (0)
-      {0.0029296875f, 0x02}, // 1.5 x 2^-9: to even (2)
+      {0.0009765625f, 0x00},  // half of it: to even (0)
+      {0.0029296875f, 0x02},  // 1.5 x 2^-9: to even (2)
       {0.013671875f, 0x07},  // 7 x 2^-9, the largest subnormal
       {0.0152587890625f, 0x08},  // rounds up from the subnormal range into the smallest normal
       {std::numeric_limits<float>::infinity(), 0x7E},
@@ -58,7 +65,9 @@ TEST(QuantizeFp8BlocksTest, ScalesByBlockAmax) {
   // [2, 3] F32 in blocks of 2: block (0,0) = {1, 2; -4, 0} (amax 4), block (0,1) = {NaN; inf} (no finite: scale 1).
   const float src[] = {1.0f, 2.0f, Bits(0x7FC00000), -4.0f, 0.0f, std::numeric_limits<float>::infinity()};
   std::vector<uint8_t> fp8(6), scales(8);
-  ASSERT_TRUE(QuantizeFp8Blocks(DType::kF32, {reinterpret_cast<const uint8_t*>(src), sizeof(src)}, {2, 3, 2}, fp8, scales).ok());
+  ASSERT_TRUE(
+      QuantizeFp8Blocks(DType::kF32, {reinterpret_cast<const uint8_t*>(src), sizeof(src)}, {2, 3, 2}, fp8, scales)
+          .ok());
   // 1, 2, -4, 0 over 4/448: 112, 224, -448, 0.
   EXPECT_EQ(fp8, (std::vector<uint8_t>{0x6E, 0x76, 0x7F, 0xFE, 0x00, 0x7E}));
   float s[2];
@@ -173,7 +182,8 @@ TEST_F(ResidualTest, Fp8OnLoadEqualsADenseLoad) {
     // A missing frame leaves blocks incomplete: refused at Finish, never quantized from partial data.
     std::vector<uint8_t> f = fp8, s = scales;
     Fp8BlockPlacer partial(kTensor, info.dtype, block, f, s);
-    for (size_t i = 1; i < reader->manifest().frames.size(); ++i) ASSERT_TRUE(partial.Overwrite(reader->manifest(), *reader->Frame(i)).ok());
+    for (size_t i = 1; i < reader->manifest().frames.size(); ++i)
+      ASSERT_TRUE(partial.Overwrite(reader->manifest(), *reader->Frame(i)).ok());
     EXPECT_THAT(partial.Finish().message(), HasSubstr("block 0 received 4 of its 16 elements"));
   }
   Fp8BlockPlacer placer(kTensor, info.dtype, block, fp8, scales);
@@ -222,7 +232,8 @@ TEST_F(ResidualTest, Fp8OnLoadEqualsADenseLoad) {
     auto main_bytes = AssembleLayoutDelta(m, frames);
     ASSERT_TRUE(main_bytes.ok());
     auto main_holder = std::make_shared<std::string>(std::move(*main_bytes));
-    std::vector<std::span<const uint8_t>> objs = {{reinterpret_cast<const uint8_t*>(main_holder->data()), main_holder->size()}};
+    std::vector<std::span<const uint8_t>> objs = {
+        {reinterpret_cast<const uint8_t*>(main_holder->data()), main_holder->size()}};
     auto main_reader = DeltaReader::FromObjects(m, objs, main_holder, "main delta");
     ASSERT_TRUE(main_reader.ok());
     // A sparse xor frame of the embedding is refused by the FP8 placer.
@@ -308,7 +319,8 @@ TEST_F(ResidualTest, SenderConversionsTravelAsOverwrites) {
     ASSERT_TRUE(ConvertToCanonical(c, DType::kBF16, s1.back(), w1).ok());
   }
   auto is_converted = [&](const std::string& name) {
-    return std::any_of(conversions.begin(), conversions.end(), [&](const SenderConversion& c) { return c.tensor == name; });
+    return std::any_of(conversions.begin(), conversions.end(),
+                       [&](const SenderConversion& c) { return c.tensor == name; });
   };
   // Trainer tp 2: the converted tensors have no copies.
   const TrainerParallel tp{2, 1, 1, false, 4};
@@ -385,7 +397,8 @@ TEST_F(ResidualTest, SenderConversionsTravelAsOverwrites) {
 
   // An engine (vLLM tp 2) holding everything as copies applies both.
   std::vector<CompiledLayout> engine;
-  for (uint32_t r = 0; r < 2; ++r) engine.push_back(std::move(*CompiledLayout::Compile(*VllmLayout(shape, {2, false, 4}, r))));
+  for (uint32_t r = 0; r < 2; ++r)
+    engine.push_back(std::move(*CompiledLayout::Compile(*VllmLayout(shape, {2, false, 4}, r))));
   std::vector<Buffers> got, want;
   std::vector<PlacedRank> placed;
   for (const CompiledLayout& l : engine) {

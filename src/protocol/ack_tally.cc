@@ -22,10 +22,11 @@ void AckTally::Take(const AckRecord& ack, bool via_tree) {
   EngineAcks& e = engines_[ack.engine.engine];
   if (e.ranks.empty()) e.ranks.resize(ack.engine.ranks);
   if (e.ranks.size() != ack.engine.ranks || e.ranks[ack.engine.rank]) {
-    refused_ = Aborted(fmt::format("engine {}: receiver {} acked as rank {} of {}, which another ack of the engine "
-                                   "contradicts (rank count {}, or that rank already acked); each rank of an engine "
-                                   "needs its own rank and the same rank count",
-                                   ack.engine.engine, ack.receiver, ack.engine.rank, ack.engine.ranks, e.ranks.size()));
+    refused_ =
+        Aborted(fmt::format("engine {}: receiver {} acked as rank {} of {}, which another ack of the engine "
+                            "contradicts (rank count {}, or that rank already acked); each rank of an engine "
+                            "needs its own rank and the same rank count",
+                            ack.engine.engine, ack.receiver, ack.engine.rank, ack.engine.ranks, e.ranks.size()));
     return;
   }
   e.ranks[ack.engine.rank] = ack.receiver;

@@ -36,7 +36,7 @@ TEST(AckTallyTest, WholeReceiversCountOnceAndTreeAcksAreTold) {
   t.Take(Ack("a", kTarget), false);
   t.Take(Ack("b", kTarget), true);
   t.Take(Ack("b", kTarget), false);  // the same ack again, from the store poll
-  t.Take(Ack("a", kTarget), true);   // the tree after the store: not counted as the tree's
+  t.Take(Ack("a", kTarget), true);  // the tree after the store: not counted as the tree's
   EXPECT_FALSE(t.refused());
   EXPECT_EQ(t.acked(), (std::set<std::string>{"a", "b"}));
   EXPECT_EQ(t.from_tree(), 1u);

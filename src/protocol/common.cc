@@ -16,9 +16,7 @@ namespace dcr::protocol_internal {
 
 namespace fs = std::filesystem;
 
-double UnixNow() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
+double UnixNow() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
 
 bool Transient(const Status& s) { return s.code() == Code::kUnavailable || s.code() == Code::kDeadlineExceeded; }
 
@@ -56,7 +54,8 @@ Result<CommitRecord> ReadCommit(Store& store, uint64_t v) {
   const std::string key = run_keys::Commit(v);
   DCR_ASSIGN_OR_RETURN(std::string text, store.Get(key));
   DCR_ASSIGN_OR_RETURN(CommitRecord c, CommitRecord::FromJson(text, StoreContext(store.url(), key)));
-  if (c.version != v) return InvalidArgument(StoreContext(store.url(), key) + ": records version " + std::to_string(c.version));
+  if (c.version != v)
+    return InvalidArgument(StoreContext(store.url(), key) + ": records version " + std::to_string(c.version));
   return c;
 }
 
@@ -76,8 +75,7 @@ Result<std::vector<AttemptInfo>> ListAttempts(Store& store, uint64_t v) {
     else if (leaf == "fence") a.fenced = true;
     else if (leaf.starts_with("acks/") && leaf.ends_with(".json"))
       a.acks.emplace_back(leaf.substr(5, leaf.size() - 10));
-    else if (leaf.starts_with("frames/"))
-      a.frame_objects.push_back(o.key);
+    else if (leaf.starts_with("frames/")) a.frame_objects.push_back(o.key);
   }
   return out;
 }
@@ -153,8 +151,8 @@ Status UploadSnapshot(Store& store, uint64_t v, const Checkpoint& ckpt, const Di
   record.digest = digest;
   for (const auto& path : files) {
     // A single-file checkpoint is stored as model.safetensors.
-    const std::string name = files.size() == 1 && path.extension() == ".safetensors" ? "model.safetensors"
-                                                                                      : path.filename().string();
+    const std::string name =
+        files.size() == 1 && path.extension() == ".safetensors" ? "model.safetensors" : path.filename().string();
     DCR_ASSIGN_OR_RETURN(MappedFile file, MappedFile::Open(path.string(), false));
     DCR_ASSIGN_OR_RETURN(auto writer, store.OpenWriter(prefix + "files/" + name, WriteMode::kOverwrite));
     for (uint64_t off = 0; off < file.size(); off += kCopyBlock) {
@@ -227,15 +225,17 @@ Status DownloadSnapshot(Store& store, const SnapshotRecord& snapshot, const std:
     Status s;
     DCR_ASSIGN_OR_RETURN(ObjectInfo head, store.Head(prefix + f.name));
     if (head.size != f.bytes)
-      s = DataLoss(fmt::format("{}: snapshot file is {} bytes, the record says {}", StoreContext(store.url(), prefix + f.name),
-                               head.size, f.bytes));
+      s = DataLoss(fmt::format("{}: snapshot file is {} bytes, the record says {}",
+                               StoreContext(store.url(), prefix + f.name), head.size, f.bytes));
     for (uint64_t off = 0; s.ok() && off < f.bytes; off += kCopyBlock) {
       const uint64_t n = std::min<uint64_t>(kCopyBlock, f.bytes - off);
       s = store.ReadRange(prefix + f.name, off, std::span<uint8_t>(block.data(), n), {.if_match = head.etag});
       for (uint64_t w = 0; s.ok() && w < n;) {
         const ssize_t k = ::write(fd, block.data() + w, n - w);
         if (k < 0 && errno == EINTR) continue;
-        if (k < 0) s = IsNoSpace(errno) ? NoSpace(dir, need + largest_replaced, what) : ErrnoError(errno, "cannot write " + part);
+        if (k < 0)
+          s = IsNoSpace(errno) ? NoSpace(dir, need + largest_replaced, what)
+                               : ErrnoError(errno, "cannot write " + part);
         else w += static_cast<uint64_t>(k);
       }
       if (progress && s.ok()) progress->Add(n);
@@ -243,7 +243,8 @@ Status DownloadSnapshot(Store& store, const SnapshotRecord& snapshot, const std:
     if (s.ok() && ::fsync(fd) != 0)
       s = IsNoSpace(errno) ? NoSpace(dir, need + largest_replaced, what) : ErrnoError(errno, "cannot sync " + part);
     ::close(fd);
-    if (s.ok() && ::rename(part.c_str(), (fs::path(dir) / f.name).c_str()) != 0) s = ErrnoError(errno, "cannot rename " + part);
+    if (s.ok() && ::rename(part.c_str(), (fs::path(dir) / f.name).c_str()) != 0)
+      s = ErrnoError(errno, "cannot rename " + part);
     if (!s.ok()) {
       ::unlink(part.c_str());
       return s;
@@ -293,7 +294,8 @@ void Heartbeat::Start() {
     auto next = std::chrono::steady_clock::now();
     while (!stop_.load()) {
       if (std::chrono::steady_clock::now() >= next) {
-        if (Status s = store_.Put(run_keys::Receiver(id_), Record().ToJson()); !s.ok()) log_("heartbeat: " + s.ToString());
+        if (Status s = store_.Put(run_keys::Receiver(id_), Record().ToJson()); !s.ok())
+          log_("heartbeat: " + s.ToString());
         next = std::chrono::steady_clock::now() + every_;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));

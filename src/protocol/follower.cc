@@ -87,9 +87,9 @@ class CheckpointTarget final : public ReceiverTarget {
   const std::function<void(const std::string&)> log_;
   Journal journal_;
   std::optional<Checkpoint> ckpt_;
-  DeltaManifest layout_;              // the run's tensors and chunking
-  ChunkDigestTable digests_;          // of every chunk, as the checkpoint holds it
-  std::vector<DigestKey> keys_;       // per run tensor
+  DeltaManifest layout_;  // the run's tensors and chunking
+  ChunkDigestTable digests_;  // of every chunk, as the checkpoint holds it
+  std::vector<DigestKey> keys_;  // per run tensor
   std::vector<size_t> target_index_;  // per run tensor: its index in ckpt_
   ChunkApplier applier_;
 };
@@ -134,9 +134,9 @@ Result<std::optional<uint64_t>> CheckpointTarget::Resume(Store& store, const Run
                                                          std::string* join_why) {
   DCR_ASSIGN_OR_RETURN(auto journal, ReadJournal(dir_));
   if (journal && journal->run_id != run.run_id)
-    return FailedPrecondition(fmt::format(
-        "{} follows run {}, but {} holds run {}; follow into an empty directory to join this run", dir_,
-        journal->run_id, store.url(), run.run_id));
+    return FailedPrecondition(
+        fmt::format("{} follows run {}, but {} holds run {}; follow into an empty directory to join this run", dir_,
+                    journal->run_id, store.url(), run.run_id));
   auto join = [&](std::string why) -> std::optional<uint64_t> {
     *join_why = std::move(why);
     return std::nullopt;
@@ -170,7 +170,8 @@ Result<std::optional<uint64_t>> CheckpointTarget::Resume(Store& store, const Run
   if (Total(digests_) != c->target_digest) {
     if (journal_.attempt.empty())
       return join(fmt::format("{} does not hold version {} as its journal claims", dir_, journal_.version));
-    log_(fmt::format("restarted while applying attempt {}; the next attempt or the commit repairs it", journal_.attempt));
+    log_(fmt::format("restarted while applying attempt {}; the next attempt or the commit repairs it",
+                     journal_.attempt));
   }
   return std::optional<uint64_t>(journal_.version);
 }

@@ -9,8 +9,8 @@
 #include <mutex>
 #include <optional>
 #include <set>
-#include <thread>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dcr/mapped_file.h"
@@ -43,7 +43,7 @@ Result<CommitRecord> ReadCommit(Store& store, uint64_t v);
 struct AttemptInfo {
   std::string id;
   bool has_manifest = false, fenced = false;
-  std::vector<std::string> acks;           // receivers
+  std::vector<std::string> acks;  // receivers
   std::vector<std::string> frame_objects;  // full keys of its frame objects written so far
 };
 Result<std::vector<AttemptInfo>> ListAttempts(Store& store, uint64_t v);
@@ -151,8 +151,8 @@ class Heartbeat {
             std::function<void(const std::string&)> log);
   ~Heartbeat() { Stop(); }
   Status Set(const std::string& state);  // records the state now
-  void SetVersion(uint64_t v);           // the next record's version
-  void SetFramesHeld(uint64_t bytes);    // the next record's frames_held_bytes
+  void SetVersion(uint64_t v);  // the next record's version
+  void SetFramesHeld(uint64_t bytes);  // the next record's frames_held_bytes
   void Start();
   void Stop();
 

@@ -81,11 +81,16 @@ Result<RankJournal> ParseRankJournal(std::string_view text, const std::string& p
 }
 
 std::string RankJournalJson(const RankJournal& j) {
-  nlohmann::json doc = {{"run_id", j.run_id},        {"receiver", j.receiver},
-                        {"engine", j.rank.engine},   {"rank", j.rank.rank},
-                        {"ranks", j.rank.ranks},     {"version", j.version},
-                        {"digest", j.digest.ToHex()}, {"attempt", j.attempt},
-                        {"attempt_state", j.attempt_state}, {"attempt_digest", j.attempt_digest.ToHex()}};
+  nlohmann::json doc = {{"run_id", j.run_id},
+                        {"receiver", j.receiver},
+                        {"engine", j.rank.engine},
+                        {"rank", j.rank.rank},
+                        {"ranks", j.rank.ranks},
+                        {"version", j.version},
+                        {"digest", j.digest.ToHex()},
+                        {"attempt", j.attempt},
+                        {"attempt_state", j.attempt_state},
+                        {"attempt_digest", j.attempt_digest.ToHex()}};
   return JsonText(doc, 1) + "\n";
 }
 

@@ -76,11 +76,10 @@ TEST(JournalsTest, FrameLogKeepsWholeLinesOfItsAttemptOnly) {
   EXPECT_EQ(*torn, *parsed);
   // Another attempt's log, or one holding a line this code does not write: nothing is known.
   EXPECT_FALSE(ParseFrameLog(log, "0002-0123abcd"));
-  for (const std::string& line :
-       {std::string("t 5 5 ") + kD + "\n",               // a target without its base line
-        std::string("x 0 0 ") + kD + "\n", std::string("b -1 0 ") + kD + "\n",
-        std::string("b 4294967296 0 ") + kD + "\n", std::string("b 0 0 ") + kD + "0\n",
-        std::string("b  0 0 ") + kD + "\n", std::string("b 0 0\n"), std::string("\n")})
+  for (const std::string& line : {std::string("t 5 5 ") + kD + "\n",  // a target without its base line
+                                  std::string("x 0 0 ") + kD + "\n", std::string("b -1 0 ") + kD + "\n",
+                                  std::string("b 4294967296 0 ") + kD + "\n", std::string("b 0 0 ") + kD + "0\n",
+                                  std::string("b  0 0 ") + kD + "\n", std::string("b 0 0\n"), std::string("\n")})
     EXPECT_FALSE(ParseFrameLog(log + line, a)) << line;
 }
 

@@ -12,15 +12,15 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <atomic>
 #include <condition_variable>
+#include <cstdlib>
 #include <filesystem>
-#include <functional>
 #include <fstream>
-#include <nlohmann/json.hpp>
+#include <functional>
 #include <map>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 #include <thread>
@@ -361,8 +361,8 @@ TEST_F(ProtocolTest, MemoryHeldByThePublisherAndReceiversIsReported) {
   expect_identical(Path("late"));
   // Each held at most 4 objects of frames not yet applied, and the headers
   // of those it applied; the delta is several times that.
-  const uint64_t bound = 4 * (o.segment_bytes + largest_frame + kObjectTrailerBytes) +
-                         manifest.frames.size() * kFrameHeaderBytes;
+  const uint64_t bound =
+      4 * (o.segment_bytes + largest_frame + kObjectTrailerBytes) + manifest.frames.size() * kFrameHeaderBytes;
   const uint64_t delta = manifest.frame_bytes + manifest.objects.size() * kObjectTrailerBytes;
   ASSERT_GT(delta, 2 * bound) << "too small a delta to tell objects in flight from it";
   auto status = ReadRunStatus(*store_, kGuard);
@@ -465,7 +465,8 @@ TEST_F(ProtocolTest, ReceiversDownloadSegmentsWhileTheAttemptStreams) {
   for (int i = 0; i < 2; ++i) {
     ASSERT_TRUE(results[i].ok()) << results[i].ToString();
     ExpectIdentical(Path("r" + std::to_string(i)), 1);
-    for (const auto& [key, n] : reads[i].n) EXPECT_EQ(n, 1) << "receiver " << i << " read " << key << " " << n << " times";
+    for (const auto& [key, n] : reads[i].n)
+      EXPECT_EQ(n, 1) << "receiver " << i << " read " << key << " " << n << " times";
     EXPECT_EQ(reads[i].n.size(), objects);
   }
 }
@@ -975,9 +976,7 @@ TEST_F(ProtocolTest, APublisherTrustsItsCachedBaselineDigestsOnlyForAnUnchangedB
   ExpectIdentical(Path("r"), 2);
   ExpectIdentical(Path("state/baseline"), 2);
   // A cache that does not parse, or names another version, is ignored.
-  {
-    std::ofstream(Path("state/baseline-digests.json")) << "{not json";
-  }
+  { std::ofstream(Path("state/baseline-digests.json")) << "{not json"; }
   ASSERT_TRUE(pub.Publish(3, Version(3)).ok());
   EXPECT_EQ(cached_version(), 3);
   ASSERT_TRUE(f.Run(3).ok());
@@ -1024,9 +1023,7 @@ TEST_F(ProtocolTest, APublisherRebuildsAMissingForeignOrDamagedStateFromTheStore
   auto foreign = Publisher(*store_, Path("state"), Fast()).Publish(3, Version(3));
   ASSERT_TRUE(foreign.ok()) << foreign.status().ToString();
   ExpectIdentical(Path("state/baseline"), 3);
-  {
-    std::ofstream(Path("fresh/publisher.json")) << "{not json";
-  }
+  { std::ofstream(Path("fresh/publisher.json")) << "{not json"; }
   auto damaged = Publisher(*store_, Path("fresh"), Fast()).Publish(4, Version(4));
   ASSERT_TRUE(damaged.ok()) << damaged.status().ToString();
   ExpectIdentical(Path("fresh/baseline"), 4);
@@ -1158,7 +1155,7 @@ TEST_F(ProtocolTest, RanksOverBuffersInMemoryFollowAndRestartFromTheirJournals) 
       ASSERT_TRUE(LoadDense(CheckpointBytes(c), want).ok());
       for (size_t b = 0; b < memory[r].size(); ++b)
         EXPECT_TRUE(memory[r][b] == dense[r][b]) << "version " << v << ": rank " << r << " buffer "
-                                                  << layouts[r]->map().buffers[b].id << " differs from a dense load";
+                                                 << layouts[r]->map().buffers[b].id << " differs from a dense load";
     }
   };
   std::mutex mu;
@@ -1552,7 +1549,8 @@ TEST_F(ShardProcessTest, FourSendersInThreeProcessesPublishEveryVersionBitExactl
         },
         [&](uint32_t, const Status& s) { return s.code() == Code::kAborted; });
     for (auto& t : receivers) t.join();
-    for (uint32_t p = 0; p < 3; ++p) ASSERT_TRUE(round.results[p].ok()) << p << ": " << round.results[p].status().ToString();
+    for (uint32_t p = 0; p < 3; ++p)
+      ASSERT_TRUE(round.results[p].ok()) << p << ": " << round.results[p].status().ToString();
     for (const Status& s : results) ASSERT_TRUE(s.ok()) << s.ToString();
     const PublishReport& coord = *round.results[0];
     EXPECT_EQ(coord.attempts, 1u) << "version " << v;
@@ -1680,17 +1678,17 @@ TEST_F(ShardProcessTest, AWorkerFailingMidAttemptIsFencedAndTheOverwriteRetryCom
             const bool retry = !a.empty() && !a.starts_with(run_keys::Attempts(1) + "0000-");
             std::vector<std::string> wait;
             if (point == "contributions-written") wait = {"contrib/p1-p0.bin", "contrib/p2-p0.bin"};
-            if (point == "record-written") wait = retry ? std::vector<std::string>{"procs/p1.json", "procs/p2.json"}
-                                                        : std::vector<std::string>{"procs/p1.json"};
-            for (const auto& k : wait)
-              EXPECT_TRUE(WaitFor([&] { return store_->Head(a + k).ok(); })) << a << k;
+            if (point == "record-written")
+              wait = retry ? std::vector<std::string>{"procs/p1.json", "procs/p2.json"}
+                           : std::vector<std::string>{"procs/p1.json"};
+            for (const auto& k : wait) EXPECT_TRUE(WaitFor([&] { return store_->Head(a + k).ok(); })) << a << k;
             return Status::Ok();
           };
         }
         if (p == 2)
           o.fault = [&](std::string_view point) {
             return point == "contributions-written" && !failed.exchange(true) ? Aborted("injected: killed")
-                                                                             : Status::Ok();
+                                                                              : Status::Ok();
           };
         return o;
       },
@@ -1699,11 +1697,13 @@ TEST_F(ShardProcessTest, AWorkerFailingMidAttemptIsFencedAndTheOverwriteRetryCom
         if (s.code() != Code::kAborted) return false;
         return WaitFor([&] {
           auto a = store_->List(run_keys::Attempts(1));
-          return a.ok() && std::any_of(a->begin(), a->end(), [](const ObjectInfo& o) { return o.key.ends_with("/fence"); });
+          return a.ok() &&
+                 std::any_of(a->begin(), a->end(), [](const ObjectInfo& o) { return o.key.ends_with("/fence"); });
         });
       });
   receiver.join();
-  for (uint32_t p = 0; p < 3; ++p) ASSERT_TRUE(round.results[p].ok()) << p << ": " << round.results[p].status().ToString();
+  for (uint32_t p = 0; p < 3; ++p)
+    ASSERT_TRUE(round.results[p].ok()) << p << ": " << round.results[p].status().ToString();
   ASSERT_TRUE(followed.ok()) << followed.ToString();
   EXPECT_EQ(round.results[0]->attempts, 2u);
   EXPECT_TRUE(round.results[0]->attempt.starts_with("0001-")) << round.results[0]->attempt;
@@ -1849,8 +1849,8 @@ TEST_F(ShardProcessTest, AForgedContributionObjectIsRefused) {
   std::atomic<bool> forged{false};
   FenceLog fences(*store_);
   HookStore coordinator(fences.store, [&](std::string_view op, std::string_view key, bool after) {
-    if (op == "read" && !after && key.find("/0000-") != std::string_view::npos &&
-        key.ends_with("contrib/p1-p0.bin") && !forged) {
+    if (op == "read" && !after && key.find("/0000-") != std::string_view::npos && key.ends_with("contrib/p1-p0.bin") &&
+        !forged) {
       auto bytes = store_->Get(key);
       if (!bytes.ok()) return Status::Ok();  // not written yet
       forged = true;
@@ -1869,7 +1869,8 @@ TEST_F(ShardProcessTest, AForgedContributionObjectIsRefused) {
       1, [&](uint32_t p) -> Store& { return p == 0 ? static_cast<Store&>(coordinator) : *store_; },
       [&](uint32_t) { return Trainer(); });
   receiver.join();
-  for (uint32_t p = 0; p < 3; ++p) ASSERT_TRUE(round.results[p].ok()) << p << ": " << round.results[p].status().ToString();
+  for (uint32_t p = 0; p < 3; ++p)
+    ASSERT_TRUE(round.results[p].ok()) << p << ": " << round.results[p].status().ToString();
   ASSERT_TRUE(forged.load());
   EXPECT_EQ(round.results[0]->attempts, 2u);
   ASSERT_EQ(fences.reasons().size(), 1u);
@@ -1878,7 +1879,8 @@ TEST_F(ShardProcessTest, AForgedContributionObjectIsRefused) {
   // The refused attempt never got a manifest: nothing of it was committed.
   auto attempts = store_->List(run_keys::Attempts(1));
   ASSERT_TRUE(attempts.ok());
-  for (const auto& o : *attempts) EXPECT_FALSE(o.key.find("/0000-") != std::string::npos && o.key.ends_with("manifest.json"));
+  for (const auto& o : *attempts)
+    EXPECT_FALSE(o.key.find("/0000-") != std::string::npos && o.key.ends_with("manifest.json"));
   ASSERT_TRUE(followed.ok()) << followed.ToString();
   ExpectIdentical(Path("dense"), 1);
 }
@@ -1973,8 +1975,8 @@ TEST(AttemptRecordTest, RoundTripsAndRefusesBadRecords) {
   };
   for (const std::string& bad :
        {edit("\"overwrite\"", "\"add\""), edit("0123456789abcdef", "0123456789ABCDEF"),
-        edit("0123456789abcdef", "0000000000000000"), edit("0123456789abcdef", "123"),
-        edit(std::string(64, 'e'), "ee"), edit("\"format\": \"dcr-attempt\"", "\"format\": \"dcr-commit\""),
+        edit("0123456789abcdef", "0000000000000000"), edit("0123456789abcdef", "123"), edit(std::string(64, 'e'), "ee"),
+        edit("\"format\": \"dcr-attempt\"", "\"format\": \"dcr-commit\""),
         edit("\"object_key\"", "\"processes\": 1, \"senders\": 1, \"object_key\""), std::string("{}")})
     EXPECT_EQ(AttemptRecord::FromJson(bad, "a").status().code(), Code::kInvalidArgument) << bad;
   procs.senders = 1;  // fewer senders than processes
@@ -2039,8 +2041,9 @@ TEST(ObjectSignatureTest, VerifiesOnlyTheSignersFramesUnderTheirKey) {
   EXPECT_TRUE(VerifyObjectSignature(signer->public_hex(), key, object).ok());
   // Another key, another object name, a changed byte anywhere, no trailer.
   EXPECT_EQ(VerifyObjectSignature(other->public_hex(), key, object).code(), Code::kDataLoss);
-  EXPECT_EQ(VerifyObjectSignature(signer->public_hex(), "attempts/v0000000001/0000-ab/frames/s0-0001.bin", object).code(),
-            Code::kDataLoss);
+  EXPECT_EQ(
+      VerifyObjectSignature(signer->public_hex(), "attempts/v0000000001/0000-ab/frames/s0-0001.bin", object).code(),
+      Code::kDataLoss);
   for (size_t i = 0; i < object.size(); ++i) {
     std::string bad = object;
     bad[i] ^= 1;
@@ -2163,7 +2166,8 @@ TEST_F(ProtocolTest, ForgedRelayedObjectsAreRefusedAndTheCommittedBitsApplied) {
       ++forged_signature;
   EXPECT_GE(forged_signature, 1u) << fmt::format("{}", fmt::join(lines, "\n"));
   const std::string used = FirstLine(lines, "version 1 attempt");
-  EXPECT_NE(used.find(": frame objects 0/"), std::string::npos) << "an object from the forging relay was used: " << used;
+  EXPECT_NE(used.find(": frame objects 0/"), std::string::npos)
+      << "an object from the forging relay was used: " << used;
   EXPECT_NE(used.find(fmt::format("; {} relayed objects refused", relay.delivered())), std::string::npos) << used;
 }
 

@@ -7,22 +7,22 @@
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
-#include <mutex>
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <optional>
+#include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <set>
 #include <thread>
 #include <tuple>
 
+#include "ack_tally.h"
 #include "dcr/contribution.h"
 #include "dcr/json.h"
 #include "dcr/layout_apply.h"
 #include "dcr/progress.h"
-#include "ack_tally.h"
 #include "internal.h"
 
 namespace dcr {
@@ -90,10 +90,11 @@ nlohmann::json BaselineFileStamps(const Checkpoint& baseline) {
   std::vector<std::string> names = baseline.files();
   std::sort(names.begin(), names.end());
   for (const auto& name : names) {
-    struct stat st{};
+    struct stat st {};
     if (::stat(name.c_str(), &st) != 0) return nlohmann::json();  // unknown: never matches
-    files.push_back({fs::path(name).filename().string(), static_cast<uint64_t>(st.st_size),
-                     static_cast<uint64_t>(st.st_mtim.tv_sec) * 1000000000ull + static_cast<uint64_t>(st.st_mtim.tv_nsec)});
+    files.push_back(
+        {fs::path(name).filename().string(), static_cast<uint64_t>(st.st_size),
+         static_cast<uint64_t>(st.st_mtim.tv_sec) * 1000000000ull + static_cast<uint64_t>(st.st_mtim.tv_nsec)});
   }
   return files;
 }
@@ -112,8 +113,11 @@ void WriteDigestCache(const std::string& state_dir, uint64_t version, const Chec
     for (const auto& d : tensor) row.push_back(d.ToHex());
     table.push_back(std::move(row));
   }
-  nlohmann::json doc = {{"format", "dcr-baseline-digests"}, {"version", version}, {"boot_id", BootId()},
-                        {"files", BaselineFileStamps(baseline)}, {"chunks", std::move(table)}};
+  nlohmann::json doc = {{"format", "dcr-baseline-digests"},
+                        {"version", version},
+                        {"boot_id", BootId()},
+                        {"files", BaselineFileStamps(baseline)},
+                        {"chunks", std::move(table)}};
   if (!WriteFileAtomically(DigestCachePath(state_dir), JsonText(doc) + "\n").ok()) DropDigestCache(state_dir);
 }
 
@@ -196,10 +200,9 @@ class PublishRun {
     Status failure;  // why the attempt was fenced
   };
   Result<AttemptResult> RunAttempt(uint64_t v, const std::string& id, DeltaClass cls, const Checkpoint& baseline,
-                                   const Checkpoint& next,
-                                   const DeltaManifest& layout, const ChunkDigestTable& base_digests,
-                                   PublishReport* report, DeltaManifest* manifest_out,
-                                   ChunkDigestTable* target_digests_out);
+                                   const Checkpoint& next, const DeltaManifest& layout,
+                                   const ChunkDigestTable& base_digests, PublishReport* report,
+                                   DeltaManifest* manifest_out, ChunkDigestTable* target_digests_out);
   // Waits for the acks of attempt `id` (manifest `m`, written), then commits.
   Result<AttemptResult> AwaitAcksAndCommit(uint64_t v, const std::string& id, DeltaManifest m, PublishReport* report,
                                            DeltaManifest* manifest_out);
@@ -244,8 +247,8 @@ Result<PublishReport> PublishRun::PublishSnapshot(const Checkpoint& next) {
       run = *state.run;
       report.already_committed = true;
     } else if (commit.ok()) {
-      return AlreadyExists(fmt::format("{} already holds a run whose version 0 has other bits; use a new store prefix",
-                                       store_.url()));
+      return AlreadyExists(
+          fmt::format("{} already holds a run whose version 0 has other bits; use a new store prefix", store_.url()));
     } else if (commit.status().code() == Code::kNotFound) {
       run = *state.run;  // a publisher died before committing v0: finish its job
     } else {
@@ -263,7 +266,8 @@ Result<PublishReport> PublishRun::PublishSnapshot(const Checkpoint& next) {
     Status s = store_.Put(run_keys::Commit(0), c.ToJson(), WriteMode::kCreateIfAbsent);
     if (s.code() == Code::kAlreadyExists) {
       DCR_ASSIGN_OR_RETURN(CommitRecord other, ReadCommit(store_, 0));
-      if (other.target_digest != digest) return AlreadyExists(store_.url() + ": version 0 was committed with other bits");
+      if (other.target_digest != digest)
+        return AlreadyExists(store_.url() + ": version 0 was committed with other bits");
     } else {
       DCR_RETURN_IF_ERROR(s);
     }
@@ -300,15 +304,13 @@ Result<PublishReport> PublishRun::PublishSnapshot(const Checkpoint& next) {
   return report;
 }
 
-Result<bool> PublishRun::Settle(uint64_t v, const std::string& id, Result<AttemptResult> result,
-                                Status* last_failure) {
+Result<bool> PublishRun::Settle(uint64_t v, const std::string& id, Result<AttemptResult> result, Status* last_failure) {
   if (!result.ok()) {
     // The store or this process failed mid-attempt; fence it (best effort) and retry.
     *last_failure = result.status();
     Fence(v, id, *last_failure).IgnoreError();
     const Code code = last_failure->code();
-    if (code == Code::kAlreadyExists || code == Code::kFailedPrecondition || cancelled_)
-      return *last_failure;
+    if (code == Code::kAlreadyExists || code == Code::kFailedPrecondition || cancelled_) return *last_failure;
     return false;
   }
   if (!result->committed) {
@@ -352,9 +354,9 @@ Status PublishRun::LoadBaseline(uint64_t at, const CommitRecord& want, const Run
   DropDigestCache(state_dir_);  // the baseline may change from here on
   DCR_RETURN_IF_ERROR(CatchUpBaseline(baseline, at, want.version, digests));
   if (Total(*digests) != want.target_digest)
-    return FailedPrecondition(fmt::format(
-        "the publisher baseline {} is not committed version {} (digest {} != {})", baseline.path(), want.version,
-        Total(*digests).ToHex(), want.target_digest.ToHex()));
+    return FailedPrecondition(fmt::format("the publisher baseline {} is not committed version {} (digest {} != {})",
+                                          baseline.path(), want.version, Total(*digests).ToHex(),
+                                          want.target_digest.ToHex()));
   if (at < want.version) DCR_RETURN_IF_ERROR(WriteBaseline(state_dir_, {run.run_id, want.version}));
   WriteDigestCache(state_dir_, want.version, baseline, *digests);
   out->emplace(std::move(baseline));
@@ -507,8 +509,13 @@ class SegmentedFrameWriter {
  public:
   SegmentedFrameWriter(Store& store, std::string prefix, uint32_t sender, uint64_t segment_bytes,
                        const ObjectSigner& signer, FrameObjectSink* relay, FramesInFlight& in_flight)
-      : store_(store), prefix_(std::move(prefix)), sender_(sender), segment_bytes_(std::max<uint64_t>(segment_bytes, 1)),
-        signer_(signer), relay_(relay), in_flight_(in_flight) {}
+      : store_(store),
+        prefix_(std::move(prefix)),
+        sender_(sender),
+        segment_bytes_(std::max<uint64_t>(segment_bytes, 1)),
+        signer_(signer),
+        relay_(relay),
+        in_flight_(in_flight) {}
   // Without Close (an attempt that failed): nothing more is published.
   ~SegmentedFrameWriter() {
     if (writer_) {
@@ -555,7 +562,8 @@ class SegmentedFrameWriter {
   // Turns an entry's offset in the whole stream (EncodeFrames' object 0)
   // into its segment (an index into names()) and the offset there.
   void Locate(DeltaFrameEntry* f) const {
-    const size_t seg = static_cast<size_t>(std::upper_bound(starts_.begin(), starts_.end(), f->offset) - starts_.begin()) - 1;
+    const size_t seg =
+        static_cast<size_t>(std::upper_bound(starts_.begin(), starts_.end(), f->offset) - starts_.begin()) - 1;
     f->object = static_cast<uint32_t>(seg);
     f->offset -= starts_[seg];
   }
@@ -567,7 +575,7 @@ class SegmentedFrameWriter {
   struct Pending {
     std::unique_ptr<ObjectWriter> writer;
     std::string key, bytes;  // bytes: only with a relay
-    uint64_t size = 0;       // counted in in_flight_ until closed
+    uint64_t size = 0;  // counted in in_flight_ until closed
   };
 
   // Hands the current object (if any) to the closer thread.
@@ -642,9 +650,9 @@ Result<PublishRun::AttemptResult> PublishRun::AwaitAcksAndCommit(uint64_t v, con
   const auto deadline = wait_start + o_.ack_timeout;
   AckTally tally(m.target_digest);
   std::set<std::string> retired;
-  std::set<std::string> seen;        // ack keys read and counted
+  std::set<std::string> seen;  // ack keys read and counted
   std::vector<std::string> waiting;  // live receivers that have not acked
-  bool committed = false;            // commits/v exists (another coordinator, or a lost response)
+  bool committed = false;  // commits/v exists (another coordinator, or a lost response)
   // Acks from the store and from the relay tree count alike (a receiver
   // writes its ack to the store before it sends it up the tree).
   auto take = [&](const AckRecord& ack, bool tree) {
@@ -777,8 +785,8 @@ Result<PublishRun::AttemptResult> PublishRun::AwaitAcksAndCommit(uint64_t v, con
     if (other.attempt != id) {
       Fence(v, id, Aborted("version committed by attempt " + other.attempt)).IgnoreError();
       if (other.target_digest != m.target_digest)
-        return AlreadyExists(fmt::format("version {} was committed by attempt {} of another coordinator with other bits",
-                                         v, other.attempt));
+        return AlreadyExists(fmt::format(
+            "version {} was committed by attempt {} of another coordinator with other bits", v, other.attempt));
       report->already_committed = true;
       report->attempt = other.attempt;  // what is committed, not the attempt that lost
       c = other;
@@ -795,7 +803,8 @@ Result<PublishRun::AttemptResult> PublishRun::AwaitAcksAndCommit(uint64_t v, con
 }
 
 Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::string& id, DeltaClass cls,
-                                                         const Checkpoint& baseline, const Checkpoint& next, const DeltaManifest& layout,
+                                                         const Checkpoint& baseline, const Checkpoint& next,
+                                                         const DeltaManifest& layout,
                                                          const ChunkDigestTable& base_digests, PublishReport* report,
                                                          DeltaManifest* manifest_out,
                                                          ChunkDigestTable* target_digests_out) {
@@ -834,9 +843,9 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
     for (const auto& c : plan[k]) tracked.push_back(base_digests[c.tensor][c.chunk]);
     SegmentedFrameWriter segments(store_, prefix, k, segment_bytes, signer, o_.relay, in_flight);
     DCR_ASSIGN_OR_RETURN(EncodedFrames encoded,
-                         EncodeFrames(baseline, next, m, plan[k], options.encode,
-                                      [&](std::string_view frame) { return segments.Write(frame); }, &tracked,
-                                      progress_));
+                         EncodeFrames(
+                             baseline, next, m, plan[k], options.encode,
+                             [&](std::string_view frame) { return segments.Write(frame); }, &tracked, progress_));
     DCR_RETURN_IF_ERROR(segments.Close());
     const uint32_t first_object = static_cast<uint32_t>(m.objects.size());
     for (auto& f : encoded.frames) {
@@ -986,8 +995,8 @@ class ShardStaging {
       Status staged = stop_ ? Aborted("the publish ended before staging did") : local_[i].stage(b);
       std::lock_guard lock(mu_);
       if (!staged.ok()) {
-        failed_ = staged.WithContext(fmt::format("staging buffer '{}' of local sender {}",
-                                                 local_[i].layout->map().buffers[b].id, i));
+        failed_ = staged.WithContext(
+            fmt::format("staging buffer '{}' of local sender {}", local_[i].layout->map().buffers[b].id, i));
         cv_.notify_all();
         return;
       }
@@ -1019,8 +1028,16 @@ class ShardRun {
   ShardRun(PublishRun& run, Store& store, const std::string& state_dir, const PublishOptions& o,
            const RunRecord& record, std::span<const CompiledLayout* const> maps, std::span<const ShardSource> local,
            ShardProcesses procs, ShardsMemo& memo, ShardStaging& staging)
-      : run_(run), store_(store), state_dir_(state_dir), o_(o), record_(record), maps_(maps.begin(), maps.end()),
-        local_(local), procs_(std::move(procs)), memo_(memo), staging_(staging) {}
+      : run_(run),
+        store_(store),
+        state_dir_(state_dir),
+        o_(o),
+        record_(record),
+        maps_(maps.begin(), maps.end()),
+        local_(local),
+        procs_(std::move(procs)),
+        memo_(memo),
+        staging_(staging) {}
 
   Status Prepare();
   Result<PublishReport> Coordinate(uint64_t v);
@@ -1068,7 +1085,7 @@ class ShardRun {
   std::vector<const CompiledLayout*> maps_;
   std::span<const ShardSource> local_;
   ShardProcesses procs_;
-  std::vector<uint32_t> local_ids_;                  // global index of each local sender
+  std::vector<uint32_t> local_ids_;  // global index of each local sender
   std::vector<std::vector<uint32_t>> senders_of_;  // per process
   std::vector<TensorInfo> infos_;
   std::vector<RankBufferFiles> baseline_;
@@ -1082,9 +1099,10 @@ Status ShardRun::Prepare() {
   std::vector<std::string> unmapped;
   DCR_RETURN_IF_ERROR(ValidateEngine(maps_, infos_, &unmapped).WithContext("the senders' maps"));
   if (!unmapped.empty())
-    return InvalidArgument(fmt::format("no sender maps tensor '{}' ({} unmapped); residual tensors are not published "
-                                       "from shards yet",
-                                       unmapped.front(), unmapped.size()));
+    return InvalidArgument(
+        fmt::format("no sender maps tensor '{}' ({} unmapped); residual tensors are not published "
+                    "from shards yet",
+                    unmapped.front(), unmapped.size()));
   const size_t senders = maps_.size();
   if (P() == 0 || Me() >= P())
     return InvalidArgument(fmt::format("process {} of {}: need 0 <= process < processes", Me(), P()));
@@ -1116,8 +1134,8 @@ Status ShardRun::Prepare() {
 }
 
 Status ShardRun::WriteShardsRecord(uint64_t version, const Digest& digest) {
-  nlohmann::json doc = {{"run_id", record_.run_id}, {"version", version}, {"senders", local_ids_},
-                        {"digest", digest.ToHex()}};
+  nlohmann::json doc = {
+      {"run_id", record_.run_id}, {"version", version}, {"senders", local_ids_}, {"digest", digest.ToHex()}};
   DCR_RETURN_IF_ERROR(WriteFileAtomically(ShardsRecord(state_dir_), JsonText(doc, 1) + "\n"));
   memo_.valid = true;
   memo_.dir = state_dir_;
@@ -1187,8 +1205,8 @@ Status ShardRun::OpenOrRebuildShards(const CommitRecord& want) {
       }
       if (baseline_.size() == local_ids_.size() && (known || SendersDigest(baseline_) == recorded)) {
         Status caught = ApplyCommitted(at, want.version);
-        const bool at_target = at == want.version ? recorded == want.target_digest
-                                                  : SendersDigest(baseline_) == want.target_digest;
+        const bool at_target =
+            at == want.version ? recorded == want.target_digest : SendersDigest(baseline_) == want.target_digest;
         if (caught.ok() && (P() > 1 || at_target)) {
           if (at < want.version) DCR_RETURN_IF_ERROR(WriteShardsRecord(want.version, SendersDigest(baseline_)));
           return Status::Ok();
@@ -1224,9 +1242,10 @@ Status ShardRun::OpenOrRebuildShards(const CommitRecord& want) {
   // processes, by the coordinator's sum of the processes' partials.
   const Digest digest = SendersDigest(baseline_);
   if (P() == 1 && digest != want.target_digest)
-    return DataLoss(fmt::format("{}: the senders' shards rebuilt from the snapshot of version {} and the committed "
-                                "deltas do not add up to version {}'s digest",
-                                store_.url(), snap.version, want.version));
+    return DataLoss(
+        fmt::format("{}: the senders' shards rebuilt from the snapshot of version {} and the committed "
+                    "deltas do not add up to version {}'s digest",
+                    store_.url(), snap.version, want.version));
   return WriteShardsRecord(want.version, digest);
 }
 
@@ -1252,8 +1271,9 @@ void ShardRun::CopyCurrentIntoBaseline() {
 
 Status ShardRun::AdoptCurrent(const CommitRecord& c) {
   if (P() != 1)
-    return FailedPrecondition("adopting the current shards as the baseline needs every sender in this process; "
-                              "with several processes each rebuilds its baseline from the store");
+    return FailedPrecondition(
+        "adopting the current shards as the baseline needs every sender in this process; "
+        "with several processes each rebuilds its baseline from the store");
   DCR_RETURN_IF_ERROR(staging_.AwaitAll());
   Digest digest;  // of the current shards, before the state is touched
   for (const ShardSource& src : local_) {
@@ -1262,9 +1282,10 @@ Status ShardRun::AdoptCurrent(const CommitRecord& c) {
     digest += RankDigest(current);
   }
   if (digest != c.target_digest)
-    return FailedPrecondition(fmt::format("the senders' current shards are not version {} (digest {} != {}); adopt "
-                                          "only the tensors that version was published from",
-                                          c.version, digest.ToHex(), c.target_digest.ToHex()));
+    return FailedPrecondition(
+        fmt::format("the senders' current shards are not version {} (digest {} != {}); adopt "
+                    "only the tensors that version was published from",
+                    c.version, digest.ToHex(), c.target_digest.ToHex()));
   memo_ = {};
   baseline_.clear();
   std::error_code ec;
@@ -1356,10 +1377,10 @@ Result<ShardRun::Participation> ShardRun::Participate(uint64_t v, const std::str
         ++it;
         continue;
       }
-      DCR_ASSIGN_OR_RETURN(auto records,
-                           ParseContributions({reinterpret_cast<const uint8_t*>(bytes->data()), bytes->size()},
-                                              {doc.delta_id, doc.cls, *it, Me()}, m, senders_of_[*it],
-                                              StoreContext(store_.url(), key)));
+      DCR_ASSIGN_OR_RETURN(
+          auto records,
+          ParseContributions({reinterpret_cast<const uint8_t*>(bytes->data()), bytes->size()},
+                             {doc.delta_id, doc.cls, *it, Me()}, m, senders_of_[*it], StoreContext(store_.url(), key)));
       for (ChunkContribution& c : records) {
         DCR_ASSIGN_OR_RETURN(uint32_t owner, ChunkOwner(maps_, m, c.tensor, c.chunk));
         if (procs_.sender_process[owner] != Me())
@@ -1377,9 +1398,10 @@ Result<ShardRun::Participation> ShardRun::Participate(uint64_t v, const std::str
         out.outcome = Outcome::kStalled;
         return out;
       }
-      return Unavailable(fmt::format("process {} wrote no contributions for attempt {} within the peer timeout ({} "
-                                     "ms); is it running, as process {} of {}?",
-                                     *missing.begin(), id, o_.peer_timeout.count(), *missing.begin(), P()));
+      return Unavailable(
+          fmt::format("process {} wrote no contributions for attempt {} within the peer timeout ({} "
+                      "ms); is it running, as process {} of {}?",
+                      *missing.begin(), id, o_.peer_timeout.count(), *missing.begin(), P()));
     }
     std::this_thread::sleep_for(o_.peer_poll);
   }
@@ -1387,7 +1409,8 @@ Result<ShardRun::Participation> ShardRun::Participate(uint64_t v, const std::str
   // The frames of the owned chunks, back to back in (tensor, chunk) order.
   std::string bytes;
   for (size_t i = 0; i < owned.chunks.size(); ++i) {
-    rec.chunks.push_back({owned.chunks[i].tensor, owned.chunks[i].chunk, owned.base_digests[i], owned.target_digests[i]});
+    rec.chunks.push_back(
+        {owned.chunks[i].tensor, owned.chunks[i].chunk, owned.base_digests[i], owned.target_digests[i]});
     if (direct.count(owned.chunks[i])) {
       rec.baseline_digest += owned.base_digests[i];
       rec.target_digest += owned.target_digests[i];
@@ -1457,8 +1480,9 @@ Result<PublishReport> ShardRun::Coordinate(uint64_t v) {
         if (!text) {
           if (Clock::now() >= deadline)
             return PublishRun::AttemptResult{
-                false, Unavailable(fmt::format("process {} wrote no record for attempt {} within the peer timeout ({} ms)",
-                                               q, id, o_.peer_timeout.count()))};
+                false,
+                Unavailable(fmt::format("process {} wrote no record for attempt {} within the peer timeout ({} ms)", q,
+                                        id, o_.peer_timeout.count()))};
           std::this_thread::sleep_for(o_.peer_poll);
           continue;
         }
@@ -1527,8 +1551,8 @@ Result<PublishReport> ShardRun::Work(uint64_t v) {
   DCR_ASSIGN_OR_RETURN(CommitRecord base_commit, ReadCommit(store_, v - 1));
   DCR_RETURN_IF_ERROR(LoadShards(base_commit));
   std::map<std::string, Digest> recorded;  // attempts this process recorded -> its partial at v
-  std::set<std::string> tried;             // attempts it took part in, or refused
-  std::string joined;                      // the attempt last joined
+  std::set<std::string> tried;  // attempts it took part in, or refused
+  std::string joined;  // the attempt last joined
   auto idle_until = Clock::now() + o_.peer_timeout;
   for (;;) {
     DCR_ASSIGN_OR_RETURN(auto commit_text, GetIfPresent(store_, run_keys::Commit(v)));
@@ -1561,10 +1585,10 @@ Result<PublishReport> ShardRun::Work(uint64_t v) {
       if (text) {
         DCR_ASSIGN_OR_RETURN(AttemptRecord doc, ParseProcessesAttempt(*text, StoreContext(store_.url(), key)));
         if (doc.processes != P() || doc.senders != maps_.size())
-          return FailedPrecondition(fmt::format("{}: the coordinator runs {} processes of {} senders, this process was "
-                                                "told {} of {}",
-                                                StoreContext(store_.url(), key), doc.processes, doc.senders, P(),
-                                                maps_.size()));
+          return FailedPrecondition(
+              fmt::format("{}: the coordinator runs {} processes of {} senders, this process was "
+                          "told {} of {}",
+                          StoreContext(store_.url(), key), doc.processes, doc.senders, P(), maps_.size()));
         const std::string id = newest->id;
         if (id != joined) idle_until = Clock::now() + o_.peer_timeout;  // a new attempt: progress
         joined = id;
@@ -1593,9 +1617,10 @@ Result<PublishReport> ShardRun::Work(uint64_t v) {
       }
     }
     if (Clock::now() >= idle_until)
-      return Unavailable(fmt::format("process {}/{}: no {} of version {} from the coordinator within the peer timeout; "
-                                     "is process 0 running?",
-                                     Me(), P(), recorded.empty() ? "attempt to join" : "commit", v));
+      return Unavailable(
+          fmt::format("process {}/{}: no {} of version {} from the coordinator within the peer timeout; "
+                      "is process 0 running?",
+                      Me(), P(), recorded.empty() ? "attempt to join" : "commit", v));
     std::this_thread::sleep_for(o_.peer_poll);
   }
 }
@@ -1690,12 +1715,14 @@ Status ShardPublisher::Adopt(uint64_t version, std::span<const ShardSource> send
     DCR_ASSIGN_OR_RETURN(commit, ReadCommit(store_, version));
     return Status::Ok();
   };
-  return ShardCall::Run(*this, maps, senders, ShardProcesses{}, check, [&](ShardRun& shards) -> Result<PublishReport> {
-           DCR_RETURN_IF_ERROR(shards.AdoptCurrent(commit));
-           PublishReport report;
-           report.version = version;
-           return report;
-         }).status();
+  return ShardCall::Run(*this, maps, senders, ShardProcesses{}, check,
+                        [&](ShardRun& shards) -> Result<PublishReport> {
+                          DCR_RETURN_IF_ERROR(shards.AdoptCurrent(commit));
+                          PublishReport report;
+                          report.version = version;
+                          return report;
+                        })
+      .status();
 }
 
 Result<PublishReport> Publisher::Publish(uint64_t version, const Checkpoint& next, Progress* progress) {
@@ -1718,8 +1745,7 @@ Result<PublishReport> PublishVersion(Store& store, const std::string& state_dir,
                                             *state.latest, *state.latest + 1));
     return run.PublishSnapshot(next);
   }
-  if (!state.run)
-    return FailedPrecondition(fmt::format("{} holds no run; publish version 0 first", store.url()));
+  if (!state.run) return FailedPrecondition(fmt::format("{} holds no run; publish version 0 first", store.url()));
   if (!state.latest || *state.latest < version - 1)
     return FailedPrecondition(fmt::format("version {} is not committed (latest: {}); publish versions in order",
                                           version - 1, state.latest ? std::to_string(*state.latest) : "none"));

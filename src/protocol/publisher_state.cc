@@ -7,8 +7,8 @@
 // advancing the baseline after each commit writes nothing to a disk.
 #include <fcntl.h>
 #include <fmt/format.h>
-#include <sys/file.h>
 #include <linux/magic.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <unistd.h>
@@ -35,9 +35,10 @@ Status PrivateDirectory(const std::string& dir) {
   struct stat st {};
   if (::lstat(dir.c_str(), &st) != 0) return ErrnoError(errno, "cannot stat " + dir);
   if (!S_ISDIR(st.st_mode) || st.st_uid != ::geteuid() || (st.st_mode & 077) != 0)
-    return PermissionDenied(fmt::format("{} is not this user's private directory (a directory of uid {}, mode 0700); "
-                                        "remove it, or give the publisher a state directory",
-                                        dir, ::geteuid()));
+    return PermissionDenied(
+        fmt::format("{} is not this user's private directory (a directory of uid {}, mode 0700); "
+                    "remove it, or give the publisher a state directory",
+                    dir, ::geteuid()));
   return Status::Ok();
 }
 
@@ -80,9 +81,10 @@ Result<StateDirLock> StateDirLock::Acquire(const std::string& state_dir) {
     if (errno != EWOULDBLOCK) return ErrnoError(errno, "cannot lock " + path);
     char pid[32] = {0};
     const ssize_t n = ::pread(lock.fd_, pid, sizeof pid - 1, 0);
-    return FailedPrecondition(fmt::format("{} is in use by another publisher (process {}); give each publisher its "
-                                          "own state directory",
-                                          state_dir, n > 0 ? std::string(pid, static_cast<size_t>(n)) : "unknown"));
+    return FailedPrecondition(
+        fmt::format("{} is in use by another publisher (process {}); give each publisher its "
+                    "own state directory",
+                    state_dir, n > 0 ? std::string(pid, static_cast<size_t>(n)) : "unknown"));
   }
   const std::string me = std::to_string(::getpid());
   if (::ftruncate(lock.fd_, 0) != 0 || ::pwrite(lock.fd_, me.data(), me.size(), 0) != static_cast<ssize_t>(me.size()))

@@ -1,7 +1,7 @@
 // A rank of an engine following the run into its own buffers
 // (docs/protocol.md, "Engines of several ranks").
-#include <fmt/format.h>
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <unistd.h>
 
@@ -68,11 +68,13 @@ std::optional<FrameLog> ReadFrameLog(const std::string& dir, const std::string& 
 // The map's tensors must be run tensors with the same dtype and shape.
 Status CheckMapFitsRun(const CompiledLayout& layout, const RunRecord& run) {
   for (const LayoutTensor& t : layout.map().tensors) {
-    auto it = std::find_if(run.tensors.begin(), run.tensors.end(), [&](const DeltaTensor& r) { return r.name == t.name; });
+    auto it =
+        std::find_if(run.tensors.begin(), run.tensors.end(), [&](const DeltaTensor& r) { return r.name == t.name; });
     if (it == run.tensors.end())
-      return InvalidArgument(fmt::format("the rank's map names tensor '{}', which run {} does not hold; generate the map "
-                                         "for this model",
-                                         t.name, run.run_id));
+      return InvalidArgument(
+          fmt::format("the rank's map names tensor '{}', which run {} does not hold; generate the map "
+                      "for this model",
+                      t.name, run.run_id));
     if (it->dtype != t.dtype || it->shape != t.shape)
       return InvalidArgument(fmt::format("tensor '{}' is {} [{}] in the rank's map but {} [{}] in run {}", t.name,
                                          Name(t.dtype), fmt::join(t.shape, ", "), Name(it->dtype),
@@ -93,8 +95,13 @@ class RankTarget final : public ReceiverTarget {
   // buffer files in `dir`. `changed`: the map tensors written, by index.
   RankTarget(const CompiledLayout& layout, std::string dir, std::optional<PlacedRank> given, EngineRank rank,
              std::string id, std::vector<bool>* changed, std::function<void(const std::string&)> log)
-      : layout_(layout), dir_(std::move(dir)), given_(std::move(given)), rank_(std::move(rank)), id_(std::move(id)),
-        changed_(changed), log_(std::move(log)) {}
+      : layout_(layout),
+        dir_(std::move(dir)),
+        given_(std::move(given)),
+        rank_(std::move(rank)),
+        id_(std::move(id)),
+        changed_(changed),
+        log_(std::move(log)) {}
 
   Result<std::optional<uint64_t>> Resume(Store& store, const RunRecord& run, uint64_t latest,
                                          std::string* join_why) override;
@@ -203,8 +210,8 @@ Status RankTarget::Join(Store& store, const RunRecord& run, const SnapshotRecord
     DCR_ASSIGN_OR_RETURN(Checkpoint ckpt, Checkpoint::Open(tmp));
     DCR_RETURN_IF_ERROR(CheckRunTensors(ckpt, run));
     if (Total(ChunkDigests(ckpt, shape_)) != snap.digest)
-      return DataLoss(fmt::format("{}: the snapshot of version {} does not have its recorded digest", store.url(),
-                                  snap.version));
+      return DataLoss(
+          fmt::format("{}: the snapshot of version {} does not have its recorded digest", store.url(), snap.version));
     DCR_RETURN_IF_ERROR(OpenBuffers(/*create=*/true));
     MarkChanged(std::nullopt);
     if (Status loaded = LoadDense(CheckpointBytes(ckpt), *placed_); !loaded.ok()) {
@@ -230,14 +237,15 @@ Result<std::optional<uint64_t>> RankTarget::Resume(Store& store, const RunRecord
   DCR_ASSIGN_OR_RETURN(auto journal, ReadRankJournal(dir_));
   if (!journal) return join("new rank");
   if (journal->run_id != run.run_id)
-    return FailedPrecondition(fmt::format("{} follows run {}, but {} holds run {}; follow into an empty directory to "
-                                          "join this run",
-                                          dir_, journal->run_id, store.url(), run.run_id));
+    return FailedPrecondition(
+        fmt::format("{} follows run {}, but {} holds run {}; follow into an empty directory to "
+                    "join this run",
+                    dir_, journal->run_id, store.url(), run.run_id));
   if (journal->rank != rank_)
-    return FailedPrecondition(fmt::format("{} holds rank {} of {} of engine '{}', not rank {} of {} of engine '{}'; "
-                                          "give each rank its own directory",
-                                          dir_, journal->rank.rank, journal->rank.ranks, journal->rank.engine,
-                                          rank_.rank, rank_.ranks, rank_.engine));
+    return FailedPrecondition(fmt::format(
+        "{} holds rank {} of {} of engine '{}', not rank {} of {} of engine '{}'; "
+        "give each rank its own directory",
+        dir_, journal->rank.rank, journal->rank.ranks, journal->rank.engine, rank_.rank, rank_.ranks, rank_.engine));
   journal_ = *journal;
   journal_.receiver = id_;
   touched_.clear();
@@ -268,8 +276,9 @@ Result<std::optional<uint64_t>> RankTarget::Resume(Store& store, const RunRecord
     log_(fmt::format("restarted while applying attempt {}; its frame log names {} chunks it touched", journal_.attempt,
                      touched_.size()));
   else if (!journal_.attempt.empty() && !(journal_.attempt_state == "applied" && d == journal_.attempt_digest))
-    log_(fmt::format("restarted after attempt {} ({}) touched the buffers; an overwrite attempt or a rejoin repairs them",
-                     journal_.attempt, journal_.attempt_state));
+    log_(fmt::format(
+        "restarted after attempt {} ({}) touched the buffers; an overwrite attempt or a rejoin repairs them",
+        journal_.attempt, journal_.attempt_state));
   return std::optional<uint64_t>(journal_.version);
 }
 
@@ -284,7 +293,8 @@ Status RankTarget::Begin(const std::string& id) {
   return WriteRankJournal(dir_, journal_);
 }
 
-Status RankTarget::ApplyFrames(const DeltaManifest& m, std::span<const FrameView> frames, bool strict, ApplyCounts* counts) {
+Status RankTarget::ApplyFrames(const DeltaManifest& m, std::span<const FrameView> frames, bool strict,
+                               ApplyCounts* counts) {
   std::vector<size_t> todo;
   std::set<ChunkKey> batch;
   std::string before, after;
@@ -301,8 +311,8 @@ Status RankTarget::ApplyFrames(const DeltaManifest& m, std::span<const FrameView
     const FrameHeader& h = frames[i].header;
     const ChunkKey key{h.tensor, h.chunk};
     if (h.tensor >= tracked_.size() || h.chunk >= tracked_[h.tensor].size()) {
-      refuse(i, InvalidArgument(fmt::format("a frame names tensor {} chunk {}, which the run does not have", h.tensor,
-                                            h.chunk)));
+      refuse(i, InvalidArgument(
+                    fmt::format("a frame names tensor {} chunk {}, which the run does not have", h.tensor, h.chunk)));
       continue;
     }
     const Digest& now = tracked_[h.tensor][h.chunk];
@@ -362,9 +372,10 @@ Status RankTarget::ApplyAttempt(const std::string& id, const DeltaReader& delta,
   if (journal_.attempt == id && journal_.attempt_state == "applied") return Status::Ok();
   const DeltaManifest& m = delta.manifest();
   if (!MayApply(id, m.delta_class))
-    return FailedPrecondition(fmt::format("attempt {} ({}) touched this rank's buffers, so an xor attempt cannot be "
-                                          "applied on them; an overwrite attempt or a rejoin repairs them",
-                                          journal_.attempt, journal_.attempt_state));
+    return FailedPrecondition(
+        fmt::format("attempt {} ({}) touched this rank's buffers, so an xor attempt cannot be "
+                    "applied on them; an overwrite attempt or a rejoin repairs them",
+                    journal_.attempt, journal_.attempt_state));
   if (m.tensors.size() != shape_.tensors.size() || m.chunk_elements != shape_.chunk_elements)
     return InvalidArgument(fmt::format("attempt {}: its manifest's tensors or chunking are not the run's", id));
   DCR_RETURN_IF_ERROR(Begin(id));
@@ -386,7 +397,11 @@ Status RankTarget::ApplyAttempt(const std::string& id, const DeltaReader& delta,
 
 RankFollower::RankFollower(Store& store, const CompiledLayout& layout, std::string buffers_dir, EngineRank rank,
                            FollowOptions options)
-    : store_(store), layout_(layout), dir_(std::move(buffers_dir)), rank_(std::move(rank)), options_(std::move(options)) {
+    : store_(store),
+      layout_(layout),
+      dir_(std::move(buffers_dir)),
+      rank_(std::move(rank)),
+      options_(std::move(options)) {
   if (options_.id.empty()) options_.id = fmt::format("{}-r{}", rank_.engine, rank_.rank);
 }
 
@@ -407,8 +422,8 @@ Status RankFollower::Run(std::optional<uint64_t> until, const std::function<bool
     if (in_memory_) DCR_RETURN_IF_ERROR(CheckRankBuffers(layout_, given_).WithContext("the rank's buffers"));
     const FollowOptions& o = options_;
     target_ = std::make_unique<RankTarget>(
-        layout_, dir_, in_memory_ ? std::optional<PlacedRank>(PlacedRank{&layout_, given_}) : std::nullopt, rank_,
-        o.id, &changed_, [o](const std::string& l) { FollowLog(o, l); });
+        layout_, dir_, in_memory_ ? std::optional<PlacedRank>(PlacedRank{&layout_, given_}) : std::nullopt, rank_, o.id,
+        &changed_, [o](const std::string& l) { FollowLog(o, l); });
     walk_ = std::make_unique<ReceiverWalk>(store_, *target_, options_);
   }
   return walk_->Run(until, stop);

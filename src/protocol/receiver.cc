@@ -10,7 +10,9 @@
 namespace dcr::protocol_internal {
 
 ReceiverWalk::ReceiverWalk(Store& store, ReceiverTarget& target, FollowOptions options)
-    : store_(store), target_(target), o_(std::move(options)),
+    : store_(store),
+      target_(target),
+      o_(std::move(options)),
       heartbeat_(store, o_.id, target.Engine(), o_.heartbeat_every, [this](const std::string& l) { Log(l); }) {}
 
 Status ReceiverWalk::Run(std::optional<uint64_t> until, const std::function<bool()>& stop) {
@@ -100,11 +102,11 @@ Status ReceiverWalk::TakeFromRelay(uint64_t v, const std::string& id) {
       ++it;
       continue;
     }
-    const Status s = signer->empty()
-                         ? FailedPrecondition(fmt::format("{}: its attempt names no signing key (an older publisher): a "
-                                                          "relayed copy cannot be verified",
-                                                          it->first))
-                         : VerifyObjectSignature(*signer, it->first, it->second);
+    const Status s =
+        signer->empty() ? FailedPrecondition(fmt::format("{}: its attempt names no signing key (an older publisher): a "
+                                                         "relayed copy cannot be verified",
+                                                         it->first))
+                        : VerifyObjectSignature(*signer, it->first, it->second);
     if (!s.ok()) {
       const uint64_t n = ++refused_objects_;
       if ((n & (n - 1)) == 0)  // the 1st, 2nd, 4th... refusal
@@ -133,8 +135,9 @@ Status ReceiverWalk::AwaitRelay(uint64_t v, const std::string& id, const std::ve
     if (complete) return Status::Ok();
     const auto now = std::chrono::steady_clock::now();
     if (now - std::max(start, o_.relay->LastDelivery()) > o_.relay_quiet) {
-      Log(fmt::format("the relay delivered nothing for {} ms; downloading the missing frame objects of {} from the store",
-                      o_.relay_quiet.count(), prefix));
+      Log(fmt::format(
+          "the relay delivered nothing for {} ms; downloading the missing frame objects of {} from the store",
+          o_.relay_quiet.count(), prefix));
       return Status::Ok();
     }
     std::this_thread::sleep_for(std::min(o_.stream_poll, o_.poll));
@@ -207,8 +210,9 @@ Status ReceiverWalk::StreamApply(uint64_t v, const AttemptInfo& a) {
 }
 
 Status ReceiverWalk::Prefetch(const AttemptInfo& a, bool* progressed) {
-  return PrefetchFrameObjects(store_, a, &prefetched_, kObjectsAhead,
-                              [this](const std::string& key) { return released_.count(key) > 0; }, progressed);
+  return PrefetchFrameObjects(
+      store_, a, &prefetched_, kObjectsAhead, [this](const std::string& key) { return released_.count(key) > 0; },
+      progressed);
 }
 
 Status ReceiverWalk::StreamRest(uint64_t v, const AttemptInfo& a) {
@@ -262,7 +266,8 @@ Status ReceiverWalk::ApplyAndAck(uint64_t v, const AttemptInfo& a) {
   if (Transient(delta.status())) return delta.status();
   if (o_.relay && delta.ok()) {
     const uint64_t frame_bytes = delta->manifest().frame_bytes;
-    Log(fmt::format("version {} attempt {}: frame objects {}/{} ({} bytes) from the relay, {} ({} bytes) from the "
+    Log(
+        fmt::format("version {} attempt {}: frame objects {}/{} ({} bytes) from the relay, {} ({} bytes) from the "
                     "store; {} relayed objects refused so far (signatures that do not verify)",
                     v, a.id, relayed, a.frame_objects.size(), relayed_bytes,
                     a.frame_objects.size() - std::min(a.frame_objects.size(), relayed),
@@ -309,7 +314,8 @@ Status ReceiverWalk::Step() {
     DCR_ASSIGN_OR_RETURN(CommitRecord c,
                          CommitRecord::FromJson(*commit_text, StoreContext(store_.url(), run_keys::Commit(v))));
     if (std::find(c.retired.begin(), c.retired.end(), o_.id) != c.retired.end())
-      Log(fmt::format("retired from version {} (no ack before the deadline): catching up from the committed delta, "
+      Log(
+          fmt::format("retired from version {} (no ack before the deadline): catching up from the committed delta, "
                       "or the newest snapshot if that is impossible",
                       v));
     if (target_.AtCommit(c)) DCR_RETURN_IF_ERROR(Commit(v));

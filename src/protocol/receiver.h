@@ -58,8 +58,7 @@ class ReceiverTarget {
   // (each already checked by ForEachStreamedFrame against `shape`: the run's
   // tensors with the attempt's delta id and class). Frames it cannot prove
   // safe are logged and left to the manifest; errors are journal I/O only.
-  virtual Status ApplyStreamed(const DeltaManifest& shape, std::span<const FrameView> frames,
-                               ApplyCounts* counts) = 0;
+  virtual Status ApplyStreamed(const DeltaManifest& shape, std::span<const FrameView> frames, ApplyCounts* counts) = 0;
 };
 
 // The walk: waits for the run, resumes or joins the target, then step by
@@ -127,7 +126,7 @@ class ReceiverWalk {
   uint64_t version_ = 0;
   RunRecord run_;
   DeltaManifest shape_;  // the run's tensors and chunking
-  std::set<std::string> handled_;            // attempts acked (or nacked) by this receiver
+  std::set<std::string> handled_;  // attempts acked (or nacked) by this receiver
   std::map<uint64_t, int> commit_failures_;  // committed versions that failed to apply
   // Frame objects of version_ + 1's attempts downloaded before their
   // manifest (full key -> bytes); LoadAttempt takes them from here.
@@ -144,7 +143,7 @@ class ReceiverWalk {
   uint64_t frames_held_peak_ = 0;  // towards version_ + 1: the heartbeat's frames_held_bytes at its commit
   struct Streamed {
     const AttemptRecord* attempt = nullptr;  // in attempt_docs_
-    DeltaManifest shape;            // the run's shape with the attempt's delta id and class
+    DeltaManifest shape;  // the run's shape with the attempt's delta id and class
     std::set<std::string> objects;  // frame objects looked at
     ApplyCounts counts;
   };

@@ -40,7 +40,8 @@ Result<json> Parse(std::string_view text, const std::string& where, std::string_
   json doc = json::parse(text.begin(), text.end(), nullptr, false);
   if (doc.is_discarded() || !doc.is_object()) return Bad(where, "not a JSON object");
   auto f = doc.find("format");
-  if (f == doc.end() || !f->is_string() || *f != format) return Bad(where, fmt::format("'format' is not \"{}\"", format));
+  if (f == doc.end() || !f->is_string() || *f != format)
+    return Bad(where, fmt::format("'format' is not \"{}\"", format));
   return doc;
 }
 
@@ -49,7 +50,9 @@ JsonFields Fields(const json& o, const std::string& where) {
 }
 Result<uint64_t> U64(const json& o, const char* key, const std::string& where) { return Fields(o, where).U64(key); }
 Result<double> Num(const json& o, const char* key, const std::string& where) { return Fields(o, where).Number(key); }
-Result<std::string> Str(const json& o, const char* key, const std::string& where) { return Fields(o, where).String(key); }
+Result<std::string> Str(const json& o, const char* key, const std::string& where) {
+  return Fields(o, where).String(key);
+}
 Result<bool> Bool(const json& o, const char* key, const std::string& where) { return Fields(o, where).Bool(key); }
 Result<Digest> Dig(const json& o, const char* key, const std::string& where) {
   DCR_ASSIGN_OR_RETURN(std::string hex, Str(o, key, where));
@@ -113,7 +116,8 @@ Result<RunRecord> RunRecord::FromJson(std::string_view text, const std::string& 
     if (!parsed) return Bad(where, fmt::format("tensor '{}': unknown dtype '{}'", d.name, dtype));
     d.dtype = *parsed;
     auto sh = t.find("shape");
-    if (sh == t.end() || !sh->is_array()) return Bad(where, fmt::format("tensor '{}': 'shape' must be an array", d.name));
+    if (sh == t.end() || !sh->is_array())
+      return Bad(where, fmt::format("tensor '{}': 'shape' must be an array", d.name));
     for (const auto& x : *sh) {
       if (!x.is_number_unsigned()) return Bad(where, fmt::format("tensor '{}': bad shape", d.name));
       d.shape.push_back(x.get<uint64_t>());
@@ -452,9 +456,10 @@ Status AssembleLayoutManifest(DeltaManifest& m, std::span<const ProcessRecord> r
         return InvalidArgument(fmt::format("process {}'s record names tensor {} chunk {}, outside the delta", r.process,
                                            c.tensor, c.chunk));
       if (auto [it, fresh] = owned.emplace(ChunkId{c.tensor, c.chunk}, Owned{&r, &c}); !fresh)
-        return FailedPrecondition(fmt::format("tensor '{}' chunk {} is owned by processes {} and {}; every process "
-                                              "must be given the same sender maps and placement",
-                                              m.tensors[c.tensor].name, c.chunk, it->second.record->process, r.process));
+        return FailedPrecondition(
+            fmt::format("tensor '{}' chunk {} is owned by processes {} and {}; every process "
+                        "must be given the same sender maps and placement",
+                        m.tensors[c.tensor].name, c.chunk, it->second.record->process, r.process));
     }
   m.objects.clear();
   m.frames.clear();
@@ -464,11 +469,13 @@ Status AssembleLayoutManifest(DeltaManifest& m, std::span<const ProcessRecord> r
     for (DeltaFrameEntry f : r.frames) {
       auto it = owned.find(ChunkId{f.tensor, f.chunk});
       if (it == owned.end() || it->second.record != &r)
-        return FailedPrecondition(fmt::format("process {}'s record has a frame of tensor {} chunk {}, which it does not "
-                                              "own", r.process, f.tensor, f.chunk));
+        return FailedPrecondition(
+            fmt::format("process {}'s record has a frame of tensor {} chunk {}, which it does not "
+                        "own",
+                        r.process, f.tensor, f.chunk));
       if (f.object >= r.objects.size())
-        return InvalidArgument(fmt::format("process {}'s record names object {} of {}", r.process, f.object,
-                                           r.objects.size()));
+        return InvalidArgument(
+            fmt::format("process {}'s record names object {} of {}", r.process, f.object, r.objects.size()));
       f.object += first;
       m.frames.push_back(f);
     }
@@ -477,8 +484,8 @@ Status AssembleLayoutManifest(DeltaManifest& m, std::span<const ProcessRecord> r
   for (const ChunkId& id : AllChunks(m)) {
     auto it = owned.find(id);
     if (it == owned.end())
-      return FailedPrecondition(fmt::format("tensor '{}' chunk {} is owned by no process's senders",
-                                            m.tensors[id.tensor].name, id.chunk));
+      return FailedPrecondition(
+          fmt::format("tensor '{}' chunk {} is owned by no process's senders", m.tensors[id.tensor].name, id.chunk));
     base.push_back(it->second.chunk->base);
     target.push_back(it->second.chunk->target);
   }

@@ -56,8 +56,7 @@ bool ParseHex(std::string_view hex, uint8_t* out, size_t n) {
 
 std::string_view ObjectFrames(std::string_view object) {
   static const std::string head = TrailerHead();
-  if (object.size() >= kObjectTrailerBytes &&
-      object.substr(object.size() - kObjectTrailerBytes, head.size()) == head)
+  if (object.size() >= kObjectTrailerBytes && object.substr(object.size() - kObjectTrailerBytes, head.size()) == head)
     return object.substr(0, object.size() - kObjectTrailerBytes);
   return object;
 }
@@ -102,8 +101,8 @@ std::string ObjectSigner::Sign(std::string_view key, std::string frames) const {
 Status VerifyObjectSignature(std::string_view signer_hex, std::string_view key, std::string_view object) {
   uint8_t pk[crypto_sign_PUBLICKEYBYTES];
   if (!ParseHex(signer_hex, pk, sizeof pk))
-    return InvalidArgument(fmt::format("'{}' is not a frame object signing key (64 lowercase hex digits)",
-                                       signer_hex.substr(0, 80)));
+    return InvalidArgument(
+        fmt::format("'{}' is not a frame object signing key (64 lowercase hex digits)", signer_hex.substr(0, 80)));
   const std::string_view frames = ObjectFrames(object);
   if (frames.size() == object.size())
     return DataLoss(fmt::format("frame object {}: not signed (no signature trailer)", key));
@@ -115,9 +114,10 @@ Status VerifyObjectSignature(std::string_view signer_hex, std::string_view key, 
   crypto_generichash_final(State(state), digest, sizeof digest);
   const auto* sig = reinterpret_cast<const uint8_t*>(object.data()) + frames.size() + 8;
   if (crypto_sign_verify_detached(sig, digest, sizeof digest, pk) != 0)
-    return DataLoss(fmt::format("frame object {}: its signature is not by the attempt's publisher (key {}...): forged "
-                                "or altered on the way",
-                                key, signer_hex.substr(0, 16)));
+    return DataLoss(
+        fmt::format("frame object {}: its signature is not by the attempt's publisher (key {}...): forged "
+                    "or altered on the way",
+                    key, signer_hex.substr(0, 16)));
   return Status::Ok();
 }
 

@@ -3,8 +3,8 @@
 
 #include <algorithm>
 #include <map>
-#include <set>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "internal.h"
 
@@ -37,7 +37,8 @@ Result<RunStatusReport> ReadRunStatus(Store& store, std::chrono::milliseconds he
   std::set<uint64_t> with_attempts;
   for (const auto& o : objects)
     // "attempts/v" + 10 digits + '/'
-    if (o.key.size() > 21 && o.key[20] == '/') with_attempts.insert(std::strtoull(o.key.substr(10, 10).c_str(), nullptr, 10));
+    if (o.key.size() > 21 && o.key[20] == '/')
+      with_attempts.insert(std::strtoull(o.key.substr(10, 10).c_str(), nullptr, 10));
   for (uint64_t v : with_attempts) {
     VersionStatus& vs = versions[v];
     vs.version = v;

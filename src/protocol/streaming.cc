@@ -18,7 +18,8 @@ Result<std::optional<StreamedAttempt>> ReadStreamedAttempt(Store& store, uint64_
   auto record = AttemptRecord::FromJson(*text, StoreContext(store.url(), prefix + "attempt.json"));
   if (record.ok() && record->version == v) st = std::move(*record);
   else
-    log(fmt::format("{}attempt.json does not name this version's delta id, class and signing keys ({}); its frames are "
+    log(
+        fmt::format("{}attempt.json does not name this version's delta id, class and signing keys ({}); its frames are "
                     "applied once its manifest exists",
                     prefix, record.ok() ? "another version" : record.status().message()));
   return std::optional<StreamedAttempt>(std::move(st));
@@ -94,8 +95,7 @@ bool ForEachStreamedFrame(const std::string& key, const std::string& blob, const
       const FrameHeader& h = frame->header;
       uint64_t first_word = 0, words = 0;
       uint32_t elements = 0;
-      if (h.delta_id != st.delta_id)
-        refused = fmt::format("delta id {:016x}, not attempt.json's", h.delta_id);
+      if (h.delta_id != st.delta_id) refused = fmt::format("delta id {:016x}, not attempt.json's", h.delta_id);
       else if ((st.cls == DeltaClass::kOverwrite) != (h.mode == Mode::kOverwrite))
         refused = fmt::format("mode {} in an attempt of the other class", ModeName(h.mode));
       else if (h.tensor >= layout.tensors.size() || h.chunk >= layout.ChunkCount(h.tensor))

@@ -53,13 +53,13 @@ struct RelayReceiver::State {
   Context ctx;
   std::mutex mu;
   std::map<std::string, std::string> ready;  // verified, not yet taken
-  std::deque<std::string> ready_order;        // arrival order, to evict the oldest beyond max_queue_bytes
+  std::deque<std::string> ready_order;  // arrival order, to evict the oldest beyond max_queue_bytes
   uint64_t ready_bytes = 0;
-  std::set<std::string> have;                 // every key received (HELLO on re-attach)
+  std::set<std::string> have;  // every key received (HELLO on re-attach)
   std::deque<std::string> have_order;
   std::set<std::string> fenced;
   std::vector<std::pair<std::string, AckRecord>> acks_pending;  // queued by Ack, sent by the thread
-  std::deque<std::pair<std::string, AckRecord>> acks_sent;      // the last 16: sent again on re-attachment
+  std::deque<std::pair<std::string, AckRecord>> acks_sent;  // the last 16: sent again on re-attachment
   // Ack wakes the thread through this pipe (written under mu), so that an ack
   // leaves at once rather than after the thread's poll timeout.
   Socket wake_tx, wake_rx;
@@ -185,7 +185,8 @@ void RelayReceiver::State::Loop() {
   auto since = Clock::now(), last_ping = Clock::now();
   std::unique_ptr<Probe> probe;
   while (!stop.load()) {
-    zmq_pollitem_t items[2] = {{wake_rx.get(), 0, ZMQ_POLLIN, 0}, {sock.ok() ? sock->get() : nullptr, 0, ZMQ_POLLIN, 0}};
+    zmq_pollitem_t items[2] = {{wake_rx.get(), 0, ZMQ_POLLIN, 0},
+                               {sock.ok() ? sock->get() : nullptr, 0, ZMQ_POLLIN, 0}};
     zmq_poll(items, sock.ok() ? 2 : 1, 10);
     for (int i = 0; i < 256 && (items[0].revents & ZMQ_POLLIN); ++i) {  // drain the wake pipe
       auto w = RecvParts(wake_rx.get());
@@ -280,7 +281,8 @@ RelayReceiver::~RelayReceiver() {
 std::map<std::string, std::string> RelayReceiver::Take(std::string_view prefix) {
   std::lock_guard lock(state_->mu);
   std::map<std::string, std::string> out;
-  for (auto it = state_->ready.lower_bound(std::string(prefix)); it != state_->ready.end() && it->first.starts_with(prefix);) {
+  for (auto it = state_->ready.lower_bound(std::string(prefix));
+       it != state_->ready.end() && it->first.starts_with(prefix);) {
     state_->ready_bytes -= it->second.size();
     out.insert(state_->ready.extract(it++));
   }
@@ -496,9 +498,10 @@ void RelaySender::Object(const std::string& key, std::string_view bytes) {
       r.queue.pop_front();
       ++state_->stats.dropped;
       if (!r.warned)
-        state_->Log(fmt::format("root {} is too slow: dropping its oldest queued objects (its receivers fetch them "
-                                "from the store)",
-                                r.address));
+        state_->Log(
+            fmt::format("root {} is too slow: dropping its oldest queued objects (its receivers fetch them "
+                        "from the store)",
+                        r.address));
       r.warned = true;
     }
     r.queue.push_back(it);

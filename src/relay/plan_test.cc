@@ -14,8 +14,7 @@ std::vector<RelaySpec> Relays(const std::vector<std::pair<std::string, std::stri
 // "id<-parent" for each node in plan order, roots as "id".
 std::vector<std::string> Shape(const TreePlan& p) {
   std::vector<std::string> out;
-  for (const auto& n : p.nodes)
-    out.push_back(n.parent ? n.relay.id + "<-" + p.nodes[*n.parent].relay.id : n.relay.id);
+  for (const auto& n : p.nodes) out.push_back(n.parent ? n.relay.id + "<-" + p.nodes[*n.parent].relay.id : n.relay.id);
   return out;
 }
 
@@ -71,7 +70,8 @@ TEST(PlanTree, TableOfShapes) {
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.name);
-    auto plan = c.lost.empty() ? PlanTree(Relays(c.relays), c.fanout) : PlanTreeWithout(Relays(c.relays), c.lost, c.fanout);
+    auto plan =
+        c.lost.empty() ? PlanTree(Relays(c.relays), c.fanout) : PlanTreeWithout(Relays(c.relays), c.lost, c.fanout);
     ASSERT_TRUE(plan.ok()) << plan.status().ToString();
     EXPECT_EQ(Shape(*plan), c.shape);
     std::vector<std::string> roots;

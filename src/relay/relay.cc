@@ -140,14 +140,14 @@ class RelayServer {
   uint64_t cache_bytes_ = 0;
   std::set<std::string> fenced_;
   std::deque<std::string> fenced_order_;
-  std::map<std::string, Child> children_;       // by route
+  std::map<std::string, Child> children_;  // by route
   struct Sender {
     std::string id = "unnamed";  // from its HELLO
     std::string key;
     Clock::time_point heard;
   };
   std::map<std::string, Sender> senders_;  // by route
-  std::map<std::string, Link> links_;           // "child:<id>", "sender:<id>", "upstream:<address>"
+  std::map<std::string, Link> links_;  // "child:<id>", "sender:<id>", "upstream:<address>"
   // Acks of the subtree by attempt prefix (the last 64 attempts), and those
   // not yet sent up since they arrived (aggregated for kAckLinger).
   std::map<std::string, std::map<std::string, AckRecord>> acks_;
@@ -155,8 +155,8 @@ class RelayServer {
   std::map<std::string, std::set<std::string>> ack_pending_;
   Clock::time_point ack_pending_since_{};
   uint64_t acks_in_ = 0, ack_messages_in_ = 0, acks_out_ = 0, ack_messages_out_ = 0;
-  uint64_t received_ = 0, accepted_ = 0, accepted_bytes_ = 0, duplicates_ = 0, corrupt_ = 0, unverified_ = 0, fenced_drops_ = 0,
-           malformed_ = 0, refused_ = 0;
+  uint64_t received_ = 0, accepted_ = 0, accepted_bytes_ = 0, duplicates_ = 0, corrupt_ = 0, unverified_ = 0,
+           fenced_drops_ = 0, malformed_ = 0, refused_ = 0;
   std::map<std::string, uint64_t> refusals_;
 };
 
@@ -207,14 +207,16 @@ Status RelayServer::Run(const std::function<bool()>& stop) {
     zmq_connect(monitor_.get(), mon.c_str());
   }
   if (zmq_bind(router_.get(), o_.listen.c_str()) != 0)
-    return Unavailable(ZmqError(fmt::format("relay {}: cannot listen on {} (in use, or not tcp://HOST:PORT?)", o_.id, o_.listen)));
+    return Unavailable(
+        ZmqError(fmt::format("relay {}: cannot listen on {} (in use, or not tcp://HOST:PORT?)", o_.id, o_.listen)));
   Log(fmt::format("listening on {}{}", o_.listen,
                   o_.security.enabled() ? fmt::format(" (CURVE, {} peers admitted)", o_.security.allowed.size())
                                         : " (no authentication: trusted networks only)"));
   if (!o_.security.enabled()) Log(std::string(kRelayInsecureWarning));
   if (const auto any = std::count_if(o_.security.allowed.begin(), o_.security.allowed.end(),
                                      [](const auto& kv) { return kv.second == kAnyRelayRole; }))
-    Log(fmt::format("{} admitted keys may take any role (allow-list lines without one): each may send objects and "
+    Log(
+        fmt::format("{} admitted keys may take any role (allow-list lines without one): each may send objects and "
                     "fences as a sender; give each line its role (sender, relay or receiver)",
                     any));
   if (o_.upstream.empty() && !o_.verify_object)
@@ -274,9 +276,10 @@ void RelayServer::OnMonitor() {
   if (!ev.ok() || ev->size() < 2 || (*ev)[0].size() < 6) return;
   uint16_t event = 0;
   std::memcpy(&event, (*ev)[0].data(), 2);
-  Refused(fmt::format("refused a peer at {}: handshake failed ({}); peers need CURVE keys: the relays' public key and "
-                      "their own pair, listed in the relay's allow list (dcr relay keygen)",
-                      (*ev)[1], event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH ? "authentication" : "no or another security mechanism"));
+  Refused(fmt::format(
+      "refused a peer at {}: handshake failed ({}); peers need CURVE keys: the relays' public key and "
+      "their own pair, listed in the relay's allow list (dcr relay keygen)",
+      (*ev)[1], event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH ? "authentication" : "no or another security mechanism"));
 }
 
 void RelayServer::OnRouter(std::vector<std::string> parts, const std::string& key) {
@@ -302,8 +305,8 @@ void RelayServer::OnRouter(std::vector<std::string> parts, const std::string& ke
       }
       if (m->role == RelayRole::kSender) {
         if (!o_.upstream.empty()) {  // objects enter the tree at its roots, where they can be verified
-          Refused(fmt::format("refused HELLO as sender {}: this relay has an upstream; senders push to the tree's roots",
-                              m->id));
+          Refused(fmt::format(
+              "refused HELLO as sender {}: this relay has an upstream; senders push to the tree's roots", m->id));
           return;
         }
         auto known = senders_.find(route);
@@ -313,7 +316,8 @@ void RelayServer::OnRouter(std::vector<std::string> parts, const std::string& ke
         }
         if (known != senders_.end()) LinkGone("sender:" + known->second.id);  // the route's new id
         if (known == senders_.end() && senders_.size() >= o_.max_senders) {
-          Refused(fmt::format("refused sender {}: {} senders are attached already (the limit)", m->id, senders_.size()));
+          Refused(
+              fmt::format("refused sender {}: {} senders are attached already (the limit)", m->id, senders_.size()));
           return;
         }
         senders_[route] = Sender{m->id, key, Clock::now()};
@@ -331,8 +335,8 @@ void RelayServer::OnRouter(std::vector<std::string> parts, const std::string& ke
       // Ids are unique among children. The same id on a new connection is
       // the child re-attaching, unless another key says it: an id stays with
       // the key that attached it.
-      if (auto same = std::find_if(children_.begin(), children_.end(),
-                                   [&](const auto& kv) { return kv.second.id == m->id; });
+      if (auto same =
+              std::find_if(children_.begin(), children_.end(), [&](const auto& kv) { return kv.second.id == m->id; });
           same != children_.end()) {
         if (same->second.key != key) {
           Refused(fmt::format("refused HELLO as {} {} (CURVE key {}): a child of that id is attached with another key",
@@ -342,8 +346,8 @@ void RelayServer::OnRouter(std::vector<std::string> parts, const std::string& ke
         if (same->first != route) children_.erase(same);
       }
       if (!children_.count(route) && children_.size() >= o_.max_children) {
-        Refused(fmt::format("refused {} {}: {} children are attached already (the limit)", RelayRoleName(m->role), m->id,
-                            children_.size()));
+        Refused(fmt::format("refused {} {}: {} children are attached already (the limit)", RelayRoleName(m->role),
+                            m->id, children_.size()));
         return;
       }
       Child& c = children_[route];
@@ -366,8 +370,8 @@ void RelayServer::OnRouter(std::vector<std::string> parts, const std::string& ke
     }
     case RelayMessageType::kObject: {
       if (child != children_.end()) {
-        Log(fmt::format("{} {} sent an object; only senders and the upstream may: ignored", RelayRoleName(child->second.role),
-                        child->second.id));
+        Log(fmt::format("{} {} sent an object; only senders and the upstream may: ignored",
+                        RelayRoleName(child->second.role), child->second.id));
         return;
       }
       auto known = senders_.find(route);
@@ -428,8 +432,9 @@ void RelayServer::OnAck(RelayMessage m, const Child& from) {
   for (auto& a : m.acks) {
     auto it = by_receiver.find(a.receiver);
     if (it != by_receiver.end() && it->second.ok == a.ok && it->second.digest == a.digest) continue;  // a re-send
-    if (!a.ok) Log(fmt::format("receiver {} (via {} {}) failed attempt {}: {}", a.receiver, RelayRoleName(from.role),
-                               from.id, m.key, a.error));
+    if (!a.ok)
+      Log(fmt::format("receiver {} (via {} {}) failed attempt {}: {}", a.receiver, RelayRoleName(from.role), from.id,
+                      m.key, a.error));
     if (ack_pending_.empty()) ack_pending_since_ = Clock::now();
     ack_pending_[m.key].insert(a.receiver);
     by_receiver.insert_or_assign(a.receiver, std::move(a));
@@ -566,11 +571,15 @@ Status RelayServer::OpenSpool() {
   if (o_.spool_dir.empty()) return Status::Ok();
   std::error_code ec;
   std::filesystem::create_directories(o_.spool_dir, ec);
-  if (ec) return InvalidArgument(fmt::format("relay {}: cannot create the spool directory {}: {}", o_.id, o_.spool_dir, ec.message()));
+  if (ec)
+    return InvalidArgument(
+        fmt::format("relay {}: cannot create the spool directory {}: {}", o_.id, o_.spool_dir, ec.message()));
   size_t stale = 0;
   for (const auto& e : std::filesystem::directory_iterator(o_.spool_dir, ec))
     if (e.path().extension() == ".spool" && std::filesystem::remove(e.path(), ec)) ++stale;
-  if (ec) return InvalidArgument(fmt::format("relay {}: cannot read the spool directory {}: {}", o_.id, o_.spool_dir, ec.message()));
+  if (ec)
+    return InvalidArgument(
+        fmt::format("relay {}: cannot read the spool directory {}: {}", o_.id, o_.spool_dir, ec.message()));
   if (stale) Log(fmt::format("removed {} spool files of an earlier run from {}", stale, o_.spool_dir));
   return Status::Ok();
 }
@@ -617,8 +626,9 @@ ObjectPtr RelayServer::Unspool(const Object& spooled) {
   obj->data.resize(spooled.spooled->bytes);
   in.read(obj->data.data(), static_cast<std::streamsize>(obj->data.size()));
   if (!in || Crc32c(obj->data.data(), obj->data.size()) != obj->crc) {
-    Log(fmt::format("spool file {} of object {} is unreadable or damaged; the object is dropped (fetched from the store)",
-                    spooled.spooled->path, spooled.key));
+    Log(fmt::format(
+        "spool file {} of object {} is unreadable or damaged; the object is dropped (fetched from the store)",
+        spooled.spooled->path, spooled.key));
     return nullptr;
   }
   ++unspooled_;
@@ -730,8 +740,7 @@ void RelayServer::Timers() {
       if (now - it->second.heard > 10 * o_.dead_after) {
         LinkGone("sender:" + it->second.id);
         it = senders_.erase(it);
-      }
-      else SendParts(router_.get(), (it++)->first, parts).IgnoreError();
+      } else SendParts(router_.get(), (it++)->first, parts).IgnoreError();
     }
     if (upstream_) SendParts(upstream_.get(), "", parts).IgnoreError();
   }
@@ -758,30 +767,31 @@ void RelayServer::Timers() {
 }
 
 std::string RelayServer::StatsJson() {
-  nlohmann::ordered_json doc = {{"format", "dcr-relay-stats"},
-                                {"id", o_.id},
-                                {"listen", o_.listen},
-                                {"upstream", upstream_ ? nlohmann::ordered_json(o_.upstream[upstream_index_]) : nullptr},
-                                {"received", received_},
-                                {"accepted", accepted_},
-                                {"accepted_bytes", accepted_bytes_},
-                                {"duplicates", duplicates_},
-                                {"dropped_corrupt", corrupt_},
-                                {"dropped_unverified", unverified_},
-                                {"dropped_fenced", fenced_drops_},
-                                {"malformed", malformed_},
-                                {"refused_peers", refused_},
-                                {"cached_objects", cache_.size()},
-                                {"cached_bytes", cache_bytes_},
-                                {"spooled", spooled_},
-                                {"spooled_bytes", spooled_bytes_},
-                                {"spool_bytes_in_use", *spool_used_},
-                                {"unspooled", unspooled_},
-                                {"spool_full", spool_full_},
-                                {"acks_in", acks_in_},
-                                {"ack_messages_in", ack_messages_in_},
-                                {"acks_out", acks_out_},
-                                {"ack_messages_out", ack_messages_out_}};
+  nlohmann::ordered_json doc = {
+      {"format", "dcr-relay-stats"},
+      {"id", o_.id},
+      {"listen", o_.listen},
+      {"upstream", upstream_ ? nlohmann::ordered_json(o_.upstream[upstream_index_]) : nullptr},
+      {"received", received_},
+      {"accepted", accepted_},
+      {"accepted_bytes", accepted_bytes_},
+      {"duplicates", duplicates_},
+      {"dropped_corrupt", corrupt_},
+      {"dropped_unverified", unverified_},
+      {"dropped_fenced", fenced_drops_},
+      {"malformed", malformed_},
+      {"refused_peers", refused_},
+      {"cached_objects", cache_.size()},
+      {"cached_bytes", cache_bytes_},
+      {"spooled", spooled_},
+      {"spooled_bytes", spooled_bytes_},
+      {"spool_bytes_in_use", *spool_used_},
+      {"unspooled", unspooled_},
+      {"spool_full", spool_full_},
+      {"acks_in", acks_in_},
+      {"ack_messages_in", ack_messages_in_},
+      {"acks_out", acks_out_},
+      {"ack_messages_out", ack_messages_out_}};
   auto& links = doc["links"] = nlohmann::ordered_json::array();
   for (const auto& [name, l] : links_) {
     const size_t colon = name.find(':');
@@ -815,7 +825,8 @@ struct ScriptedRelay::Impl {
 
 ScriptedRelay::ScriptedRelay(RelayOptions o, size_t peers) : impl_(std::make_unique<Impl>()) {
   o.listen = fmt::format("inproc://dcr-scripted-relay-{}", static_cast<const void*>(this));
-  if (!o.upstream.empty()) o.upstream = {fmt::format("inproc://dcr-scripted-upstream-{}", static_cast<const void*>(this))};
+  if (!o.upstream.empty())
+    o.upstream = {fmt::format("inproc://dcr-scripted-upstream-{}", static_cast<const void*>(this))};
   o.ping_every = o.dead_after = std::chrono::hours(24);
   if (!o.log) o.log = [](const std::string&) {};
   impl_->o = std::move(o);

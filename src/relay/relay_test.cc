@@ -9,8 +9,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <nlohmann/json.hpp>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "dcr/relay.h"
@@ -170,9 +170,8 @@ TEST(Relay, ACorruptObjectIsNeverForwarded) {
   EXPECT_TRUE(WaitFor([&] {
     return root.lines.Has("dropped a corrupt object from sender pub: frame object " + ObjectKey(1, 1) + ": CRC32C");
   }));
-  EXPECT_TRUE(WaitFor([&] {
-    return root.lines.Has("frame object " + ObjectKey(1, 9) + ": the frame at offset 0 fails its checks");
-  }));
+  EXPECT_TRUE(WaitFor(
+      [&] { return root.lines.Has("frame object " + ObjectKey(1, 9) + ": the frame at offset 0 fails its checks"); }));
   EXPECT_EQ((*far)->Stats().corrupt, 0u);  // nothing damaged reached it
 }
 
@@ -202,9 +201,8 @@ TEST(Relay, AnObjectThatFailsVerificationIsDroppedAndTheGenuineCopyKept) {
   auto got = TakeAll(**far, AttemptPrefix(1), 2);
   EXPECT_EQ(got, (std::map<std::string, std::string>{{ObjectKey(1, 0), genuine}, {ObjectKey(1, 1), genuine}}));
   EXPECT_EQ(checked.load(), 3);
-  EXPECT_TRUE(WaitFor([&] {
-    return root.lines.Has("refused object " + ObjectKey(1, 0) + " from sender pub (1 refused so far)");
-  }));
+  EXPECT_TRUE(WaitFor(
+      [&] { return root.lines.Has("refused object " + ObjectKey(1, 0) + " from sender pub (1 refused so far)"); }));
 }
 
 // Objects enter the tree at its roots (where --store verifies them): a
@@ -297,7 +295,8 @@ AckRecord Ack(std::string receiver, uint64_t lane) {
 // Takes the attempt's acks from the sender until `want` receivers' are there or kGuard passes.
 std::map<std::string, AckRecord> TakeAcks(RelaySender& s, const std::string& prefix, size_t want) {
   std::map<std::string, AckRecord> got;
-  for (auto deadline = std::chrono::steady_clock::now() + kGuard; got.size() < want && std::chrono::steady_clock::now() < deadline;)
+  for (auto deadline = std::chrono::steady_clock::now() + kGuard;
+       got.size() < want && std::chrono::steady_clock::now() < deadline;)
     for (auto& a : s.TakeAcks(prefix, 50ms)) got[a.receiver] = a;
   return got;
 }
@@ -461,9 +460,8 @@ TEST(Relay, CurveAdmitsListedPeersAndRefusesOthers) {
   EXPECT_FALSE((*plain)->Attached());
   EXPECT_TRUE((*unknown)->Take("").empty());
   EXPECT_TRUE((*plain)->Take("").empty());
-  EXPECT_TRUE(WaitFor([&] {
-    return root.lines.Has("refused peer 127.0.0.1 (CURVE key " + stranger->public_key + ")");
-  }));
+  EXPECT_TRUE(
+      WaitFor([&] { return root.lines.Has("refused peer 127.0.0.1 (CURVE key " + stranger->public_key + ")"); }));
   EXPECT_TRUE(WaitFor([&] { return root.lines.Has("handshake failed"); }));  // the one without keys
 }
 
@@ -500,8 +498,9 @@ TEST(Relay, KeyFilesRoundTrip) {
   }
   auto roles = ReadCurveAllowList(stem + ".roles");
   ASSERT_TRUE(roles.ok()) << roles.status().ToString();
-  EXPECT_EQ(*roles, (std::map<std::string, RelayRoles>{{hashed, RoleBit(RelayRole::kSender) | RoleBit(RelayRole::kRelay)},
-                                                      {pair->public_key, RoleBit(RelayRole::kReceiver)}}));
+  EXPECT_EQ(*roles,
+            (std::map<std::string, RelayRoles>{{hashed, RoleBit(RelayRole::kSender) | RoleBit(RelayRole::kRelay)},
+                                               {pair->public_key, RoleBit(RelayRole::kReceiver)}}));
   EXPECT_EQ(RelayRolesName(roles->at(hashed)), "sender, relay");
   {
     std::FILE* f = std::fopen((stem + ".badrole").c_str(), "w");
@@ -534,8 +533,8 @@ TEST(Relay, SecretKeyFilesAreTheOwnersOnly) {
 // Roles are tied to keys: a key admitted as a receiver cannot send objects
 // or fences, nor attach as a sender; a child's id stays with its key.
 TEST(Relay, RolesAreTiedToKeys) {
-  auto relay_keys = GenerateCurveKeyPair(), sender_keys = GenerateCurveKeyPair(), receiver_keys = GenerateCurveKeyPair(),
-       other_receiver = GenerateCurveKeyPair();
+  auto relay_keys = GenerateCurveKeyPair(), sender_keys = GenerateCurveKeyPair(),
+       receiver_keys = GenerateCurveKeyPair(), other_receiver = GenerateCurveKeyPair();
   ASSERT_TRUE(relay_keys.ok() && sender_keys.ok() && receiver_keys.ok() && other_receiver.ok());
   const std::string addr = FreeAddress();
   RelayOptions ro = Options("root", addr);
@@ -568,7 +567,8 @@ TEST(Relay, RolesAreTiedToKeys) {
   // Another admitted receiver key claiming good's id is refused.
   auto takeover = RelayReceiver::Start(make("good", *other_receiver));
   ASSERT_TRUE(takeover.ok());
-  EXPECT_TRUE(WaitFor([&] { return root.lines.Has("refused HELLO as receiver good (CURVE key " + other_receiver->public_key); }));
+  EXPECT_TRUE(WaitFor(
+      [&] { return root.lines.Has("refused HELLO as receiver good (CURVE key " + other_receiver->public_key); }));
   // The sender's key: its objects reach good, whose attachment stands.
   auto sender = RelaySender::Start(make("pub", *sender_keys));
   ASSERT_TRUE(sender.ok());

@@ -99,8 +99,8 @@ std::string_view RelayRoleName(RelayRole role) {
 
 Status ValidateAttemptPrefix(std::string_view prefix) {
   if (AttemptPrefixLength(prefix) != prefix.size() || prefix.empty())
-    return InvalidArgument(fmt::format("'{}' is not an attempt prefix (attempts/v<10 digits>/<seq>-<hex>/)",
-                                       prefix.substr(0, 200)));
+    return InvalidArgument(
+        fmt::format("'{}' is not an attempt prefix (attempts/v<10 digits>/<seq>-<hex>/)", prefix.substr(0, 200)));
   return Status::Ok();
 }
 
@@ -145,11 +145,8 @@ std::vector<std::string> EncodeMessage(const RelayMessage& m) {
       PutU64(h, m.credit_bytes);
       PutU32(h, m.credit_objects);
       break;
-    case RelayMessageType::kFence:
-      PutStr(h, m.key);
-      break;
-    case RelayMessageType::kPing:
-      break;
+    case RelayMessageType::kFence: PutStr(h, m.key); break;
+    case RelayMessageType::kPing: break;
     case RelayMessageType::kAck:
       PutStr(h, m.key);
       PutU32(h, static_cast<uint32_t>(m.acks.size()));
@@ -223,8 +220,7 @@ Result<RelayMessage> DecodeMessage(std::span<const std::string_view> parts) {
       if (!r.GetStr(&m.key, kRelayMaxKeyBytes)) return InvalidArgument("relay FENCE: truncated");
       DCR_RETURN_IF_ERROR(ValidateAttemptPrefix(m.key).WithContext("relay FENCE"));
       break;
-    case RelayMessageType::kPing:
-      break;
+    case RelayMessageType::kPing: break;
     case RelayMessageType::kAck: {
       uint32_t count = 0;
       if (!r.GetStr(&m.key, kRelayMaxKeyBytes)) return InvalidArgument("relay ACK: truncated attempt prefix");
@@ -239,7 +235,8 @@ Result<RelayMessage> DecodeMessage(std::span<const std::string_view> parts) {
             !r.Get(&a.digest.lane[0]) || !r.Get(&a.digest.lane[1]) || !r.GetStr(&a.error, kRelayMaxAckErrorBytes))
           return InvalidArgument(fmt::format("relay ACK: truncated or bad entry {}", i));
         if (a.digest.lane[0] >= kDigestPrime || a.digest.lane[1] >= kDigestPrime)
-          return InvalidArgument(fmt::format("relay ACK: entry {} ({}): digest lane not below the prime", i, a.receiver));
+          return InvalidArgument(
+              fmt::format("relay ACK: entry {} ({}): digest lane not below the prime", i, a.receiver));
         if (!seen.insert(a.receiver).second)
           return InvalidArgument(fmt::format("relay ACK: receiver {} twice", a.receiver));
         a.ok = ok == 1;
@@ -247,8 +244,7 @@ Result<RelayMessage> DecodeMessage(std::span<const std::string_view> parts) {
       }
       break;
     }
-    default:
-      return InvalidArgument(fmt::format("relay message: unknown type {}", type));
+    default: return InvalidArgument(fmt::format("relay message: unknown type {}", type));
   }
   if (!r.done()) return InvalidArgument(fmt::format("relay message type {}: trailing bytes", type));
   return m;
@@ -259,9 +255,10 @@ Status VerifyFrameObject(const RelayMessage& object) {
   if (d.size() != object.size)
     return DataLoss(fmt::format("frame object {}: {} bytes, the sender sent {}", object.key, d.size(), object.size));
   if (const uint32_t crc = Crc32c(d.data(), d.size()); crc != object.crc)
-    return DataLoss(fmt::format("frame object {}: CRC32C {:08x}, the sender computed {:08x}: damaged on the way; "
-                                "dropped (receivers fetch it from the store)",
-                                object.key, crc, object.crc));
+    return DataLoss(
+        fmt::format("frame object {}: CRC32C {:08x}, the sender computed {:08x}: damaged on the way; "
+                    "dropped (receivers fetch it from the store)",
+                    object.key, crc, object.crc));
   // Frames, then the publisher's signature trailer: only receivers hold
   // the key that checks it (the store's record of the attempt).
   const std::string_view frames = ObjectFrames(d);
@@ -272,9 +269,10 @@ Status VerifyFrameObject(const RelayMessage& object) {
     size_t consumed = 0;
     auto f = ParseFrame(std::span<const uint8_t>(p + off, frames.size() - off), &consumed);
     if (!f.ok())
-      return DataLoss(fmt::format("frame object {}: the frame at offset {} fails its checks ({}); dropped (receivers "
-                                  "fetch it from the store)",
-                                  object.key, off, f.status().message()));
+      return DataLoss(
+          fmt::format("frame object {}: the frame at offset {} fails its checks ({}); dropped (receivers "
+                      "fetch it from the store)",
+                      object.key, off, f.status().message()));
     off += consumed;
   }
   return Status::Ok();

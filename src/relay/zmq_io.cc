@@ -45,7 +45,8 @@ Status ConfigureCurveServer(void* socket, const RelaySecurity& sec) {
   if (zmq_setsockopt(socket, ZMQ_CURVE_SERVER, &one, sizeof one) != 0 ||
       zmq_setsockopt(socket, ZMQ_CURVE_SECRETKEY, sec.own->secret_key.c_str(), 41) != 0 ||
       zmq_setsockopt(socket, ZMQ_ZAP_DOMAIN, "dcr", 3) != 0)
-    return InvalidArgument(ZmqError("CURVE: the relay's secret key is not a valid Z85 key (regenerate with dcr relay keygen)"));
+    return InvalidArgument(
+        ZmqError("CURVE: the relay's secret key is not a valid Z85 key (regenerate with dcr relay keygen)"));
   return Status::Ok();
 }
 
@@ -180,19 +181,20 @@ bool Z85Key(const std::string& s) {
 }  // namespace
 
 Status WriteCurveKeyFiles(const std::string& stem, const CurveKeyPair& pair) {
-  DCR_RETURN_IF_ERROR(WriteFileAtomically(stem + ".key",
-                                          fmt::format("# dcr relay CURVE key pair: keep secret\npublic {}\nsecret {}\n",
-                                                      pair.public_key, pair.secret_key),
-                                          0600));
+  DCR_RETURN_IF_ERROR(WriteFileAtomically(
+      stem + ".key",
+      fmt::format("# dcr relay CURVE key pair: keep secret\npublic {}\nsecret {}\n", pair.public_key, pair.secret_key),
+      0600));
   return WriteFileAtomically(stem + ".pub", pair.public_key + "\n");
 }
 
 Result<CurveKeyPair> ReadCurveKeyPair(const std::string& path) {
-  struct stat st{};
+  struct stat st {};
   if (::stat(path.c_str(), &st) == 0 && (st.st_mode & 077) != 0)
-    return PermissionDenied(fmt::format("{}: a secret key file that others may read (mode {:04o}) is refused; chmod "
-                                        "600 {} (and make a new pair if others may have read it)",
-                                        path, st.st_mode & 07777, path));
+    return PermissionDenied(
+        fmt::format("{}: a secret key file that others may read (mode {:04o}) is refused; chmod "
+                    "600 {} (and make a new pair if others may have read it)",
+                    path, st.st_mode & 07777, path));
   DCR_ASSIGN_OR_RETURN(std::string text, ReadText(path));
   CurveKeyPair pair;
   std::istringstream in(text);
@@ -202,9 +204,10 @@ Result<CurveKeyPair> ReadCurveKeyPair(const std::string& path) {
     if (line.starts_with("secret ")) pair.secret_key = line.substr(7);
   }
   if (!Z85Key(pair.public_key) || !Z85Key(pair.secret_key))
-    return InvalidArgument(fmt::format("{}: not a CURVE key pair (lines 'public <z85>' and 'secret <z85>'); make one "
-                                       "with dcr relay keygen",
-                                       path));
+    return InvalidArgument(
+        fmt::format("{}: not a CURVE key pair (lines 'public <z85>' and 'secret <z85>'); make one "
+                    "with dcr relay keygen",
+                    path));
   return pair;
 }
 
@@ -216,7 +219,8 @@ Result<std::string> ReadCurvePublicKey(const std::string& path) {
   }
   while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
   if (!Z85Key(text))
-    return InvalidArgument(fmt::format("{}: not a CURVE public key (40 Z85 characters); make one with dcr relay keygen", path));
+    return InvalidArgument(
+        fmt::format("{}: not a CURVE public key (40 Z85 characters); make one with dcr relay keygen", path));
   return text;
 }
 
@@ -244,7 +248,9 @@ Result<std::map<std::string, RelayRoles>> ReadCurveAllowList(const std::string& 
       if (role == "sender") roles = RoleBit(RelayRole::kSender);
       else if (role == "relay") roles = RoleBit(RelayRole::kRelay);
       else if (role == "receiver") roles = RoleBit(RelayRole::kReceiver);
-      else return InvalidArgument(fmt::format("{}:{}: unknown role '{}' (sender, relay or receiver, then the key)", path, n, role));
+      else
+        return InvalidArgument(
+            fmt::format("{}:{}: unknown role '{}' (sender, relay or receiver, then the key)", path, n, role));
       line.erase(0, line.find_first_not_of(" \t", space));
     }
     if (!Z85Key(line))
@@ -259,7 +265,8 @@ Result<RelaySecurity> LoadRelaySecurity(const std::string& key_file, const std::
   RelaySecurity sec;
   if (key_file.empty()) {
     if (!server_public_file.empty() || !allow_file.empty())
-      return InvalidArgument("relay keys: a public key or allow list without this process's own key pair (--relay-key / --key)");
+      return InvalidArgument(
+          "relay keys: a public key or allow list without this process's own key pair (--relay-key / --key)");
     if (!insecure)
       return InvalidArgument(
           "relay links are authenticated by default: give this process's CURVE key pair (--key for a relay, "

@@ -16,10 +16,10 @@ namespace {
 
 struct FaultSpec {
   uint64_t seed = 0;
-  double fail = 0;   // before the operation: kUnavailable, nothing done
-  double lost = 0;   // after a mutation succeeded: kUnavailable (a lost response)
+  double fail = 0;  // before the operation: kUnavailable, nothing done
+  double lost = 0;  // after a mutation succeeded: kUnavailable (a lost response)
   int delay_ms = 0;  // uniform [0, delay_ms) before each operation
-  double mbps = 0;   // bandwidth limit on bytes written and read, MB/s (0: none)
+  double mbps = 0;  // bandwidth limit on bytes written and read, MB/s (0: none)
 };
 
 Result<FaultSpec> ParseSpec(std::string_view text) {
@@ -44,7 +44,9 @@ Result<FaultSpec> ParseSpec(std::string_view text) {
     else if (key == "lost" && x <= 1) spec.lost = x;
     else if (key == "delay_ms" && x <= 86'400'000) spec.delay_ms = static_cast<int>(x);  // a day at most
     else if (key == "mbps" && (x == 0 || x >= 0.001)) spec.mbps = x;  // 0: off; else at least 1 kB/s
-    else return InvalidArgument("DCR_STORE_FAULTS: unknown or out-of-range '" + item + "' (seed, fail, lost, delay_ms, mbps)");
+    else
+      return InvalidArgument("DCR_STORE_FAULTS: unknown or out-of-range '" + item +
+                             "' (seed, fail, lost, delay_ms, mbps)");
   }
   return spec;
 }
@@ -125,7 +127,8 @@ class FaultStore final : public Store {
       std::lock_guard lock(mu_);
       const auto now = Clock::now();
       if (link_free_ < now) link_free_ = now;
-      link_free_ += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(bytes / (spec_.mbps * 1e6)));
+      link_free_ +=
+          std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(bytes / (spec_.mbps * 1e6)));
       until = link_free_;
     }
     std::this_thread::sleep_until(until);
@@ -138,13 +141,11 @@ class FaultStore final : public Store {
   Status Before(std::string_view op, std::string_view key) {
     if (spec_.delay_ms > 0)
       std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(Draw() * spec_.delay_ms * 1000)));
-    if (Draw() < spec_.fail)
-      return Unavailable(fmt::format("{}: {}: injected failure before {}", url(), key, op));
+    if (Draw() < spec_.fail) return Unavailable(fmt::format("{}: {}: injected failure before {}", url(), key, op));
     return Status::Ok();
   }
   Status After(std::string_view op, std::string_view key) {
-    if (Draw() < spec_.lost)
-      return Unavailable(fmt::format("{}: {}: injected lost response after {}", url(), key, op));
+    if (Draw() < spec_.lost) return Unavailable(fmt::format("{}: {}: injected lost response after {}", url(), key, op));
     return Status::Ok();
   }
 

@@ -142,8 +142,7 @@ class FileStore final : public Store {
     return ObjectInfo{std::string(key), static_cast<uint64_t>(st.st_size), Etag(st)};
   }
 
-  Status ReadRange(std::string_view key, uint64_t offset, std::span<uint8_t> out,
-                   const ReadOptions& options) override {
+  Status ReadRange(std::string_view key, uint64_t offset, std::span<uint8_t> out, const ReadOptions& options) override {
     DCR_RETURN_IF_ERROR(ValidateKey(key));
     Fd fd;
     struct stat st;
@@ -165,8 +164,7 @@ class FileStore final : public Store {
     struct stat st;
     DCR_RETURN_IF_ERROR(OpenForRead(key, &fd, &st));
     std::string data(static_cast<size_t>(st.st_size), '\0');
-    DCR_RETURN_IF_ERROR(
-        Error(key, PreadFull(fd.get(), 0, {reinterpret_cast<uint8_t*>(data.data()), data.size()})));
+    DCR_RETURN_IF_ERROR(Error(key, PreadFull(fd.get(), 0, {reinterpret_cast<uint8_t*>(data.data()), data.size()})));
     if (info) *info = ObjectInfo{std::string(key), data.size(), Etag(st)};
     return data;
   }
@@ -191,10 +189,11 @@ class FileStore final : public Store {
         struct stat st;
         if ((err == ENOTDIR || err == ELOOP) && ::fstatat(dir.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 &&
             S_ISLNK(st.st_mode))
-          return FailedPrecondition(fmt::format(
-                     "'{}' is a symbolic link; the file store does not follow links when listing (list the link's "
-                     "target as a store of its own)",
-                     base + name))
+          return FailedPrecondition(
+                     fmt::format(
+                         "'{}' is a symbolic link; the file store does not follow links when listing (list the link's "
+                         "target as a store of its own)",
+                         base + name))
               .WithContext(url_);
         if (err == ENOENT || err == ENOTDIR) return out;  // nothing under this prefix
         return ErrnoError(err, "list " + Path(base + name)).WithContext(url_);
@@ -247,8 +246,8 @@ class FileStore final : public Store {
       ssize_t n = ::pread(fd, out.data() + done, out.size() - done, static_cast<off_t>(offset + done));
       if (n < 0 && errno == EINTR) continue;
       if (n < 0) return ErrnoError(errno, "read");
-      if (n == 0) return DataLoss(fmt::format("object ended after {} bytes, {} expected", offset + done,
-                                              offset + out.size()));
+      if (n == 0)
+        return DataLoss(fmt::format("object ended after {} bytes, {} expected", offset + done, offset + out.size()));
       done += static_cast<size_t>(n);
     }
     return Status::Ok();

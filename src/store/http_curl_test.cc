@@ -27,9 +27,9 @@ struct ReceivedRequest {
 
 // What the server does with one request.
 struct Action {
-  std::string raw;         // bytes to send
-  bool close = false;      // then close the connection
-  bool stall = false;      // then send nothing more until the server stops
+  std::string raw;  // bytes to send
+  bool close = false;  // then close the connection
+  bool stall = false;  // then send nothing more until the server stops
 };
 
 class LoopbackServer {

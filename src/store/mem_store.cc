@@ -65,8 +65,8 @@ class MemStore final : public Store {
     auto it = ns_->objects.find(key);
     if (it != ns_->objects.end() && mode == WriteMode::kCreateIfAbsent)
       return AlreadyExists(StoreContext(url_, key) + ": object exists");
-    ns_->objects[key] = MemObject{std::make_shared<const std::string>(std::move(data)),
-                                  fmt::format("m{}", ns_->next_etag++)};
+    ns_->objects[key] =
+        MemObject{std::make_shared<const std::string>(std::move(data)), fmt::format("m{}", ns_->next_etag++)};
     return Status::Ok();
   }
 
@@ -75,15 +75,14 @@ class MemStore final : public Store {
     return ObjectInfo{std::string(key), obj.data->size(), obj.etag};
   }
 
-  Status ReadRange(std::string_view key, uint64_t offset, std::span<uint8_t> out,
-                   const ReadOptions& options) override {
+  Status ReadRange(std::string_view key, uint64_t offset, std::span<uint8_t> out, const ReadOptions& options) override {
     DCR_ASSIGN_OR_RETURN(MemObject obj, Find(key));
     if (!options.if_match.empty() && obj.etag != options.if_match)
       return Aborted(StoreContext(url_, key) + ": object was replaced");
     uint64_t size = obj.data->size();
     if (offset > size || out.size() > size - offset)
-      return OutOfRange(fmt::format("{}: range [{}, {}) is past the end of the {}-byte object",
-                                    StoreContext(url_, key), offset, offset + out.size(), size));
+      return OutOfRange(fmt::format("{}: range [{}, {}) is past the end of the {}-byte object", StoreContext(url_, key),
+                                    offset, offset + out.size(), size));
     std::copy_n(obj.data->data() + offset, out.size(), reinterpret_cast<char*>(out.data()));
     return Status::Ok();
   }

@@ -125,8 +125,7 @@ Result<std::string> NormalizeEndpoint(std::string_view e, std::string_view sourc
   size_t host = 0;
   if (lower.starts_with("http://")) host = 7;
   else if (lower.starts_with("https://")) host = 8;
-  else
-    return InvalidArgument(fmt::format("endpoint '{}' (from {}): must start with http:// or https://", e, source));
+  else return InvalidArgument(fmt::format("endpoint '{}' (from {}): must start with http:// or https://", e, source));
   if (host == s.size() || s.find_first_of("/?#@", host) != std::string::npos)
     return InvalidArgument(
         fmt::format("endpoint '{}' (from {}): expected scheme://host[:port] with no path, query or user", e, source));
@@ -135,9 +134,9 @@ Result<std::string> NormalizeEndpoint(std::string_view e, std::string_view sourc
 
 constexpr std::string_view kSecretParams[] = {"access_key_id", "secret_access_key", "session_token"};
 constexpr std::string_view kKnownParams[] = {
-    "endpoint",  "region",        "addressing",   "profile",    "access_key_id",          "secret_access_key",
-    "session_token", "part_size", "parts_in_flight", "threads", "max_attempts", "create_if_absent_limit",
-    "verify_tls", "create_bucket", "anonymous"};
+    "endpoint",      "region",        "addressing",      "profile", "access_key_id", "secret_access_key",
+    "session_token", "part_size",     "parts_in_flight", "threads", "max_attempts",  "create_if_absent_limit",
+    "verify_tls",    "create_bucket", "anonymous"};
 
 bool IsSecretParam(std::string_view name) {
   for (auto k : kSecretParams)
@@ -160,8 +159,7 @@ std::string Redacted(std::string_view url) {
     if (start > 0) out += '&';
     if (eq != std::string_view::npos && IsSecretParam(item.substr(0, eq)))
       out += std::string(item.substr(0, eq)) + "=...";
-    else
-      out += item;
+    else out += item;
     start = end + 1;
   }
   return out;
@@ -200,8 +198,7 @@ Result<S3Options> ParseS3Url(std::string_view url, const GetEnvFunction& getenv_
   if (o.bucket.find('@') != std::string::npos)
     return bad("credentials go in the query (access_key_id=, secret_access_key=) or the environment, not user@");
   for (unsigned char c : o.bucket)
-    if (c <= 0x20 || c >= 0x7f || c == '%' || c == ':')
-      return bad(fmt::format("bad bucket name '{}'", o.bucket));
+    if (c <= 0x20 || c >= 0x7f || c == '%' || c == ':') return bad(fmt::format("bad bucket name '{}'", o.bucket));
   if (slash != std::string_view::npos) {
     std::string prefix;
     if (!sigv4::UriDecode(path.substr(slash + 1), &prefix)) return bad("bad percent escape in the prefix");
@@ -321,8 +318,7 @@ Result<S3Options> ParseS3Url(std::string_view url, const GetEnvFunction& getenv_
   // Credentials.
   const std::string* url_key = param("access_key_id");
   const std::string* url_secret = param("secret_access_key");
-  if ((url_key == nullptr) != (url_secret == nullptr))
-    return bad("access_key_id and secret_access_key go together");
+  if ((url_key == nullptr) != (url_secret == nullptr)) return bad("access_key_id and secret_access_key go together");
   if (const auto* v = param("anonymous")) {
     DCR_ASSIGN_OR_RETURN(o.anonymous, ParseBool("anonymous", *v));
   }
@@ -352,8 +348,8 @@ Result<S3Options> ParseS3Url(std::string_view url, const GetEnvFunction& getenv_
     from_profile();
   }
   if (o.access_key_id.empty() != o.secret_access_key.empty())
-    return bad(fmt::format("incomplete credentials from {}: need both an access key id and a secret",
-                           o.credentials_source));
+    return bad(
+        fmt::format("incomplete credentials from {}: need both an access key id and a secret", o.credentials_source));
   if (o.access_key_id.empty() && !o.anonymous) {
     o.session_token.clear();
     o.credentials_source = "none found (anonymous requests)";

@@ -181,8 +181,9 @@ TEST_F(S3ConfigTest, ProfileFilesFromVariables) {
 }
 
 TEST_F(S3ConfigTest, Tuning) {
-  auto o = Parse("s3://b?part_size=16m&parts_in_flight=2&threads=32&max_attempts=3&create_if_absent_limit=1g"
-                 "&verify_tls=0&create_bucket=1");
+  auto o = Parse(
+      "s3://b?part_size=16m&parts_in_flight=2&threads=32&max_attempts=3&create_if_absent_limit=1g"
+      "&verify_tls=0&create_bucket=1");
   ASSERT_TRUE(o.ok()) << o.status().ToString();
   EXPECT_EQ(o->part_size, uint64_t{16} << 20);
   EXPECT_EQ(o->parts_in_flight, 2u);
@@ -196,12 +197,12 @@ TEST_F(S3ConfigTest, Tuning) {
 }
 
 TEST_F(S3ConfigTest, BadUrls) {
-  for (const char* url : {"s3://", "s3:///prefix", "http://b/x", "s3://user:pw@bkt/x", "s3://b?part_size=0",
-                          "s3://b?part_size=8x", "s3://b?threads=abc", "s3://b?threads=0", "s3://b?region=a&region=b",
-                          "s3://b?addressing=sideways", "s3://b?verify_tls=maybe", "s3://b/a//c", "s3://b/%zz",
-                          "s3://b#frag", "s3://b?endpoint=ftp://h",
-                          // Accepted here once, then refused by OpenS3Store (store_config_fuzz).
-                          "s3://b?part_size=6g", "s3://b?part_size=5368709121"}) {
+  for (const char* url :
+       {"s3://", "s3:///prefix", "http://b/x", "s3://user:pw@bkt/x", "s3://b?part_size=0", "s3://b?part_size=8x",
+        "s3://b?threads=abc", "s3://b?threads=0", "s3://b?region=a&region=b", "s3://b?addressing=sideways",
+        "s3://b?verify_tls=maybe", "s3://b/a//c", "s3://b/%zz", "s3://b#frag", "s3://b?endpoint=ftp://h",
+        // Accepted here once, then refused by OpenS3Store (store_config_fuzz).
+        "s3://b?part_size=6g", "s3://b?part_size=5368709121"}) {
     auto o = Parse(url);
     EXPECT_EQ(o.status().code(), Code::kInvalidArgument) << url;
   }

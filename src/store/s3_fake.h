@@ -39,12 +39,12 @@ class FakeS3 final : public HttpTransport {
   struct Fault {
     enum Kind {
       kNone,
-      kStatus,        // answer `status` with error `code`, do nothing
-      kRefuse,        // connection refused: nothing reaches the server
-      kTimeout,       // timed out before the server saw it
+      kStatus,  // answer `status` with error `code`, do nothing
+      kRefuse,  // connection refused: nothing reaches the server
+      kTimeout,  // timed out before the server saw it
       kLoseResponse,  // the server acts; the response never arrives
-      kDropMidBody,   // the server acts; the connection breaks halfway through the body
-      kTruncate,      // the server acts; half the body arrives and the exchange "succeeds"
+      kDropMidBody,  // the server acts; the connection breaks halfway through the body
+      kTruncate,  // the server acts; half the body arrives and the exchange "succeeds"
     } kind = kNone;
     int status = 0;
     std::string code;
@@ -57,8 +57,8 @@ class FakeS3 final : public HttpTransport {
   std::string access_key = "AKIDFAKEFAKEFAKE";
   std::string secret_key = "fake/secret+key";
   std::string region = "us-east-1";
-  size_t max_keys = 1000;               // page size of ListObjectsV2
-  bool honour_if_none_match = true;     // false: PUT ignores If-None-Match: * (a server that overwrites)
+  size_t max_keys = 1000;  // page size of ListObjectsV2
+  bool honour_if_none_match = true;  // false: PUT ignores If-None-Match: * (a server that overwrites)
   std::chrono::milliseconds part_delay{0};  // real time each UploadPart takes
   std::function<std::chrono::system_clock::time_point()> now = [] { return std::chrono::system_clock::now(); };
 
@@ -447,19 +447,23 @@ class FakeS3 final : public HttpTransport {
         truncated = true;
         break;
       }
-      contents += "<Contents><Key>" + s3xml::Escape(it->first) + "</Key><LastModified>2024-01-01T00:00:00.000Z"
-                  "</LastModified><ETag>" + s3xml::Escape(it->second.etag) + "</ETag><Size>" +
-                  std::to_string(it->second.data.size()) + "</Size><StorageClass>STANDARD</StorageClass></Contents>";
+      contents += "<Contents><Key>" + s3xml::Escape(it->first) +
+                  "</Key><LastModified>2024-01-01T00:00:00.000Z"
+                  "</LastModified><ETag>" +
+                  s3xml::Escape(it->second.etag) + "</ETag><Size>" + std::to_string(it->second.data.size()) +
+                  "</Size><StorageClass>STANDARD</StorageClass></Contents>";
       last = it->first;
       ++n;
     }
     Response r;
-    r.body = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<ListBucketResult xmlns=\"http://s3.amazonaws.com/doc/"
-             "2006-03-01/\"><Name>" + p.bucket + "</Name><Prefix>" + s3xml::Escape(prefix) + "</Prefix><KeyCount>" +
-             std::to_string(n) + "</KeyCount><MaxKeys>" + std::to_string(max_keys) + "</MaxKeys><IsTruncated>" +
-             (truncated ? "true" : "false") + "</IsTruncated>" + contents +
-             (truncated ? "<NextContinuationToken>t:" + s3xml::Escape(last) + "</NextContinuationToken>" : "") +
-             "</ListBucketResult>";
+    r.body =
+        "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<ListBucketResult xmlns=\"http://s3.amazonaws.com/doc/"
+        "2006-03-01/\"><Name>" +
+        p.bucket + "</Name><Prefix>" + s3xml::Escape(prefix) + "</Prefix><KeyCount>" + std::to_string(n) +
+        "</KeyCount><MaxKeys>" + std::to_string(max_keys) + "</MaxKeys><IsTruncated>" + (truncated ? "true" : "false") +
+        "</IsTruncated>" + contents +
+        (truncated ? "<NextContinuationToken>t:" + s3xml::Escape(last) + "</NextContinuationToken>" : "") +
+        "</ListBucketResult>";
     return r;
   }
 

@@ -116,8 +116,8 @@ TEST_F(RadosgwTest, SmallEmptyAndMultipartRoundTrips) {
   EXPECT_THAT(info.etag, HasSubstr("-4"));  // a multipart ETag
 
   // Ranged reads, split and not, at the edges.
-  for (auto [off, len] : std::vector<std::pair<uint64_t, size_t>>{
-           {0, 1}, {(5 << 20) - 1, 2}, {1000, 11 << 20}, {big.size() - 10, 10}}) {
+  for (auto [off, len] :
+       std::vector<std::pair<uint64_t, size_t>>{{0, 1}, {(5 << 20) - 1, 2}, {1000, 11 << 20}, {big.size() - 10, 10}}) {
     std::string out(len, '\0');
     Status s = (*store)->ReadRange("big", off, {reinterpret_cast<uint8_t*>(out.data()), len});
     ASSERT_TRUE(s.ok()) << off << "+" << len << ": " << s.ToString();
@@ -189,8 +189,8 @@ TEST_F(RadosgwTest, ServerIgnoresIfNoneMatchOnCompleteMultipart) {
   auto base = ParseS3Url(url_ + "?part_size=5m");
   ASSERT_TRUE(base.ok());
   S3Runtime rt;
-  rt.transport = std::make_shared<AddHeaderTransport>(NewCurlTransport(), "POST", "uploadId=",
-                                                      HttpHeader{"If-None-Match", "*"});
+  rt.transport =
+      std::make_shared<AddHeaderTransport>(NewCurlTransport(), "POST", "uploadId=", HttpHeader{"If-None-Match", "*"});
   auto store = OpenS3Store(*base, rt);
   ASSERT_TRUE(store.ok());
   const std::string big = Pattern(6 << 20, 4);
@@ -198,8 +198,8 @@ TEST_F(RadosgwTest, ServerIgnoresIfNoneMatchOnCompleteMultipart) {
   auto now = store_->Get("probe");
   ASSERT_TRUE(now.ok());
   const bool honoured = !s.ok() && *now == "existing";
-  std::cout << "[ radosgw ] If-None-Match on CompleteMultipartUpload: " << (honoured ? "honoured" : "IGNORED")
-            << " (" << s.ToString() << ")\n";
+  std::cout << "[ radosgw ] If-None-Match on CompleteMultipartUpload: " << (honoured ? "honoured" : "IGNORED") << " ("
+            << s.ToString() << ")\n";
   EXPECT_FALSE(honoured);
   EXPECT_TRUE(s.ok());
   EXPECT_TRUE(*now == big);

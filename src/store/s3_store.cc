@@ -25,7 +25,7 @@ using SysClock = std::chrono::system_clock;
 constexpr uint64_t kMaxSinglePut = uint64_t{5} << 30;  // S3's limit for PUT and for one part
 constexpr int kMaxParts = 10000;
 constexpr size_t kMaxTextBody = size_t{16} << 20;  // XML bodies (listings, errors)
-constexpr int kConsistentReadTries = 3;              // re-reads when an object changes under a split read
+constexpr int kConsistentReadTries = 3;  // re-reads when an object changes under a split read
 
 // ---------------------------------------------------------------------------
 // Small helpers.
@@ -126,9 +126,9 @@ class Executor {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;  // guarded by mu_
-  std::vector<std::thread> threads_;         // guarded by mu_
-  size_t idle_ = 0;                          // guarded by mu_
-  bool stop_ = false;                        // guarded by mu_
+  std::vector<std::thread> threads_;  // guarded by mu_
+  size_t idle_ = 0;  // guarded by mu_
+  bool stop_ = false;  // guarded by mu_
 };
 
 // Counts down to zero; Wait blocks until then.
@@ -296,9 +296,9 @@ bool RetryableCode(std::string_view code) {
   // Throttling, server trouble, a socket timeout on the server's side, a
   // conflicting concurrent conditional write (AWS: retry it), and bodies
   // damaged in transit (the server checked our SHA-256 / MD5).
-  for (std::string_view c : {"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable",
-                             "ConditionalRequestConflict", "OperationAborted", "XAmzContentSHA256Mismatch",
-                             "BadDigest", "IncompleteBody"})
+  for (std::string_view c :
+       {"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "ConditionalRequestConflict",
+        "OperationAborted", "XAmzContentSHA256Mismatch", "BadDigest", "IncompleteBody"})
     if (code == c) return true;
   return false;
 }
@@ -316,8 +316,11 @@ std::string Describe(const Reply& r, const S3Error& e) {
 class S3Client {
  public:
   S3Client(S3Options options, S3Runtime runtime, std::shared_ptr<HttpTransport> transport)
-      : o_(std::move(options)), rt_(std::move(runtime)), transport_(std::move(transport)),
-        executor_(o_.threads), rng_(std::random_device{}()) {
+      : o_(std::move(options)),
+        rt_(std::move(runtime)),
+        transport_(std::move(transport)),
+        executor_(o_.threads),
+        rng_(std::random_device{}()) {
     if (o_.url.empty()) o_.url = "s3://" + o_.bucket + (o_.prefix.empty() ? "" : "/" + o_.prefix);
     std::string endpoint = o_.endpoint.empty() ? "https://s3." + o_.region + ".amazonaws.com" : o_.endpoint;
     const size_t colon = endpoint.find("://");
@@ -391,9 +394,10 @@ class S3Client {
     if (s == 500 || s == 502 || s == 503 || s == 504 || s == 429 || s == 408 || RetryableCode(e.code))
       return Transient(Unavailable(what));
     if (e.code == "RequestTimeTooSkewed")
-      return Done(FailedPrecondition(fmt::format("clock skew: the local clock ({} UTC) is too far from the "
-                                                 "server's: {}",
-                                                 sigv4::AmzDate(Now()), what)));
+      return Done(
+          FailedPrecondition(fmt::format("clock skew: the local clock ({} UTC) is too far from the "
+                                         "server's: {}",
+                                         sigv4::AmzDate(Now()), what)));
     if (s == 404 && e.code == "NoSuchBucket")
       return Done(NotFound(fmt::format("no such bucket '{}': {}", o_.bucket, what)));
     if (s == 401 || s == 403 || e.code == "ExpiredToken" || e.code == "InvalidToken")
@@ -637,9 +641,10 @@ class S3Client {
         auto head = HeadObject(name, "");
         if (head.ok() && is_ours(*head)) return Done();
         if (!head.ok() && head.status().code() != Code::kNotFound) return Done(head.status());
-        return Done(Aborted(fmt::format("the multipart upload is gone and the object is not its result "
-                                        "(expected etag {}, found {})",
-                                        expected.value_or("unknown"), head.ok() ? head->etag : "no object")));
+        return Done(
+            Aborted(fmt::format("the multipart upload is gone and the object is not its result "
+                                "(expected etag {}, found {})",
+                                expected.value_or("unknown"), head.ok() ? head->etag : "no object")));
       }
       return Classify(t, r);
     });
@@ -733,7 +738,8 @@ class S3Client {
         if (!status[i].ok()) failed = true;
       };
       Latch latch(n - 1);
-      for (size_t i = 1; i < n; ++i) executor_.Submit([&, i] {
+      for (size_t i = 1; i < n; ++i)
+        executor_.Submit([&, i] {
           read(i);
           latch.Done();
         });
@@ -790,8 +796,8 @@ class S3Client {
         const size_t got = data.size();
         data.resize(total);
         std::string rest_etag;
-        Status rest = ReadRange(name, got, {reinterpret_cast<uint8_t*>(data.data()) + got, total - got}, etag,
-                                &rest_etag);
+        Status rest =
+            ReadRange(name, got, {reinterpret_cast<uint8_t*>(data.data()) + got, total - got}, etag, &rest_etag);
         if (rest.code() == Code::kAborted && round < kConsistentReadTries) continue;
         if (!rest.ok()) return rest;
       }
@@ -874,8 +880,8 @@ class S3Client {
   S3Options o_;
   S3Runtime rt_;
   std::shared_ptr<HttpTransport> transport_;
-  std::string scheme_;       // "https://"
-  std::string host_;         // the Host header: [bucket.]host[:port]
+  std::string scheme_;  // "https://"
+  std::string host_;  // the Host header: [bucket.]host[:port]
   std::string bucket_path_;  // "/bucket" (path-style) or "" (virtual-hosted)
   std::atomic<bool> bucket_known_{false};
   Executor executor_;
@@ -902,10 +908,10 @@ class S3Writer final : public ObjectWriter {
       // Whole-object PUT only (see s3.h): buffer everything.
       const uint64_t limit = std::min(c_->options().create_if_absent_limit, kMaxSinglePut);
       if (buf_.size() + data.size() > limit) {
-        return Fail(Context(InvalidArgument(
-            fmt::format("a create-if-absent object is written with one PUT and is limited to {} bytes "
-                        "(create_if_absent_limit)",
-                        limit))));
+        return Fail(Context(
+            InvalidArgument(fmt::format("a create-if-absent object is written with one PUT and is limited to {} bytes "
+                                        "(create_if_absent_limit)",
+                                        limit))));
       }
       buf_.append(data);
       return Status::Ok();
@@ -1035,15 +1041,15 @@ class S3Writer final : public ObjectWriter {
   const std::string name_;
   const WriteMode mode_;
   State state_ = State::kOpen;
-  Status error_;      // when kFailed
-  std::string buf_;   // the part being filled (or, for create-if-absent, everything)
+  Status error_;  // when kFailed
+  std::string buf_;  // the part being filled (or, for create-if-absent, everything)
   std::string upload_id_;
   int next_part_ = 1;
 
   std::mutex mu_;
   std::condition_variable cv_;
-  size_t in_flight_ = 0;            // guarded by mu_
-  Status part_error_;               // guarded by mu_: the first failed part
+  size_t in_flight_ = 0;  // guarded by mu_
+  Status part_error_;  // guarded by mu_: the first failed part
   std::vector<std::string> etags_;  // guarded by mu_ once parts run: index part - 1
 };
 
@@ -1067,8 +1073,7 @@ class S3Store final : public Store {
                             ? data.size() <= std::min(c_->options().create_if_absent_limit, kMaxSinglePut)
                             : data.size() <= c_->options().part_size;
     if (!single) return Store::Put(key, data, mode);  // a multipart upload, or the limit's error
-    return c_->PutObject(c_->ObjectName(key), data, mode == WriteMode::kCreateIfAbsent)
-        .WithContext(c_->Context(key));
+    return c_->PutObject(c_->ObjectName(key), data, mode == WriteMode::kCreateIfAbsent).WithContext(c_->Context(key));
   }
 
   Result<ObjectInfo> Head(std::string_view key) override {
@@ -1079,8 +1084,7 @@ class S3Store final : public Store {
     return info;
   }
 
-  Status ReadRange(std::string_view key, uint64_t offset, std::span<uint8_t> out,
-                   const ReadOptions& options) override {
+  Status ReadRange(std::string_view key, uint64_t offset, std::span<uint8_t> out, const ReadOptions& options) override {
     DCR_RETURN_IF_ERROR(Check(key));
     const std::string name = c_->ObjectName(key);
     Status s;

@@ -14,8 +14,8 @@
 namespace dcr {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::FakeS3;
+using ::testing::HasSubstr;
 using Fault = FakeS3::Fault;
 using std::chrono::milliseconds;
 
@@ -268,8 +268,8 @@ TEST_F(S3StoreTest, ListPagesPrefixesAndSkipsForeignNames) {
   ASSERT_TRUE(store_->Put("ab", "").ok());
   ASSERT_TRUE(store_->Put("b/c", "").ok());
   fake_->PutDirect("bkt", "other/x", "not ours");
-  fake_->PutDirect("bkt", "run/dir/", "");           // a console's folder marker: not a valid key
-  fake_->PutDirect("bkt", "run/.dcr-tmp/x", "");     // reserved
+  fake_->PutDirect("bkt", "run/dir/", "");  // a console's folder marker: not a valid key
+  fake_->PutDirect("bkt", "run/.dcr-tmp/x", "");  // reserved
   auto all = store_->List("");
   ASSERT_TRUE(all.ok()) << all.status().ToString();
   ASSERT_EQ(all->size(), 12u);
@@ -291,8 +291,9 @@ TEST_F(S3StoreTest, ListPagesPrefixesAndSkipsForeignNames) {
 }
 
 TEST_F(S3StoreTest, UnusualKeyCharacters) {
-  const std::vector<std::string> keys = {"sp ace/x", "plus+eq=amp&q?hash#", "pct%20lit", "utf8/\xc3\xa9\xe2\x82\xac",
-                                         "quote'\"<>", "tilde~star*(paren)", "colon:semi;comma,at@"};
+  const std::vector<std::string> keys = {
+      "sp ace/x",   "plus+eq=amp&q?hash#", "pct%20lit",           "utf8/\xc3\xa9\xe2\x82\xac",
+      "quote'\"<>", "tilde~star*(paren)",  "colon:semi;comma,at@"};
   for (const auto& k : keys) ASSERT_TRUE(store_->Put(k, "v:" + k).ok()) << k;
   for (const auto& k : keys) {
     auto got = store_->Get(k);
@@ -503,16 +504,13 @@ INSTANTIATE_TEST_SUITE_P(
     Faults, S3TransientTest,
     ::testing::Values(TransientCase{"PutObject", {Fault::kStatus, 503, "SlowDown"}},
                       TransientCase{"PutObject", {Fault::kStatus, 500, "InternalError"}},
-                      TransientCase{"PutObject", {Fault::kLoseResponse}},
-                      TransientCase{"PutObject", {Fault::kTimeout}},
+                      TransientCase{"PutObject", {Fault::kLoseResponse}}, TransientCase{"PutObject", {Fault::kTimeout}},
                       TransientCase{"UploadPart", {Fault::kStatus, 503, "SlowDown"}},
-                      TransientCase{"UploadPart", {Fault::kDropMidBody}},
-                      TransientCase{"UploadPart", {Fault::kRefuse}},
+                      TransientCase{"UploadPart", {Fault::kDropMidBody}}, TransientCase{"UploadPart", {Fault::kRefuse}},
                       TransientCase{"CreateMultipartUpload", {Fault::kStatus, 502, "BadGateway"}},
                       TransientCase{"CompleteMultipartUpload", {Fault::kStatus, 500, "InternalError"}},
                       TransientCase{"CompleteMultipartUpload", {Fault::kTimeout}},
-                      TransientCase{"GetObject", {Fault::kDropMidBody}},
-                      TransientCase{"GetObject", {Fault::kTruncate}},
+                      TransientCase{"GetObject", {Fault::kDropMidBody}}, TransientCase{"GetObject", {Fault::kTruncate}},
                       TransientCase{"GetObject", {Fault::kStatus, 429, "TooManyRequests"}},
                       TransientCase{"GetObject", {Fault::kStatus, 504, "GatewayTimeout"}},
                       TransientCase{"GetObject", {Fault::kTimeout}},
@@ -650,8 +648,8 @@ TEST_F(S3StoreTest, MissingBucketIsNotFoundNamingIt) {
   o.bucket = "nob";
   o.url = "s3://nob/run";
   auto store = Open(o);
-  for (Status s : {store->Put("k", "v"), store->Get("k").status(), store->Head("k").status(),
-                   store->List("").status(), store->Delete("k"), store->Put("k", Pattern(3000))}) {
+  for (Status s : {store->Put("k", "v"), store->Get("k").status(), store->Head("k").status(), store->List("").status(),
+                   store->Delete("k"), store->Put("k", Pattern(3000))}) {
     EXPECT_EQ(s.code(), Code::kNotFound) << s.ToString();
     EXPECT_THAT(s.message(), HasSubstr("bucket 'nob'"));
     EXPECT_THAT(s.message(), HasSubstr("s3://nob/run"));

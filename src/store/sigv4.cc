@@ -216,16 +216,16 @@ std::array<uint8_t, 32> SigningKey(std::string_view secret_access_key, std::stri
   return HmacSha256(view(k_service), "aws4_request");
 }
 
-std::string Authorization(const Request& request, std::string_view access_key_id,
-                          std::string_view secret_access_key, std::string_view region, std::string_view amz_date,
-                          std::string_view service, std::string* signature) {
+std::string Authorization(const Request& request, std::string_view access_key_id, std::string_view secret_access_key,
+                          std::string_view region, std::string_view amz_date, std::string_view service,
+                          std::string* signature) {
   std::string signed_headers;
   const std::string canonical = CanonicalRequest(request, &signed_headers);
   const std::string scope = Scope(amz_date, region, service);
   const std::string to_sign = StringToSign(amz_date, scope, canonical);
   const auto key = SigningKey(secret_access_key, amz_date.substr(0, 8), region, service);
-  const std::string sig = Hex(HmacSha256(std::string_view(reinterpret_cast<const char*>(key.data()), key.size()),
-                                         to_sign));
+  const std::string sig =
+      Hex(HmacSha256(std::string_view(reinterpret_cast<const char*>(key.data()), key.size()), to_sign));
   if (signature != nullptr) *signature = sig;
   std::string out = "AWS4-HMAC-SHA256 Credential=";
   out.append(access_key_id).append("/").append(scope);

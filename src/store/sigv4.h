@@ -40,7 +40,7 @@ std::string AmzDate(std::chrono::system_clock::time_point t);
 std::string CanonicalQueryString(const Pairs& query);
 
 struct Request {
-  std::string_view method;          // "GET"
+  std::string_view method;  // "GET"
   std::string_view canonical_path;  // the request path exactly as sent (already encoded): "/bucket/a%20b"
   std::string_view canonical_query;  // CanonicalQueryString(...)
   // Every header to sign, names in any case; must include host, x-amz-date
@@ -60,8 +60,8 @@ std::array<uint8_t, 32> SigningKey(std::string_view secret_access_key, std::stri
 
 // The Authorization header value for `request`, signed at `amz_date` (the
 // request's x-amz-date). `signature` (optional) receives the hex signature.
-std::string Authorization(const Request& request, std::string_view access_key_id,
-                          std::string_view secret_access_key, std::string_view region, std::string_view amz_date,
-                          std::string_view service = "s3", std::string* signature = nullptr);
+std::string Authorization(const Request& request, std::string_view access_key_id, std::string_view secret_access_key,
+                          std::string_view region, std::string_view amz_date, std::string_view service = "s3",
+                          std::string* signature = nullptr);
 
 }  // namespace dcr::sigv4

@@ -94,8 +94,8 @@ TEST(SigV4, SigningKey) {
 TEST(SigV4, HeaderCanonicalization) {
   // Names lowercased and sorted, values trimmed with inner runs collapsed,
   // repeated names joined with ','.
-  const Pairs headers = {{"X-Amz-Meta-B", "  two   words "}, {"host", "h"}, {"x-amz-meta-a", "1"},
-                         {"X-AMZ-META-A", "2"}};
+  const Pairs headers = {
+      {"X-Amz-Meta-B", "  two   words "}, {"host", "h"}, {"x-amz-meta-a", "1"}, {"X-AMZ-META-A", "2"}};
   Request r{"GET", "/k", "", &headers, "UNSIGNED-PAYLOAD"};
   std::string names;
   EXPECT_EQ(CanonicalRequest(r, &names),

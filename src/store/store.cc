@@ -53,9 +53,7 @@ Status ValidateKeyPrefix(std::string_view prefix) {
   return InvalidArgument(fmt::format("bad key prefix '{}': no valid key starts with it ({})", prefix, why));
 }
 
-std::string StoreContext(std::string_view url, std::string_view key) {
-  return fmt::format("{}: {}", url, key);
-}
+std::string StoreContext(std::string_view url, std::string_view key) { return fmt::format("{}: {}", url, key); }
 
 Status Store::Put(std::string_view key, std::string_view data, WriteMode mode) {
   DCR_ASSIGN_OR_RETURN(auto writer, OpenWriter(key, mode));
@@ -110,7 +108,8 @@ Result<std::unique_ptr<Store>> OpenUnwrapped(std::string_view url, const OpenSto
 
 Result<std::unique_ptr<Store>> OpenStore(std::string_view url, const OpenStoreOptions& options) {
   DCR_ASSIGN_OR_RETURN(auto store, OpenUnwrapped(url, options));
-  if (const char* faults = std::getenv("DCR_STORE_FAULTS"); faults && *faults) return WrapWithFaults(std::move(store), faults);
+  if (const char* faults = std::getenv("DCR_STORE_FAULTS"); faults && *faults)
+    return WrapWithFaults(std::move(store), faults);
   return store;
 }
 

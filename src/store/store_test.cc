@@ -39,7 +39,9 @@ TEST(ValidateKeyTest, RejectsEveryRuleWithAReason) {
       {"del\x7f", "control"},
       {".dcr-tmp/x", "reserved"},
       {"a/.dcr-anything", "reserved"},
-      {"bad\xff" "byte", "UTF-8"},
+      {"bad\xff"
+       "byte",
+       "UTF-8"},
       {"receivers/r\xc3.json", "UTF-8"},
       {"\xed\xa0\x80surrogate", "UTF-8"},
   };
@@ -58,9 +60,17 @@ TEST(ValidateKeyPrefixTest, AcceptsTheStartOfAnyValidKey) {
 
 TEST(ValidateKeyPrefixTest, RejectsPrefixesNoKeyStartsWith) {
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {"../", "'..'"},         {"../../etc/", "'..'"}, {"a/../", "'..'"},        {"./", "'.'"},
-      {"/", "absolute"},       {"/etc", "absolute"},   {"a//", "empty path"},    {".dcr-tmp/", "reserved"},
-      {".dcr-", "reserved"},   {"a\nb", "control"},   {std::string(1025, 'k'), "1024"},
+      {"../", "'..'"},
+      {"../../etc/", "'..'"},
+      {"a/../", "'..'"},
+      {"./", "'.'"},
+      {"/", "absolute"},
+      {"/etc", "absolute"},
+      {"a//", "empty path"},
+      {".dcr-tmp/", "reserved"},
+      {".dcr-", "reserved"},
+      {"a\nb", "control"},
+      {std::string(1025, 'k'), "1024"},
   };
   for (const auto& [prefix, why] : cases) {
     Status s = ValidateKeyPrefix(prefix);
@@ -127,7 +137,7 @@ TEST_F(OpenStoreTest, MemStoresWithOneNameShareObjects) {
   auto d = OpenStore("mem://shared-name-test");
   ASSERT_TRUE(d.ok());
   EXPECT_EQ((*d)->Head("k").status().code(), Code::kNotFound);  // later opens start empty
-  EXPECT_EQ(*(*a)->Get("k"), "v");                               // open stores keep theirs
+  EXPECT_EQ(*(*a)->Get("k"), "v");  // open stores keep theirs
 }
 
 class FileStoreTest : public testing::TempDirTest {
@@ -269,7 +279,7 @@ TEST(FaultStoreTest, LostResponsesHappenAfterTheWrite) {
   EXPECT_EQ(s.code(), Code::kUnavailable);
   EXPECT_NE(s.message().find("lost response"), std::string::npos) << s.message();
   EXPECT_EQ(*OpenMemStore("fault-lost")->Get("k"), "v");  // it did happen
-  EXPECT_EQ(*(*wrapped)->Get("k"), "v");                  // reads are not lost
+  EXPECT_EQ(*(*wrapped)->Get("k"), "v");  // reads are not lost
   ResetMemStore("fault-lost");
 }
 
@@ -278,7 +288,7 @@ TEST(FaultStoreTest, BandwidthLimitPacesTransfers) {
   ASSERT_TRUE(wrapped.ok());
   const auto t0 = std::chrono::steady_clock::now();
   ASSERT_TRUE((*wrapped)->Put("k", std::string(2'000'000, 'x')).ok());  // 2 MB up
-  ASSERT_TRUE((*wrapped)->Get("k").ok());                              // 2 MB down
+  ASSERT_TRUE((*wrapped)->Get("k").ok());  // 2 MB down
   // 4 MB over a 20 MB/s link takes at least 0.2 s (a lower bound only).
   EXPECT_GE(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 0.19);
   ResetMemStore("fault-mbps");
@@ -288,8 +298,8 @@ TEST(FaultStoreTest, RejectsMalformedSpecs) {
   for (const char* spec : {"fail", "fail=2", "lost=-1", "bogus=1", "seed=x", "delay_ms=1,,",
                            // Out of range for the integer or the sleep they become (found by
                            // store_config_fuzz: converting them was undefined behaviour).
-                           "seed=1e30", "seed=18446744073709551616", "delay_ms=1e10", "delay_ms=nan",
-                           "fail=nan", "mbps=inf", "mbps=1e-300", "seed=-0.5"}) {
+                           "seed=1e30", "seed=18446744073709551616", "delay_ms=1e10", "delay_ms=nan", "fail=nan",
+                           "mbps=inf", "mbps=1e-300", "seed=-0.5"}) {
     EXPECT_EQ(WrapWithFaults(OpenMemStore("fault-bad"), spec).status().code(), Code::kInvalidArgument) << spec;
   }
   for (const char* spec : {"seed=18446744073709549568", "delay_ms=86400000", "mbps=0", "mbps=0.001", "fail=0"})

@@ -109,8 +109,8 @@ struct Task {
 };
 
 // Generates one chunk of one tensor through all versions.
-uint64_t GenerateChunk(const GenOptions& opt, double lr, const SynthTensor& t, size_t tensor_index,
-                       const Task& task, std::vector<Checkpoint>& versions, std::vector<uint64_t>& changed_local) {
+uint64_t GenerateChunk(const GenOptions& opt, double lr, const SynthTensor& t, size_t tensor_index, const Task& task,
+                       std::vector<Checkpoint>& versions, std::vector<uint64_t>& changed_local) {
   const bool bf16 = t.info.dtype == DType::kBF16;
   const uint64_t width = bf16 ? 2 : 4;
   std::vector<float> master(task.n);
@@ -202,8 +202,8 @@ Result<GenReport> GenerateVersions(const std::string& out_dir, const GenOptions&
   std::vector<std::atomic<uint64_t>> changed(opt.versions);
   DefaultPool().ParallelFor(tasks.size(), [&](size_t i) {
     std::vector<uint64_t> local(opt.versions, 0);
-    const uint64_t bytes = GenerateChunk(opt, report.learning_rate, tensors[tasks[i].tensor], tasks[i].tensor,
-                                         tasks[i], versions, local);
+    const uint64_t bytes =
+        GenerateChunk(opt, report.learning_rate, tensors[tasks[i].tensor], tasks[i].tensor, tasks[i], versions, local);
     for (uint32_t v = 0; v < opt.versions; ++v) changed[v].fetch_add(local[v], std::memory_order_relaxed);
     if (progress) progress->Add(bytes);
   });
@@ -214,13 +214,22 @@ Result<GenReport> GenerateVersions(const std::string& out_dir, const GenOptions&
   nlohmann::ordered_json doc = {
       {"family", FamilyName(s.family)},
       {"shape",
-       {{"hidden_size", s.hidden_size}, {"num_layers", s.num_layers}, {"vocab_size", s.vocab_size},
-        {"num_heads", s.num_heads}, {"num_kv_heads", s.num_kv_heads}, {"head_dim", s.head_dim},
-        {"intermediate_size", s.intermediate_size}, {"num_experts", s.num_experts},
-        {"moe_intermediate_size", s.moe_intermediate_size}, {"num_shared_experts", s.num_shared_experts},
-        {"first_dense_layers", s.first_dense_layers}, {"q_lora_rank", s.q_lora_rank},
-        {"kv_lora_rank", s.kv_lora_rank}, {"qk_nope_head_dim", s.qk_nope_head_dim},
-        {"qk_rope_head_dim", s.qk_rope_head_dim}, {"v_head_dim", s.v_head_dim}}},
+       {{"hidden_size", s.hidden_size},
+        {"num_layers", s.num_layers},
+        {"vocab_size", s.vocab_size},
+        {"num_heads", s.num_heads},
+        {"num_kv_heads", s.num_kv_heads},
+        {"head_dim", s.head_dim},
+        {"intermediate_size", s.intermediate_size},
+        {"num_experts", s.num_experts},
+        {"moe_intermediate_size", s.moe_intermediate_size},
+        {"num_shared_experts", s.num_shared_experts},
+        {"first_dense_layers", s.first_dense_layers},
+        {"q_lora_rank", s.q_lora_rank},
+        {"kv_lora_rank", s.kv_lora_rank},
+        {"qk_nope_head_dim", s.qk_nope_head_dim},
+        {"qk_rope_head_dim", s.qk_rope_head_dim},
+        {"v_head_dim", s.v_head_dim}}},
       {"update", UpdateModelName(opt.update)},
       {"rate", opt.rate},
       {"seed", opt.seed},

@@ -10,7 +10,8 @@ namespace dcr {
 namespace {
 
 uint64_t RoundTo(double v, uint64_t multiple) {
-  return std::max<uint64_t>(multiple, static_cast<uint64_t>(std::llround(v / static_cast<double>(multiple))) * multiple);
+  return std::max<uint64_t>(multiple,
+                            static_cast<uint64_t>(std::llround(v / static_cast<double>(multiple))) * multiple);
 }
 
 struct Builder {
@@ -87,8 +88,7 @@ std::vector<SynthTensor> ModelTensors(const ModelShape& s) {
       b.Add(p + ".mlp.gate.e_score_correction_bias", {s.num_experts}, InitKind::kBias, DType::kF32);
     for (uint64_t e = 0; e < s.num_experts; ++e)
       b.Mlp(fmt::format("{}.mlp.experts.{}", p, e), h, s.moe_intermediate_size);
-    if (s.num_shared_experts > 0)
-      b.Mlp(p + ".mlp.shared_experts", h, s.moe_intermediate_size * s.num_shared_experts);
+    if (s.num_shared_experts > 0) b.Mlp(p + ".mlp.shared_experts", h, s.moe_intermediate_size * s.num_shared_experts);
   }
   std::sort(b.out.begin(), b.out.end(),
             [](const SynthTensor& x, const SynthTensor& y) { return x.info.name < y.info.name; });

@@ -1,5 +1,5 @@
-#include "testing/temp_dir.h"
 #include "dcr/synth.h"
+#include "testing/temp_dir.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -344,8 +344,8 @@ bool IsBf16NaN(uint16_t b) { return (b & 0x7F80) == 0x7F80 && (b & 0x007F) != 0;
 
 TEST(Bf16RoundingTest, NaNsStayNaN) {
   // Payloads only in the low 16 bits would truncate to infinity.
-  for (uint32_t nan : {0x7F800001u, 0x7F80FFFFu, 0x7FC00000u, 0xFF800001u, 0xFFC00000u, 0x7FFFFFFFu, 0xFFFFFFFFu,
-                       0x7F810000u}) {
+  for (uint32_t nan :
+       {0x7F800001u, 0x7F80FFFFu, 0x7FC00000u, 0xFF800001u, 0xFFC00000u, 0x7FFFFFFFu, 0xFFFFFFFFu, 0x7F810000u}) {
     const uint16_t b = Fp32BitsToBf16Bits(nan);
     EXPECT_TRUE(IsBf16NaN(b)) << std::hex << nan << " -> " << b;
     EXPECT_EQ(b & 0x8000, (nan >> 16) & 0x8000) << "sign kept for " << std::hex << nan;
@@ -381,7 +381,6 @@ TEST(Bf16RoundingTest, MatchesNearestEvenReference) {
 
 class GenerateTest : public testing::TempDirTest {
  protected:
-
   static std::string ReadAll(const std::string& path) {
     std::ifstream in(path, std::ios::binary);
     return std::string(std::istreambuf_iterator<char>(in), {});
@@ -399,7 +398,8 @@ class GenerateTest : public testing::TempDirTest {
     return std::move(c).value();
   }
   // Changed elements between two versions, recounted tensor by tensor.
-  static uint64_t Recount(const Checkpoint& a, const Checkpoint& b, std::map<std::string, uint64_t>* per_tensor = nullptr) {
+  static uint64_t Recount(const Checkpoint& a, const Checkpoint& b,
+                          std::map<std::string, uint64_t>* per_tensor = nullptr) {
     EXPECT_EQ(a.size(), b.size());
     uint64_t changed = 0;
     for (size_t i = 0; i < a.size(); ++i) {
@@ -411,7 +411,6 @@ class GenerateTest : public testing::TempDirTest {
     }
     return changed;
   }
-
 };
 
 GenOptions SmallOptions(Family family, uint64_t bytes, UpdateModel update, double rate, uint32_t versions,
@@ -553,7 +552,8 @@ TEST_F(GenerateTest, TrainingRateMatchesRequestForBf16Models) {
       // Norms (values near 1, coarse BF16 steps) change much less often than weights.
       const size_t norm = static_cast<size_t>(c0.Find("model.norm.weight"));
       const size_t embed = static_cast<size_t>(c0.Find("model.embed_tokens.weight"));
-      const double norm_rate = static_cast<double>(per_tensor["model.norm.weight"]) / static_cast<double>(c0.tensors()[norm].numel);
+      const double norm_rate =
+          static_cast<double>(per_tensor["model.norm.weight"]) / static_cast<double>(c0.tensors()[norm].numel);
       const double embed_rate =
           static_cast<double>(per_tensor["model.embed_tokens.weight"]) / static_cast<double>(c0.tensors()[embed].numel);
       EXPECT_LT(norm_rate, embed_rate / 4);
@@ -608,8 +608,7 @@ TEST_F(GenerateTest, StressModelChangesExactlyTheRate) {
       }
       for (const auto& [dtype, ce] : by_dtype) {
         const double m = static_cast<double>(ce.second);
-        EXPECT_NEAR(static_cast<double>(ce.first), m * rate, 6 * std::sqrt(m * rate * (1 - rate)) + 3)
-            << Name(dtype);
+        EXPECT_NEAR(static_cast<double>(ce.first), m * rate, 6 * std::sqrt(m * rate * (1 - rate)) + 3) << Name(dtype);
       }
       // Multiplicative noise of 1%: small steps, never a sign flip of a normal value.
       EXPECT_EQ(d1.total.sign_changed, 0u);

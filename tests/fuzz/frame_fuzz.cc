@@ -7,10 +7,10 @@
 // Checksums would stop almost every mutation at the door, so when the first
 // input byte is odd the target re-seals the frame (recomputes both CRC32Cs)
 // and the decoder itself gets fuzzed; even inputs fuzz the checks as they are.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
-#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -60,9 +60,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (applier.Apply(dcr::FrameView{h, {}}, key, first_word, again, h.base_digest, &unused).ok() || again != before)
       std::abort();
   }
-  if (*outcome == dcr::ApplyOutcome::kApplied &&
-      dcr::DigestBytes(key, first_word * h.word_bytes, target) - dcr::DigestBytes(key, first_word * h.word_bytes, before) !=
-          h.target_digest - h.base_digest)
+  if (*outcome == dcr::ApplyOutcome::kApplied && dcr::DigestBytes(key, first_word * h.word_bytes, target) -
+                                                         dcr::DigestBytes(key, first_word * h.word_bytes, before) !=
+                                                     h.target_digest - h.base_digest)
     std::abort();
   return 0;
 }

@@ -18,8 +18,8 @@
 // peer byte); 3, a turn of the loop, then what the peers got is checked.
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -46,7 +46,9 @@ void CheckReceived(dcr::relay_internal::ScriptedRelay& relay, bool refuses) {
       std::vector<std::string_view> views(parts.begin(), parts.end());
       auto m = dcr::DecodeMessage(views);
       Check(m.status());
-      if (verbose) std::fprintf(stderr, "p%zu got %s %s\n", p, m->type == dcr::RelayMessageType::kObject ? "OBJECT" : "a message", m->key.c_str());
+      if (verbose)
+        std::fprintf(stderr, "p%zu got %s %s\n", p, m->type == dcr::RelayMessageType::kObject ? "OBJECT" : "a message",
+                     m->key.c_str());
       if (m->type != dcr::RelayMessageType::kObject) continue;
       Check(dcr::VerifyFrameObject(*m));
       if (refuses && m->key.ends_with("1.bin")) {
@@ -62,8 +64,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   const uint8_t setup = data[0];
   const bool refuses = setup & 4;
-  const std::string keys[] = {"", std::string(40, 'S'), std::string(40, 'R'), std::string(40, 'C'),
-                              std::string(40, 'A'), std::string(40, 'X')};
+  const std::string keys[] = {
+      "", std::string(40, 'S'), std::string(40, 'R'), std::string(40, 'C'), std::string(40, 'A'), std::string(40, 'X')};
   dcr::RelayOptions o;
   o.id = "fuzz";
   if (setup & 1) {
@@ -109,8 +111,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       const size_t n = head.size() == 2 ? (uint8_t(head[0]) | size_t{uint8_t(head[1])} << 8) : 0;
       const std::string_view bytes = take(n);
       std::vector<std::string> parts;
-      if (op != 0 && cut != 0) parts = {std::string(bytes.substr(0, std::min<size_t>(cut, bytes.size()))),
-                            std::string(bytes.substr(std::min<size_t>(cut, bytes.size())))};
+      if (op != 0 && cut != 0)
+        parts = {std::string(bytes.substr(0, std::min<size_t>(cut, bytes.size()))),
+                 std::string(bytes.substr(std::min<size_t>(cut, bytes.size())))};
       else parts = {std::string(bytes)};
       if (op == 2) relay.FromUpstream(std::move(parts));
       else relay.FromPeer(who % kPeers, keys[(who >> 2) % 6], std::move(parts));

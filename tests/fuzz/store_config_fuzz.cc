@@ -19,8 +19,8 @@
 #include <unistd.h>
 
 #include <cstddef>
-#include <cstdio>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -97,8 +97,7 @@ std::string TweakSecrets(std::string_view url) {
     const size_t eq = item.find('=');
     if (eq != std::string_view::npos && IsSecretName(item.substr(0, eq)))
       out += std::string(item.substr(0, eq + 1)) + Tweak(item.substr(eq + 1));
-    else
-      out += item;
+    else out += item;
   }
   return out;
 }

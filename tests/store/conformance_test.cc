@@ -9,9 +9,9 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <filesystem>
 #include <functional>
 #include <mutex>
-#include <filesystem>
 #include <random>
 #include <string>
 #include <thread>
@@ -146,7 +146,8 @@ TEST_P(StoreConformance, StreamedMultiPartObjectRoundTrips) {
   EXPECT_TRUE(MustGet("big/object.bin") == data);
   // A large ranged read spanning parts.
   std::string mid(9u << 20, '\0');
-  ASSERT_TRUE(store_->ReadRange("big/object.bin", (5u << 20) + 3, {reinterpret_cast<uint8_t*>(mid.data()), mid.size()}).ok());
+  ASSERT_TRUE(
+      store_->ReadRange("big/object.bin", (5u << 20) + 3, {reinterpret_cast<uint8_t*>(mid.data()), mid.size()}).ok());
   EXPECT_TRUE(mid == data.substr((5u << 20) + 3, mid.size()));
 }
 
@@ -296,7 +297,8 @@ TEST_P(StoreConformance, DeleteRemovesOnlyThatKey) {
 TEST_P(StoreConformance, ListFiltersByPrefixAndSorts) {
   const std::vector<std::string> keys = {"b", "ab", "a/bc", "a/b/d", "a/b/c", "a-z", "attempts/v1/acks/r0.json"};
   for (const auto& k : keys) ASSERT_TRUE(store_->Put(k, k + k).ok()) << k;
-  EXPECT_EQ(Keys(""), (std::vector<std::string>{"a-z", "a/b/c", "a/b/d", "a/bc", "ab", "attempts/v1/acks/r0.json", "b"}));
+  EXPECT_EQ(Keys(""),
+            (std::vector<std::string>{"a-z", "a/b/c", "a/b/d", "a/bc", "ab", "attempts/v1/acks/r0.json", "b"}));
   EXPECT_EQ(Keys("a/b"), (std::vector<std::string>{"a/b/c", "a/b/d", "a/bc"}));
   EXPECT_EQ(Keys("a/b/"), (std::vector<std::string>{"a/b/c", "a/b/d"}));
   EXPECT_EQ(Keys("a"), (std::vector<std::string>{"a-z", "a/b/c", "a/b/d", "a/bc", "ab", "attempts/v1/acks/r0.json"}));
@@ -337,10 +339,17 @@ TEST_P(StoreConformance, ListsManyKeys) {
 }
 
 TEST_P(StoreConformance, UnusualKeyCharactersRoundTrip) {
-  const std::vector<std::string> keys = {
-      "sp ace/file name",  "plus+sign",       "percent%20literal", "query?x=1&y=2", "hash#frag",
-      "tilde~!*'()",       "colon:at@comma,", "semi;dollar$eq=",   "unicode/üñí©ødé/日本", "brackets[]{}<>|^`\"\\",
-      "model.layers.0.mlp.experts.17.down_proj.weight"};
+  const std::vector<std::string> keys = {"sp ace/file name",
+                                         "plus+sign",
+                                         "percent%20literal",
+                                         "query?x=1&y=2",
+                                         "hash#frag",
+                                         "tilde~!*'()",
+                                         "colon:at@comma,",
+                                         "semi;dollar$eq=",
+                                         "unicode/üñí©ødé/日本",
+                                         "brackets[]{}<>|^`\"\\",
+                                         "model.layers.0.mlp.experts.17.down_proj.weight"};
   for (const auto& k : keys) {
     ASSERT_TRUE(store_->Put(k, "v:" + k).ok()) << k;
     EXPECT_EQ(MustGet(k), "v:" + k);
@@ -357,8 +366,9 @@ TEST_P(StoreConformance, UnusualKeyCharactersRoundTrip) {
 }
 
 TEST_P(StoreConformance, InvalidKeysAreRejectedBeforeAnyIo) {
-  for (const std::string& key : std::vector<std::string>{"", "/abs", "a//b", "a/../b", "..", ".", "a/", "tab\there", std::string("nul\0x", 5),
-                          ".dcr-tmp/x", "a/.dcr-lock", std::string(1025, 'k')}) {
+  for (const std::string& key :
+       std::vector<std::string>{"", "/abs", "a//b", "a/../b", "..", ".", "a/", "tab\there", std::string("nul\0x", 5),
+                                ".dcr-tmp/x", "a/.dcr-lock", std::string(1025, 'k')}) {
     EXPECT_EQ(store_->Put(key, "x").code(), Code::kInvalidArgument) << key;
     EXPECT_EQ(store_->Head(key).status().code(), Code::kInvalidArgument) << key;
     EXPECT_EQ(store_->Get(key).status().code(), Code::kInvalidArgument) << key;

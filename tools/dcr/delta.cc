@@ -67,11 +67,14 @@ int RunMake(const DeltaArgs& a) {
   } else {
     fmt::print("delta {} ({} class): {} frames, {} changed words of {} elements ({:.3f}%)\n", a.out, a.mode,
                m->frames.size(), m->changed_words, m->total_elements,
-               m->total_elements ? 100.0 * static_cast<double>(m->changed_words) / static_cast<double>(m->total_elements) : 0.0);
-    fmt::print("payload {} bytes ({:.3f} bytes per changed word, {:.2f}% of the {} dense bytes) in {:.2f}s ({}/s)\n",
-               m->payload_bytes, PerChange(m->payload_bytes, m->changed_words),
-               m->total_bytes ? 100.0 * static_cast<double>(m->payload_bytes) / static_cast<double>(m->total_bytes) : 0.0,
-               m->total_bytes, seconds, FormatBytes(static_cast<double>(m->total_bytes) / seconds));
+               m->total_elements
+                   ? 100.0 * static_cast<double>(m->changed_words) / static_cast<double>(m->total_elements)
+                   : 0.0);
+    fmt::print(
+        "payload {} bytes ({:.3f} bytes per changed word, {:.2f}% of the {} dense bytes) in {:.2f}s ({}/s)\n",
+        m->payload_bytes, PerChange(m->payload_bytes, m->changed_words),
+        m->total_bytes ? 100.0 * static_cast<double>(m->payload_bytes) / static_cast<double>(m->total_bytes) : 0.0,
+        m->total_bytes, seconds, FormatBytes(static_cast<double>(m->total_bytes) / seconds));
   }
   return kExitOk;
 }
@@ -108,7 +111,8 @@ int RunApply(const DeltaArgs& a) {
   }
   const double verify_seconds = MonotonicSeconds() - t0 - seconds;
   if (a.json) {
-    json doc = {{"target", a.target},       {"delta", a.delta},
+    json doc = {{"target", a.target},
+                {"delta", a.delta},
                 {"frames_applied", report->frames_applied},
                 {"frames_already_applied", report->frames_already_applied},
                 {"payload_bytes", report->payload_bytes},
@@ -118,13 +122,13 @@ int RunApply(const DeltaArgs& a) {
                 {"verify_seconds", verify_seconds}};
     fmt::print("{}\n", JsonText(doc, 2));
   } else {
-    fmt::print("applied {} frames ({} payload bytes, {} changed words) to {} in {:.2f}s{}; read back and verified "
-               "in {:.2f}s\n",
-               report->frames_applied, report->payload_bytes, report->changed_words, a.target, seconds,
-               report->frames_already_applied
-                   ? fmt::format("; {} frames were already applied", report->frames_already_applied)
-                   : "",
-               verify_seconds);
+    fmt::print(
+        "applied {} frames ({} payload bytes, {} changed words) to {} in {:.2f}s{}; read back and verified "
+        "in {:.2f}s\n",
+        report->frames_applied, report->payload_bytes, report->changed_words, a.target, seconds,
+        report->frames_already_applied ? fmt::format("; {} frames were already applied", report->frames_already_applied)
+                                       : "",
+        verify_seconds);
   }
   return kExitOk;
 }
@@ -140,7 +144,10 @@ int RunVerify(const DeltaArgs& a) {
   if (!report.ok()) return Fail("delta verify", report.status());
   const char* what = a.against_base ? "base" : "target";
   if (a.json) {
-    json doc = {{"target", a.target}, {"delta", a.delta}, {"against", what}, {"matches", report->matches},
+    json doc = {{"target", a.target},
+                {"delta", a.delta},
+                {"against", what},
+                {"matches", report->matches},
                 {"differing", report->differing}};
     fmt::print("{}\n", JsonText(doc, 2));
   } else {
@@ -187,8 +194,12 @@ int RunInspect(const DeltaArgs& a) {
     if (a.frames) {
       json& fs = doc["frame_list"] = json::array();
       for (const auto& f : m.frames)
-        fs.push_back({{"tensor", m.tensors[f.tensor].name}, {"chunk", f.chunk}, {"mode", ModeName(f.mode)},
-                      {"codec", CodecName(f.codec)}, {"changed", f.changed}, {"bytes", f.bytes}});
+        fs.push_back({{"tensor", m.tensors[f.tensor].name},
+                      {"chunk", f.chunk},
+                      {"mode", ModeName(f.mode)},
+                      {"codec", CodecName(f.codec)},
+                      {"changed", f.changed},
+                      {"bytes", f.bytes}});
     }
     fmt::print("{}\n", JsonText(doc, 2));
     return kExitOk;
@@ -196,9 +207,11 @@ int RunInspect(const DeltaArgs& a) {
   fmt::print("delta {} (id {:016x}, {} class, chunks of {} elements)\n", a.delta, m.delta_id,
              m.delta_class == DeltaClass::kXorClass ? "xor" : "overwrite", m.chunk_elements);
   fmt::print("base digest {}  target digest {}\n", m.base_digest.ToHex(), m.target_digest.ToHex());
-  fmt::print("{} tensors, {} elements, {} dense bytes; {} frames, {} changed words, {} payload bytes ({:.3f} per changed word)\n",
-             m.tensors.size(), m.total_elements, m.total_bytes, m.frames.size(), m.changed_words, m.payload_bytes,
-             PerChange(m.payload_bytes, m.changed_words));
+  fmt::print(
+      "{} tensors, {} elements, {} dense bytes; {} frames, {} changed words, {} payload bytes ({:.3f} per changed "
+      "word)\n",
+      m.tensors.size(), m.total_elements, m.total_bytes, m.frames.size(), m.changed_words, m.payload_bytes,
+      PerChange(m.payload_bytes, m.changed_words));
   for (const auto& [k, v] : by_kind) fmt::print("  {:<20} {:>8} frames {:>14} bytes\n", k, v.first, v.second);
   if (a.frames)
     for (const auto& f : m.frames)

@@ -29,9 +29,8 @@ bool HasFields(DType dtype) {
 }
 
 nlohmann::ordered_json StatsJson(const BitDiffStats& s, bool fields) {
-  nlohmann::ordered_json j = {{"elements", s.elements},
-                              {"changed_elements", s.changed},
-                              {"changed_percent", Percent(s.changed, s.elements)}};
+  nlohmann::ordered_json j = {
+      {"elements", s.elements}, {"changed_elements", s.changed}, {"changed_percent", Percent(s.changed, s.elements)}};
   if (fields) {
     j["sign_changed"] = s.sign_changed;
     j["exponent_changed"] = s.exponent_changed;
@@ -77,8 +76,8 @@ int RunDiff(const DiffArgs& args) {
     if (!args.summary) {
       size_t width = 6;
       for (const auto& t : diff.tensors) width = std::max(width, t.name.size());
-      fmt::print("{:<{}}  {:<7}  {:>12}  {:>12}  {:>8}  {:>10}  {:>10}  {:>10}  {:>8}\n", "tensor", width,
-                 "dtype", "changed", "elements", "%", "sign", "exponent", "mantissa", "max ulp");
+      fmt::print("{:<{}}  {:<7}  {:>12}  {:>12}  {:>8}  {:>10}  {:>10}  {:>10}  {:>8}\n", "tensor", width, "dtype",
+                 "changed", "elements", "%", "sign", "exponent", "mantissa", "max ulp");
       for (const auto& t : diff.tensors) {
         const auto& s = t.stats;
         const bool f = HasFields(t.dtype);
@@ -92,10 +91,11 @@ int RunDiff(const DiffArgs& args) {
     for (const auto& n : diff.only_in_a) fmt::print("only in {}: {}\n", args.a, n);
     for (const auto& n : diff.only_in_b) fmt::print("only in {}: {}\n", args.b, n);
     for (const auto& m : diff.mismatched) fmt::print("dtype or shape differs: {}\n", m);
-    fmt::print("{} of {} elements changed ({:.4f}%) in {} tensors; fields changed: sign {}, exponent {}, "
-               "mantissa {}; max distance {} ulp\n",
-               total.changed, total.elements, Percent(total.changed, total.elements), diff.tensors.size(),
-               total.sign_changed, total.exponent_changed, total.mantissa_changed, total.max_ulp);
+    fmt::print(
+        "{} of {} elements changed ({:.4f}%) in {} tensors; fields changed: sign {}, exponent {}, "
+        "mantissa {}; max distance {} ulp\n",
+        total.changed, total.elements, Percent(total.changed, total.elements), diff.tensors.size(), total.sign_changed,
+        total.exponent_changed, total.mantissa_changed, total.max_ulp);
     fmt::print("{}\n", diff.identical() ? "identical" : "differ");
   }
   return diff.identical() ? kExitOk : kExitDiffers;

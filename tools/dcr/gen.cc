@@ -26,7 +26,8 @@ struct GenArgs {
 
 int RunGen(const GenArgs& args) {
   const auto family = ParseFamily(args.family);
-  if (!family) return Fail("gen", InvalidArgument("unknown --family '" + args.family + "' (llama, qwen3-moe, deepseek-v3)"));
+  if (!family)
+    return Fail("gen", InvalidArgument("unknown --family '" + args.family + "' (llama, qwen3-moe, deepseek-v3)"));
   const auto update = ParseUpdateModel(args.update);
   if (!update) return Fail("gen", InvalidArgument("unknown --update '" + args.update + "' (training, stress)"));
   auto size = ParseBytes(args.size);
@@ -82,13 +83,15 @@ void AddGenCommand(CLI::App& app) {
   cmd->add_option("-o,--out", args->out, "output directory (gets v0 .. vK and gen.json)")->required();
   cmd->add_option("--family", args->family, "llama, qwen3-moe or deepseek-v3")->capture_default_str();
   cmd->add_option("--size", args->size, "approximate bytes per version, e.g. 64MB, 2GB")->capture_default_str();
-  cmd->add_option("--versions,-k", args->versions, "number of versions after v0")->capture_default_str()
+  cmd->add_option("--versions,-k", args->versions, "number of versions after v0")
+      ->capture_default_str()
       ->check(CLI::Range(0u, 100000u));
   cmd->add_option("--update", args->update, "update model: training or stress")->capture_default_str();
   cmd->add_option("--rate", args->rate, "fraction of BF16 weights changed per version")->capture_default_str();
   cmd->add_option("--seed", args->seed, "random seed")->capture_default_str();
   cmd->add_option("--experts", args->experts, "routed experts per MoE layer (0: up to 16)")->capture_default_str();
-  cmd->add_option("--shard-size", args->shard_size, "max bytes per safetensors shard (0: one file)")->capture_default_str();
+  cmd->add_option("--shard-size", args->shard_size, "max bytes per safetensors shard (0: one file)")
+      ->capture_default_str();
   cmd->add_flag("--json", args->json, "print JSON");
   cmd->callback([args] { ExitCode() = RunGen(*args); });
 }

@@ -47,8 +47,8 @@ int RunInspect(const InspectArgs& args) {
     auto& tensors = doc["tensors"] = nlohmann::ordered_json::array();
     for (size_t i = 0; i < ckpt.size(); ++i) {
       const auto& t = ckpt.tensors()[i];
-      nlohmann::ordered_json e = {{"name", t.name}, {"dtype", Name(t.dtype)}, {"shape", t.shape},
-                                  {"elements", t.numel}, {"bytes", t.nbytes}, {"file", ckpt.FileOf(i)}};
+      nlohmann::ordered_json e = {{"name", t.name},      {"dtype", Name(t.dtype)}, {"shape", t.shape},
+                                  {"elements", t.numel}, {"bytes", t.nbytes},      {"file", ckpt.FileOf(i)}};
       if (args.checksums) e["xxh3"] = fmt::format("{:016x}", hashes[i]);
       tensors.push_back(std::move(e));
     }
@@ -74,9 +74,8 @@ int RunInspect(const InspectArgs& args) {
                fmt::format("[{}]", fmt::join(t.shape, ", ")), t.nbytes,
                args.checksums ? fmt::format("  {:016x}", hashes[i]) : "");
   }
-  fmt::print("\n{} tensors, {} elements, {} bytes ({:.3f} GB) in {} file(s)\n", ckpt.size(),
-             ckpt.total_elements(), ckpt.total_bytes(), static_cast<double>(ckpt.total_bytes()) / 1e9,
-             ckpt.files().size());
+  fmt::print("\n{} tensors, {} elements, {} bytes ({:.3f} GB) in {} file(s)\n", ckpt.size(), ckpt.total_elements(),
+             ckpt.total_bytes(), static_cast<double>(ckpt.total_bytes()) / 1e9, ckpt.files().size());
   for (const auto& [name, nb] : by_dtype)
     fmt::print("  {:<11} {:>6} tensors  {:>14} bytes\n", name, nb.first, nb.second);
   return kExitOk;

@@ -44,7 +44,9 @@ namespace {
 
 int RunGenerate(const GenerateArgs& a) {
   const auto family = ParseFamily(a.family);
-  if (!family) return Fail("layout generate", InvalidArgument("unknown --family '" + a.family + "' (llama, qwen3-moe, deepseek-v3)"));
+  if (!family)
+    return Fail("layout generate",
+                InvalidArgument("unknown --family '" + a.family + "' (llama, qwen3-moe, deepseek-v3)"));
   auto size = ParseBytes(a.size);
   if (!size.ok()) return Fail("layout generate", size.status().WithContext("--size"));
   // The shape `dcr gen --family F --size S --experts N` writes.
@@ -82,13 +84,14 @@ int RunValidate(const std::string& file, const std::string& checkpoint) {
       const int64_t i = ckpt->Find(t.name);
       if (i < 0)
         return Fail("layout validate", InvalidArgument(fmt::format("tensor '{}' is not in {}; generate the map for "
-                                                                   "this model", t.name, checkpoint)));
+                                                                   "this model",
+                                                                   t.name, checkpoint)));
       const TensorInfo& info = ckpt->tensors()[static_cast<size_t>(i)];
       if (info.dtype != t.dtype || info.shape != t.shape)
-        return Fail("layout validate", InvalidArgument(fmt::format("tensor '{}' is {} [{}] in the map but {} [{}] in {}",
-                                                                   t.name, Name(t.dtype), fmt::join(t.shape, ", "),
-                                                                   Name(info.dtype), fmt::join(info.shape, ", "),
-                                                                   checkpoint)));
+        return Fail("layout validate",
+                    InvalidArgument(fmt::format("tensor '{}' is {} [{}] in the map but {} [{}] in {}", t.name,
+                                                Name(t.dtype), fmt::join(t.shape, ", "), Name(info.dtype),
+                                                fmt::join(info.shape, ", "), checkpoint)));
     }
   }
   fmt::print("{}: valid ({} tensors, {} buffers, {} copies)\n", file, map->tensors.size(), map->buffers.size(),
@@ -107,7 +110,8 @@ int RunShow(const std::string& file) {
   for (size_t b = 0; b < map->buffers.size(); ++b) {
     size_t n = 0;
     for (size_t c = 0; c < map->copies.size(); ++c) n += compiled->BufferOf(c) == b;
-    fmt::print("{:<64} {:>6} {:>8} {:>12}\n", map->buffers[b].id, Name(map->buffers[b].dtype), n, compiled->BufferBytes(b));
+    fmt::print("{:<64} {:>6} {:>8} {:>12}\n", map->buffers[b].id, Name(map->buffers[b].dtype), n,
+               compiled->BufferBytes(b));
   }
   for (const BoxCopy& c : map->copies) {
     uint64_t v = 1;
@@ -116,10 +120,11 @@ int RunShow(const std::string& file) {
     copied += v;
     if (c.primary) primary += v;
   }
-  fmt::print("{} tensors, {} buffers ({} bytes), {} copies: {} bytes copied, {} of them primary, {} bytes unmapped "
-             "(padding)\n",
-             map->tensors.size(), map->buffers.size(), buffer_bytes, map->copies.size(), copied, primary,
-             buffer_bytes - copied);
+  fmt::print(
+      "{} tensors, {} buffers ({} bytes), {} copies: {} bytes copied, {} of them primary, {} bytes unmapped "
+      "(padding)\n",
+      map->tensors.size(), map->buffers.size(), buffer_bytes, map->copies.size(), copied, primary,
+      buffer_bytes - copied);
   return kExitOk;
 }
 
@@ -134,7 +139,8 @@ int RunLoad(const std::string& checkpoint, const std::string& file, const std::s
   auto files = RankBufferFiles::Create(*layout, out);
   if (!files.ok()) return Fail("layout load", files.status());
   PlacedRank placed = files->placed();
-  if (Status s = LoadDense(CheckpointBytes(*ckpt), placed); !s.ok()) return Fail("layout load", s.WithContext(checkpoint));
+  if (Status s = LoadDense(CheckpointBytes(*ckpt), placed); !s.ok())
+    return Fail("layout load", s.WithContext(checkpoint));
   if (Status s = files->Sync(); !s.ok()) return Fail("layout load", s);
   fmt::print("{}: {} buffers loaded from {}\n", out, layout->map().buffers.size(), checkpoint);
   return kExitOk;
@@ -160,7 +166,8 @@ void AddLayoutCommand(CLI::App& app) {
   gen->add_option("--ep-rank", g->ep_rank, "expert-parallel rank (megatron)")->capture_default_str();
   gen->add_flag("--expert-tp", g->expert_tp, "split experts over tp (megatron)");
   gen->add_flag("--expert-parallel", g->expert_parallel, "spread experts over the tp ranks (vllm)");
-  gen->add_option("--vocab-multiple", g->vocab_multiple, "vocabulary padding multiple (default 128 x tp megatron, 64 vllm)");
+  gen->add_option("--vocab-multiple", g->vocab_multiple,
+                  "vocabulary padding multiple (default 128 x tp megatron, 64 vllm)");
   gen->add_option("-o,--out", g->out, "write here instead of stdout");
   gen->callback([g] { ExitCode() = RunGenerate(*g); });
 
@@ -177,8 +184,9 @@ void AddLayoutCommand(CLI::App& app) {
 
   auto lckpt = std::make_shared<std::string>(), lmap = std::make_shared<std::string>(),
        lout = std::make_shared<std::string>();
-  auto* load = cmd->add_subcommand("load", "Dense load of a checkpoint through one rank's map into buffer files "
-                                           "(one file per buffer, named by its id)");
+  auto* load = cmd->add_subcommand("load",
+                                   "Dense load of a checkpoint through one rank's map into buffer files "
+                                   "(one file per buffer, named by its id)");
   load->add_option("checkpoint", *lckpt, "checkpoint file or directory")->required();
   load->add_option("map", *lmap, "the rank's layout map JSON")->required();
   load->add_option("-o,--out", *lout, "directory of the buffer files (created; files replaced)")->required();

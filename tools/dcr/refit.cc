@@ -215,7 +215,6 @@ Result<PublishReport> PublishFromShards(const PublishArgs& a, Store& store, cons
   return publisher.Publish(a.version, senders);
 }
 
-
 // Relay client options from the CLI's flags (shared by publish and follow).
 Result<RelayClientOptions> RelayClient(const std::string& id, const std::vector<std::string>& addresses,
                                        const std::string& key, const std::string& pub, bool insecure) {
@@ -283,27 +282,35 @@ int RunPublish(const PublishArgs& a) {
   }
   if (!r.ok()) return Fail("publish", r.status());
   if (a.json) {
-    json doc = {{"version", r->version},         {"attempt", r->attempt},
-                {"attempts", r->attempts},       {"already_committed", r->already_committed},
-                {"total_bytes", r->total_bytes}, {"frame_bytes", r->frame_bytes},
-                {"payload_bytes", r->payload_bytes}, {"changed_words", r->changed_words},
-                {"acked", r->acked},             {"retired", r->retired},
+    json doc = {{"version", r->version},
+                {"attempt", r->attempt},
+                {"attempts", r->attempts},
+                {"already_committed", r->already_committed},
+                {"total_bytes", r->total_bytes},
+                {"frame_bytes", r->frame_bytes},
+                {"payload_bytes", r->payload_bytes},
+                {"changed_words", r->changed_words},
+                {"acked", r->acked},
+                {"retired", r->retired},
                 {"relay_acks", r->relay_acks},
                 {"relay_acks_unconfirmed", r->relay_acks_unconfirmed},
-                {"encode_seconds", r->encode_seconds}, {"wait_seconds", r->wait_seconds},
-                {"baseline_seconds", r->baseline_seconds}, {"advance_seconds", r->advance_seconds},
-                {"total_seconds", r->total_seconds},   {"state_dir", r->state_dir},
+                {"encode_seconds", r->encode_seconds},
+                {"wait_seconds", r->wait_seconds},
+                {"baseline_seconds", r->baseline_seconds},
+                {"advance_seconds", r->advance_seconds},
+                {"total_seconds", r->total_seconds},
+                {"state_dir", r->state_dir},
                 {"memory", MemoryJson(r->memory)}};
     std::cout << JsonText(doc, 1) << "\n";
   } else if (r->already_committed) {
     fmt::print("version {} was already committed ({})\n", r->version,
                r->attempt.empty() ? "snapshot" : "attempt " + r->attempt);
   } else {
-    fmt::print("committed version {} (attempt {}, {} tries): {} of frames for {} ({:.2f}%), {} receivers acked{}, {:.2f} s\n",
-               r->version, r->attempt.empty() ? "snapshot" : r->attempt, r->attempts, FormatBytes(r->frame_bytes),
-               FormatBytes(r->total_bytes), r->total_bytes ? 100.0 * r->frame_bytes / r->total_bytes : 0.0,
-               r->acked.size(), r->retired.empty() ? "" : fmt::format(", {} retired", r->retired.size()),
-               r->total_seconds);
+    fmt::print(
+        "committed version {} (attempt {}, {} tries): {} of frames for {} ({:.2f}%), {} receivers acked{}, {:.2f} s\n",
+        r->version, r->attempt.empty() ? "snapshot" : r->attempt, r->attempts, FormatBytes(r->frame_bytes),
+        FormatBytes(r->total_bytes), r->total_bytes ? 100.0 * r->frame_bytes / r->total_bytes : 0.0, r->acked.size(),
+        r->retired.empty() ? "" : fmt::format(", {} retired", r->retired.size()), r->total_seconds);
   }
   return kExitOk;
 }
@@ -333,14 +340,15 @@ Status Follow(const FollowArgs& a, Store& store, const FollowOptions& o, std::st
   if (!layout.ok()) return layout.status().WithContext(a.layout);
   RankFollower f(store, *layout, a.target, EngineRank{a.engine, a.rank, a.ranks}, o);
   DCR_RETURN_IF_ERROR(f.Run(until, [] { return g_stop.load(); }));
-  *holds = fmt::format("{} (rank {} of {} of engine {}) holds version {}", a.target, a.rank, a.ranks, a.engine,
-                       f.version());
+  *holds =
+      fmt::format("{} (rank {} of {} of engine {}) holds version {}", a.target, a.rank, a.ranks, a.engine, f.version());
   return Status::Ok();
 }
 
 int RunFollow(const FollowArgs& a) {
   if (!a.layout.empty() && (a.engine.empty() || a.ranks == 0))
-    return Fail("follow", InvalidArgument("--layout needs --engine NAME, --rank R and --ranks N (the engine's rank count)"));
+    return Fail("follow",
+                InvalidArgument("--layout needs --engine NAME, --rank R and --ranks N (the engine's rank count)"));
   auto store = OpenStore(a.store);
   if (!store.ok()) return Fail("follow", store.status());
   FollowOptions o;
@@ -368,9 +376,10 @@ int RunFollow(const FollowArgs& a) {
   Status s = Follow(a, **store, o, &holds);
   if (relay) {
     const RelayClientStats rs = relay->Stats();
-    std::cerr << fmt::format("dcr follow: relay: {} objects ({} bytes) received, {} corrupt, {} duplicates, {} fenced, "
-                             "{} re-attachments, last attached to {}",
-                             rs.objects, rs.bytes, rs.corrupt, rs.duplicates, rs.fenced, rs.reattached, rs.attached)
+    std::cerr << fmt::format(
+                     "dcr follow: relay: {} objects ({} bytes) received, {} corrupt, {} duplicates, {} fenced, "
+                     "{} re-attachments, last attached to {}",
+                     rs.objects, rs.bytes, rs.corrupt, rs.duplicates, rs.fenced, rs.reattached, rs.attached)
               << std::endl;
   }
   if (!s.ok()) return Fail("follow", s);
@@ -413,15 +422,24 @@ int RunStatus(const StatusArgs& a) {
       }
       json& as = jv["attempts"] = json::array();
       for (const auto& at : v.attempts)
-        as.push_back({{"id", at.id}, {"state", at.state}, {"mode", at.mode}, {"frames", at.frames},
-                      {"frame_bytes", at.frame_bytes}, {"acks", at.acks}, {"nacks", at.nacks},
+        as.push_back({{"id", at.id},
+                      {"state", at.state},
+                      {"mode", at.mode},
+                      {"frames", at.frames},
+                      {"frame_bytes", at.frame_bytes},
+                      {"acks", at.acks},
+                      {"nacks", at.nacks},
                       {"fence_reason", at.fence_reason}});
       vs.push_back(std::move(jv));
     }
     json& rs = doc["receivers"] = json::array();
     for (const auto& x : r->receivers)
-      rs.push_back({{"id", x.record.id}, {"state", x.record.state}, {"version", x.record.version},
-                    {"live", x.live}, {"heartbeat_age_seconds", x.age_seconds}, {"behind", x.behind},
+      rs.push_back({{"id", x.record.id},
+                    {"state", x.record.state},
+                    {"version", x.record.version},
+                    {"live", x.live},
+                    {"heartbeat_age_seconds", x.age_seconds},
+                    {"behind", x.behind},
                     {"retired_at", x.retired_at ? json(*x.retired_at) : json(nullptr)},
                     {"frames_held_bytes", x.record.frames_held_bytes},
                     {"engine", x.record.engine.ranks ? json({{"id", x.record.engine.engine},
@@ -448,8 +466,8 @@ int RunStatus(const StatusArgs& a) {
     if (v.commit && v.commit->publisher_memory) {
       const PublisherMemory& m = *v.commit->publisher_memory;
       fmt::print("; publisher held a baseline of {} ({}), {} staged, {} of frames in flight at most, {} of digests",
-                 FormatBytes(m.baseline_bytes), m.baseline_in_memory ? "in memory" : "on disk", FormatBytes(m.staging_bytes),
-                 FormatBytes(m.frames_in_flight_bytes), FormatBytes(m.digest_bytes));
+                 FormatBytes(m.baseline_bytes), m.baseline_in_memory ? "in memory" : "on disk",
+                 FormatBytes(m.staging_bytes), FormatBytes(m.frames_in_flight_bytes), FormatBytes(m.digest_bytes));
     }
     fmt::print("\n");
     for (const auto& at : v.attempts) {
@@ -460,31 +478,34 @@ int RunStatus(const StatusArgs& a) {
     }
   }
   auto line = [](const ReceiverStatus& x) {
-    return fmt::format("{}: {} at v{}{}, heartbeat {:.1f} s ago{}{}", x.record.id, x.record.state, x.record.version,
-                       x.behind ? fmt::format(" ({} behind)", x.behind) : "", x.age_seconds, x.live ? "" : " (not live)",
-                       x.record.frames_held_bytes
-                           ? fmt::format(", held {} of frames at most for its last version",
-                                         FormatBytes(x.record.frames_held_bytes))
-                           : "");
+    return fmt::format(
+        "{}: {} at v{}{}, heartbeat {:.1f} s ago{}{}", x.record.id, x.record.state, x.record.version,
+        x.behind ? fmt::format(" ({} behind)", x.behind) : "", x.age_seconds, x.live ? "" : " (not live)",
+        x.record.frames_held_bytes
+            ? fmt::format(", held {} of frames at most for its last version", FormatBytes(x.record.frames_held_bytes))
+            : "");
   };
   std::map<std::string, std::vector<const ReceiverStatus*>> engines;  // ranks of engines, by rank
   for (const auto& x : r->receivers)
     if (x.record.engine.ranks) engines[x.record.engine.engine].push_back(&x);
     else fmt::print("  receiver {}\n", line(x));
   for (auto& [name, ranks] : engines) {
-    std::sort(ranks.begin(), ranks.end(), [](auto* x, auto* y) { return x->record.engine.rank < y->record.engine.rank; });
+    std::sort(ranks.begin(), ranks.end(),
+              [](auto* x, auto* y) { return x->record.engine.rank < y->record.engine.rank; });
     fmt::print("  engine {} ({} ranks, {} seen)\n", name, ranks.front()->record.engine.ranks, ranks.size());
     for (const ReceiverStatus* x : ranks) fmt::print("    rank {} {}\n", x->record.engine.rank, line(*x));
   }
   for (const auto& x : r->receivers)
     if (x.retired_at)
-      fmt::print("  receiver {} was retired from v{} (no ack before the deadline); run `dcr follow` on its target "
-                 "again and it catches up from committed deltas, or the newest snapshot\n",
-                 x.record.id, *x.retired_at);
+      fmt::print(
+          "  receiver {} was retired from v{} (no ack before the deadline); run `dcr follow` on its target "
+          "again and it catches up from committed deltas, or the newest snapshot\n",
+          x.record.id, *x.retired_at);
   for (const auto& u : r->unreadable_receivers)
-    fmt::print("  receiver record {} is unreadable and not counted (the publisher skips it too): {}; its follower "
-               "rewrites it at its next heartbeat, or remove it\n",
-               u.key, u.error.ToString());
+    fmt::print(
+        "  receiver record {} is unreadable and not counted (the publisher skips it too): {}; its follower "
+        "rewrites it at its next heartbeat, or remove it\n",
+        u.key, u.error.ToString());
   if (relays) fmt::print("relay tree (from {} stats files):\n{}", a.relay_stats.size(), **relays);
   return kExitOk;
 }
@@ -492,7 +513,8 @@ int RunStatus(const StatusArgs& a) {
 }  // namespace
 
 void AddRefitCommands(CLI::App& app) {
-  auto* pub = app.add_subcommand("publish", "Publish a checkpoint as the next version of a run and wait for its commit");
+  auto* pub =
+      app.add_subcommand("publish", "Publish a checkpoint as the next version of a run and wait for its commit");
   auto pa = std::make_shared<PublishArgs>();
   pub->add_option("--store", pa->store, "Store URL (file:///path, s3://bucket/prefix, or a directory)")->required();
   pub->add_option("--version", pa->version, "Version number (0 publishes the starting snapshot)")->required();
@@ -507,9 +529,12 @@ void AddRefitCommands(CLI::App& app) {
                   "With --process: the process of each sender, comma-separated (default: contiguous blocks)");
   pub->add_option("--peer-timeout", pa->peer_timeout,
                   "With --process: seconds to wait for the other processes' objects");
-  pub->add_option("--state", pa->state, "Publisher state directory (the baseline, a cache of the store: rebuilt from it when missing); default $DCR_STATE_DIR, else in memory: /dev/shm/dcr-<uid>/publish/<store>");
+  pub->add_option("--state", pa->state,
+                  "Publisher state directory (the baseline, a cache of the store: rebuilt from it when missing); "
+                  "default $DCR_STATE_DIR, else in memory: /dev/shm/dcr-<uid>/publish/<store>");
   pub->add_option("--senders", pa->senders, "Senders (chunk owners)")->check(CLI::Range(1, 1024));
-  pub->add_option("--attempts", pa->attempts, "Attempts before giving up (retries are overwrite)")->check(CLI::Range(1, 100));
+  pub->add_option("--attempts", pa->attempts, "Attempts before giving up (retries are overwrite)")
+      ->check(CLI::Range(1, 100));
   pub->add_option("--chunk", pa->chunk, "Chunk size in elements (version 0 fixes it for the run)");
   pub->add_option("--segment", pa->segment,
                   "Bytes of frames per object (receivers download each while the next is written), e.g. 1MiB; "
@@ -535,7 +560,8 @@ void AddRefitCommands(CLI::App& app) {
   fol->add_option("--store", fa->store, "Store URL")->required();
   fol->add_option("target", fa->target,
                   "Checkpoint directory (empty: join from the newest snapshot); with --layout, the rank's buffer "
-                  "directory")->required();
+                  "directory")
+      ->required();
   fol->add_option("--layout", fa->layout, "Follow as one rank of an engine: the rank's receiver map (docs/layouts.md)");
   fol->add_option("--engine", fa->engine, "With --layout: the engine's name (shared by its ranks)");
   fol->add_option("--rank", fa->rank, "With --layout: this rank's index");

@@ -7,8 +7,8 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
-#include <optional>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -65,10 +65,12 @@ int RunRelayDaemon(const RelayArgs& a) {
   auto sec = LoadRelaySecurity(a.key, a.relay_pub, a.allow, a.insecure);
   if (!sec.ok()) return Fail("relay", sec.status());
   if (sec->enabled() && sec->allowed.empty())
-    return Fail("relay", InvalidArgument("--key without --allow: no peer could attach; list their public keys in a file"));
+    return Fail("relay",
+                InvalidArgument("--key without --allow: no peer could attach; list their public keys in a file"));
   o.security = *sec;
   // A root that pulls from the store pushes with its own pair, as a sender.
-  if (!a.pull_store.empty() && o.security.enabled()) o.security.allowed[o.security.own->public_key] |= RoleBit(RelayRole::kSender);
+  if (!a.pull_store.empty() && o.security.enabled())
+    o.security.allowed[o.security.own->public_key] |= RoleBit(RelayRole::kSender);
   // --store (else --pull-store's): objects are kept only when their
   // publisher's signature verifies against the key that store records.
   std::unique_ptr<Store> verify_store;
@@ -78,7 +80,9 @@ int RunRelayDaemon(const RelayArgs& a) {
     if (!opened.ok()) return Fail("relay", opened.status().WithContext(a.store.empty() ? "--pull-store" : "--store"));
     verify_store = std::move(*opened);
     verifier.emplace(*verify_store);
-    o.verify_object = [&verifier](const std::string& key, std::string_view bytes) { return verifier->Verify(key, bytes); };
+    o.verify_object = [&verifier](const std::string& key, std::string_view bytes) {
+      return verifier->Verify(key, bytes);
+    };
     std::cerr << "dcr relay [" << a.id << "] objects are kept only when their publisher's signature verifies against "
               << verify_store->url() << std::endl;
   }
@@ -108,9 +112,10 @@ int RunRelayDaemon(const RelayArgs& a) {
     if (!started.ok()) return Fail("relay", started.status());
     puller = std::move(*started);
     pulling = std::thread([&] {
-      Status ps = PullFrameObjects(*store, *puller, std::chrono::milliseconds(static_cast<int64_t>(a.pull_every * 1000)),
-                                   [] { return g_relay_stop.load(); },
-                                   [&](const std::string& line) { std::cerr << "dcr relay [" << a.id << "] " << line << std::endl; });
+      Status ps = PullFrameObjects(
+          *store, *puller, std::chrono::milliseconds(static_cast<int64_t>(a.pull_every * 1000)),
+          [] { return g_relay_stop.load(); },
+          [&](const std::string& line) { std::cerr << "dcr relay [" << a.id << "] " << line << std::endl; });
       if (!ps.ok()) std::cerr << "dcr relay [" << a.id << "] pulling stopped: " << ps.ToString() << std::endl;
     });
   }
@@ -149,16 +154,17 @@ Result<std::string> FormatRelayTree(const std::vector<std::string>& stats_files,
   std::string out;
   for (const auto& d : docs) {
     const std::string up = d["upstream"].is_string() ? d["upstream"].get<std::string>() : "";
-    out += fmt::format("relay {} at {}, upstream {}: {} objects ({}) accepted; dropped {} corrupt, {} fenced, {} duplicates; "
-                       "{} peers refused\n",
-                       d.value("id", "?"), d.value("listen", "?"),
-                       up.empty() ? "none (a root)" : (id_of.count(up) ? id_of[up] + " " + up : up), d.value("accepted", 0),
-                       FormatBytes(d.value("accepted_bytes", 0)), d.value("dropped_corrupt", 0),
-                       d.value("dropped_fenced", 0), d.value("duplicates", 0), d.value("refused_peers", 0));
-    out += fmt::format("  acks: {} in {} messages from below, {} in {} messages up; spool: {} objects ({}) written, {} in use\n",
-                       d.value("acks_in", 0), d.value("ack_messages_in", 0), d.value("acks_out", 0),
-                       d.value("ack_messages_out", 0), d.value("spooled", 0), FormatBytes(d.value("spooled_bytes", 0)),
-                       FormatBytes(d.value("spool_bytes_in_use", 0)));
+    out += fmt::format(
+        "relay {} at {}, upstream {}: {} objects ({}) accepted; dropped {} corrupt, {} fenced, {} duplicates; "
+        "{} peers refused\n",
+        d.value("id", "?"), d.value("listen", "?"),
+        up.empty() ? "none (a root)" : (id_of.count(up) ? id_of[up] + " " + up : up), d.value("accepted", 0),
+        FormatBytes(d.value("accepted_bytes", 0)), d.value("dropped_corrupt", 0), d.value("dropped_fenced", 0),
+        d.value("duplicates", 0), d.value("refused_peers", 0));
+    out += fmt::format(
+        "  acks: {} in {} messages from below, {} in {} messages up; spool: {} objects ({}) written, {} in use\n",
+        d.value("acks_in", 0), d.value("ack_messages_in", 0), d.value("acks_out", 0), d.value("ack_messages_out", 0),
+        d.value("spooled", 0), FormatBytes(d.value("spooled_bytes", 0)), FormatBytes(d.value("spool_bytes_in_use", 0)));
     for (const auto& l : d["links"]) {
       const std::string kind = l.value("kind", "?");
       const bool in = kind == "upstream" || kind == "sender";
@@ -192,7 +198,8 @@ void AddRelayCommand(CLI::App& app) {
                     "Directory for a slow child's backlog beyond the cache: evicted objects it still needs are "
                     "written here and sent from disk, instead of being fetched from the store");
   relay->add_option("--spool-bytes", ra->spool_bytes, "Bound on the spool directory's bytes (beyond: the store)");
-  relay->add_option("--stats", ra->stats, "Write per-link byte counters as JSON to this file (every second and at exit)");
+  relay->add_option("--stats", ra->stats,
+                    "Write per-link byte counters as JSON to this file (every second and at exit)");
   relay->add_option("--key", ra->key, "CURVE key pair file (dcr relay keygen); enables authentication and encryption");
   relay->add_option("--relay-pub", ra->relay_pub, "Public key of the parent relays (default: this relay's own)");
   relay->add_option("--allow", ra->allow,
@@ -203,9 +210,10 @@ void AddRelayCommand(CLI::App& app) {
                   "every start)");
   relay->add_option("--ping", ra->ping, "Seconds between pings to peers");
   relay->add_option("--dead-after", ra->dead_after, "Seconds of silence after which the parent is left for the next");
-  relay->add_option("--pull-store", ra->pull_store,
-                    "A root inside the destination cluster: fetch each attempt's frame objects from this store itself "
-                    "(senders then only write to the store); with keys, it pushes with its own pair, admitted as a sender");
+  relay->add_option(
+      "--pull-store", ra->pull_store,
+      "A root inside the destination cluster: fetch each attempt's frame objects from this store itself "
+      "(senders then only write to the store); with keys, it pushes with its own pair, admitted as a sender");
   relay->add_option("--store", ra->store,
                     "Keep an object only when its publisher's signature verifies against the key this store records "
                     "(default with --pull-store: that store); without it, the first copy of a key is kept and "
@@ -329,7 +337,8 @@ void AddRelayCommand(CLI::App& app) {
   relay->callback([relay, ra] {
     if (!relay->get_subcommands().empty()) return;  // keygen, plan, push, status or tree ran
     if (ra->id.empty() || ra->listen.empty()) {
-      ExitCode() = Fail("relay", InvalidArgument("--id and --listen are needed to run a relay (or use keygen, plan, push, status)"));
+      ExitCode() = Fail(
+          "relay", InvalidArgument("--id and --listen are needed to run a relay (or use keygen, plan, push, status)"));
       return;
     }
     ExitCode() = RunRelayDaemon(*ra);

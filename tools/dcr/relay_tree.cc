@@ -11,9 +11,9 @@
 
 #include <atomic>
 #include <cerrno>
-#include <cstring>
 #include <chrono>
 #include <csignal>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -136,8 +136,11 @@ int RunTree(const TreeArgs& a) {
       return Fail("relay tree", InvalidArgument(a.plan + ": a relay without id, address or upstream"));
     relays.push_back(&n);
     const std::string id = n["id"];
-    std::vector<std::string> argv = {"dcr", "relay", "--id", id, "--listen", n["address"], "--stats",
-                                     a.dir + "/stats-" + id + ".json", "--ping", fmt::format("{}", a.ping),
+    std::vector<std::string> argv = {"dcr",          "relay",
+                                     "--id",         id,
+                                     "--listen",     n["address"],
+                                     "--stats",      a.dir + "/stats-" + id + ".json",
+                                     "--ping",       fmt::format("{}", a.ping),
                                      "--dead-after", fmt::format("{}", a.dead_after)};
     for (const auto& up : n["upstream"]) argv.insert(argv.end(), {"--parent", up.get<std::string>()});
     argv.insert(argv.end(), security.begin(), security.end());
@@ -216,12 +219,15 @@ int RunTree(const TreeArgs& a) {
 
 void AddRelayTreeCommand(CLI::App* relay) {
   auto* tree = relay->add_subcommand(
-      "tree", "Run a whole local tree for tests and demos: every relay of a plan and N receivers, as child processes "
-              "stopped on exit or Ctrl-C");
+      "tree",
+      "Run a whole local tree for tests and demos: every relay of a plan and N receivers, as child processes "
+      "stopped on exit or Ctrl-C");
   auto a = std::make_shared<TreeArgs>();
   tree->add_option("--plan", a->plan, "Plan JSON (dcr relay plan --relays FILE)")->required();
-  tree->add_option("--dir", a->dir, "Directory for logs/, stats-<relay>.json and the receivers' target-<id>/")->required();
-  tree->add_option("--store", a->store, "Store URL the receivers follow; the relays check objects' signatures against it");
+  tree->add_option("--dir", a->dir, "Directory for logs/, stats-<relay>.json and the receivers' target-<id>/")
+      ->required();
+  tree->add_option("--store", a->store,
+                   "Store URL the receivers follow; the relays check objects' signatures against it");
   tree->add_option("--receivers", a->receivers, "Receivers to run, spread over the relays in plan order");
   tree->add_option("--receiver-prefix", a->receiver_prefix, "Receiver ids: PREFIX0, PREFIX1, ...");
   tree->add_option("--until", a->until, "Receivers exit once they hold this version; then the tree stops");
@@ -232,7 +238,8 @@ void AddRelayTreeCommand(CLI::App* relay) {
   tree->add_flag("--insecure", a->insecure, "No keys: relays and receivers on plain TCP (trusted networks only)");
   tree->add_option("--ping", a->ping, "Seconds between pings (relays)");
   tree->add_option("--dead-after", a->dead_after, "Seconds of silence before a parent is left (relays, receivers)");
-  tree->add_option("--relay-arg", a->relay_args, "An extra argument for every relay (repeat), e.g. --relay-arg=--spool=DIR")
+  tree->add_option("--relay-arg", a->relay_args,
+                   "An extra argument for every relay (repeat), e.g. --relay-arg=--spool=DIR")
       ->allow_extra_args(false);
   tree->callback([a] { ExitCode() = RunTree(*a); });
 }

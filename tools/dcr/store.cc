@@ -94,7 +94,8 @@ int Rm(const StoreArgs& a) {
 }  // namespace
 
 void AddStoreCommand(CLI::App& app) {
-  auto* store = app.add_subcommand("store", "List, upload, download and delete objects of a store (file://, s3://, mem://)");
+  auto* store =
+      app.add_subcommand("store", "List, upload, download and delete objects of a store (file://, s3://, mem://)");
   store->require_subcommand(1);
   auto a = std::make_shared<StoreArgs>();
   auto* ls = store->add_subcommand("ls", "List objects (sizes and keys) under a prefix");
