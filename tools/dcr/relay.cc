@@ -185,8 +185,8 @@ void AddRelayCommand(CLI::App& app) {
       "relay", "Run a relay of the relay tree (frames in from the parent or senders, out to children and receivers)");
   relay->require_subcommand(0, 1);
   auto ra = std::make_shared<RelayArgs>();
-  relay->add_option("--id", ra->id, "This relay's id (logs, stats, the plan)")->required();
-  relay->add_option("--listen", ra->listen, "Address to listen on, e.g. tcp://0.0.0.0:7400")->required();
+  relay->add_option("--id", ra->id, "This relay's id (logs, stats, the plan)");
+  relay->add_option("--listen", ra->listen, "Address to listen on, e.g. tcp://0.0.0.0:7400");
   relay->add_option("--parent", ra->parents,
                     "Parent relay address; repeat for its ancestors, in order (used when the parent is silent). "
                     "None: a root, which senders push into");
