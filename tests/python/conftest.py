@@ -10,12 +10,20 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import struct
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+# Several tests stop real child processes with SIGINT (Ctrl-C). A child
+# inherits an ignored SIGINT from its parent, and a suite started in the
+# background by a shell without job control (`cmd &` in a script) has it
+# ignored; a handler here becomes the default disposition in every child.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 REPO = Path(__file__).resolve().parents[2]
 DCR_BIN = Path(os.environ.get("DCR_BIN", REPO / "build" / "tools" / "dcr" / "dcr"))
