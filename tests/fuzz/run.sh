@@ -27,6 +27,9 @@
 # DCR_FUZZ_CPU=N runs the targets on CPU N alone (taskset): for runs side by
 # side, and 2-3x faster for s3_response_fuzz, whose driver hands each request
 # to a thread and back (a wake-up on the same CPU costs less).
+# DCR_FUZZ_TIMEOUT=S (default 10): libFuzzer's per-input wall-clock limit, the
+# hang detector; raise it for long runs beside other work on a shared machine,
+# where a descheduled target can pass 10 s on an input that takes milliseconds.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 repo_corpus=tests/fuzz/corpus
@@ -41,6 +44,7 @@ totals() {
 
 mode=ci
 seconds=30
+timeout=${DCR_FUZZ_TIMEOUT:-10}
 goal=0
 until=0
 only=()
@@ -122,7 +126,7 @@ for target in "${targets[@]}"; do
   mkdir -p "$corpus"
   cp "$work/seeds/$name"/* "$corpus"/
   if [ -d "$repo_corpus/$name" ]; then cp "$repo_corpus/$name"/* "$corpus"/ 2>/dev/null || true; fi
-  base=(-rss_limit_mb=2048 -timeout=10 -print_final_stats=1 -artifact_prefix="$work/$name-" "${flags[@]}")
+  base=(-rss_limit_mb=2048 -timeout="$timeout" -print_final_stats=1 -artifact_prefix="$work/$name-" "${flags[@]}")
 
   if [ "$mode" = ci ]; then
     echo "fuzz: $name for ${seconds}s on $(ls "$corpus" | wc -l) inputs"
@@ -169,7 +173,7 @@ for target in "${targets[@]}"; do
       fresh="$work/$name.merged"
       rm -rf "$fresh"
       mkdir -p "$fresh" "$repo_corpus/$name"
-      if "${pin[@]}" "$target" -merge=1 -rss_limit_mb=2048 -timeout=10 "${flags[@]}" "$fresh" "$corpus" \
+      if "${pin[@]}" "$target" -merge=1 -rss_limit_mb=2048 -timeout="$timeout" "${flags[@]}" "$fresh" "$corpus" \
           >"$work/$name.$round.merge.log" 2>&1; then
         rm -rf "${repo_corpus:?}/$name.old"
         mv "$repo_corpus/$name" "$repo_corpus/$name.old"
