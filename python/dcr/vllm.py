@@ -9,8 +9,10 @@ the ``vllm.general_plugins`` entry point (:func:`register`), on both sides:
   joins the run, ``update_info = {"version": N}`` returns once version N is
   committed and the engine's parameters hold exactly its bits.
 - :class:`DcrTrainerWeightTransferEngine` runs in the trainer: it publishes
-  each version of a vLLM ``WeightSource`` with :class:`dcr.ShardPublisher`
-  and drives start / update / finish on a ``VLLMWeightSyncClient``.
+  each version of a vLLM ``WeightSource``, or of the trainer's own shards
+  in one or several processes (:class:`DcrSenders`), with
+  :class:`dcr.ShardPublisher` and drives start / update / finish on a
+  ``VLLMWeightSyncClient``.
 
 Placement comes from the model's own ``load_weights``, traced once at
 ``init_info`` time (:func:`dcr.trace.record_layout`) into host tensors in
@@ -55,7 +57,7 @@ BACKEND = "dcr"
 
 __all__ = [
     "BACKEND", "register", "DcrInitInfo", "DcrUpdateInfo", "DcrWeightTransferEngine", "DcrTrainerInitInfo",
-    "DcrTrainerWeightTransferEngine", "LLMClient", "load_form_digests", "fresh_load_form_digests",
+    "DcrTrainerWeightTransferEngine", "DcrSenders", "LLMClient", "load_form_digests", "fresh_load_form_digests",
 ]
 
 
@@ -549,36 +551,87 @@ class DcrTrainerInitInfo(TrainerInitInfo):
     ack_timeout_s: float = 120.0
     heartbeat_timeout_s: float = 30.0
     update_timeout_s: float = 600.0
+    chunk_elements: int = dcr.DEFAULT_CHUNK_ELEMENTS  # the run's chunking, when this trainer creates the run
     inject_failures: list = field(default_factory=list)  # tests of retries: ShardPublisher(inject_failures=)
+
+
+@dataclass
+class DcrSenders:
+    """A trainer's own dcr senders as the ``source`` of :meth:`DcrTrainerWeightTransferEngine.trainer_init`,
+    in place of a vLLM ``WeightSource``: no gather of full tensors, each
+    trainer process publishes the shards it holds (``dcr.ShardPublisher``'s
+    ``senders``, ``layouts``, ``placement``, ``conversions``, ``stage``;
+    docs/python.md). With ``processes`` > 1, every trainer process calls
+    ``trainer_init`` with its own senders and ``init_info.rank`` = its
+    process index, and ``send_weights`` each round; process 0 (vLLM's
+    sender) coordinates the attempt and drives the engines.
+
+    snapshot: the run's version 0 as canonical tensors by name (a mapping,
+        or a callable returning one), used by process 0 only when the store
+        holds no run yet. Other processes wait for it.
+    """
+
+    senders: list
+    layouts: Optional[list] = None
+    processes: int = 1
+    placement: Optional[list] = None
+    conversions: Optional[dict] = None
+    stage: Optional[bool] = None
+    snapshot: Any = None
 
 
 class DcrTrainerWeightTransferEngine(TrainerWeightTransferEngine[DcrTrainerInitInfo]):
     """The trainer side of backend ``"dcr"``: each :meth:`send_weights`
     publishes the source's current tensors as the next version and drives
-    the engines' start / update / finish through the client."""
+    the engines' start / update / finish through the client. The source is
+    a vLLM ``WeightSource`` (its tensors are copied into held tensors each
+    round) or :class:`DcrSenders` (the trainer's shards, published in place,
+    from one or several trainer processes)."""
 
     init_info_cls = DcrTrainerInitInfo
 
     @classmethod
     def trainer_init(cls, init_info: DcrTrainerInitInfo, *, client, source=None) -> "DcrTrainerWeightTransferEngine":
         if source is None:
-            raise ValueError("dcr: trainer_init needs a WeightSource (e.g. ModuleSource(model))")
+            raise ValueError("dcr: trainer_init needs a source: a WeightSource (e.g. ModuleSource(model)) or "
+                             "dcr.vllm.DcrSenders")
+        shards = isinstance(source, DcrSenders)
+        processes = source.processes if shards else 1
+        if not 0 <= init_info.rank < processes:
+            raise ValueError(f"dcr: trainer rank {init_info.rank} is not a process of {processes} "
+                             "(DcrSenders.processes)")
         self = cls(client=client, source=source, is_sender=init_info.is_sender)
         self.info = init_info
-        self.held = {name: t.detach() for name, t in source}
-        if not self.is_sender:
-            return self
+        self.held = None if shards else {name: t.detach() for name, t in source}
         store = dcr.open_store(init_info.store)
         self.store = store
-        self.publisher = dcr.ShardPublisher(store, init_info.state_dir, senders=[self.held],
-                                            max_attempts=init_info.max_attempts,
-                                            ack_timeout_s=init_info.ack_timeout_s,
-                                            heartbeat_timeout_s=init_info.heartbeat_timeout_s,
-                                            inject_failures=init_info.inject_failures)
+        options = dict(max_attempts=init_info.max_attempts, ack_timeout_s=init_info.ack_timeout_s,
+                       heartbeat_timeout_s=init_info.heartbeat_timeout_s, chunk_elements=init_info.chunk_elements,
+                       inject_failures=init_info.inject_failures)
+        if shards:
+            self.publisher = dcr.ShardPublisher(store, init_info.state_dir, senders=source.senders,
+                                                process=init_info.rank, processes=processes,
+                                                layouts=source.layouts, placement=source.placement,
+                                                conversions=source.conversions, stage=source.stage,
+                                                peer_timeout_s=init_info.update_timeout_s, **options)
+        elif self.is_sender:
+            self.publisher = dcr.ShardPublisher(store, init_info.state_dir, senders=[self.held], **options)
+        else:
+            return self  # a WeightSource's other ranks only take part in its collectives
         self.version = _latest_commit(store)
-        if self.version < 0:
-            self.publisher.publish_snapshot(self.held)
+        if self.version < 0 and self.is_sender:
+            snapshot = source.snapshot if shards else self.held
+            if callable(snapshot):
+                snapshot = snapshot()
+            if snapshot is None:
+                raise ValueError(f"dcr: the store '{init_info.store}' holds no run yet; give DcrSenders.snapshot "
+                                 "(the canonical tensors of version 0) to create it")
+            self.publisher.publish_snapshot(snapshot)
             self.version = 0
+        elif self.version < 0:
+            self.version = self._await_run(store)
+        if not self.is_sender:
+            return self
         run = json.loads(store.get("run.json"))
         worker_info = dict(init_info.engine_init)
         worker_info.update(store=init_info.store, run_id=run["run_id"])
@@ -587,6 +640,16 @@ class DcrTrainerWeightTransferEngine(TrainerWeightTransferEngine[DcrTrainerInitI
         self.worker_info = worker_info
         client.init_weight_transfer_engine(worker_info)
         return self
+
+    def _await_run(self, store: "dcr.Store") -> int:
+        """A trainer process other than 0: waits until process 0 has created the run."""
+        deadline = time.monotonic() + self.info.update_timeout_s
+        while (v := _latest_commit(store)) < 0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"dcr: trainer process {self.info.rank}: no run in '{self.info.store}' after "
+                                   f"{self.info.update_timeout_s} s (process 0 creates it)")
+            time.sleep(0.05)
+        return v
 
     def _refresh_held(self) -> None:
         # A source may hand out new tensors each round (e.g. gathered
@@ -598,11 +661,19 @@ class DcrTrainerWeightTransferEngine(TrainerWeightTransferEngine[DcrTrainerInitI
 
     def send_weights(self, version: Optional[int] = None) -> dict:
         """Publishes the next version (or ``version``) and returns the
-        publisher's report once it is committed and the engines hold it."""
-        self._refresh_held()
-        if not self.is_sender:
+        publisher's report once it is committed and the engines hold it.
+        Called on every trainer rank; with :class:`DcrSenders` in several
+        processes each publishes its own senders, and only rank 0 (the
+        coordinator) drives the engines."""
+        if self.held is not None:
+            self._refresh_held()  # a collective for a sharded WeightSource: every rank takes part
+        if not hasattr(self, "publisher"):
             return {}
         v = self.version + 1 if version is None else version
+        if not self.is_sender:
+            report = self.publisher.publish(v)
+            self.version = v
+            return report
         since = time.time()
         self.client.start_weight_update()
         errors: list = []

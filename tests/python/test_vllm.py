@@ -100,6 +100,25 @@ def test_vllm_engine_follows_a_trainer_bit_exact(tmp_path):
     assert fresh["live"] == r["final_live"]
 
 
+def test_vllm_engine_follows_two_trainer_processes_publishing_their_shards(tmp_path):
+    # DcrSenders: two trainer processes (data-parallel replicas), each
+    # publishing the rows it holds of every parameter; process 0 coordinates
+    # and drives the engine.
+    steps = 2
+    store_dir = tmp_path / "store"
+    r = run_job(tmp_path, "refit", "refit", "--work", str(tmp_path), "--store", "file://" + str(store_dir),
+                "--steps", str(steps), "--trainer-processes", "2")
+    check_versions(r, steps)
+    assert r["peer_rc"] == 0
+    assert all(v["peer_version"] == v["version"] and v["peer_same"] for v in r["versions"][1:]), r["versions"]
+    assert all(v.get("acked") == ["e1-r0"] and v.get("attempts") == 1 for v in r["versions"][1:])
+    # Each process uploaded its own frame object of every version.
+    for v in range(1, steps + 1):
+        commit = json.loads((store_dir / "commits" / f"v{v:010}.json").read_text())
+        objects = sorted(p.name for p in (store_dir / "attempts" / f"v{v:010}" / commit["attempt"] / "frames").iterdir())
+        assert objects == ["s0-0000.bin", "s1-0000.bin"], objects
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

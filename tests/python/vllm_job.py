@@ -15,6 +15,12 @@ is built under ``__main__``) and writes what it saw as JSON to ``--out``:
   tokens. ``--fail-at POINT:N`` fails the publisher at a fault point (the
   attempt is fenced and retried as an overwrite). ``--bad-input`` also
   tries the refusals and checks that the engine kept its bits.
+  ``--trainer-processes 2``: the trainer is two processes (this one and a
+  ``trainer-peer`` it starts), data-parallel replicas taking the same steps,
+  each publishing its own half of every parameter's rows through
+  ``dcr.vllm.DcrSenders`` (row-sharded sender maps), as FSDP ranks would.
+- ``trainer-peer``: trainer process 1 of ``--trainer-processes 2``; steps
+  when a line arrives on stdin and prints the SHA-256 of its parameters.
 - ``fresh``: a vLLM ``LLM`` loading ``--dir`` from disk: greedy tokens and
   the live parameters' digests, the reference for the refit engine.
 - ``serve``: the trainer against ``vllm serve`` with the backend, through
@@ -28,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -68,6 +75,47 @@ def train_step(model, optimizer, step: int) -> None:
     out.loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def row_shards(model, p: int, processes: int) -> tuple:
+    """Trainer process p's share of ``model``: rows [p*R/P, (p+1)*R/P) of every
+    parameter as views of the live parameters, and its sender map."""
+    tensors, buffers, copies, held = [], [], [], {}
+    for name, t in model.named_parameters():
+        shape = list(t.shape)
+        tensors.append({"name": name, "dtype": "BF16", "shape": shape})
+        lo, hi = shape[0] * p // processes, shape[0] * (p + 1) // processes
+        if lo == hi:
+            continue
+        buf = f"{name}#rows{lo}"
+        held[buf] = t.data[lo:hi]
+        buffers.append({"id": buf, "dtype": "BF16", "shape": [hi - lo] + shape[1:]})
+        copies.append({"tensor": name, "offset": [lo] + [0] * (len(shape) - 1), "extent": [hi - lo] + shape[1:],
+                       "buffer": buf, "buffer_offset": [0] * len(shape)})
+    layout = {"format": "dcr-layout", "format_version": 1, "tensors": tensors, "buffers": buffers, "copies": copies}
+    return held, layout
+
+
+def row_senders(model, process: int, processes: int, snapshot: bool):
+    """``DcrSenders`` of trainer process ``process``: its rows, every process's map."""
+    import dcr.vllm as dv
+
+    held, layout = row_shards(model, process, processes)
+    layouts = [row_shards(model, q, processes)[1] for q in range(processes)]
+    return dv.DcrSenders(senders=[(held, layout)], layouts=layouts, processes=processes,
+                         snapshot=(lambda: {n: t.detach() for n, t in model.named_parameters()}) if snapshot else None)
+
+
+def params_sha256(model) -> str:
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for name, t in model.named_parameters():
+        h.update(name.encode())
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def make_llm(model_dir: str, tp: int, backend: bool):
@@ -125,18 +173,55 @@ def mode_refit(a) -> dict:
     engine_init = {"engine": "e1", "state_dir": os.path.join(a.work, "engine")}
     if a.relay:
         engine_init.update(relay=[a.relay], relay_key=a.relay_key, relay_pub=a.relay_pub)
+    # Two trainer processes: chunks of 4096 elements, so that each process owns the chunks starting in its rows.
     info = dv.DcrTrainerInitInfo(rank=0, store=a.store, state_dir=os.path.join(a.work, "trainer"),
-                                 engine_init=engine_init,
-                                 inject_failures=a.fail_at, heartbeat_timeout_s=60.0)
-    trainer = WeightTransferTrainerFactory.trainer_init(info, client=dv.LLMClient(llm), source=ModuleSource(model))
-    out.update(versions=[], joined_version=llm.get_weight_version())
+                                 engine_init=engine_init, inject_failures=a.fail_at, heartbeat_timeout_s=60.0,
+                                 **({"chunk_elements": 4096} if a.trainer_processes == 2 else {}))
+    peer = None
+    if a.trainer_processes == 2:
+        torch.set_num_threads(1)  # the replicas' steps must give the same bits: the same arithmetic
+        peer = subprocess.Popen([sys.executable, __file__, "trainer-peer", "--out", os.path.join(a.work, "peer.json"),
+                                 "--work", a.work, "--store", a.store, "--family", a.family, "--lr", str(a.lr)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        source = row_senders(model, 0, 2, snapshot=True)
+    else:
+        source = ModuleSource(model)
     try:
-        return refit_versions(a, model, optimizer, llm, trainer, out)
+        trainer = WeightTransferTrainerFactory.trainer_init(info, client=dv.LLMClient(llm), source=source)
+        out.update(versions=[], joined_version=llm.get_weight_version())
+        return refit_versions(a, model, optimizer, llm, trainer, out, peer)
     finally:
         shutdown(llm)
+        if peer is not None:
+            peer.stdin.close()
+            out["peer_rc"] = peer.wait(timeout=120)
 
 
-def refit_versions(a, model, optimizer, llm, trainer, out: dict) -> dict:
+def mode_trainer_peer(a) -> dict:
+    """Trainer process 1 of two: the same model and steps as process 0, its
+    half of the rows published through DcrSenders."""
+    import torch
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    import dcr.vllm as dv
+
+    torch.set_num_threads(1)  # as process 0
+    model = make_model(a.family)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr)
+    info = dv.DcrTrainerInitInfo(rank=1, store=a.store, state_dir=os.path.join(a.work, "trainer-p1"),
+                                 heartbeat_timeout_s=60.0)
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=None, source=row_senders(model, 1, 2, False))
+    out: dict = {"versions": []}
+    for step, line in enumerate(sys.stdin, start=1):
+        train_step(model, optimizer, step)
+        report = trainer.send_weights()
+        out["versions"].append(trainer.version)
+        print(json.dumps({"version": trainer.version, "sha256": params_sha256(model),
+                          "senders": report.get("senders")}), flush=True)
+    return out
+
+
+def refit_versions(a, model, optimizer, llm, trainer, out: dict, peer=None) -> dict:
     import torch
 
     import dcr.vllm as dv
@@ -152,6 +237,9 @@ def refit_versions(a, model, optimizer, llm, trainer, out: dict) -> dict:
     for step in range(1, a.steps + 1):
         with torch.no_grad():
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        if peer is not None:  # trainer process 1 takes the same step and publishes its rows
+            peer.stdin.write("step\n")
+            peer.stdin.flush()
         train_step(model, optimizer, step)
         changed = sum(int((before[n].view(torch.int16) != p.detach().view(torch.int16)).sum())
                       for n, p in model.named_parameters())
@@ -159,6 +247,9 @@ def refit_versions(a, model, optimizer, llm, trainer, out: dict) -> dict:
         report = trainer.send_weights()
         model.save_pretrained(os.path.join(a.work, f"v{step}"))
         entry = check(step)
+        if peer is not None:  # the replicas are the same model: process 0's checkpoint is the reference
+            said = json.loads(peer.stdout.readline())
+            entry.update(peer_version=said["version"], peer_same=said["sha256"] == params_sha256(model))
         entry.update(changed_fraction=changed / total, attempts=report.get("attempts"), acked=report.get("acked"))
         out["versions"].append(entry)
         print(f"version {step}: {changed / total:.2%} changed, attempts {report.get('attempts')}", flush=True)
@@ -340,7 +431,7 @@ def shutdown(llm) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["refit", "fresh", "serve"])
+    p.add_argument("mode", choices=["refit", "fresh", "serve", "trainer-peer"])
     p.add_argument("--port", type=int, default=18473)
     p.add_argument("--out", required=True)
     p.add_argument("--work")
@@ -354,12 +445,13 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--fail-at", action="append", default=[])
     p.add_argument("--bad-input", action="store_true")
+    p.add_argument("--trainer-processes", type=int, choices=[1, 2], default=1)
     p.add_argument("--relay", help="the engine's ranks take frame objects from this relay (engine_init 'relay')")
     p.add_argument("--relay-key", help="the ranks' CURVE key pair file (engine_init 'relay_key')")
     p.add_argument("--relay-pub", help="the relay's public key file (engine_init 'relay_pub')")
     a = p.parse_args()
     start = time.monotonic()
-    out = {"refit": mode_refit, "fresh": mode_fresh, "serve": mode_serve}[a.mode](a)
+    out = {"refit": mode_refit, "fresh": mode_fresh, "serve": mode_serve, "trainer-peer": mode_trainer_peer}[a.mode](a)
     out["seconds"] = time.monotonic() - start
     with open(a.out, "w") as f:
         json.dump(out, f)
