@@ -529,6 +529,14 @@ class ShardPublisher:
     and nothing committed (the next :meth:`publish` of the version starts a
     new attempt); elsewhere it is seen once the call returns.
 
+    ``relay``: the addresses of the relay tree's roots; every frame object and
+    fence is also pushed to them (receivers below take it from the tree), and
+    acks that come up the tree are counted (the report's ``relay_acks``).
+    ``relay_key`` (this publisher's CURVE key pair, admitted by the roots as a
+    sender) and ``relay_pub`` (the roots' public key), or ``relay_insecure``,
+    as ``dcr publish``'s ``--relay-key``, ``--relay-pub``, ``--relay-insecure``.
+    With several trainer processes each pushes its own frame objects.
+
     ``inject_failures`` (tests of retries): ``"POINT:N"`` makes the N-th
     time the publisher reaches fault point POINT (``frames-written``,
     ``manifest-written``, ``acked``, ``before-commit``) fail as a store
@@ -540,7 +548,9 @@ class ShardPublisher:
                  conversions: Optional[Mapping[str, Callable[[], Any]]] = None, stage: Optional[bool] = None,
                  process: int = 0, processes: int = 1, layouts: Optional[Sequence[Any]] = None,
                  placement: Optional[Sequence[int]] = None, peer_timeout_s: float = 60.0,
-                 inject_failures: Sequence[str] = (), copy_engine: Optional[Callable[[Any, Any], None]] = None):
+                 inject_failures: Sequence[str] = (), copy_engine: Optional[Callable[[Any, Any], None]] = None,
+                 relay: Sequence[str] = (), relay_key: PathLike = "", relay_pub: PathLike = "",
+                 relay_insecure: bool = False):
         self.store = store
         self.state_dir = default_publisher_state_dir(store) if state_dir is None else os.fspath(state_dir)
         self._processes = processes
@@ -578,7 +588,8 @@ class ShardPublisher:
         self._p = _dcr.ShardPublisher(store, self.state_dir, self._layouts, 1, max_attempts, ack_timeout_s,
                                       heartbeat_timeout_s, snapshot_every, chunk_elements, process, processes,
                                       [_layout_json(m) for m in (layouts or [])], list(placement or []),
-                                      peer_timeout_s, list(inject_failures))
+                                      peer_timeout_s, list(inject_failures), list(relay), os.fspath(relay_key),
+                                      os.fspath(relay_pub), relay_insecure)
 
     def _convert(self, name: str, held: Any) -> Any:
         """Conversion ``name``'s output now: a new CPU buffer (``held`` None),

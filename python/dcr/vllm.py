@@ -539,6 +539,10 @@ class DcrTrainerInitInfo(TrainerInitInfo):
         ``engine``, by default named after this host and process); []:
         publish at once (engines then apply the committed version when
         they reach it).
+    relay, relay_key, relay_pub, relay_insecure: the trainer pushes every
+        frame object into these relay roots as it uploads it (engines
+        attached below them with ``engine_init``'s ``relay`` take it from
+        the tree instead of the store); as :class:`dcr.ShardPublisher`'s.
     """
 
     backend: ClassVar[str] = BACKEND
@@ -552,6 +556,11 @@ class DcrTrainerInitInfo(TrainerInitInfo):
     heartbeat_timeout_s: float = 30.0
     update_timeout_s: float = 600.0
     chunk_elements: int = dcr.DEFAULT_CHUNK_ELEMENTS  # the run's chunking, when this trainer creates the run
+    # Push frame objects into the relay tree's roots (dcr.ShardPublisher's relay arguments).
+    relay: list = field(default_factory=list)
+    relay_key: str = ""
+    relay_pub: str = ""
+    relay_insecure: bool = False
     inject_failures: list = field(default_factory=list)  # tests of retries: ShardPublisher(inject_failures=)
 
 
@@ -607,7 +616,9 @@ class DcrTrainerWeightTransferEngine(TrainerWeightTransferEngine[DcrTrainerInitI
         self.store = store
         options = dict(max_attempts=init_info.max_attempts, ack_timeout_s=init_info.ack_timeout_s,
                        heartbeat_timeout_s=init_info.heartbeat_timeout_s, chunk_elements=init_info.chunk_elements,
-                       inject_failures=init_info.inject_failures)
+                       inject_failures=init_info.inject_failures, relay=init_info.relay,
+                       relay_key=init_info.relay_key, relay_pub=init_info.relay_pub,
+                       relay_insecure=init_info.relay_insecure)
         if shards:
             self.publisher = dcr.ShardPublisher(store, init_info.state_dir, senders=source.senders,
                                                 process=init_info.rank, processes=processes,

@@ -341,6 +341,8 @@ nb::dict PublishReportDict(const dcr::PublishReport& r) {
   d["total_bytes"] = r.total_bytes;
   d["acked"] = r.acked;
   d["retired"] = r.retired;
+  d["relay_acks"] = r.relay_acks;
+  d["relay_acks_unconfirmed"] = r.relay_acks_unconfirmed;
   d["encode_seconds"] = r.encode_seconds;
   d["wait_seconds"] = r.wait_seconds;
   d["total_seconds"] = r.total_seconds;
@@ -359,22 +361,42 @@ nb::dict PublishReportDict(const dcr::PublishReport& r) {
   return d;
 }
 
-// A receiver's relay client (frame objects from the relay tree), started
-// under the receiver's id; null without addresses.
-std::unique_ptr<dcr::RelayReceiver> StartRelay(const std::string& id, const std::vector<std::string>& addresses,
-                                               const std::string& key, const std::string& pub, bool insecure,
-                                               bool quiet) {
+// Relay client options under `id` from the Python arguments; nullopt
+// without addresses (then none of the key arguments may be given).
+std::optional<dcr::RelayClientOptions> RelayOptions(const std::string& id, const std::vector<std::string>& addresses,
+                                                    const std::string& key, const std::string& pub, bool insecure) {
   if (addresses.empty()) {
     if (!key.empty() || !pub.empty() || insecure)
       Raise(dcr::InvalidArgument("relay_key, relay_pub and relay_insecure need relay addresses"));
-    return nullptr;
+    return std::nullopt;
   }
   dcr::RelayClientOptions o;
   o.id = id;
   o.addresses = addresses;
   o.security = Take(dcr::LoadRelaySecurity(key, pub, "", insecure));
-  if (quiet) o.log = [](const std::string&) {};
-  return Take(dcr::RelayReceiver::Start(std::move(o)));
+  return o;
+}
+
+// A receiver's relay client (frame objects from the relay tree), started
+// under the receiver's id; null without addresses.
+std::unique_ptr<dcr::RelayReceiver> StartRelay(const std::string& id, const std::vector<std::string>& addresses,
+                                               const std::string& key, const std::string& pub, bool insecure,
+                                               bool quiet) {
+  auto o = RelayOptions(id, addresses, key, pub, insecure);
+  if (!o) return nullptr;
+  if (quiet) o->log = [](const std::string&) {};
+  return Take(dcr::RelayReceiver::Start(std::move(*o)));
+}
+
+// A publisher's relay client (frame objects and fences pushed to the roots
+// of the relay tree, acks taken from them), under `id`; null without addresses.
+std::unique_ptr<dcr::RelaySender> StartRelaySender(const std::string& id, const std::vector<std::string>& addresses,
+                                                   const std::string& key, const std::string& pub, bool insecure) {
+  auto o = RelayOptions(id, addresses, key, pub, insecure);
+  if (!o) return nullptr;
+  o->dead_after = std::chrono::seconds(5);  // a root is written off only when really gone (as `dcr publish`)
+  o->log = [](const std::string&) {};
+  return Take(dcr::RelaySender::Start(std::move(*o)));
 }
 
 // The relay (declared first) outlives the follower that takes from it.
@@ -431,6 +453,7 @@ struct PyPublisher {
 struct PyShardPublisher {
   std::vector<std::unique_ptr<dcr::CompiledLayout>> layouts, all;
   dcr::ShardProcesses procs;
+  std::unique_ptr<dcr::RelaySender> relay;  // declared first: outlives the publisher
   std::unique_ptr<dcr::ShardPublisher> publisher;
   Interruptible interrupt;
 };
@@ -905,7 +928,9 @@ NB_MODULE(_dcr, m) {
              const std::vector<std::string>& layouts, uint32_t senders, uint32_t max_attempts, double ack_timeout_s,
              double heartbeat_timeout_s, uint64_t snapshot_every, uint64_t chunk_elements, uint32_t process,
              uint32_t processes, const std::vector<std::string>& all_layouts, const std::vector<uint32_t>& placement,
-             double peer_timeout_s, const std::vector<std::string>& inject_failures) {
+             double peer_timeout_s, const std::vector<std::string>& inject_failures,
+             const std::vector<std::string>& relay, const std::string& relay_key, const std::string& relay_pub,
+             bool relay_insecure) {
             std::vector<std::unique_ptr<dcr::CompiledLayout>> compiled, all;
             for (size_t k = 0; k < layouts.size(); ++k)
               compiled.push_back(std::make_unique<dcr::CompiledLayout>(
@@ -919,15 +944,20 @@ NB_MODULE(_dcr, m) {
             o.peer_timeout = std::chrono::milliseconds(static_cast<int64_t>(peer_timeout_s * 1000));
             o.cancel = interrupt.Hook();
             o.fault = InjectedFailures(inject_failures);
+            auto pushed = StartRelaySender("publish-" + dcr::DefaultReceiverId() + "-p" + std::to_string(process),
+                                           relay, relay_key, relay_pub, relay_insecure);
+            o.relay = pushed.get();
             auto publisher = std::make_unique<dcr::ShardPublisher>(*store.store, state_dir, std::move(o));
-            new (self)
-                PyShardPublisher{std::move(compiled), std::move(all),
-                                 dcr::ShardProcesses{process, processes, placement}, std::move(publisher), interrupt};
+            new (self) PyShardPublisher{
+                std::move(compiled), std::move(all),       dcr::ShardProcesses{process, processes, placement},
+                std::move(pushed),   std::move(publisher), interrupt};
           },
           "store"_a, "state_dir"_a, "layouts"_a, "senders"_a, "max_attempts"_a, "ack_timeout_s"_a,
           "heartbeat_timeout_s"_a, "snapshot_every"_a, "chunk_elements"_a, "process"_a = 0, "processes"_a = 1,
           "all_layouts"_a = std::vector<std::string>{}, "placement"_a = std::vector<uint32_t>{},
-          "peer_timeout_s"_a = 60.0, "inject_failures"_a = std::vector<std::string>{}, nb::keep_alive<1, 2>())
+          "peer_timeout_s"_a = 60.0, "inject_failures"_a = std::vector<std::string>{},
+          "relay"_a = std::vector<std::string>{}, "relay_key"_a = "", "relay_pub"_a = "", "relay_insecure"_a = false,
+          nb::keep_alive<1, 2>())
       .def(
           "adopt",
           [](PyShardPublisher& p, uint64_t version, const std::vector<std::vector<nb::ndarray<>>>& buffers,

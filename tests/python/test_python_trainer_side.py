@@ -165,6 +165,16 @@ def test_conversions_are_refused_with_a_reason(tmp_path):
     assert pub.publish(1)["converted_bytes"] == 16
 
 
+def test_relay_arguments_are_refused_with_a_reason(tmp_path):
+    t = {"w": torch.zeros(8, dtype=torch.bfloat16)}
+    store = dcr.open_store(f"file://{tmp_path}/store")
+    with pytest.raises(dcr.InvalidArgumentError, match="relay_key, relay_pub and relay_insecure need relay addresses"):
+        dcr.ShardPublisher(store, None, [t], relay_key=str(tmp_path / "k.key"))
+    with pytest.raises(dcr.DcrError, match="k.key"):  # a key file that is not there
+        dcr.ShardPublisher(store, None, [t], relay=["tcp://127.0.0.1:9"], relay_key=str(tmp_path / "k.key"),
+                           relay_pub=str(tmp_path / "k.pub"))
+
+
 def test_follow_hands_only_the_residuals_a_version_changed_to_the_loader(tmp_path):
     gen = torch.Generator().manual_seed(9)
     trainer = {"w": torch.randn(8, 16, generator=gen).to(torch.bfloat16),

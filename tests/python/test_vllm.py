@@ -127,27 +127,29 @@ def free_port() -> int:
 
 def test_vllm_tensor_parallel_moe_engine_is_one_receiver_of_two_ranks(tmp_path):
     # A Qwen3-MoE (stacked experts, sharded over the ranks) on two ranks, which
-    # take the frame objects from a relay that pulls them from the store.
+    # take the frame objects from a relay root that the trainer pushes them into.
     from conftest import DCR_BIN
 
     steps = 2
     store_dir = tmp_path / "store"
     store = "file://" + str(store_dir)
     address, stats = f"tcp://127.0.0.1:{free_port()}", tmp_path / "relay-stats.json"
-    # CURVE: the relay's pair, and the engine ranks' pair admitted as receivers.
+    # CURVE: the relay's pair, the trainer's admitted as a sender and the
+    # engine ranks' as receivers.
     keys = tmp_path / "keys"
     keys.mkdir()
-    for name in ("relays", "engine"):
+    for name in ("relays", "engine", "trainer"):
         subprocess.run([str(DCR_BIN), "relay", "keygen", str(keys / name)], check=True, capture_output=True)
-    (keys / "allow").write_text("receiver " + (keys / "engine.pub").read_text())
+    (keys / "allow").write_text("receiver " + (keys / "engine.pub").read_text() + "sender " +
+                                (keys / "trainer.pub").read_text())
     with open(tmp_path / "relay.log", "wb") as log:
-        relay = subprocess.Popen([str(DCR_BIN), "relay", "--id", "root", "--listen", address, "--pull-store", store,
-                                  "--stats", str(stats), "--key", str(keys / "relays.key"), "--allow",
-                                  str(keys / "allow")], stdout=log, stderr=subprocess.STDOUT)
+        relay = subprocess.Popen([str(DCR_BIN), "relay", "--id", "root", "--listen", address, "--stats", str(stats),
+                                  "--key", str(keys / "relays.key"), "--allow", str(keys / "allow")], stdout=log,
+                                 stderr=subprocess.STDOUT)
     try:
         r = run_job(tmp_path, "refit", "refit", "--work", str(tmp_path), "--store", store, "--steps", str(steps),
                     "--family", "qwen3-moe", "--relay", address, "--relay-key", str(keys / "engine.key"),
-                    "--relay-pub", str(keys / "relays.pub"), tp=2)
+                    "--relay-pub", str(keys / "relays.pub"), "--trainer-relay-key", str(keys / "trainer.key"), tp=2)
     finally:
         relay.send_signal(signal.SIGTERM)
         relay.wait(timeout=30)
@@ -161,9 +163,11 @@ def test_vllm_tensor_parallel_moe_engine_is_one_receiver_of_two_ranks(tmp_path):
         commit = json.loads((store_dir / "commits" / f"v{v:010}.json").read_text())
         payload += sum(p.stat().st_size for p in (store_dir / "attempts" / f"v{v:010}" / commit["attempt"] /
                                                   "frames").iterdir())
-    out = {link["peer"]: link["bytes_out"] for link in json.loads(stats.read_text())["links"]
-           if link["kind"] == "receiver"}
+    links = json.loads(stats.read_text())["links"]
+    out = {link["peer"]: link["bytes_out"] for link in links if link["kind"] == "receiver"}
     assert out == {"e1-r0": payload, "e1-r1": payload}, (out, payload)
+    pushed = [(link["peer"], link["bytes_in"]) for link in links if link["kind"] == "sender"]
+    assert len(pushed) == 1 and pushed[0][0].startswith("publish-") and pushed[0][1] == payload, (pushed, payload)
     fresh = run_job(tmp_path, "fresh", "fresh", "--dir", str(tmp_path / f"v{steps}"), tp=2)
     assert fresh["tokens"] == r["versions"][-1]["tokens"]
     assert fresh["live"] == r["final_live"]

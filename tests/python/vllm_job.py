@@ -9,7 +9,8 @@ is built under ``__main__``) and writes what it saw as JSON to ``--out``:
   vLLM ``LLM`` with ``weight_transfer_config={"backend": "dcr"}`` in this
   process; ``--steps`` versions published through ``--store`` with
   ``DcrTrainerWeightTransferEngine`` (``--relay``: the engine's ranks take
-  the frame objects from a relay). After each version: the engine's
+  the frame objects from a relay; ``--trainer-relay-key``: the trainer
+  pushes them into it). After each version: the engine's
   parameters (load form, every rank) against a fresh load of the trainer's
   checkpoint through the model's own loader, the weight version, and greedy
   tokens. ``--fail-at POINT:N`` fails the publisher at a fault point (the
@@ -174,9 +175,10 @@ def mode_refit(a) -> dict:
     if a.relay:
         engine_init.update(relay=[a.relay], relay_key=a.relay_key, relay_pub=a.relay_pub)
     # Two trainer processes: chunks of 4096 elements, so that each process owns the chunks starting in its rows.
+    push = dict(relay=[a.relay], relay_key=a.trainer_relay_key, relay_pub=a.relay_pub) if a.trainer_relay_key else {}
     info = dv.DcrTrainerInitInfo(rank=0, store=a.store, state_dir=os.path.join(a.work, "trainer"),
                                  engine_init=engine_init, inject_failures=a.fail_at, heartbeat_timeout_s=60.0,
-                                 **({"chunk_elements": 4096} if a.trainer_processes == 2 else {}))
+                                 **({"chunk_elements": 4096} if a.trainer_processes == 2 else {}), **push)
     peer = None
     if a.trainer_processes == 2:
         torch.set_num_threads(1)  # the replicas' steps must give the same bits: the same arithmetic
@@ -449,6 +451,7 @@ def main() -> None:
     p.add_argument("--relay", help="the engine's ranks take frame objects from this relay (engine_init 'relay')")
     p.add_argument("--relay-key", help="the ranks' CURVE key pair file (engine_init 'relay_key')")
     p.add_argument("--relay-pub", help="the relay's public key file (engine_init 'relay_pub')")
+    p.add_argument("--trainer-relay-key", help="the trainer pushes into --relay with this CURVE key pair file")
     a = p.parse_args()
     start = time.monotonic()
     out = {"refit": mode_refit, "fresh": mode_fresh, "serve": mode_serve, "trainer-peer": mode_trainer_peer}[a.mode](a)
