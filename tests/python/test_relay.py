@@ -179,10 +179,11 @@ class Tree:
         self.relays = {n["id"]: n for n in plan["relays"]}
         return plan
 
-    def start_relay(self, rid: str, extra_env: dict | None = None, extra: tuple = ()) -> None:
+    def start_relay(self, rid: str, extra_env: dict | None = None, extra: tuple = (),
+                    dead_after: str = DEAD_AFTER) -> None:
         n = self.relays[rid]
         args = [str(DCR_BIN), "relay", "--id", rid, "--listen", n["address"], "--key", str(self.relay_key), "--allow",
-                str(self.allow), "--stats", str(self.stats_path(rid)), "--ping", PING, "--dead-after", DEAD_AFTER,
+                str(self.allow), "--stats", str(self.stats_path(rid)), "--ping", PING, "--dead-after", dead_after,
                 *map(str, extra)]
         for up in n["upstream"]:
             args += ["--parent", up]
@@ -225,7 +226,8 @@ class Tree:
     # ---------------------------------------------------------------- receivers
 
     def start_receiver(self, rid: str, relay: str | None, until: int, key: Path | None = None,
-                       no_keys: bool = False, rank: tuple[Path, str, int, int] | None = None) -> None:
+                       no_keys: bool = False, rank: tuple[Path, str, int, int] | None = None,
+                       dead_after: str = DEAD_AFTER) -> None:
         """A `dcr follow` receiver below `relay`; with `rank` (map, engine, rank, ranks), a rank of an
         engine following into its buffer files."""
         target = self.root / f"target-{rid}"
@@ -238,7 +240,7 @@ class Tree:
             n = self.relays[relay]
             for addr in [n["address"], *n["upstream"]]:
                 args += ["--relay", addr]
-            args += ["--relay-quiet", "3.5", "--relay-dead-after", DEAD_AFTER]
+            args += ["--relay-quiet", "3.5", "--relay-dead-after", dead_after]
             if no_keys:
                 args += ["--relay-insecure"]
             else:
@@ -309,10 +311,10 @@ class Tree:
     # ---------------------------------------------------------------- publish
 
     def publish(self, v: int, relay: bool = True, segment: str = "64KiB", extra_env: dict | None = None,
-                extra: tuple = ()) -> subprocess.Popen:
+                extra: tuple = (), heartbeat_timeout: str = "3") -> subprocess.Popen:
         args = [str(DCR_BIN), "publish", "--store", self.url, "--version", str(v), "--state", str(self.root / "state"),
                 "--senders", "2", "--chunk", CHUNK, "--segment", segment, "--ack-timeout", "30",
-                "--heartbeat-timeout", "3", "--json", *extra, str(self.gen / f"v{v}")]
+                "--heartbeat-timeout", heartbeat_timeout, "--json", *extra, str(self.gen / f"v{v}")]
         if relay:
             root = next(n for n in self.relays.values() if n["parent"] is None)
             args[2:2] = ["--relay", root["address"], "--relay-key", str(self.sender_key), "--relay-pub",
@@ -584,15 +586,35 @@ def test_frames_of_a_fenced_attempt_are_dropped_by_every_relay(tree):
 
 
 def test_a_slow_childs_backlog_is_spooled(tree):
+    # The child is stopped (SIGSTOP) until the root holds every frame object of
+    # the version: beyond its credit window (16 KiB) and the cache (24 KiB),
+    # the backlog can only be on disk, whatever the machine's speed. Silence
+    # limits are long enough for the stop (a handshake, not a race).
     t = tree(versions=1)
     t.plan(["r0"], 2)
     t.publish_ok(0, relay=False)
     spool = t.root / "spool"
-    t.start_relay("r0", extra=("--link-mbps", "0.3", "--cache", "24KiB", "--window", "16KiB", "--spool", spool))
-    t.start_receiver("e0", "r0", 1)
+    t.start_relay("r0", extra=("--link-mbps", "1", "--cache", "24KiB", "--window", "16KiB", "--spool", spool),
+                  dead_after="60")
+    t.start_receiver("e0", "r0", 1, dead_after="60")
     t.wait_registered()
     t.wait_attached({"receiver e0": "r0"})
-    p = t.publish(1, segment="8KiB")
+    child = t.receivers["e0"]["proc"]
+    child.send_signal(signal.SIGSTOP)
+    try:
+        p = t.publish(1, segment="8KiB", heartbeat_timeout="120")
+        attempts = t.store / "attempts" / f"v{1:010}"
+        deadline = time.monotonic() + TIMEOUT_S  # a guard only
+        while True:  # every frame object is in the store (the manifest comes after them) and at the root
+            manifests = list(attempts.glob("*/manifest.json")) if attempts.exists() else []
+            if manifests:
+                written = sum(f.stat().st_size for f in (manifests[0].parent / "frames").iterdir())
+                if fresh_stats(t, "r0")["accepted_bytes"] == written:
+                    break
+            assert p.poll() is None and time.monotonic() < deadline, tail(p.log)
+            time.sleep(0.05)
+    finally:
+        child.send_signal(signal.SIGCONT)
     assert p.wait(timeout=TIMEOUT_S) == 0, tail(p.log)
     t.wait_receivers()
     t.assert_exact(1)
