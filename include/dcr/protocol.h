@@ -506,6 +506,17 @@ class RankFollower {
   // another run, engine or rank), store errors that are not transient.
   Status Run(std::optional<uint64_t> until, const std::function<bool()>& stop = {});
 
+  // Before Run: the rank's buffers were loaded elsewhere (a serving engine
+  // loading a checkpoint from disk) and its engine's ranks found that their
+  // partial digests (RankDigest) add up to `engine_digest`. Records in the
+  // journal that the buffers hold committed `version`, so that Run continues
+  // from it (the deltas after it) instead of downloading a snapshot.
+  // Refused (kFailedPrecondition, nothing written) unless `version` is
+  // committed with target digest `engine_digest` and, for an engine of one
+  // rank, that is this rank's digest; kNotFound when the run or the version
+  // is not in the store. Replaces the journal the state directory holds.
+  Status Adopt(uint64_t version, const Digest& engine_digest);
+
   RankFollower(RankFollower&&) noexcept;  // only before Run
   ~RankFollower();
   uint64_t version() const;

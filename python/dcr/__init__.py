@@ -412,10 +412,33 @@ class Receiver:
         if self._staging.mirrors:
             self._staging.to_device({b for n in tensors for b in self._buffers_of.get(n, ())})
 
+    @property
+    def residuals(self) -> dict:
+        """The receiver's canonical copy of each residual tensor, by name (what
+        :meth:`digest` counts of them; written in place to load them)."""
+        return dict(self._shadow)
+
     def digest(self) -> str:
         """The digest of the canonical elements this receiver holds (with a
         loader: residual tensors included, from their canonical copies)."""
         return self._r.digest()
+
+    def adopt(self, store: Store, state_dir: PathLike, version: int, engine_digest: str, *, engine: str,
+              rank: int = 0, ranks: int = 1, id: str = "") -> None:
+        """Before :meth:`follow`: these tensors were loaded elsewhere (a serving
+        engine reading the checkpoint from disk) and hold committed
+        ``version``. ``engine_digest`` is the sum (:func:`add_digests`) of
+        :meth:`digest` over the engine's ranks. Records the version in the
+        rank's journal in ``state_dir`` (replacing any), so that
+        :meth:`follow` continues from it through the deltas instead of
+        downloading a snapshot. :class:`FailedPreconditionError`, nothing
+        written, unless the version is committed with exactly that digest
+        (and, for an engine of one rank, it is this rank's);
+        :class:`NotFoundError` when the version is not committed."""
+        f = _dcr.RankFollower(store, self.layout_json, self._buffers, os.fspath(state_dir), engine, rank, ranks, id,
+                              0.1, True, [], "", "", False)
+        f.adopt(version, engine_digest)
+        self._follower = None  # follow starts from the journal
 
     def follow(self, store: Store, state_dir: PathLike, *, engine: str, rank: int = 0, ranks: int = 1,
                until: Optional[int] = None, timeout_s: Optional[float] = None, id: str = "", poll_s: float = 0.1,
@@ -680,6 +703,27 @@ class ShardPublisher:
         return stagers + [None] * (len(self._layouts) - len(stagers))  # the conversions' sender
 
 
+_DIGEST_PRIME = (1 << 61) - 1
+
+
+def add_digests(digests: Iterable[str]) -> str:
+    """The sum of digests (32 hex digits each, docs/format.md section 2): the
+    digest of the union of the disjoint element sets they cover, e.g. an
+    engine's from its ranks' :meth:`Receiver.digest`."""
+    lanes = [0, 0]
+    for d in digests:
+        if not isinstance(d, str) or len(d) != 32 or d != d.lower():
+            raise InvalidArgumentError(f"add_digests: {d!r} is not a digest (32 lowercase hex digits)")
+        try:
+            parts = [int(d[:16], 16), int(d[16:], 16)]
+        except ValueError:
+            raise InvalidArgumentError(f"add_digests: {d!r} is not a digest (32 lowercase hex digits)") from None
+        if any(x >= _DIGEST_PRIME for x in parts):
+            raise InvalidArgumentError(f"add_digests: {d!r} has a lane not below 2^61 - 1")
+        lanes = [(a + b) % _DIGEST_PRIME for a, b in zip(lanes, parts)]
+    return f"{lanes[0]:016x}{lanes[1]:016x}"
+
+
 def validate_layout(layout: Union[str, Mapping[str, Any]]) -> str:
     """Validates a layout map; returns its canonical JSON (InvalidArgumentError otherwise)."""
     return _dcr.validate_layout(_layout_json(layout))
@@ -688,6 +732,6 @@ def validate_layout(layout: Union[str, Mapping[str, Any]]) -> str:
 __all__ = [
     "Checkpoint", "TensorInfo", "Delta", "Store", "Publisher", "Follower", "Sender", "Receiver", "ShardPublisher", "VerifyResult",
     "make_delta", "apply_delta", "verify_delta", "inspect_delta", "read_delta", "open_store", "identity_layout",
-    "validate_layout", "default_publisher_state_dir", "torch_dtype", "dtype_name", "byte_view", "errors", "DEFAULT_CHUNK_ELEMENTS",
+    "validate_layout", "add_digests", "default_publisher_state_dir", "torch_dtype", "dtype_name", "byte_view", "errors", "DEFAULT_CHUNK_ELEMENTS",
     *errors.__all__,
 ]

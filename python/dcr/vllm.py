@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import socket
 import tempfile
@@ -54,10 +55,13 @@ from ._tensors import torch_dtype
 from .trace import overlaps, record_layout
 
 BACKEND = "dcr"
+logger = logging.getLogger(__name__)
+ADOPT_CANDIDATES = 64  # DcrInitInfo.adopt_loaded: how many of the newest committed versions are compared
 
 __all__ = [
     "BACKEND", "register", "DcrInitInfo", "DcrUpdateInfo", "DcrWeightTransferEngine", "DcrTrainerInitInfo",
-    "DcrTrainerWeightTransferEngine", "DcrSenders", "LLMClient", "load_form_digests", "fresh_load_form_digests",
+    "DcrTrainerWeightTransferEngine", "DcrSenders", "LLMClient", "load_form_digests", "join_report",
+    "fresh_load_form_digests",
 ]
 
 
@@ -121,6 +125,11 @@ class DcrInitInfo(WeightTransferInitInfo):
     relay_key, relay_pub: CURVE key files for the relays (``dcr relay keygen``);
         required with ``relay`` unless ``relay_insecure`` is true (plain TCP
         to relays run with ``--insecure``: trusted networks only).
+    adopt_loaded: when the checkpoint the engine loaded (its model
+        directory's safetensors) is a committed version of the run (its
+        digest, summed over the ranks, is the version's), join from it: no
+        snapshot is downloaded, only the deltas after it. The newest
+        ``ADOPT_CANDIDATES`` committed versions and version 0 are compared.
     """
 
     store: str
@@ -133,6 +142,7 @@ class DcrInitInfo(WeightTransferInitInfo):
     relay_key: Optional[str] = None
     relay_pub: Optional[str] = None
     relay_insecure: bool = False
+    adopt_loaded: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, str) or not self.store:
@@ -426,6 +436,9 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
                             relay_pub=init_info.relay_pub or "", relay_insecure=init_info.relay_insecure)
         self._state_dir = state_dir
         try:
+            self.adopted = None
+            if init_info.adopt_loaded:
+                self.adopted = self._adopt_loaded(store, latest, engine, rank, ranks)
             self._reach(latest, init_info.join_timeout_s)
         except BaseException:
             self._store = self._form = self._receiver = None
@@ -476,6 +489,65 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         self._form.refresh(sorted(changed), self.vllm_config)
         self.version = report["version"]
 
+    def _adopt_loaded(self, store: "dcr.Store", latest: int, engine: str, rank: int, ranks: int) -> Optional[int]:
+        """Loads the engine's own checkpoint (its model directory) into the
+        host tensors; when the ranks' digests add up to a committed version's,
+        records that version in the rank's journal (``Receiver.adopt``) and
+        returns it. None (nothing recorded; the join downloads a snapshot)
+        when the model is not a local safetensors directory or holds no
+        committed version. Every rank takes part (an all-gather over the
+        tensor-parallel group)."""
+        import vllm.distributed.parallel_state as ps
+        from safetensors import safe_open
+
+        path = self.vllm_config.model_config.model
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors")) if os.path.isdir(path) else []
+        partial = None
+        residual_hosts = self._receiver.residuals
+        keys = set()
+        for f in files:
+            with safe_open(os.path.join(path, f), framework="pt") as st:
+                keys.update(st.keys())
+        # A residual (a run tensor the loader's trace could not place) must be
+        # in the checkpoint under its run name: its canonical bits are what the
+        # digest counts. (transformers saves a Qwen3-MoE's fused experts per
+        # expert, so such an engine joins from a snapshot.)
+        if files and not set(residual_hosts) <= keys:
+            files = []
+        if files:
+            def weights():
+                for f in files:
+                    with safe_open(os.path.join(path, f), framework="pt") as st:
+                        for k in st.keys():
+                            t = st.get_tensor(k)
+                            if k in residual_hosts:
+                                residual_hosts[k].copy_(t)
+                            yield k, t
+
+            self._form.load(weights())
+            partial = self._receiver.digest()
+        partials = [partial]
+        if ranks > 1:
+            partials = [None] * ranks
+            torch.distributed.all_gather_object(partials, partial, group=ps.get_tp_group().cpu_group)
+        if any(p is None for p in partials):
+            logger.info("dcr: the engine's checkpoint at %s cannot be compared with the run (not a local "
+                        "safetensors directory holding every unplaced run tensor); joining from a snapshot", path)
+            return None
+        total = dcr.add_digests(partials)
+        for v in sorted({latest, 0} | set(range(max(0, latest - ADOPT_CANDIDATES + 1), latest + 1)), reverse=True):
+            try:
+                commit = json.loads(store.get(f"commits/v{v:010}.json"))
+            except dcr.NotFoundError:
+                continue
+            if commit.get("target_digest") == total:
+                self._receiver.adopt(store, self._state_dir, v, total, engine=engine, rank=rank, ranks=ranks)
+                logger.info("dcr: the engine's checkpoint at %s is committed version %d: joined from it", path, v)
+                return v
+        logger.info("dcr: the engine's checkpoint at %s (digest %s) is none of the run's newest committed versions; "
+                    "joining from a snapshot", path, total)
+        return None
+
     def _reach(self, version: int, timeout_s: float) -> None:
         """Follows the run until ``version`` is held whole in the host
         tensors, then moves the live parameters that changed."""
@@ -490,6 +562,12 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         self._check_init()
         return self._form.digests()
 
+    def join_report(self) -> dict:
+        """How this rank joined: ``adopted`` is the committed version its
+        loaded checkpoint held (None: it joined from a snapshot)."""
+        self._check_init()
+        return {"adopted": self.adopted}
+
 
 # ---- Checks the tests (and users) run through collective_rpc ----------------------
 
@@ -497,6 +575,11 @@ def load_form_digests(worker: Any) -> dict:
     """``llm.collective_rpc(load_form_digests)``: per rank, the SHA-256 of
     every parameter in load form as the dcr backend holds it."""
     return worker.weight_transfer_engine.load_form_digests()
+
+
+def join_report(worker: Any) -> dict:
+    """``llm.collective_rpc(join_report)``: per rank, how it joined the run."""
+    return worker.weight_transfer_engine.join_report()
 
 
 def fresh_load_form_digests(worker: Any, checkpoint_dir: str) -> dict:

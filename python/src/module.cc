@@ -916,6 +916,20 @@ NB_MODULE(_dcr, m) {
             return RunFollowing(*f.follower, "Receiver.follow", until, timeout_s, on_version);
           },
           "until"_a = nb::none(), "timeout_s"_a = nb::none(), "on_version"_a = nb::none())
+      .def(
+          "adopt",
+          [](PyRankFollower& f, uint64_t version, const std::string& engine_digest) {
+            dcr::Digest d;
+            if (!dcr::Digest::FromHex(engine_digest, &d))
+              Raise(dcr::InvalidArgument("Receiver.adopt: engine_digest must be 32 lowercase hex digits"));
+            dcr::Status s;
+            {
+              nb::gil_scoped_release release;
+              s = f.follower->Adopt(version, d);
+            }
+            Check(s);
+          },
+          "version"_a, "engine_digest"_a)
       .def_prop_ro("version", [](const PyRankFollower& f) { return f.follower->version(); })
       .def(
           "take_changed", [](PyRankFollower& f) { return f.follower->TakeChangedTensors(); },

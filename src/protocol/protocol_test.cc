@@ -1414,6 +1414,51 @@ TEST_F(ProtocolTest, ARankFollowedAgainContinuesWhereItStopped) {
     EXPECT_TRUE(memory[b] == dense[b]) << "buffer " << layouts[0]->map().buffers[b].id << " differs from a dense load";
 }
 
+// An engine whose ranks loaded a committed version themselves (a serving
+// engine reading the checkpoint from disk) adopts it: with the sum of the
+// ranks' partial digests, each rank records the version in its journal and
+// follows from there through the deltas, downloading no snapshot (the store
+// has none left here). A sum that is not the version's, or a version never
+// committed, is refused and writes no journal.
+TEST_F(ProtocolTest, AnEngineThatLoadedACommittedVersionAdoptsItWithoutASnapshot) {
+  Publisher pub(*store_, Path("state"), Fast());
+  for (int v = 0; v <= 2; ++v) ASSERT_TRUE(pub.Publish(v, Version(v)).ok());
+  auto snapshots = store_->List("snapshots/");
+  ASSERT_TRUE(snapshots.ok() && !snapshots->empty());
+  for (const auto& o : *snapshots) ASSERT_TRUE(store_->Delete(o.key).ok());
+  auto layouts = TpLayouts(2);
+  std::vector<std::vector<uint8_t>> memory[2];
+  PlacedRank placed[2];
+  Digest engine;
+  for (uint32_t r = 0; r < 2; ++r) {
+    memory[r] = DenseRank(*layouts[r], 1);
+    placed[r] = PlacedRank{layouts[r].get(), {}};
+    for (auto& b : memory[r]) placed[r].buffers.emplace_back(b);
+    engine += RankDigest(placed[r]);
+  }
+  auto follower = [&](uint32_t r) {
+    return RankFollower(*store_, placed[r], Path(fmt::format("rank{}", r)), EngineRank{"e", r, 2},
+                        Receiver(fmt::format("e-r{}", r)));
+  };
+  auto journal = [&](uint32_t r) { return fs::exists(fs::path(Path(fmt::format("rank{}", r))) / ".dcr-rank.json"); };
+  Status s = follower(0).Adopt(2, engine);
+  EXPECT_EQ(s.code(), Code::kFailedPrecondition) << s.ToString();
+  EXPECT_NE(s.message().find("do not hold version 2"), std::string::npos) << s.ToString();
+  s = follower(0).Adopt(7, engine);
+  EXPECT_EQ(s.code(), Code::kNotFound) << s.ToString();
+  EXPECT_FALSE(journal(0));
+  for (uint32_t r = 0; r < 2; ++r) {
+    RankFollower f = follower(r);
+    ASSERT_TRUE(f.Adopt(1, engine).ok());
+    s = f.Run(2);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(f.version(), 2u);
+    const auto dense = DenseRank(*layouts[r], 2);
+    for (size_t b = 0; b < memory[r].size(); ++b)
+      EXPECT_TRUE(memory[r][b] == dense[b]) << "rank " << r << " buffer " << layouts[r]->map().buffers[b].id;
+  }
+}
+
 // ---- Trainer senders in several processes -----------------------------------
 
 // A trainer of 4 Megatron-style senders (tp 2 x pp 2), each sender's shard

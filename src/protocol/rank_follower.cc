@@ -429,6 +429,36 @@ Status RankFollower::Run(std::optional<uint64_t> until, const std::function<bool
   return walk_->Run(until, stop);
 }
 
+Status RankFollower::Adopt(uint64_t version, const Digest& engine_digest) {
+  if (walk_) return FailedPrecondition("RankFollower::Adopt: the follower already runs");
+  if (rank_.ranks == 0 || rank_.rank >= rank_.ranks || rank_.engine.empty())
+    return InvalidArgument(fmt::format("rank {} of {} of engine '{}': an engine needs a name and 0 <= rank < ranks",
+                                       rank_.rank, rank_.ranks, rank_.engine));
+  DCR_ASSIGN_OR_RETURN(RunState state, ReadRunState(store_));
+  if (!state.run) return NotFound(fmt::format("{}: no run to adopt a version of", store_.url()));
+  const RunRecord& run = *state.run;
+  DCR_RETURN_IF_ERROR(CheckMapFitsRun(layout_, run));
+  DCR_ASSIGN_OR_RETURN(CommitRecord commit, ReadCommit(store_, version));
+  if (commit.target_digest != engine_digest)
+    return FailedPrecondition(fmt::format(
+        "the engine's buffers (digest {}) do not hold version {} (digest {}); it joins from a snapshot instead",
+        engine_digest.ToHex(), version, commit.target_digest.ToHex()));
+  std::optional<RankBufferFiles> files;
+  PlacedRank placed{&layout_, given_};
+  if (!in_memory_) {
+    DCR_ASSIGN_OR_RETURN(files, RankBufferFiles::Open(layout_, dir_));
+    placed = files->placed();
+  }
+  const Digest mine = RankDigest(placed);
+  if (rank_.ranks == 1 && mine != engine_digest)
+    return FailedPrecondition(fmt::format("rank 0 of 1 holds digest {}, not the engine digest {} it was given",
+                                          mine.ToHex(), engine_digest.ToHex()));
+  std::error_code ec;
+  fs::create_directories(dir_, ec);
+  if (ec) return ErrnoError(ec.value(), "cannot create " + dir_);
+  return WriteRankJournal(dir_, RankJournal{run.run_id, options_.id, rank_, version, mine, "", "", {}});
+}
+
 RankFollower::RankFollower(RankFollower&&) noexcept = default;
 RankFollower::~RankFollower() = default;
 uint64_t RankFollower::version() const { return walk_ ? walk_->version() : 0; }

@@ -184,18 +184,25 @@ def test_follow_without_a_run_times_out_cleanly(tmp_path):
         rx.follow(dcr.open_store(f"file://{tmp_path}/s"), tmp_path / "st", engine="e", rank=1, ranks=1)
 
 
+def small_run(tmp_path, seed: int, vector: str) -> tuple:
+    """A trainer of two random BF16 tensors ("w" and `vector`), its file
+    store and ShardPublisher, with version 0 published."""
+    gen = torch.Generator().manual_seed(seed)
+    trainer = {"w": torch.randn(8, 16, generator=gen).to(torch.bfloat16),
+               vector: torch.randn(16, generator=gen).to(torch.bfloat16)}
+    store = dcr.open_store(f"file://{tmp_path}/store")
+    pub = dcr.ShardPublisher(store, tmp_path / "trainer", [trainer], ack_timeout_s=20, chunk_elements=64)
+    pub.publish_snapshot(trainer)
+    return trainer, store, pub
+
+
 def test_follow_hands_residuals_to_the_loader_and_calls_the_hook(tmp_path):
     """In one process (the publisher on the main thread, the receiver's
     follow on another; both release the GIL): a residual tensor the engine
     converts on load (a norm held as weight - 1) goes through the loader
     after each version, the mapped one is applied in place, and post_update
     sees every version."""
-    gen = torch.Generator().manual_seed(5)
-    trainer = {"w": torch.randn(8, 16, generator=gen).to(torch.bfloat16),
-               "norm": torch.randn(16, generator=gen).to(torch.bfloat16)}
-    store = dcr.open_store(f"file://{tmp_path}/store")
-    pub = dcr.ShardPublisher(store, tmp_path / "trainer", [trainer], ack_timeout_s=20, chunk_elements=64)
-    pub.publish_snapshot(trainer)
+    trainer, store, pub = small_run(tmp_path, 5, "norm")
     pub.publish_snapshot(trainer)  # again, as a restarted trainer would: the same version 0
 
     engine = {"w": torch.zeros(8, 16, dtype=torch.bfloat16), "norm_c": torch.zeros(16, dtype=torch.bfloat16)}
@@ -236,3 +243,39 @@ def test_follow_hands_residuals_to_the_loader_and_calls_the_hook(tmp_path):
     assert versions == [(0, ["norm"]), (1, ["norm"]), (2, ["norm"])]
     assert torch.equal(engine["w"].view(torch.int16), trainer["w"].view(torch.int16))
     assert torch.equal(engine["norm_c"], (trainer["norm"].float() - 1).to(torch.bfloat16))
+
+
+def test_a_receiver_adopts_the_committed_version_its_tensors_hold(tmp_path):
+    """Receiver.adopt: tensors loaded elsewhere (a serving engine reading the
+    checkpoint from disk) that hold committed version 1 follow on from it
+    through the delta of version 2; the store holds no snapshot any more, so
+    a join could not have worked. A digest that is not the version's, or a
+    version never committed, is refused and records nothing."""
+    trainer, store, pub = small_run(tmp_path, 3, "b")
+    trainer["w"][1].add_(1)
+    pub.publish(1)
+    held = {n: t.clone() for n, t in trainer.items()}  # version 1, loaded "from disk"
+    trainer["b"][2:5].mul_(2)
+    pub.publish(2)
+    for key, _, _ in store.list("snapshots/"):
+        store.delete(key)
+
+    halves = [{"w": held["w"]}, {"b": held["b"]}]  # an engine of two ranks
+    ranks = [dcr.Receiver(h) for h in halves]
+    engine_digest = dcr.add_digests(r.digest() for r in ranks)
+    assert engine_digest == dcr.add_digests([ranks[1].digest(), ranks[0].digest(), "0" * 32])
+    with pytest.raises(dcr.FailedPreconditionError, match="do not hold version 2"):
+        ranks[0].adopt(store, tmp_path / "r0", 2, engine_digest, engine="e", ranks=2)
+    with pytest.raises(dcr.NotFoundError):
+        ranks[0].adopt(store, tmp_path / "r0", 5, engine_digest, engine="e", ranks=2)
+    with pytest.raises(dcr.FailedPreconditionError, match="rank 0 of 1 holds digest"):
+        ranks[0].adopt(store, tmp_path / "r0", 1, engine_digest, engine="e")  # one rank: its own digest must be it
+    assert not (tmp_path / "r0").exists()
+    with pytest.raises(dcr.InvalidArgumentError):
+        dcr.add_digests(["not a digest"])
+    for r, rx in enumerate(ranks):
+        rx.adopt(store, tmp_path / f"r{r}", 1, engine_digest, engine="e", rank=r, ranks=2)
+        assert rx.follow(store, tmp_path / f"r{r}", engine="e", rank=r, ranks=2, until=2, timeout_s=60,
+                         poll_s=0.02) == 2
+    for n, t in trainer.items():
+        assert torch.equal(held[n].view(torch.int16), t.view(torch.int16)), n

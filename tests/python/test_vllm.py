@@ -48,7 +48,9 @@ def run_job(tmp_path, name: str, *args, tp: int = 1, timeout: int = 900) -> dict
     return json.loads(out.read_text())
 
 
-def check_versions(result: dict, steps: int) -> None:
+def check_versions(result: dict, steps: int, adopted: int | None = 0) -> None:
+    # The engine loaded version 0 from disk: every rank joined from it, downloading no snapshot.
+    assert result["join"] and all(r["adopted"] == adopted for r in result["join"]), result["join"]
     versions = result["versions"]
     assert [v["version"] for v in versions] == list(range(steps + 1))
     for v in versions:
@@ -154,7 +156,9 @@ def test_vllm_tensor_parallel_moe_engine_is_one_receiver_of_two_ranks(tmp_path):
         relay.send_signal(signal.SIGTERM)
         relay.wait(timeout=30)
     assert any(".experts." in n for n in r["versions"][0]["engine"][0])
-    check_versions(r, steps)
+    # transformers saves the fused experts of the run per expert: the engine's checkpoint cannot be
+    # compared with the run's tensors, so it joins from the snapshot (docs/vllm.md, "Limits").
+    check_versions(r, steps, adopted=None)
     assert all(len(v["engine"]) == 2 for v in r["versions"])
     assert all(sorted(v.get("acked")) == ["e1-r0", "e1-r1"] for v in r["versions"][1:])
     # Every frame object of every committed version reached both ranks through the relay.

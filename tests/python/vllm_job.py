@@ -190,7 +190,8 @@ def mode_refit(a) -> dict:
         source = ModuleSource(model)
     try:
         trainer = WeightTransferTrainerFactory.trainer_init(info, client=dv.LLMClient(llm), source=source)
-        out.update(versions=[], joined_version=llm.get_weight_version())
+        out.update(versions=[], joined_version=llm.get_weight_version(),
+                   join=per_rank(llm.collective_rpc(dv.join_report)))
         return refit_versions(a, model, optimizer, llm, trainer, out, peer)
     finally:
         shutdown(llm)
