@@ -279,18 +279,28 @@ def test_staged_sender_and_receiver_touch_the_live_tensors_only_through_their_mi
         dcr.Receiver(rx_live, stage=False)
 
 
-def test_staged_publisher_and_follower_are_bit_exact(tmp_path):
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+
+
+# On CPU the tensors are staged on request (stage=True); on a GPU (where one
+# exists) they live on the device and are staged because they are there.
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_staged_publisher_and_follower_are_bit_exact(tmp_path, device):
     gen = torch.Generator().manual_seed(6)
-    live = {"w": torch.randn(24, 16, generator=gen).to(torch.bfloat16), "v": torch.randn(40, generator=gen)}
+    live = {"w": torch.randn(24, 16, generator=gen).to(torch.bfloat16).to(device),
+            "v": torch.randn(40, generator=gen).to(device)}
+    stage = True if device == "cpu" else None
     store = dcr.open_store(f"file://{tmp_path}/store")
-    pub = dcr.ShardPublisher(store, tmp_path / "trainer", [live], stage=True, ack_timeout_s=20, chunk_elements=64)
-    assert_disjoint(pub._views[0], live)
+    pub = dcr.ShardPublisher(store, tmp_path / "trainer", [live], stage=stage, ack_timeout_s=20, chunk_elements=64)
+    if device == "cpu":
+        assert_disjoint(pub._views[0], live)
     pub.publish_snapshot(live)
-    rx_live = {n: torch.zeros(t.shape, dtype=t.dtype) for n, t in live.items()}
+    rx_live = {n: torch.zeros(t.shape, dtype=t.dtype, device=device) for n, t in live.items()}
     seen = {}
-    rx = dcr.Receiver(rx_live, stage=True,
+    rx = dcr.Receiver(rx_live, stage=stage,
                       post_update=lambda r: seen.__setitem__(r["version"], {n: t.clone() for n, t in rx_live.items()}))
-    assert_disjoint(rx._buffers, rx_live)
+    if device == "cpu":
+        assert_disjoint(rx._buffers, rx_live)
     thread, result = follow_in_thread(rx, store, tmp_path / "rx", engine="e", until=2, timeout_s=30, poll_s=0.02)
     want = {0: {n: t.clone() for n, t in live.items()}}
     try:
