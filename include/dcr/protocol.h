@@ -32,6 +32,7 @@
 #include <string_view>
 #include <vector>
 
+#include "dcr/clock.h"
 #include "dcr/delta.h"
 #include "dcr/frame_transport.h"
 #include "dcr/store.h"
@@ -295,6 +296,8 @@ struct PublishOptions {
   // written", "record-written" (every process).
   std::chrono::milliseconds peer_poll{50};
   std::chrono::milliseconds peer_timeout{60000};
+  // Deadlines, record times and waits (tests: a ManualClock); null: RealClock().
+  Clock* clock = nullptr;
 };
 
 struct PublishReport {
@@ -446,6 +449,9 @@ struct FollowOptions {
   // Fault injection for tests, as PublishOptions::fault ("applying", "applied", "acked").
   std::function<Status(std::string_view point)> fault;
   std::function<void(const std::string& line)> log;  // progress lines; default stderr
+  // Deadlines, heartbeat times and polling waits (tests: a ManualClock);
+  // null: RealClock(). The heartbeat thread keeps real time for its pace.
+  Clock* clock = nullptr;
 };
 
 // The receiver id a Follower takes when none is given: "<host>-<pid>".
@@ -588,6 +594,9 @@ Result<RunStatusReport> ReadRunStatus(Store& store, std::chrono::milliseconds he
 // GC: removes attempts of versions below min(newest snapshot, every live
 // receiver's version) - keep_versions, fenced attempts of committed
 // versions, and snapshots older than the newest one below that floor.
-Status CollectGarbage(Store& store, uint64_t keep_versions, std::chrono::milliseconds heartbeat_timeout);
+// A receiver is live when its heartbeat is within heartbeat_timeout of
+// `clock`'s time.
+Status CollectGarbage(Store& store, uint64_t keep_versions, std::chrono::milliseconds heartbeat_timeout,
+                      Clock& clock = RealClock());
 
 }  // namespace dcr

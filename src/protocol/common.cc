@@ -16,7 +16,7 @@ namespace dcr::protocol_internal {
 
 namespace fs = std::filesystem;
 
-double UnixNow() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
+double UnixNow() { return RealClock().UnixSeconds(); }
 
 bool Transient(const Status& s) { return s.code() == Code::kUnavailable || s.code() == Code::kDeadlineExceeded; }
 
@@ -253,15 +253,20 @@ Status DownloadSnapshot(Store& store, const SnapshotRecord& snapshot, const std:
   return Status::Ok();
 }
 
-Heartbeat::Heartbeat(Store& store, std::string id, EngineRank engine, std::chrono::milliseconds every,
+Heartbeat::Heartbeat(Store& store, std::string id, EngineRank engine, std::chrono::milliseconds every, Clock& clock,
                      std::function<void(const std::string&)> log)
-    : store_(store), id_(std::move(id)), engine_(std::move(engine)), every_(every), log_(std::move(log)) {}
+    : store_(store),
+      id_(std::move(id)),
+      engine_(std::move(engine)),
+      every_(every),
+      clock_(clock),
+      log_(std::move(log)) {}
 
 ReceiverRecord Heartbeat::Record() {
   ReceiverRecord r;
   r.id = id_;
   r.engine = engine_;
-  r.heartbeat = UnixNow();
+  r.heartbeat = clock_.UnixSeconds();
   std::lock_guard lock(mu_);
   r.state = state_;
   r.version = version_;
@@ -323,7 +328,7 @@ Status FollowLoop(Heartbeat& heartbeat, const FollowOptions& o, const std::funct
     if (s.ok()) break;
     if (!Transient(s) || stopped()) return s;
     log("store unavailable, retrying: " + s.ToString());
-    std::this_thread::sleep_for(o.poll);
+    ClockOf(o).Sleep(o.poll);
   }
   heartbeat.Start();
   heartbeat.Set("following").IgnoreError();
@@ -332,14 +337,14 @@ Status FollowLoop(Heartbeat& heartbeat, const FollowOptions& o, const std::funct
     if (s.ok()) continue;
     if (!Transient(s)) return s;
     log("store unavailable, retrying: " + s.ToString());
-    std::this_thread::sleep_for(o.poll);
+    ClockOf(o).Sleep(o.poll);
   }
   heartbeat.Stop();
   // Best effort: the target is consistent whatever the store says, and a
   // receiver whose record stays "following" only goes stale.
   Status s = heartbeat.Set("stopped");
   for (int tries = 1; Transient(s) && tries < 5; ++tries) {
-    std::this_thread::sleep_for(o.poll);
+    ClockOf(o).Sleep(o.poll);
     s = heartbeat.Set("stopped");
   }
   if (!s.ok()) log("could not record the stop: " + s.ToString());

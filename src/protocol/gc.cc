@@ -26,14 +26,14 @@ std::optional<uint64_t> VersionOf(std::string_view key, std::string_view dir) {
 
 }  // namespace
 
-Status CollectGarbage(Store& store, uint64_t keep_versions, std::chrono::milliseconds heartbeat_timeout) {
+Status CollectGarbage(Store& store, uint64_t keep_versions, std::chrono::milliseconds heartbeat_timeout, Clock& clock) {
   DCR_ASSIGN_OR_RETURN(RunState state, ReadRunState(store));
   if (!state.latest) return Status::Ok();
   // The floor: nothing at or below it is needed by a live receiver (it holds
   // a newer version) or by a joiner (it starts from the newest snapshot).
   uint64_t floor = *state.latest;
   DCR_ASSIGN_OR_RETURN(auto regs, store.List("receivers/"));
-  const double now = UnixNow(), fresh = std::chrono::duration<double>(heartbeat_timeout).count();
+  const double now = clock.UnixSeconds(), fresh = std::chrono::duration<double>(heartbeat_timeout).count();
   for (const auto& o : regs) {
     auto text = store.Get(o.key);
     if (!text.ok()) continue;

@@ -18,7 +18,14 @@
 
 namespace dcr::protocol_internal {
 
-double UnixNow();
+double UnixNow();  // the machine's wall clock (dcr status)
+
+// The clock the options inject (RealClock() when none).
+inline Clock& ClockOf(const PublishOptions& o) { return o.clock ? *o.clock : RealClock(); }
+inline Clock& ClockOf(const FollowOptions& o) { return o.clock ? *o.clock : RealClock(); }
+inline double SecondsSince(Clock& clock, Clock::Instant since) {
+  return std::chrono::duration<double>(clock.Now() - since).count();
+}
 
 // Store failures worth waiting out (the driver's own retries ran out).
 bool Transient(const Status& s);
@@ -147,7 +154,8 @@ class StateDirLock {
 // `every` by a thread between Start and Stop (the destructor stops it).
 class Heartbeat {
  public:
-  Heartbeat(Store& store, std::string id, EngineRank engine, std::chrono::milliseconds every,
+  // Records carry `clock`'s time; the thread writes one every `every` of real time.
+  Heartbeat(Store& store, std::string id, EngineRank engine, std::chrono::milliseconds every, Clock& clock,
             std::function<void(const std::string&)> log);
   ~Heartbeat() { Stop(); }
   Status Set(const std::string& state);  // records the state now
@@ -162,6 +170,7 @@ class Heartbeat {
   const std::string id_;
   const EngineRank engine_;
   const std::chrono::milliseconds every_;
+  Clock& clock_;
   const std::function<void(const std::string&)> log_;
   std::mutex mu_;
   std::string state_ = "joining";

@@ -1414,6 +1414,45 @@ TEST_F(ProtocolTest, ARankFollowedAgainContinuesWhereItStopped) {
     EXPECT_TRUE(memory[b] == dense[b]) << "buffer " << layouts[0]->map().buffers[b].id << " differs from a dense load";
 }
 
+// The publisher's timing decisions follow the injected clock, so that they
+// are tested in virtual time: a receiver whose heartbeat is older than
+// heartbeat_timeout is not waited for; a live one that never acks is retired
+// once ack_timeout (60 s) has passed on the clock, and the commit record
+// carries the clock's time. Nothing here waits 60 s of real time.
+TEST_F(ProtocolTest, AckTimeoutsAndHeartbeatsFollowTheInjectedClock) {
+  ManualClock clock;
+  PublishOptions o = Fast();
+  o.clock = &clock;
+  o.ack_timeout = std::chrono::seconds(60);
+  o.heartbeat_timeout = std::chrono::seconds(10);
+  Publisher pub(*store_, Path("state"), o);
+  ASSERT_TRUE(pub.Publish(0, Version(0)).ok());
+  auto put_receiver = [&](const std::string& id, double heartbeat) {
+    ReceiverRecord r;
+    r.id = id;
+    r.state = "following";
+    r.heartbeat = heartbeat;
+    ASSERT_TRUE(store_->Put(run_keys::Receiver(id), r.ToJson()).ok());
+  };
+  put_receiver("silent", clock.UnixSeconds() + 3600);  // fresh for the whole wait, and never acks
+  put_receiver("stale", clock.UnixSeconds() - 11);  // quiet for 11 s: not waited for
+  const Clock::Instant start = clock.Now();
+  const double unix_start = clock.UnixSeconds();
+  auto r = pub.Publish(1, Version(1));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->retired, std::vector<std::string>{"silent"});
+  EXPECT_TRUE(r->acked.empty());
+  EXPECT_GE(clock.Now() - start, std::chrono::seconds(60));
+  EXPECT_LT(clock.Now() - start, std::chrono::seconds(61));  // the 20 ms polls: retired at the first past 60 s
+  EXPECT_GE(r->wait_seconds, 60.0);
+  auto text = store_->Get(run_keys::Commit(1));
+  ASSERT_TRUE(text.ok());
+  auto c = CommitRecord::FromJson(*text, "commit");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_GE(c->time, unix_start + 60);
+  EXPECT_EQ(c->retired, std::vector<std::string>{"silent"});
+}
+
 // An engine whose ranks loaded a committed version themselves (a serving
 // engine reading the checkpoint from disk) adopts it: with the sum of the
 // ranks' partial digests, each rank records the version in its journal and

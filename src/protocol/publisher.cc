@@ -32,10 +32,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double Seconds(Clock::time_point since) { return std::chrono::duration<double>(Clock::now() - since).count(); }
-
 std::string DefaultId() {
   char host[256] = {0};
   ::gethostname(host, sizeof host - 1);
@@ -226,7 +222,7 @@ class PublishRun {
 };
 
 Result<PublishReport> PublishRun::PublishSnapshot(const Checkpoint& next) {
-  const auto start = Clock::now();
+  const auto start = ClockOf(o_).Now();
   PublishReport report;
   DCR_ASSIGN_OR_RETURN(DeltaManifest layout, StartDelta(next, next, o_.delta));
   RunRecord run;
@@ -262,7 +258,7 @@ Result<PublishReport> PublishRun::PublishSnapshot(const Checkpoint& next) {
     CommitRecord c;
     c.version = 0;
     c.target_digest = digest;
-    c.time = UnixNow();
+    c.time = ClockOf(o_).UnixSeconds();
     Status s = store_.Put(run_keys::Commit(0), c.ToJson(), WriteMode::kCreateIfAbsent);
     if (s.code() == Code::kAlreadyExists) {
       DCR_ASSIGN_OR_RETURN(CommitRecord other, ReadCommit(store_, 0));
@@ -300,7 +296,7 @@ Result<PublishReport> PublishRun::PublishSnapshot(const Checkpoint& next) {
   if (auto baseline = Checkpoint::Open(dir); baseline.ok()) WriteDigestCache(state_dir_, 0, *baseline, chunk_digests);
   report.version = 0;
   report.attempts = 1;
-  report.total_seconds = Seconds(start);
+  report.total_seconds = SecondsSince(ClockOf(o_), start);
   return report;
 }
 
@@ -324,7 +320,7 @@ Result<bool> PublishRun::Settle(uint64_t v, const std::string& id, Result<Attemp
 Status PublishRun::Fence(uint64_t v, const std::string& id, const Status& why) {
   // Never fence a committed attempt (its commit's response may have been lost).
   if (auto c = ReadCommit(store_, v); c.ok() && c->attempt == id) return Status::Ok();
-  nlohmann::json doc = {{"format", "dcr-fence"}, {"reason", why.ToString()}, {"time", UnixNow()}};
+  nlohmann::json doc = {{"format", "dcr-fence"}, {"reason", why.ToString()}, {"time", ClockOf(o_).UnixSeconds()}};
   DCR_RETURN_IF_ERROR(store_.Put(run_keys::Attempt(v, id) + "fence", JsonText(doc, 1) + "\n"));
   // The store's fence is the one receivers obey; the relays' copy only lets
   // them drop the attempt's frames early.
@@ -390,7 +386,7 @@ Status PublishRun::RebuildBaseline(const CommitRecord& want, const RunRecord& ru
 }
 
 Result<PublishReport> PublishRun::PublishDelta(uint64_t v, const Checkpoint& next, const RunRecord& run) {
-  const auto start = Clock::now();
+  const auto start = ClockOf(o_).Now();
   PublishReport report;
   report.version = v;
   DCR_RETURN_IF_ERROR(CheckRunTensors(next, run));
@@ -401,7 +397,7 @@ Result<PublishReport> PublishRun::PublishDelta(uint64_t v, const Checkpoint& nex
   // The baseline must hold v-1: caught up from committed deltas when it is
   // behind; rebuilt from the store when the state holds no baseline of this
   // run below v (new, lost in a reboot, another run's) or a damaged one.
-  const auto baseline_start = Clock::now();
+  const auto baseline_start = ClockOf(o_).Now();
   DCR_ASSIGN_OR_RETURN(CommitRecord base_commit, ReadCommit(store_, v - 1));
   std::optional<Checkpoint> opened;
   ChunkDigestTable base_digests;
@@ -427,7 +423,7 @@ Result<PublishReport> PublishRun::PublishDelta(uint64_t v, const Checkpoint& nex
     ready = LoadBaseline(v - 1, base_commit, run, layout, &opened, &base_digests);
   }
   DCR_RETURN_IF_ERROR(ready);
-  report.baseline_seconds = Seconds(baseline_start);
+  report.baseline_seconds = SecondsSince(ClockOf(o_), baseline_start);
   Checkpoint& baseline = *opened;
   report.memory.baseline_bytes = baseline.total_bytes();
   report.memory.baseline_in_memory = OnMemoryFilesystem(state_dir_);
@@ -460,17 +456,17 @@ Result<PublishReport> PublishRun::PublishDelta(uint64_t v, const Checkpoint& nex
     DCR_RETURN_IF_ERROR(Fault(o_, "committed"));
     // No msync: a killed process leaves the page cache intact, and after an OS
     // crash the baseline's digest check at the next publish rebuilds it.
-    const auto advance_start = Clock::now();
+    const auto advance_start = ClockOf(o_).Now();
     DropDigestCache(state_dir_);
     CopyChunks(baseline, next, layout, manifest.frames);
     DCR_RETURN_IF_ERROR(WriteBaseline(state_dir_, {run.run_id, v}));
     WriteDigestCache(state_dir_, v, baseline, target_digests);
-    report.advance_seconds = Seconds(advance_start);
+    report.advance_seconds = SecondsSince(ClockOf(o_), advance_start);
     if (o_.snapshot_every > 0 && v % o_.snapshot_every == 0)
       DCR_RETURN_IF_ERROR(UploadSnapshot(store_, v, next, manifest.target_digest, nullptr));
     // Best effort: v is committed whatever GC meets, and the next publish collects again.
-    CollectGarbage(store_, o_.keep_versions, o_.heartbeat_timeout).IgnoreError();
-    report.total_seconds = Seconds(start);
+    CollectGarbage(store_, o_.keep_versions, o_.heartbeat_timeout, ClockOf(o_)).IgnoreError();
+    report.total_seconds = SecondsSince(ClockOf(o_), start);
     return report;
   }
   return Aborted(fmt::format("version {} was not committed after {} attempts; last failure: {}", v, report.attempts,
@@ -646,7 +642,7 @@ Result<PublishRun::AttemptResult> PublishRun::AwaitAcksAndCommit(uint64_t v, con
                                                                  PublishReport* report, DeltaManifest* manifest_out) {
   const std::string prefix = run_keys::Attempt(v, id);
   // Wait for every live receiver's ack; retire the silent ones at the deadline.
-  const auto wait_start = Clock::now();
+  const auto wait_start = ClockOf(o_).Now();
   const auto deadline = wait_start + o_.ack_timeout;
   AckTally tally(m.target_digest);
   std::set<std::string> retired;
@@ -672,7 +668,7 @@ Result<PublishRun::AttemptResult> PublishRun::AwaitAcksAndCommit(uint64_t v, con
     }
     // Live receivers: fresh heartbeat, not retired or stopped.
     DCR_ASSIGN_OR_RETURN(auto regs, store_.List("receivers/"));
-    const double now = UnixNow(), fresh = std::chrono::duration<double>(o_.heartbeat_timeout).count();
+    const double now = ClockOf(o_).UnixSeconds(), fresh = std::chrono::duration<double>(o_.heartbeat_timeout).count();
     for (const auto& o : regs) {
       auto text = store_.Get(o.key);
       if (!text.ok()) {
@@ -732,9 +728,9 @@ Result<PublishRun::AttemptResult> PublishRun::AwaitAcksAndCommit(uint64_t v, con
   for (;;) {
     // A store failure costs one poll, not the attempt (whose frames may be
     // applied everywhere already), until the deadline.
-    if (Clock::now() >= next_poll) {
+    if (ClockOf(o_).Now() >= next_poll) {
       polled = poll();
-      next_poll = Clock::now() + store_every;
+      next_poll = ClockOf(o_).Now() + store_every;
     }
     if (tree_acks && polled.ok()) polled = take_tree(std::chrono::milliseconds(0));
     if (tally.refused()) return AttemptResult{false, *tally.refused()};
@@ -745,20 +741,20 @@ Result<PublishRun::AttemptResult> PublishRun::AwaitAcksAndCommit(uint64_t v, con
                                  v, id, waiting.size()));
     }
     if (!polled.ok() && !Transient(polled)) return polled;
-    if (Clock::now() >= deadline) {
+    if (ClockOf(o_).Now() >= deadline) {
       DCR_RETURN_IF_ERROR(polled);
       retired.insert(waiting.begin(), waiting.end());
       break;
     }
     if (tree_acks) {
-      const auto wait = std::clamp(std::chrono::duration_cast<std::chrono::milliseconds>(next_poll - Clock::now()),
+      const auto wait = std::clamp(std::chrono::duration_cast<std::chrono::milliseconds>(next_poll - ClockOf(o_).Now()),
                                    std::chrono::milliseconds(0), std::chrono::milliseconds(20));
       if (Status t = take_tree(wait); !t.ok()) polled = t;
     } else {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      ClockOf(o_).Sleep(std::chrono::milliseconds(20));
     }
   }
-  report->wait_seconds += Seconds(wait_start);
+  report->wait_seconds += SecondsSince(ClockOf(o_), wait_start);
   DCR_RETURN_IF_ERROR(Fault(o_, "acked"));
   DCR_RETURN_IF_ERROR(Fault(o_, "before-commit"));
 
@@ -769,14 +765,14 @@ Result<PublishRun::AttemptResult> PublishRun::AwaitAcksAndCommit(uint64_t v, con
   c.target_digest = m.target_digest;
   c.acked.assign(tally.acked().begin(), tally.acked().end());
   c.retired.assign(retired.begin(), retired.end());
-  c.time = UnixNow();
+  c.time = ClockOf(o_).UnixSeconds();
   c.publisher_memory = report->memory;
   Status s = store_.Put(run_keys::Commit(v), c.ToJson(), WriteMode::kCreateIfAbsent);
   // After a transient failure the record may or may not have been written (a
   // lost response): create it again; if it exists and names this attempt, it
   // is ours.
   for (int tries = 1; Transient(s) && tries < 10; ++tries) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20 * tries));
+    ClockOf(o_).Sleep(std::chrono::milliseconds(20 * tries));
     s = store_.Put(run_keys::Commit(v), c.ToJson(), WriteMode::kCreateIfAbsent);
   }
   if (s.code() == Code::kAlreadyExists) {
@@ -821,12 +817,12 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
   attempt.delta_id = delta_id;
   attempt.object_key = signer.public_hex();
   attempt.coordinator = o_.coordinator_id;
-  attempt.time = UnixNow();
+  attempt.time = ClockOf(o_).UnixSeconds();
   DCR_RETURN_IF_ERROR(store_.Put(prefix + "attempt.json", attempt.ToJson(), WriteMode::kCreateIfAbsent));
   DCR_RETURN_IF_ERROR(Fault(o_, "attempt-opened"));
 
   // Senders: each encodes the chunks it owns, streaming frames into its object.
-  const auto encode_start = Clock::now();
+  const auto encode_start = ClockOf(o_).Now();
   DeltaOptions options = o_.delta;
   options.encode.delta_class = cls;
   options.chunk_elements = layout.chunk_elements;
@@ -862,7 +858,7 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
   target_digests_out->assign(m.tensors.size(), {});
   for (size_t t = 0, i = 0; t < m.tensors.size(); ++t)
     for (uint64_t c = 0; c < m.ChunkCount(t); ++c) (*target_digests_out)[t].push_back(all_target.at(i++));
-  report->encode_seconds += Seconds(encode_start);
+  report->encode_seconds += SecondsSince(ClockOf(o_), encode_start);
   report->memory.frames_in_flight_bytes = std::max(report->memory.frames_in_flight_bytes, in_flight.peak());
   report->attempt = id;
   report->frame_bytes = m.frame_bytes;
@@ -937,7 +933,8 @@ namespace {
 // name), and lets readers wait for one. Senders without `stage` are ready.
 class ShardStaging {
  public:
-  explicit ShardStaging(std::span<const ShardSource> local) : local_(local), start_(Clock::now()) {
+  // Times the copy thread with the real clock (a measurement, on another thread).
+  explicit ShardStaging(std::span<const ShardSource> local) : local_(local), start_(RealClock().Now()) {
     bool any = false;
     for (const ShardSource& s : local) {
       // Buffers past the map's are refused by the projection, before any wait.
@@ -1005,12 +1002,12 @@ class ShardStaging {
     }
     std::lock_guard lock(mu_);
     done_ = true;
-    seconds_ = Seconds(start_);
+    seconds_ = SecondsSince(RealClock(), start_);
     cv_.notify_all();
   }
 
   std::span<const ShardSource> local_;
-  const Clock::time_point start_;
+  const Clock::Instant start_;
   std::vector<bool> staged_;  // per sender: has a stage function (fixed at construction)
   std::mutex mu_;
   std::condition_variable cv_;
@@ -1061,7 +1058,7 @@ class ShardRun {
   // object and the process record. Waits for peers until `deadline`: then
   // the coordinator fails (kUnavailable), a worker reports kStalled.
   Result<Participation> Participate(uint64_t v, const std::string& id, const AttemptRecord& doc,
-                                    Clock::time_point deadline);
+                                    Clock::Instant deadline);
   // Fenced, superseded by a newer attempt, or v committed.
   Result<bool> Abandoned(uint64_t v, const std::string& id);
   // The local senders' baseline at committed version `want` (opened,
@@ -1163,9 +1160,9 @@ Status ShardRun::ApplyCommitted(uint64_t from, uint64_t to) {
 }
 
 Status ShardRun::LoadShards(const CommitRecord& want) {
-  const auto start = Clock::now();
+  const auto start = ClockOf(o_).Now();
   Status s = OpenOrRebuildShards(want);
-  report_.baseline_seconds += Seconds(start);
+  report_.baseline_seconds += SecondsSince(ClockOf(o_), start);
   PublisherMemory& mem = report_.memory;
   mem.baseline_bytes = mem.staging_bytes = 0;
   for (RankBufferFiles& f : baseline_) {
@@ -1251,13 +1248,13 @@ Status ShardRun::OpenOrRebuildShards(const CommitRecord& want) {
 
 Status ShardRun::MoveBaseline(uint64_t v, const Digest& partial) {
   DCR_RETURN_IF_ERROR(staging_.AwaitAll());
-  const auto start = Clock::now();
+  const auto start = ClockOf(o_).Now();
   memo_.valid = false;
   std::error_code ec;
   fs::remove(ShardsRecord(state_dir_), ec);
   CopyCurrentIntoBaseline();
   Status written = WriteShardsRecord(v, partial);
-  report_.advance_seconds = Seconds(start);
+  report_.advance_seconds = SecondsSince(ClockOf(o_), start);
   return written;
 }
 
@@ -1310,9 +1307,9 @@ Result<bool> ShardRun::Abandoned(uint64_t v, const std::string& id) {
 }
 
 Result<ShardRun::Participation> ShardRun::Participate(uint64_t v, const std::string& id, const AttemptRecord& doc,
-                                                      Clock::time_point deadline) {
+                                                      Clock::Instant deadline) {
   const std::string prefix = run_keys::Attempt(v, id);
-  const auto encode_start = Clock::now();
+  const auto encode_start = ClockOf(o_).Now();
   DeltaOptions options = o_.delta;
   options.encode.delta_class = doc.cls;
   options.chunk_elements = record_.chunk_elements;
@@ -1393,7 +1390,7 @@ Result<ShardRun::Participation> ShardRun::Participate(uint64_t v, const std::str
     if (missing.empty()) break;
     DCR_ASSIGN_OR_RETURN(bool abandoned, Abandoned(v, id));
     if (abandoned) return out;
-    if (Clock::now() >= deadline) {
+    if (ClockOf(o_).Now() >= deadline) {
       if (Me() != 0) {
         out.outcome = Outcome::kStalled;
         return out;
@@ -1403,7 +1400,7 @@ Result<ShardRun::Participation> ShardRun::Participate(uint64_t v, const std::str
                       "ms); is it running, as process {} of {}?",
                       *missing.begin(), id, o_.peer_timeout.count(), *missing.begin(), P()));
     }
-    std::this_thread::sleep_for(o_.peer_poll);
+    ClockOf(o_).Sleep(o_.peer_poll);
   }
   DCR_ASSIGN_OR_RETURN(OwnedFrames owned, EncodeOwnedChunks(m, mine, options.encode));
   // The frames of the owned chunks, back to back in (tensor, chunk) order.
@@ -1439,13 +1436,13 @@ Result<ShardRun::Participation> ShardRun::Participate(uint64_t v, const std::str
   rec.senders = local_ids_;
   DCR_RETURN_IF_ERROR(store_.Put(prefix + ProcessKey(Me()), rec.ToJson()));
   DCR_RETURN_IF_ERROR(Fault(o_, "record-written"));
-  report_.encode_seconds += Seconds(encode_start);
+  report_.encode_seconds += SecondsSince(ClockOf(o_), encode_start);
   out.outcome = Outcome::kRecorded;
   return out;
 }
 
 Result<PublishReport> ShardRun::Coordinate(uint64_t v) {
-  const auto start = Clock::now();
+  const auto start = ClockOf(o_).Now();
   report_.version = v;
   DCR_ASSIGN_OR_RETURN(CommitRecord base_commit, ReadCommit(store_, v - 1));
   DCR_RETURN_IF_ERROR(LoadShards(base_commit));
@@ -1464,26 +1461,26 @@ Result<PublishReport> ShardRun::Coordinate(uint64_t v) {
       doc.coordinator = o_.coordinator_id;
       doc.processes = P();
       doc.senders = maps_.size();
-      doc.time = UnixNow();
+      doc.time = ClockOf(o_).UnixSeconds();
       DCR_RETURN_IF_ERROR(store_.Put(prefix + "attempt.json", doc.ToJson(), WriteMode::kCreateIfAbsent));
-      DCR_ASSIGN_OR_RETURN(Participation own, Participate(v, id, doc, Clock::now() + o_.peer_timeout));
+      DCR_ASSIGN_OR_RETURN(Participation own, Participate(v, id, doc, ClockOf(o_).Now() + o_.peer_timeout));
       if (own.outcome != Outcome::kRecorded)
         return PublishRun::AttemptResult{false, Aborted("the attempt was fenced or superseded while it ran")};
       partial = own.record.target_digest;
       // Every process's record.
       std::vector<ProcessRecord> records(P());
       records[Me()] = std::move(own.record);
-      const auto deadline = Clock::now() + o_.peer_timeout;
+      const auto deadline = ClockOf(o_).Now() + o_.peer_timeout;
       for (uint32_t q = 1; q < P();) {
         const std::string key = prefix + ProcessKey(q);
         DCR_ASSIGN_OR_RETURN(auto text, GetIfPresent(store_, key));
         if (!text) {
-          if (Clock::now() >= deadline)
+          if (ClockOf(o_).Now() >= deadline)
             return PublishRun::AttemptResult{
                 false,
                 Unavailable(fmt::format("process {} wrote no record for attempt {} within the peer timeout ({} ms)", q,
                                         id, o_.peer_timeout.count()))};
-          std::this_thread::sleep_for(o_.peer_poll);
+          ClockOf(o_).Sleep(o_.peer_poll);
           continue;
         }
         DCR_ASSIGN_OR_RETURN(ProcessRecord r, ProcessRecord::FromJson(*text, StoreContext(store_.url(), key)));
@@ -1536,9 +1533,9 @@ Result<PublishReport> ShardRun::Coordinate(uint64_t v) {
     }
     DCR_RETURN_IF_ERROR(Fault(o_, "committed"));
     DCR_RETURN_IF_ERROR(MoveBaseline(v, partial));
-    CollectGarbage(store_, o_.keep_versions, o_.heartbeat_timeout).IgnoreError();
+    CollectGarbage(store_, o_.keep_versions, o_.heartbeat_timeout, ClockOf(o_)).IgnoreError();
     report_.staging_seconds = staging_.seconds();
-    report_.total_seconds = Seconds(start);
+    report_.total_seconds = SecondsSince(ClockOf(o_), start);
     return report_;
   }
   return Aborted(fmt::format("version {} was not committed after {} attempts; last failure: {}", v, report_.attempts,
@@ -1546,14 +1543,14 @@ Result<PublishReport> ShardRun::Coordinate(uint64_t v) {
 }
 
 Result<PublishReport> ShardRun::Work(uint64_t v) {
-  const auto start = Clock::now();
+  const auto start = ClockOf(o_).Now();
   report_.version = v;
   DCR_ASSIGN_OR_RETURN(CommitRecord base_commit, ReadCommit(store_, v - 1));
   DCR_RETURN_IF_ERROR(LoadShards(base_commit));
   std::map<std::string, Digest> recorded;  // attempts this process recorded -> its partial at v
   std::set<std::string> tried;  // attempts it took part in, or refused
   std::string joined;  // the attempt last joined
-  auto idle_until = Clock::now() + o_.peer_timeout;
+  auto idle_until = ClockOf(o_).Now() + o_.peer_timeout;
   for (;;) {
     DCR_ASSIGN_OR_RETURN(auto commit_text, GetIfPresent(store_, run_keys::Commit(v)));
     if (commit_text) {
@@ -1572,7 +1569,7 @@ Result<PublishReport> ShardRun::Work(uint64_t v) {
         report_.already_committed = true;
       }
       report_.staging_seconds = staging_.seconds();
-      report_.total_seconds = Seconds(start);
+      report_.total_seconds = SecondsSince(ClockOf(o_), start);
       return report_;
     }
     DCR_ASSIGN_OR_RETURN(auto attempts, ListAttempts(store_, v));
@@ -1590,9 +1587,9 @@ Result<PublishReport> ShardRun::Work(uint64_t v) {
                           "told {} of {}",
                           StoreContext(store_.url(), key), doc.processes, doc.senders, P(), maps_.size()));
         const std::string id = newest->id;
-        if (id != joined) idle_until = Clock::now() + o_.peer_timeout;  // a new attempt: progress
+        if (id != joined) idle_until = ClockOf(o_).Now() + o_.peer_timeout;  // a new attempt: progress
         joined = id;
-        auto part = Participate(v, id, doc, Clock::now() + o_.peer_timeout);
+        auto part = Participate(v, id, doc, ClockOf(o_).Now() + o_.peer_timeout);
         DCR_RETURN_IF_ERROR(staging_.Failure());
         if (!part.ok()) {
           if (!Transient(part.status())) {
@@ -1610,18 +1607,18 @@ Result<PublishReport> ShardRun::Work(uint64_t v) {
           recorded[id] = part->record.target_digest;
           ++report_.attempts;
           report_.attempt = id;
-          idle_until = Clock::now() + 2 * o_.peer_timeout + o_.ack_timeout;
+          idle_until = ClockOf(o_).Now() + 2 * o_.peer_timeout + o_.ack_timeout;
         }
         if (part->outcome == Outcome::kAbandoned) tried.insert(id);
         if (part->outcome != Outcome::kStalled) continue;
       }
     }
-    if (Clock::now() >= idle_until)
+    if (ClockOf(o_).Now() >= idle_until)
       return Unavailable(
           fmt::format("process {}/{}: no {} of version {} from the coordinator within the peer timeout; "
                       "is process 0 running?",
                       Me(), P(), recorded.empty() ? "attempt to join" : "commit", v));
-    std::this_thread::sleep_for(o_.peer_poll);
+    ClockOf(o_).Sleep(o_.peer_poll);
   }
 }
 

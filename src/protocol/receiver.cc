@@ -13,7 +13,8 @@ ReceiverWalk::ReceiverWalk(Store& store, ReceiverTarget& target, FollowOptions o
     : store_(store),
       target_(target),
       o_(std::move(options)),
-      heartbeat_(store, o_.id, target.Engine(), o_.heartbeat_every, [this](const std::string& l) { Log(l); }) {}
+      heartbeat_(store, o_.id, target.Engine(), o_.heartbeat_every, ClockOf(o_),
+                 [this](const std::string& l) { Log(l); }) {}
 
 Status ReceiverWalk::Run(std::optional<uint64_t> until, const std::function<bool()>& stop) {
   Status s = FollowLoop(
@@ -31,7 +32,7 @@ Status ReceiverWalk::Start(const std::function<bool()>& stop) {
     DCR_ASSIGN_OR_RETURN(state, ReadRunState(store_));
     if (state.run && state.latest) break;
     if (stop && stop()) return Aborted("stopped before the run started");
-    std::this_thread::sleep_for(o_.poll);
+    ClockOf(o_).Sleep(o_.poll);
   }
   run_ = *state.run;
   shape_ = LayoutOf(run_);
@@ -125,7 +126,7 @@ Status ReceiverWalk::AwaitRelay(uint64_t v, const std::string& id, const std::ve
                                 const std::function<Status()>& arrived) {
   if (!o_.relay) return Status::Ok();
   const std::string prefix = run_keys::Attempt(v, id);
-  const auto start = std::chrono::steady_clock::now();
+  const auto start = ClockOf(o_).Now();
   for (;;) {
     DCR_RETURN_IF_ERROR(TakeFromRelay(v, id));
     DCR_RETURN_IF_ERROR(arrived());
@@ -133,14 +134,14 @@ Status ReceiverWalk::AwaitRelay(uint64_t v, const std::string& id, const std::ve
     // Also while the relay is detached: its client re-attaches upstream
     // within its dead_after, and the new parent sends what is missing.
     if (complete) return Status::Ok();
-    const auto now = std::chrono::steady_clock::now();
+    const auto now = ClockOf(o_).Now();
     if (now - std::max(start, o_.relay->LastDelivery()) > o_.relay_quiet) {
       Log(fmt::format(
           "the relay delivered nothing for {} ms; downloading the missing frame objects of {} from the store",
           o_.relay_quiet.count(), prefix));
       return Status::Ok();
     }
-    std::this_thread::sleep_for(std::min(o_.stream_poll, o_.poll));
+    ClockOf(o_).Sleep(std::min(o_.stream_poll, o_.poll));
   }
 }
 
@@ -262,7 +263,7 @@ Status ReceiverWalk::ApplyAndAck(uint64_t v, const AttemptInfo& a) {
   uint64_t loaded = 0;
   auto delta = LoadAttempt(store_, v, a.id, &prefetched_, &loaded, &released_);
   NoteFramesHeld(loaded);
-  const auto ready = std::chrono::steady_clock::now();  // the manifest and every frame object are here
+  const auto ready = ClockOf(o_).Now();  // the manifest and every frame object are here
   if (Transient(delta.status())) return delta.status();
   if (o_.relay && delta.ok()) {
     const uint64_t frame_bytes = delta->manifest().frame_bytes;
@@ -288,8 +289,8 @@ Status ReceiverWalk::ApplyAndAck(uint64_t v, const AttemptInfo& a) {
   const ApplyCounts& st = streamed_[a.id].counts;
   Log(s.ok() ? fmt::format("applied version {} attempt {} ({:.3f} s after the manifest and frame objects were in; "
                            "streamed frames: {} applied as they arrived, {} already done, {} left to the manifest)",
-                           v, a.id, std::chrono::duration<double>(std::chrono::steady_clock::now() - ready).count(),
-                           st.applied, st.already, st.left)
+                           v, a.id, std::chrono::duration<double>(ClockOf(o_).Now() - ready).count(), st.applied,
+                           st.already, st.left)
              : fmt::format("cannot apply version {} attempt {}: {}", v, a.id, s.ToString()));
   DCR_RETURN_IF_ERROR(store_.Put(run_keys::Ack(v, a.id, o_.id), ack.ToJson()));
   // In the store first (the record), then up the relay tree (the fast path
@@ -354,7 +355,7 @@ Status ReceiverWalk::Step() {
     // retry), and its frames would only be overwritten.
     if (a.id == attempts.back().id) DCR_RETURN_IF_ERROR(StreamApply(v, a));
   }
-  if (!progressed) std::this_thread::sleep_for(streaming ? std::min(o_.stream_poll, o_.poll) : o_.poll);
+  if (!progressed) ClockOf(o_).Sleep(streaming ? std::min(o_.stream_poll, o_.poll) : o_.poll);
   return Status::Ok();
 }
 
