@@ -164,6 +164,15 @@ struct ProcessRecord {
 // record names a chunk outside the manifest or an object it lacks.
 Status AssembleLayoutManifest(DeltaManifest& manifest, std::span<const ProcessRecord> records);
 
+// Why an attempt is obsolete: attempts/v<N>/<attempt>/fence. Its existence
+// is what receivers and relays obey; the record says why and when.
+struct FenceRecord {
+  std::string reason;
+  double time = 0;  // unix seconds
+  std::string ToJson() const;
+  static Result<FenceRecord> FromJson(std::string_view json, const std::string& where);
+};
+
 struct SnapshotRecord {
   uint64_t version = 0;
   Digest digest;

@@ -320,8 +320,8 @@ Result<bool> PublishRun::Settle(uint64_t v, const std::string& id, Result<Attemp
 Status PublishRun::Fence(uint64_t v, const std::string& id, const Status& why) {
   // Never fence a committed attempt (its commit's response may have been lost).
   if (auto c = ReadCommit(store_, v); c.ok() && c->attempt == id) return Status::Ok();
-  nlohmann::json doc = {{"format", "dcr-fence"}, {"reason", why.ToString()}, {"time", ClockOf(o_).UnixSeconds()}};
-  DCR_RETURN_IF_ERROR(store_.Put(run_keys::Attempt(v, id) + "fence", JsonText(doc, 1) + "\n"));
+  const FenceRecord fence{why.ToString(), ClockOf(o_).UnixSeconds()};
+  DCR_RETURN_IF_ERROR(store_.Put(run_keys::Attempt(v, id) + "fence", fence.ToJson()));
   // The store's fence is the one receivers obey; the relays' copy only lets
   // them drop the attempt's frames early.
   if (o_.relay) o_.relay->Fence(run_keys::Attempt(v, id));

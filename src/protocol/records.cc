@@ -267,6 +267,22 @@ Result<ReceiverRecord> ReceiverRecord::FromJson(std::string_view text, const std
   return r;
 }
 
+std::string FenceRecord::ToJson() const {
+  json doc;
+  doc["format"] = "dcr-fence";
+  doc["reason"] = reason;
+  doc["time"] = time;
+  return Dump(doc);
+}
+
+Result<FenceRecord> FenceRecord::FromJson(std::string_view text, const std::string& where) {
+  DCR_ASSIGN_OR_RETURN(json doc, Parse(text, where, "dcr-fence"));
+  FenceRecord r;
+  DCR_ASSIGN_OR_RETURN(r.reason, Str(doc, "reason", where));
+  DCR_ASSIGN_OR_RETURN(r.time, Num(doc, "time", where));
+  return r;
+}
+
 std::string SnapshotRecord::ToJson() const {
   json doc;
   doc["format"] = "dcr-snapshot";

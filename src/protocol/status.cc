@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <map>
-#include <nlohmann/json.hpp>
 #include <set>
 
 #include "internal.h"
@@ -64,8 +63,8 @@ Result<RunStatusReport> ReadRunStatus(Store& store, std::chrono::milliseconds he
       if (a.fenced) {
         auto text = store.Get(prefix + "fence");
         if (text.ok()) {
-          auto doc = nlohmann::json::parse(*text, nullptr, false);
-          if (doc.is_object() && doc["reason"].is_string()) as.fence_reason = doc["reason"].get<std::string>();
+          auto fence = FenceRecord::FromJson(*text, prefix + "fence");
+          as.fence_reason = fence.ok() ? fence->reason : "(unreadable: " + fence.status().message() + ")";
         }
       }
       if (vs.commit && vs.commit->attempt == a.id) as.state = "committed";

@@ -8,7 +8,7 @@ OUT/s3_response_fuzz (scripted S3 exchanges) and OUT/store_config_fuzz
 (store URLs, AWS environment and profile files, fault specs); for layout
 maps, OUT/layout_map_fuzz (valid and subtly broken maps); for the refit
 protocol, OUT/records_fuzz (store records: run, commit, ack, receiver,
-snapshot, trainer process; the first byte picks the type),
+snapshot, trainer process, attempt, fence; the first byte picks the type),
 OUT/contribution_fuzz (contribution objects, dummy checksums: the target
 recomputes them when byte 0 says so) and OUT/journals_fuzz (the
 receivers' local journals). Standard library only.
@@ -375,6 +375,7 @@ def records_seeds():
                               "time": 1764648003.0}),
         "snapshot": (4, {"format": "dcr-snapshot", "version": 0, "digest": d,
                          "files": [{"name": "model.safetensors", "bytes": 4096}]}),
+        "fence": (7, {"format": "dcr-fence", "reason": "UNAVAILABLE: the store did not answer", "time": 1.8e9}),
         "process": (5, {"format": "dcr-process", "attempt": "0000-0123abcd", "process": 1, "processes": 3,
                         "senders": [1, 2], "baseline_digest": d, "target_digest": d,
                         "objects": ["frames/s1-0000.bin"],
