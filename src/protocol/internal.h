@@ -150,6 +150,28 @@ class StateDirLock {
   int fd_ = -1;
 };
 
+// ---- The publisher's state directory (publisher_state.cc) -------------------
+
+// state_dir/publisher.json: which run and version the baseline holds.
+struct BaselineState {
+  std::string run_id;
+  uint64_t version = 0;
+};
+std::string BaselineDir(const std::string& state_dir);  // the baseline checkpoint
+// nullopt when there is none; kInvalidArgument when it does not parse.
+Result<std::optional<BaselineState>> ReadBaseline(const std::string& state_dir);
+Status WriteBaseline(const std::string& state_dir, const BaselineState& s);
+
+// state_dir/baseline-digests.json: the baseline's chunk digests at a
+// version, trusted only while the baseline's files keep their sizes and
+// modification times and the machine has not rebooted (best effort: a cache
+// that cannot be written or read costs the next publish a digest pass).
+void WriteDigestCache(const std::string& state_dir, uint64_t version, const Checkpoint& baseline,
+                      const ChunkDigestTable& digests);
+std::optional<ChunkDigestTable> ReadDigestCache(const std::string& state_dir, uint64_t version,
+                                                const Checkpoint& baseline, const DeltaManifest& layout);
+void DropDigestCache(const std::string& state_dir);
+
 // A receiver's record receivers/<id>.json: written now by Set, and every
 // `every` by a thread between Start and Stop (the destructor stops it).
 class Heartbeat {

@@ -17,8 +17,11 @@
 #include <cerrno>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "dcr/hash.h"
+#include "dcr/json.h"
 #include "internal.h"
 
 namespace dcr {
@@ -96,6 +99,106 @@ StateDirLock::StateDirLock(StateDirLock&& o) noexcept : fd_(o.fd_) { o.fd_ = -1;
 
 StateDirLock::~StateDirLock() {
   if (fd_ >= 0) ::close(fd_);  // releases the lock
+}
+
+std::string BaselineDir(const std::string& state_dir) { return (fs::path(state_dir) / "baseline").string(); }
+std::string BaselineRecord(const std::string& state_dir) { return (fs::path(state_dir) / "publisher.json").string(); }
+
+Result<std::optional<BaselineState>> ReadBaseline(const std::string& state_dir) {
+  const std::string path = BaselineRecord(state_dir);
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return std::optional<BaselineState>();
+  DCR_ASSIGN_OR_RETURN(MappedFile f, MappedFile::Open(path, false));
+  auto doc = nlohmann::json::parse(f.data().begin(), f.data().end(), nullptr, false);
+  if (doc.is_discarded() || !doc.is_object() || !doc["run_id"].is_string() || !doc["version"].is_number_unsigned())
+    return InvalidArgument(path + ": does not parse");
+  return std::optional<BaselineState>(BaselineState{doc["run_id"].get<std::string>(), doc["version"].get<uint64_t>()});
+}
+
+Status WriteBaseline(const std::string& state_dir, const BaselineState& s) {
+  nlohmann::json doc = {{"run_id", s.run_id}, {"version", s.version}};
+  return WriteFileAtomically(BaselineRecord(state_dir), JsonText(doc, 1) + "\n");
+}
+
+// state_dir/baseline-digests.json: the baseline's chunk digests at a
+// version, so that a publish costs O(changed chunks) instead of a digest pass
+// over the whole baseline (DESIGN section 4). Trusted only while the
+// baseline's files have the sizes and modification times recorded and the
+// machine has not rebooted since (the baseline is not msynced: an OS crash
+// may lose its writes, a killed process does not); otherwise the pass runs.
+std::string DigestCachePath(const std::string& state_dir) {
+  return (fs::path(state_dir) / "baseline-digests.json").string();
+}
+
+namespace {
+
+std::string BootId() {
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  std::getline(f, id);
+  return id;
+}
+
+// Name, size and mtime (ns) of every file of the baseline, sorted by name.
+nlohmann::json BaselineFileStamps(const Checkpoint& baseline) {
+  nlohmann::json files = nlohmann::json::array();
+  std::vector<std::string> names = baseline.files();
+  std::sort(names.begin(), names.end());
+  for (const auto& name : names) {
+    struct stat st {};
+    if (::stat(name.c_str(), &st) != 0) return nlohmann::json();  // unknown: never matches
+    files.push_back(
+        {fs::path(name).filename().string(), static_cast<uint64_t>(st.st_size),
+         static_cast<uint64_t>(st.st_mtim.tv_sec) * 1000000000ull + static_cast<uint64_t>(st.st_mtim.tv_nsec)});
+  }
+  return files;
+}
+
+}  // namespace
+
+void DropDigestCache(const std::string& state_dir) {
+  std::error_code ec;
+  fs::remove(DigestCachePath(state_dir), ec);
+}
+
+// Best effort: a cache that cannot be written costs the next publish a pass.
+void WriteDigestCache(const std::string& state_dir, uint64_t version, const Checkpoint& baseline,
+                      const ChunkDigestTable& digests) {
+  nlohmann::json table = nlohmann::json::array();
+  for (const auto& tensor : digests) {
+    nlohmann::json row = nlohmann::json::array();
+    for (const auto& d : tensor) row.push_back(d.ToHex());
+    table.push_back(std::move(row));
+  }
+  nlohmann::json doc = {{"format", "dcr-baseline-digests"},
+                        {"version", version},
+                        {"boot_id", BootId()},
+                        {"files", BaselineFileStamps(baseline)},
+                        {"chunks", std::move(table)}};
+  if (!WriteFileAtomically(DigestCachePath(state_dir), JsonText(doc) + "\n").ok()) DropDigestCache(state_dir);
+}
+
+// The cached chunk digests of `baseline` at `version` in `layout`'s chunking,
+// or nullopt when there is no cache or it cannot be trusted.
+std::optional<ChunkDigestTable> ReadDigestCache(const std::string& state_dir, uint64_t version,
+                                                const Checkpoint& baseline, const DeltaManifest& layout) {
+  auto f = MappedFile::Open(DigestCachePath(state_dir), false);
+  if (!f.ok()) return std::nullopt;
+  auto doc = nlohmann::json::parse(f->data().begin(), f->data().end(), nullptr, false);
+  if (doc.is_discarded() || !doc.is_object() || doc.value("format", "") != "dcr-baseline-digests" ||
+      !doc["version"].is_number_unsigned() || doc["version"].get<uint64_t>() != version ||
+      doc.value("boot_id", "") != BootId() || BootId().empty() || doc["files"] != BaselineFileStamps(baseline) ||
+      !doc["chunks"].is_array() || doc["chunks"].size() != layout.tensors.size())
+    return std::nullopt;
+  ChunkDigestTable table(layout.tensors.size());
+  for (size_t t = 0; t < table.size(); ++t) {
+    const auto& row = doc["chunks"][t];
+    if (!row.is_array() || row.size() != layout.ChunkCount(t)) return std::nullopt;
+    table[t].resize(row.size());
+    for (size_t c = 0; c < row.size(); ++c)
+      if (!row[c].is_string() || !Digest::FromHex(row[c].get<std::string>(), &table[t][c])) return std::nullopt;
+  }
+  return table;
 }
 
 }  // namespace protocol_internal
