@@ -304,58 +304,112 @@ Status ReceiverWalk::ApplyAndAck(uint64_t v, const AttemptInfo& a) {
 }
 
 // One step towards version_ + 1: apply its commit, or its open attempts.
+StepPlan PlanStep(const StepInputs& in) {
+  StepPlan plan;
+  if (!in.target_open) {
+    plan.kind = StepPlan::Kind::kJoin;
+    return plan;
+  }
+  if (in.committed) {
+    plan.kind = in.target_at_commit ? StepPlan::Kind::kCommit : StepPlan::Kind::kCatchUp;
+    return plan;
+  }
+  plan.kind = StepPlan::Kind::kAttempts;
+  for (size_t i = 0; i < in.attempts.size(); ++i) {
+    const auto& a = in.attempts[i];
+    StepPlan::ForAttempt f;
+    if (a.fenced || a.handled || a.acked_by_me) {
+      f.what = StepPlan::Attempt::kDrop;
+    } else if (a.has_manifest) {
+      f.what = StepPlan::Attempt::kApplyAndAck;
+    } else {
+      // Streaming: without a relay attached, download the frame objects
+      // written so far, so that only the last one or two remain when the
+      // manifest appears. Only the newest attempt is applied ahead: an
+      // older one is being replaced (a takeover or retry), and its frames
+      // would only be overwritten.
+      f.what = StepPlan::Attempt::kStream;
+      f.download = !in.relay_attached;
+      f.apply_ahead = i + 1 == in.attempts.size();
+      plan.streaming = true;
+    }
+    plan.attempts.push_back(f);
+  }
+  return plan;
+}
+
 Status ReceiverWalk::Step() {
-  if (!target_.Open()) {  // a join was interrupted by a store failure
-    DCR_ASSIGN_OR_RETURN(RunState state, ReadRunState(store_));
-    return Join(*state.latest, "resuming an interrupted join");
-  }
   const uint64_t v = version_ + 1;
-  DCR_ASSIGN_OR_RETURN(auto commit_text, GetIfPresent(store_, run_keys::Commit(v)));
-  if (commit_text) {
-    DCR_ASSIGN_OR_RETURN(CommitRecord c,
-                         CommitRecord::FromJson(*commit_text, StoreContext(store_.url(), run_keys::Commit(v))));
-    if (std::find(c.retired.begin(), c.retired.end(), o_.id) != c.retired.end())
-      Log(
-          fmt::format("retired from version {} (no ack before the deadline): catching up from the committed delta, "
-                      "or the newest snapshot if that is impossible",
-                      v));
-    if (target_.AtCommit(c)) DCR_RETURN_IF_ERROR(Commit(v));
-    else DCR_RETURN_IF_ERROR(CatchUp(v, c));
-    if (version_ != v) return Status::Ok();  // rejoined from a snapshot
-    SetState("following").IgnoreError();
-    Log(fmt::format("at version {} (attempt {})", v, c.attempt.empty() ? "snapshot" : c.attempt));
-    return Status::Ok();
+  StepInputs in;
+  in.target_open = target_.Open();
+  std::optional<CommitRecord> commit;
+  std::vector<AttemptInfo> attempts;
+  if (in.target_open) {
+    DCR_ASSIGN_OR_RETURN(auto commit_text, GetIfPresent(store_, run_keys::Commit(v)));
+    if (commit_text) {
+      DCR_ASSIGN_OR_RETURN(commit,
+                           CommitRecord::FromJson(*commit_text, StoreContext(store_.url(), run_keys::Commit(v))));
+      in.committed = true;
+      in.target_at_commit = target_.AtCommit(*commit);
+    } else {
+      DCR_ASSIGN_OR_RETURN(attempts, ListAttempts(store_, v));
+      for (const auto& a : attempts)
+        in.attempts.push_back({a.fenced, handled_.count(a.id) > 0,
+                               std::find(a.acks.begin(), a.acks.end(), o_.id) != a.acks.end(), a.has_manifest});
+      in.relay_attached = o_.relay && o_.relay->Attached();
+    }
   }
-  DCR_ASSIGN_OR_RETURN(auto attempts, ListAttempts(store_, v));
-  bool progressed = false, streaming = false;
-  for (const auto& a : attempts) {
+  const StepPlan plan = PlanStep(in);
+  switch (plan.kind) {
+    case StepPlan::Kind::kJoin: {  // a join was interrupted by a store failure
+      DCR_ASSIGN_OR_RETURN(RunState state, ReadRunState(store_));
+      return Join(*state.latest, "resuming an interrupted join");
+    }
+    case StepPlan::Kind::kCommit:
+    case StepPlan::Kind::kCatchUp: {
+      const CommitRecord& c = *commit;
+      if (std::find(c.retired.begin(), c.retired.end(), o_.id) != c.retired.end())
+        Log(
+            fmt::format("retired from version {} (no ack before the deadline): catching up from the committed delta, "
+                        "or the newest snapshot if that is impossible",
+                        v));
+      if (plan.kind == StepPlan::Kind::kCommit) DCR_RETURN_IF_ERROR(Commit(v));
+      else DCR_RETURN_IF_ERROR(CatchUp(v, c));
+      if (version_ != v) return Status::Ok();  // rejoined from a snapshot
+      SetState("following").IgnoreError();
+      Log(fmt::format("at version {} (attempt {})", v, c.attempt.empty() ? "snapshot" : c.attempt));
+      return Status::Ok();
+    }
+    case StepPlan::Kind::kAttempts: break;
+  }
+  bool progressed = false;
+  for (size_t i = 0; i < attempts.size(); ++i) {
+    const AttemptInfo& a = attempts[i];
+    const StepPlan::ForAttempt& f = plan.attempts[i];
     const std::string prefix = run_keys::Attempt(v, a.id);
-    if (a.fenced || handled_.count(a.id) || std::find(a.acks.begin(), a.acks.end(), o_.id) != a.acks.end()) {
-      std::erase_if(prefetched_, [&](const auto& kv) { return kv.first.starts_with(prefix); });
-      std::erase_if(released_, [&](const auto& kv) { return kv.first.starts_with(prefix); });
-      std::erase_if(relayed_, [&](const auto& kv) { return kv.first.starts_with(prefix); });
-      if (o_.relay) o_.relay->Take(prefix);  // dropped
-      continue;
+    switch (f.what) {
+      case StepPlan::Attempt::kDrop:
+        std::erase_if(prefetched_, [&](const auto& kv) { return kv.first.starts_with(prefix); });
+        std::erase_if(released_, [&](const auto& kv) { return kv.first.starts_with(prefix); });
+        std::erase_if(relayed_, [&](const auto& kv) { return kv.first.starts_with(prefix); });
+        if (o_.relay) o_.relay->Take(prefix);  // dropped
+        break;
+      case StepPlan::Attempt::kApplyAndAck:
+        DCR_RETURN_IF_ERROR(ApplyAndAck(v, a));
+        progressed = true;
+        break;
+      case StepPlan::Attempt::kStream: {
+        const size_t before = prefetched_.size();
+        DCR_RETURN_IF_ERROR(TakeFromRelay(v, a.id));
+        if (prefetched_.size() != before) progressed = true;
+        if (f.download) DCR_RETURN_IF_ERROR(Prefetch(a, &progressed));
+        NoteFramesHeld();
+        if (f.apply_ahead) DCR_RETURN_IF_ERROR(StreamApply(v, a));
+        break;
+      }
     }
-    if (a.has_manifest) {
-      DCR_RETURN_IF_ERROR(ApplyAndAck(v, a));
-      progressed = true;
-      continue;
-    }
-    // Streaming: take what the relay delivered; without one attached,
-    // download the frame objects written so far, so that only the last one
-    // or two remain when the manifest appears.
-    streaming = true;
-    const size_t before = prefetched_.size();
-    DCR_RETURN_IF_ERROR(TakeFromRelay(v, a.id));
-    if (prefetched_.size() != before) progressed = true;
-    if (!o_.relay || !o_.relay->Attached()) DCR_RETURN_IF_ERROR(Prefetch(a, &progressed));
-    NoteFramesHeld();
-    // Only the newest attempt: an older one is being replaced (a takeover or
-    // retry), and its frames would only be overwritten.
-    if (a.id == attempts.back().id) DCR_RETURN_IF_ERROR(StreamApply(v, a));
   }
-  if (!progressed) ClockOf(o_).Sleep(streaming ? std::min(o_.stream_poll, o_.poll) : o_.poll);
+  if (!progressed) ClockOf(o_).Sleep(plan.streaming ? std::min(o_.stream_poll, o_.poll) : o_.poll);
   return Status::Ok();
 }
 

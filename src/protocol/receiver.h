@@ -61,6 +61,43 @@ class ReceiverTarget {
   virtual Status ApplyStreamed(const DeltaManifest& shape, std::span<const FrameView> frames, ApplyCounts* counts) = 0;
 };
 
+// What one step of the walk does, decided by a pure function of what the
+// walk holds and what the store shows for version held + 1 (PlanStep;
+// tested as a table in receiver_test.cc). The walk gathers the inputs and
+// carries the plan out; I/O and waiting stay outside.
+struct StepInputs {
+  bool target_open = false;  // the target holds a version (a join finished)
+  bool committed = false;  // commits/v<held + 1> exists
+  bool target_at_commit = false;  // ... and the target applied its attempt already
+  struct Attempt {
+    bool fenced = false, handled = false, acked_by_me = false, has_manifest = false;
+  };
+  std::vector<Attempt> attempts;  // of version held + 1, oldest first
+  bool relay_attached = false;
+};
+struct StepPlan {
+  enum class Kind {
+    kJoin,  // the target holds nothing whole: (re)join from the newest snapshot
+    kCommit,  // record the committed version the target already holds
+    kCatchUp,  // apply the committed attempt's delta (or rejoin if impossible)
+    kAttempts,  // no commit yet: act on each attempt as `attempts` says
+  };
+  enum class Attempt {
+    kDrop,  // fenced, or this receiver is done with it: forget what it holds of it
+    kApplyAndAck,  // its manifest is in: apply all of it, verify, ack
+    kStream,  // streaming: take the relay's deliveries (and download when no relay is attached)
+  };
+  struct ForAttempt {
+    Attempt what = Attempt::kDrop;
+    bool download = false;  // kStream: download objects written so far (no relay attached)
+    bool apply_ahead = false;  // kStream: apply its frames before the manifest (the newest attempt only)
+  };
+  Kind kind = Kind::kAttempts;
+  std::vector<ForAttempt> attempts;  // one per input attempt, with kAttempts
+  bool streaming = false;  // some attempt streams: poll at the streaming period
+};
+StepPlan PlanStep(const StepInputs& in);
+
 // The walk: waits for the run, resumes or joins the target, then step by
 // step applies version + 1's commit or its open attempts (streamed frames as
 // they arrive, from the store or a relay), acks each attempt in the store
