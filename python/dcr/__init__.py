@@ -703,25 +703,15 @@ class ShardPublisher:
         return stagers + [None] * (len(self._layouts) - len(stagers))  # the conversions' sender
 
 
-_DIGEST_PRIME = (1 << 61) - 1
-
-
 def add_digests(digests: Iterable[str]) -> str:
     """The sum of digests (32 hex digits each, docs/format.md section 2): the
     digest of the union of the disjoint element sets they cover, e.g. an
     engine's from its ranks' :meth:`Receiver.digest`."""
-    lanes = [0, 0]
+    digests = list(digests)
     for d in digests:
-        if not isinstance(d, str) or len(d) != 32 or d != d.lower():
+        if not isinstance(d, str):
             raise InvalidArgumentError(f"add_digests: {d!r} is not a digest (32 lowercase hex digits)")
-        try:
-            parts = [int(d[:16], 16), int(d[16:], 16)]
-        except ValueError:
-            raise InvalidArgumentError(f"add_digests: {d!r} is not a digest (32 lowercase hex digits)") from None
-        if any(x >= _DIGEST_PRIME for x in parts):
-            raise InvalidArgumentError(f"add_digests: {d!r} has a lane not below 2^61 - 1")
-        lanes = [(a + b) % _DIGEST_PRIME for a, b in zip(lanes, parts)]
-    return f"{lanes[0]:016x}{lanes[1]:016x}"
+    return _dcr.add_digests(digests)
 
 
 def validate_layout(layout: Union[str, Mapping[str, Any]]) -> str:

@@ -63,6 +63,15 @@ void Check(const dcr::Status& status) {
   if (!status.ok()) Raise(status);
 }
 
+// A digest from its 32-hex-digit form (docs/format.md section 2), or kInvalidArgument naming `what`.
+dcr::Digest ParseDigest(const std::string& hex, const std::string& what) {
+  dcr::Digest d;
+  if (!dcr::Digest::FromHex(hex, &d))
+    Raise(dcr::InvalidArgument(what + ": '" + hex +
+                               "' is not a digest (32 lowercase hex digits, each lane below 2^61 - 1)"));
+  return d;
+}
+
 template <typename T>
 T Take(dcr::Result<T>&& result) {
   if (!result.ok()) Raise(result.status());
@@ -737,6 +746,15 @@ NB_MODULE(_dcr, m) {
       .def_prop_ro("base_digest", [](const PyDelta& d) { return d.manifest.base_digest.ToHex(); })
       .def("write", &WriteDelta, "dir"_a);
 
+  m.def(
+      "add_digests",
+      [](const std::vector<std::string>& digests) {
+        dcr::Digest sum;
+        for (const auto& hex : digests) sum += ParseDigest(hex, "add_digests");
+        return sum.ToHex();
+      },
+      "digests"_a, "The sum of digests (hex): the digest of the union of the disjoint elements they cover.");
+
   // Layouts
   m.def(
       "validate_layout",
@@ -919,9 +937,7 @@ NB_MODULE(_dcr, m) {
       .def(
           "adopt",
           [](PyRankFollower& f, uint64_t version, const std::string& engine_digest) {
-            dcr::Digest d;
-            if (!dcr::Digest::FromHex(engine_digest, &d))
-              Raise(dcr::InvalidArgument("Receiver.adopt: engine_digest must be 32 lowercase hex digits"));
+            const dcr::Digest d = ParseDigest(engine_digest, "Receiver.adopt: engine_digest");
             dcr::Status s;
             {
               nb::gil_scoped_release release;

@@ -126,7 +126,9 @@ Status ReceiverWalk::AwaitRelay(uint64_t v, const std::string& id, const std::ve
                                 const std::function<Status()>& arrived) {
   if (!o_.relay) return Status::Ok();
   const std::string prefix = run_keys::Attempt(v, id);
-  const auto start = ClockOf(o_).Now();
+  // Real time, as the relay client stamps its deliveries (LastDelivery).
+  Clock& clock = RealClock();
+  const auto start = clock.Now();
   for (;;) {
     DCR_RETURN_IF_ERROR(TakeFromRelay(v, id));
     DCR_RETURN_IF_ERROR(arrived());
@@ -134,14 +136,14 @@ Status ReceiverWalk::AwaitRelay(uint64_t v, const std::string& id, const std::ve
     // Also while the relay is detached: its client re-attaches upstream
     // within its dead_after, and the new parent sends what is missing.
     if (complete) return Status::Ok();
-    const auto now = ClockOf(o_).Now();
+    const auto now = clock.Now();
     if (now - std::max(start, o_.relay->LastDelivery()) > o_.relay_quiet) {
       Log(fmt::format(
           "the relay delivered nothing for {} ms; downloading the missing frame objects of {} from the store",
           o_.relay_quiet.count(), prefix));
       return Status::Ok();
     }
-    ClockOf(o_).Sleep(std::min(o_.stream_poll, o_.poll));
+    clock.Sleep(std::min(o_.stream_poll, o_.poll));
   }
 }
 
