@@ -52,6 +52,9 @@ export DCR_S3_TEST_URL="s3://dcr-conformance?create_bucket=1"
 echo "== module dependencies along the data path"
 python3 scripts/check_includes.py
 
+echo "== function length in the protocol and layout walks"
+python3 scripts/check_function_length.py
+
 echo "== C++ formatting (.clang-format; fix with: .venv/bin/clang-format -i FILES)"
 if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
   mapfile -t cxx_files < <(git ls-files '*.cc' '*.h')

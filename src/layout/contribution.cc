@@ -145,14 +145,20 @@ Result<std::string> WriteContributions(const ContributionHeader& header, const D
   return out;
 }
 
-Result<std::vector<ChunkContribution>> ParseContributions(std::span<const uint8_t> bytes,
-                                                          const ContributionHeader& expect,
-                                                          const DeltaManifest& manifest,
-                                                          std::span<const uint32_t> from_senders,
-                                                          const std::string& where) {
-  const auto bad = [&](Code code, const std::string& what) {
+namespace {
+
+// Errors about one contribution object, named by `where`.
+struct ObjectError {
+  const std::string& where;
+  Status operator()(Code code, const std::string& what) const {
     return Status(code, fmt::format("{}: contribution object: {}", where, what));
-  };
+  }
+};
+
+// The object's header, size and checksum checked against `expect`; its
+// number of records.
+Result<uint64_t> CheckContributionHeader(std::span<const uint8_t> bytes, const ContributionHeader& expect,
+                                         const ObjectError& bad) {
   if (bytes.size() < kContributionHeaderBytes + kChecksumBytes)
     return bad(Code::kDataLoss, fmt::format("truncated ({} bytes, the header and checksum need {})", bytes.size(),
                                             kContributionHeaderBytes + kChecksumBytes));
@@ -179,76 +185,97 @@ Result<std::vector<ChunkContribution>> ParseContributions(std::span<const uint8_
                            expect.from_process, expect.to_process));
   if (records > body / kRecordHeaderBytes)
     return bad(Code::kInvalidArgument, fmt::format("{} records cannot fit in {} bytes", records, body));
-  const bool overwrite = expect.delta_class == DeltaClass::kOverwrite;
+  return records;
+}
+
+// Record `r` of an object whose bytes are `p`, from `*at` (advanced past it)
+// to at most `end`; `prev`: the record before it, if any.
+Result<ChunkContribution> ParseRecord(const uint8_t* p, uint64_t* at, uint64_t end, uint64_t r,
+                                      const ContributionHeader& expect, const DeltaManifest& manifest,
+                                      std::span<const uint32_t> from_senders, const ChunkContribution* prev,
+                                      const ObjectError& bad) {
+  const auto rec_bad = [&](const std::string& what) {
+    return bad(Code::kInvalidArgument, fmt::format("record {}: {}", r, what));
+  };
+  const auto truncated = [&] { return bad(Code::kDataLoss, fmt::format("record {} is truncated", r)); };
+  if (end - *at < kRecordHeaderBytes) return truncated();
+  const uint8_t* h = p + *at;
+  ChunkContribution c;
+  c.tensor = Get32(h);
+  c.chunk = Get32(h + 4);
+  c.from = Get32(h + 8);
+  const uint64_t ranges = Get32(h + 12), changes = Get32(h + 16);
+  if (Get32(h + 20) != 0) return rec_bad("reserved field is not 0");
+  c.base_digest.lane[0] = Get64(h + 24);
+  c.base_digest.lane[1] = Get64(h + 32);
+  if (c.base_digest.lane[0] >= kDigestPrime || c.base_digest.lane[1] >= kDigestPrime)
+    return rec_bad("base digest lane out of range");
+  *at += kRecordHeaderBytes;
+  uint64_t elements = 0, eb = 0;
+  if (Status s = ChunkShape(manifest, c.tensor, c.chunk, &elements, &eb); !s.ok()) return rec_bad(s.message());
+  if (std::find(from_senders.begin(), from_senders.end(), c.from) == from_senders.end())
+    return rec_bad(fmt::format("sender {} is not one of process {}'s senders", c.from, expect.from_process));
+  if (prev && std::tie(c.tensor, c.chunk, c.from) <= std::tie(prev->tensor, prev->chunk, prev->from))
+    return rec_bad("records are not in increasing (tensor, chunk, sender) order");
+  if (ranges == 0) return rec_bad("covers no elements");
+  if (ranges > elements || changes > elements)
+    return rec_bad(fmt::format("{} ranges and {} changes in a chunk of {} elements", ranges, changes, elements));
+  // Sizes are bounded by the chunk (u32 counts, eb <= 16): no overflow.
+  if (end - *at < ranges * 8 + changes * (4 + 2 * eb)) return truncated();
+  uint64_t covered = 0, range_end = 0;
+  c.covered.reserve(static_cast<size_t>(ranges));
+  for (uint64_t i = 0; i < ranges; ++i, *at += 8) {
+    const uint64_t lo = Get32(p + *at), len = Get32(p + *at + 4);
+    if (len == 0 || lo + len > elements || (i > 0 && lo < range_end))
+      return rec_bad(
+          fmt::format("covered range [{}, {}) is empty, past the chunk's {} elements, or not after the "
+                      "previous range",
+                      lo, lo + len, elements));
+    range_end = lo + len;
+    covered += len;
+    c.covered.emplace_back(static_cast<uint32_t>(lo), static_cast<uint32_t>(len));
+  }
+  c.positions.reserve(static_cast<size_t>(changes));
+  size_t range = 0;
+  for (uint64_t i = 0; i < changes; ++i, *at += 4) {
+    const uint32_t pos = Get32(p + *at);
+    if (i > 0 && pos <= c.positions.back()) return rec_bad(fmt::format("changed position {} is not increasing", pos));
+    while (range < c.covered.size() && uint64_t{c.covered[range].first} + c.covered[range].second <= pos) ++range;
+    if (range == c.covered.size() || pos < c.covered[range].first)
+      return rec_bad(fmt::format("changed position {} lies outside the covered ranges", pos));
+    c.positions.push_back(pos);
+  }
+  c.old_bits.assign(p + *at, p + *at + changes * eb);
+  *at += changes * eb;
+  c.new_bits.assign(p + *at, p + *at + changes * eb);
+  *at += changes * eb;
+  if (expect.delta_class == DeltaClass::kOverwrite) {
+    if (end - *at < covered * eb) return truncated();
+    c.covered_bits.assign(p + *at, p + *at + covered * eb);
+    *at += covered * eb;
+  }
+  return c;
+}
+
+}  // namespace
+
+Result<std::vector<ChunkContribution>> ParseContributions(std::span<const uint8_t> bytes,
+                                                          const ContributionHeader& expect,
+                                                          const DeltaManifest& manifest,
+                                                          std::span<const uint32_t> from_senders,
+                                                          const std::string& where) {
+  const ObjectError bad{where};
+  DCR_ASSIGN_OR_RETURN(const uint64_t records, CheckContributionHeader(bytes, expect, bad));
+  const uint64_t end = bytes.size() - kChecksumBytes;
   std::vector<ChunkContribution> out;
   out.reserve(static_cast<size_t>(records));
   uint64_t at = kContributionHeaderBytes;
-  const auto left = [&] { return sum_at - at; };
   for (uint64_t r = 0; r < records; ++r) {
-    const auto rec_bad = [&](const std::string& what) {
-      return bad(Code::kInvalidArgument, fmt::format("record {}: {}", r, what));
-    };
-    if (left() < kRecordHeaderBytes) return bad(Code::kDataLoss, fmt::format("record {} is truncated", r));
-    const uint8_t* h = p + at;
-    ChunkContribution c;
-    c.tensor = Get32(h);
-    c.chunk = Get32(h + 4);
-    c.from = Get32(h + 8);
-    const uint64_t ranges = Get32(h + 12), changes = Get32(h + 16);
-    if (Get32(h + 20) != 0) return rec_bad("reserved field is not 0");
-    c.base_digest.lane[0] = Get64(h + 24);
-    c.base_digest.lane[1] = Get64(h + 32);
-    if (c.base_digest.lane[0] >= kDigestPrime || c.base_digest.lane[1] >= kDigestPrime)
-      return rec_bad("base digest lane out of range");
-    at += kRecordHeaderBytes;
-    uint64_t elements = 0, eb = 0;
-    if (Status s = ChunkShape(manifest, c.tensor, c.chunk, &elements, &eb); !s.ok()) return rec_bad(s.message());
-    if (std::find(from_senders.begin(), from_senders.end(), c.from) == from_senders.end())
-      return rec_bad(fmt::format("sender {} is not one of process {}'s senders", c.from, expect.from_process));
-    if (!out.empty() &&
-        std::tie(c.tensor, c.chunk, c.from) <= std::tie(out.back().tensor, out.back().chunk, out.back().from))
-      return rec_bad("records are not in increasing (tensor, chunk, sender) order");
-    if (ranges == 0) return rec_bad("covers no elements");
-    if (ranges > elements || changes > elements)
-      return rec_bad(fmt::format("{} ranges and {} changes in a chunk of {} elements", ranges, changes, elements));
-    // Sizes are bounded by the chunk (u32 counts, eb <= 16): no overflow.
-    if (left() < ranges * 8 + changes * (4 + 2 * eb))
-      return bad(Code::kDataLoss, fmt::format("record {} is truncated", r));
-    uint64_t covered = 0, end = 0;
-    c.covered.reserve(static_cast<size_t>(ranges));
-    for (uint64_t i = 0; i < ranges; ++i, at += 8) {
-      const uint64_t lo = Get32(p + at), len = Get32(p + at + 4);
-      if (len == 0 || lo + len > elements || (i > 0 && lo < end))
-        return rec_bad(
-            fmt::format("covered range [{}, {}) is empty, past the chunk's {} elements, or not after the "
-                        "previous range",
-                        lo, lo + len, elements));
-      end = lo + len;
-      covered += len;
-      c.covered.emplace_back(static_cast<uint32_t>(lo), static_cast<uint32_t>(len));
-    }
-    c.positions.reserve(static_cast<size_t>(changes));
-    size_t range = 0;
-    for (uint64_t i = 0; i < changes; ++i, at += 4) {
-      const uint32_t pos = Get32(p + at);
-      if (i > 0 && pos <= c.positions.back()) return rec_bad(fmt::format("changed position {} is not increasing", pos));
-      while (range < c.covered.size() && uint64_t{c.covered[range].first} + c.covered[range].second <= pos) ++range;
-      if (range == c.covered.size() || pos < c.covered[range].first)
-        return rec_bad(fmt::format("changed position {} lies outside the covered ranges", pos));
-      c.positions.push_back(pos);
-    }
-    c.old_bits.assign(p + at, p + at + changes * eb);
-    at += changes * eb;
-    c.new_bits.assign(p + at, p + at + changes * eb);
-    at += changes * eb;
-    if (overwrite) {
-      if (left() < covered * eb) return bad(Code::kDataLoss, fmt::format("record {} is truncated", r));
-      c.covered_bits.assign(p + at, p + at + covered * eb);
-      at += covered * eb;
-    }
+    DCR_ASSIGN_OR_RETURN(ChunkContribution c, ParseRecord(bytes.data(), &at, end, r, expect, manifest, from_senders,
+                                                          out.empty() ? nullptr : &out.back(), bad));
     out.push_back(std::move(c));
   }
-  if (at != sum_at) return bad(Code::kInvalidArgument, fmt::format("{} bytes follow the last record", sum_at - at));
+  if (at != end) return bad(Code::kInvalidArgument, fmt::format("{} bytes follow the last record", end - at));
   return out;
 }
 

@@ -69,14 +69,19 @@ std::pair<int64_t, int64_t> FirstOverlap(std::vector<Box>& boxes) {
 
 }  // namespace
 
-Status ValidateLayoutMap(const LayoutMap& map) {
-  std::unordered_map<std::string_view, size_t> tensors, buffers;
+namespace {
+
+using DeclaredIndex = std::unordered_map<std::string_view, size_t>;
+
+// The tensors' names and the buffers' ids: non-empty, unique, with a dtype
+// and a shape whose byte size fits 64 bits. Indexed by name and id.
+Status ValidateDeclarations(const LayoutMap& map, DeclaredIndex* tensors, DeclaredIndex* buffers) {
   for (size_t i = 0; i < map.tensors.size(); ++i) {
     const LayoutTensor& t = map.tensors[i];
     const std::string what = fmt::format("tensor #{} '{}'", i, t.name);
     if (t.name.empty())
       return InvalidArgument(fmt::format("tensor #{}: empty name; give every tensor its checkpoint name", i));
-    if (!tensors.emplace(t.name, i).second)
+    if (!tensors->emplace(t.name, i).second)
       return InvalidArgument(fmt::format("{}: declared twice; declare each tensor once", what));
     DCR_RETURN_IF_ERROR(CheckDType(t.dtype, what));
     uint64_t n;
@@ -87,60 +92,78 @@ Status ValidateLayoutMap(const LayoutMap& map) {
     const LayoutBuffer& b = map.buffers[i];
     const std::string what = fmt::format("buffer #{} '{}'", i, b.id);
     if (b.id.empty()) return InvalidArgument(fmt::format("buffer #{}: empty id; give every buffer a unique id", i));
-    if (!buffers.emplace(b.id, i).second)
+    if (!buffers->emplace(b.id, i).second)
       return InvalidArgument(fmt::format("{}: declared twice; buffer ids must be unique", what));
     DCR_RETURN_IF_ERROR(CheckDType(b.dtype, what));
     uint64_t n;
     if (!Product(b.shape, &n) || !ByteSize(b.dtype, n))
       return InvalidArgument(fmt::format("{}: shape {} overflows 64 bits", what, Dims(b.shape)));
   }
+  return Status::Ok();
+}
+
+// Copy `i` of the map (tensor `t` into buffer `b`, both declared): same
+// dtype, ranks that fit, boxes inside both shapes. Its box in the tensor
+// (`canon`) and in the buffer (`dest`).
+Status ValidateCopy(const LayoutMap& map, size_t i, const LayoutTensor& t, const LayoutBuffer& b, Box* canon,
+                    Box* dest) {
+  const BoxCopy& c = map.copies[i];
+  const std::string what = CopyName(map, i);
+  if (t.dtype != b.dtype)
+    return InvalidArgument(
+        fmt::format("{}: the tensor is {} but the buffer is {}; a box copy moves bits unchanged, "
+                    "so a conversion must be declared as a residual",
+                    what, Name(t.dtype), Name(b.dtype)));
+  const size_t n = t.shape.size(), m = b.shape.size();
+  if (c.offset.size() != n || c.extent.size() != n)
+    return InvalidArgument(fmt::format("{}: offset {} and extent {} need {} entries, one per tensor dimension of {}",
+                                       what, Dims(c.offset), Dims(c.extent), n, Dims(t.shape)));
+  if (c.buffer_offset.size() != m)
+    return InvalidArgument(fmt::format("{}: buffer_offset {} needs {} entries, one per dimension of buffer shape {}",
+                                       what, Dims(c.buffer_offset), m, Dims(b.shape)));
+  if (m < n)
+    return InvalidArgument(
+        fmt::format("{}: the buffer has {} dimensions, fewer than the tensor's {}; "
+                    "reshape the buffer's declaration to at least the tensor's rank",
+                    what, m, n));
+  *canon = Box{{}, {}, i};
+  *dest = Box{{}, {}, i};
+  for (size_t d = 0; d < n; ++d) {
+    if (c.extent[d] == 0)
+      return InvalidArgument(fmt::format("{}: extent {} is empty in dimension {}", what, Dims(c.extent), d));
+    if (c.offset[d] > t.shape[d] || c.extent[d] > t.shape[d] - c.offset[d])
+      return InvalidArgument(fmt::format("{}: box offset {} extent {} leaves tensor shape {} in dimension {}", what,
+                                         Dims(c.offset), Dims(c.extent), Dims(t.shape), d));
+    canon->lo.push_back(c.offset[d]);
+    canon->hi.push_back(c.offset[d] + c.extent[d]);
+  }
+  for (size_t d = 0; d < m; ++d) {
+    const uint64_t e = d < m - n ? 1 : c.extent[d - (m - n)];
+    if (c.buffer_offset[d] > b.shape[d] || e > b.shape[d] - c.buffer_offset[d])
+      return InvalidArgument(fmt::format("{}: buffer box at {} of extent {} leaves buffer shape {} in dimension {}",
+                                         what, Dims(c.buffer_offset), e, Dims(b.shape), d));
+    dest->lo.push_back(c.buffer_offset[d]);
+    dest->hi.push_back(c.buffer_offset[d] + e);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status ValidateLayoutMap(const LayoutMap& map) {
+  DeclaredIndex tensors, buffers;
+  DCR_RETURN_IF_ERROR(ValidateDeclarations(map, &tensors, &buffers));
   std::vector<std::vector<Box>> writes(map.buffers.size()), reads(map.tensors.size());
   for (size_t i = 0; i < map.copies.size(); ++i) {
     const BoxCopy& c = map.copies[i];
-    const std::string what = CopyName(map, i);
     auto ti = tensors.find(c.tensor);
     if (ti == tensors.end())
-      return InvalidArgument(fmt::format("{}: the tensor is not declared; add it to \"tensors\"", what));
+      return InvalidArgument(fmt::format("{}: the tensor is not declared; add it to \"tensors\"", CopyName(map, i)));
     auto bi = buffers.find(c.buffer);
     if (bi == buffers.end())
-      return InvalidArgument(fmt::format("{}: the buffer is not declared; add it to \"buffers\"", what));
-    const LayoutTensor& t = map.tensors[ti->second];
-    const LayoutBuffer& b = map.buffers[bi->second];
-    if (t.dtype != b.dtype)
-      return InvalidArgument(
-          fmt::format("{}: the tensor is {} but the buffer is {}; a box copy moves bits unchanged, "
-                      "so a conversion must be declared as a residual",
-                      what, Name(t.dtype), Name(b.dtype)));
-    const size_t n = t.shape.size(), m = b.shape.size();
-    if (c.offset.size() != n || c.extent.size() != n)
-      return InvalidArgument(fmt::format("{}: offset {} and extent {} need {} entries, one per tensor dimension of {}",
-                                         what, Dims(c.offset), Dims(c.extent), n, Dims(t.shape)));
-    if (c.buffer_offset.size() != m)
-      return InvalidArgument(fmt::format("{}: buffer_offset {} needs {} entries, one per dimension of buffer shape {}",
-                                         what, Dims(c.buffer_offset), m, Dims(b.shape)));
-    if (m < n)
-      return InvalidArgument(
-          fmt::format("{}: the buffer has {} dimensions, fewer than the tensor's {}; "
-                      "reshape the buffer's declaration to at least the tensor's rank",
-                      what, m, n));
-    Box canon{{}, {}, i}, dest{{}, {}, i};
-    for (size_t d = 0; d < n; ++d) {
-      if (c.extent[d] == 0)
-        return InvalidArgument(fmt::format("{}: extent {} is empty in dimension {}", what, Dims(c.extent), d));
-      if (c.offset[d] > t.shape[d] || c.extent[d] > t.shape[d] - c.offset[d])
-        return InvalidArgument(fmt::format("{}: box offset {} extent {} leaves tensor shape {} in dimension {}", what,
-                                           Dims(c.offset), Dims(c.extent), Dims(t.shape), d));
-      canon.lo.push_back(c.offset[d]);
-      canon.hi.push_back(c.offset[d] + c.extent[d]);
-    }
-    for (size_t d = 0; d < m; ++d) {
-      const uint64_t e = d < m - n ? 1 : c.extent[d - (m - n)];
-      if (c.buffer_offset[d] > b.shape[d] || e > b.shape[d] - c.buffer_offset[d])
-        return InvalidArgument(fmt::format("{}: buffer box at {} of extent {} leaves buffer shape {} in dimension {}",
-                                           what, Dims(c.buffer_offset), e, Dims(b.shape), d));
-      dest.lo.push_back(c.buffer_offset[d]);
-      dest.hi.push_back(c.buffer_offset[d] + e);
-    }
+      return InvalidArgument(fmt::format("{}: the buffer is not declared; add it to \"buffers\"", CopyName(map, i)));
+    Box canon, dest;
+    DCR_RETURN_IF_ERROR(ValidateCopy(map, i, map.tensors[ti->second], map.buffers[bi->second], &canon, &dest));
     writes[bi->second].push_back(std::move(dest));
     if (c.primary) reads[ti->second].push_back(std::move(canon));
   }

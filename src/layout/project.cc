@@ -67,6 +67,90 @@ Result<uint32_t> ChunkOwner(std::span<const CompiledLayout* const> senders, cons
                   t.name, chunk));
 }
 
+namespace {
+
+struct ChunkTask {
+  size_t lt;  // the sender's layout tensor
+  uint32_t t, chunk;  // the delta's tensor, and its chunk
+};
+
+// One task per (mapped tensor, chunk) of the delta; tasks are independent.
+Result<std::vector<ChunkTask>> ChunkTasksOf(const CompiledLayout& l, const DeltaManifest& manifest, uint32_t index) {
+  std::map<std::string_view, uint32_t> by_name;
+  for (size_t t = 0; t < manifest.tensors.size(); ++t)
+    by_name.emplace(manifest.tensors[t].name, static_cast<uint32_t>(t));
+  std::vector<ChunkTask> tasks;
+  for (size_t lt = 0; lt < l.map().tensors.size(); ++lt) {
+    const LayoutTensor& lt_info = l.map().tensors[lt];
+    auto it = by_name.find(lt_info.name);
+    if (it == by_name.end()) continue;  // not in this delta (a residual delta holds some tensors only)
+    const uint32_t t = it->second;
+    const DeltaTensor& tensor = manifest.tensors[t];
+    if (tensor.shape != lt_info.shape || tensor.dtype != lt_info.dtype)
+      return InvalidArgument(
+          fmt::format("sender {}: tensor '{}' differs in dtype or shape from the delta's", index, tensor.name));
+    for (uint64_t c = 0, n = manifest.ChunkCount(t); c < n; ++c) tasks.push_back({lt, t, static_cast<uint32_t>(c)});
+  }
+  return tasks;
+}
+
+// The chunk [first, first + count) whole in one run of one primary copy:
+// handed over as spans of the sender's buffers (true); false if it is not.
+bool TakeWholeChunk(const SenderRank& sender, size_t lt, uint64_t first, uint64_t count, uint64_t eb,
+                    ChunkContribution* cc) {
+  const CompiledLayout& l = *sender.layout;
+  std::vector<CopyRun> runs;
+  uint32_t holder = 0, found = 0;
+  CopyRun whole{};
+  for (uint32_t copy : l.CopiesOf(lt)) {
+    if (!l.map().copies[copy].primary) continue;
+    runs.clear();
+    l.RunsInRange(copy, first, count, &runs);
+    found += static_cast<uint32_t>(runs.size());
+    if (!runs.empty()) holder = copy, whole = runs.front();
+  }
+  if (found != 1 || whole.canonical != first || whole.length != count) return false;
+  const size_t b = l.BufferOf(holder);
+  // Read when the owner encodes it: awaited there.
+  if (sender.await_current) cc->direct_ready = [f = sender.await_current, b] { return f(b); };
+  cc->covered.emplace_back(0, static_cast<uint32_t>(count));
+  cc->direct_base = sender.baseline[b].subspan(whole.buffer * eb, count * eb);
+  cc->direct_next = sender.current[b].subspan(whole.buffer * eb, count * eb);
+  return true;
+}
+
+// The runs of the chunk [first, first + count) of `tensor` in the sender's
+// primary copies: covered ranges, base digest, changed elements (and with
+// `overwrite` the covered bits). `await(buffer)` before reading a buffer:
+// false stops it.
+void DiffChunk(const SenderRank& sender, size_t lt, const DeltaTensor& tensor, uint64_t first, uint64_t count,
+               bool overwrite, const std::function<bool(size_t)>& await, ChunkContribution* cc) {
+  const CompiledLayout& l = *sender.layout;
+  const DigestKey key = MakeDigestKey(tensor.name);
+  const uint64_t eb = ElementBytesOf(tensor.dtype);
+  std::vector<CopyRun> runs;
+  for (uint32_t copy : l.CopiesOf(lt)) {
+    if (!l.map().copies[copy].primary) continue;
+    runs.clear();
+    l.RunsInRange(copy, first, count, &runs);
+    if (!runs.empty() && !await(l.BufferOf(copy))) return;
+    const uint8_t* base = sender.baseline[l.BufferOf(copy)].data();
+    const uint8_t* cur = sender.current[l.BufferOf(copy)].data();
+    for (const CopyRun& r : runs) {
+      const uint8_t* b = base + r.buffer * eb;
+      const uint8_t* x = cur + r.buffer * eb;
+      const uint64_t bytes = r.length * eb;
+      cc->covered.emplace_back(static_cast<uint32_t>(r.canonical - first), static_cast<uint32_t>(r.length));
+      cc->base_digest += DigestBytes(key, r.canonical * eb, {b, bytes});
+      if (overwrite) cc->covered_bits.insert(cc->covered_bits.end(), x, x + bytes);
+      if (std::memcmp(b, x, bytes) == 0) continue;
+      FindChangedElements(b, x, r.length, eb, static_cast<uint32_t>(r.canonical - first), cc);
+    }
+  }
+}
+
+}  // namespace
+
 Result<std::vector<ChunkContribution>> ProjectSender(const SenderRank& sender, uint32_t index,
                                                      const DeltaManifest& manifest,
                                                      const std::function<bool(uint32_t, uint32_t)>& direct) {
@@ -79,87 +163,29 @@ Result<std::vector<ChunkContribution>> ProjectSender(const SenderRank& sender, u
     if (sender.baseline[b].size() != l.BufferBytes(b) || sender.current[b].size() != l.BufferBytes(b))
       return InvalidArgument(fmt::format("sender {}: buffer '{}' must have {} bytes (baseline and current)", index,
                                          buffers[b].id, l.BufferBytes(b)));
-  std::map<std::string_view, uint32_t> by_name;
-  for (size_t t = 0; t < manifest.tensors.size(); ++t)
-    by_name.emplace(manifest.tensors[t].name, static_cast<uint32_t>(t));
+  DCR_ASSIGN_OR_RETURN(const std::vector<ChunkTask> tasks, ChunkTasksOf(l, manifest, index));
   const bool overwrite = manifest.delta_class == DeltaClass::kOverwrite;
-
-  // One task per (mapped tensor, chunk); tasks are independent and run in
-  // parallel, each writing its own slot.
-  struct Task {
-    size_t lt;
-    uint32_t t, chunk;
-  };
-  std::vector<Task> tasks;
-  for (size_t lt = 0; lt < l.map().tensors.size(); ++lt) {
-    const LayoutTensor& lt_info = l.map().tensors[lt];
-    auto it = by_name.find(lt_info.name);
-    if (it == by_name.end()) continue;  // not in this delta (a residual delta holds some tensors only)
-    const uint32_t t = it->second;
-    const DeltaTensor& tensor = manifest.tensors[t];
-    if (tensor.shape != lt_info.shape || tensor.dtype != lt_info.dtype)
-      return InvalidArgument(
-          fmt::format("sender {}: tensor '{}' differs in dtype or shape from the delta's", index, tensor.name));
-    for (uint64_t c = 0, n = manifest.ChunkCount(t); c < n; ++c) tasks.push_back({lt, t, static_cast<uint32_t>(c)});
-  }
+  // Tasks run in parallel, each writing its own slot.
   std::vector<ChunkContribution> slots(tasks.size());
   std::vector<Status> failed(tasks.size());
-  const auto await = [&](size_t buffer, size_t task) {
-    if (!sender.await_current) return true;
-    failed[task] = sender.await_current(buffer);
-    return failed[task].ok();
-  };
   DefaultPool().ParallelFor(tasks.size(), [&](size_t i) {
-    const Task& task = tasks[i];
+    const ChunkTask& task = tasks[i];
     const DeltaTensor& tensor = manifest.tensors[task.t];
-    const DigestKey key = MakeDigestKey(tensor.name);
-    const uint64_t eb = ElementBytesOf(tensor.dtype);
     const uint64_t first = uint64_t{task.chunk} * manifest.chunk_elements;
     const uint64_t count = std::min(manifest.chunk_elements, tensor.elements - first);
     ChunkContribution& cc = slots[i];
     cc.tensor = task.t;
     cc.chunk = task.chunk;
     cc.from = index;
-    std::vector<CopyRun> runs;
-    if (direct && direct(task.t, task.chunk)) {
-      // The chunk whole in one run of one primary copy: handed over as spans.
-      uint32_t holder = 0, found = 0;
-      CopyRun whole{};
-      for (uint32_t copy : l.CopiesOf(task.lt)) {
-        if (!l.map().copies[copy].primary) continue;
-        runs.clear();
-        l.RunsInRange(copy, first, count, &runs);
-        found += static_cast<uint32_t>(runs.size());
-        if (!runs.empty()) holder = copy, whole = runs.front();
-      }
-      if (found == 1 && whole.canonical == first && whole.length == count) {
-        const size_t b = l.BufferOf(holder);
-        // Read when the owner encodes it: awaited there.
-        if (sender.await_current) cc.direct_ready = [f = sender.await_current, b] { return f(b); };
-        cc.covered.emplace_back(0, static_cast<uint32_t>(count));
-        cc.direct_base = sender.baseline[b].subspan(whole.buffer * eb, count * eb);
-        cc.direct_next = sender.current[b].subspan(whole.buffer * eb, count * eb);
-        return;
-      }
-    }
-    for (uint32_t copy : l.CopiesOf(task.lt)) {
-      if (!l.map().copies[copy].primary) continue;
-      runs.clear();
-      l.RunsInRange(copy, first, count, &runs);
-      if (!runs.empty() && !await(l.BufferOf(copy), i)) return;
-      const uint8_t* base = sender.baseline[l.BufferOf(copy)].data();
-      const uint8_t* cur = sender.current[l.BufferOf(copy)].data();
-      for (const CopyRun& r : runs) {
-        const uint8_t* b = base + r.buffer * eb;
-        const uint8_t* x = cur + r.buffer * eb;
-        const uint64_t bytes = r.length * eb;
-        cc.covered.emplace_back(static_cast<uint32_t>(r.canonical - first), static_cast<uint32_t>(r.length));
-        cc.base_digest += DigestBytes(key, r.canonical * eb, {b, bytes});
-        if (overwrite) cc.covered_bits.insert(cc.covered_bits.end(), x, x + bytes);
-        if (std::memcmp(b, x, bytes) == 0) continue;
-        FindChangedElements(b, x, r.length, eb, static_cast<uint32_t>(r.canonical - first), &cc);
-      }
-    }
+    if (direct && direct(task.t, task.chunk) &&
+        TakeWholeChunk(sender, task.lt, first, count, ElementBytesOf(tensor.dtype), &cc))
+      return;
+    const auto await = [&](size_t buffer) {
+      if (!sender.await_current) return true;
+      failed[i] = sender.await_current(buffer);
+      return failed[i].ok();
+    };
+    DiffChunk(sender, task.lt, tensor, first, count, overwrite, await, &cc);
   });
   for (const Status& f : failed) DCR_RETURN_IF_ERROR(f);
   std::vector<ChunkContribution> out;

@@ -11,20 +11,47 @@ namespace dcr {
 
 using namespace protocol_internal;
 
-Result<RunStatusReport> ReadRunStatus(Store& store, std::chrono::milliseconds heartbeat_timeout) {
-  RunStatusReport report;
-  DCR_ASSIGN_OR_RETURN(RunState state, ReadRunState(store));
-  report.run = state.run;
-  report.latest = state.latest;
+namespace {
 
-  DCR_ASSIGN_OR_RETURN(auto snaps, store.List("snapshots/v"));
-  for (const auto& o : snaps)
-    if (o.key.ends_with("/snapshot.json") && o.key.size() == 10 + 11 + 14)
-      report.snapshots.push_back(std::strtoull(o.key.substr(11, 10).c_str(), nullptr, 10));
+// Attempt `a` of version v as status shows it; `commit`: v's, if committed.
+Result<AttemptStatus> ReadAttemptStatus(Store& store, uint64_t v, const AttemptInfo& a,
+                                        const std::optional<CommitRecord>& commit) {
+  AttemptStatus as;
+  as.id = a.id;
+  const std::string prefix = run_keys::Attempt(v, a.id);
+  if (a.has_manifest) {
+    DCR_ASSIGN_OR_RETURN(std::string text, store.Get(prefix + std::string(kManifestFileName)));
+    DCR_ASSIGN_OR_RETURN(DeltaManifest m, DeltaManifest::FromJson(text, StoreContext(store.url(), prefix)));
+    as.mode = m.delta_class == DeltaClass::kXorClass ? "xor" : "overwrite";
+    as.frame_bytes = m.frame_bytes;
+    as.frames = m.frames.size();
+  }
+  for (const auto& r : a.acks) {
+    auto text = store.Get(run_keys::Ack(v, a.id, r));
+    if (!text.ok()) continue;
+    auto ack = AckRecord::FromJson(*text, prefix);
+    if (ack.ok() && ack->ok) as.acks.push_back(r);
+    else as.nacks.push_back(r);
+  }
+  if (a.fenced) {
+    auto text = store.Get(prefix + "fence");
+    if (text.ok()) {
+      auto fence = FenceRecord::FromJson(*text, prefix + "fence");
+      as.fence_reason = fence.ok() ? fence->reason : "(unreadable: " + fence.status().message() + ")";
+    }
+  }
+  if (commit && commit->attempt == a.id) as.state = "committed";
+  else if (a.fenced) as.state = "fenced";
+  else if (a.has_manifest) as.state = "open";
+  else as.state = "starting";
+  return as;
+}
 
+// Every committed version up to `latest`, and every version with attempts.
+Result<std::vector<VersionStatus>> ReadVersions(Store& store, std::optional<uint64_t> latest) {
   std::map<uint64_t, VersionStatus> versions;
-  if (state.latest)
-    for (uint64_t v = 0; v <= *state.latest; ++v) {
+  if (latest)
+    for (uint64_t v = 0; v <= *latest; ++v) {
       auto c = ReadCommit(store, v);
       if (c.status().code() == Code::kNotFound) continue;
       if (!c.ok()) return c.status();
@@ -43,67 +70,60 @@ Result<RunStatusReport> ReadRunStatus(Store& store, std::chrono::milliseconds he
     vs.version = v;
     DCR_ASSIGN_OR_RETURN(auto attempts, ListAttempts(store, v));
     for (const auto& a : attempts) {
-      AttemptStatus as;
-      as.id = a.id;
-      const std::string prefix = run_keys::Attempt(v, a.id);
-      if (a.has_manifest) {
-        DCR_ASSIGN_OR_RETURN(std::string text, store.Get(prefix + std::string(kManifestFileName)));
-        DCR_ASSIGN_OR_RETURN(DeltaManifest m, DeltaManifest::FromJson(text, StoreContext(store.url(), prefix)));
-        as.mode = m.delta_class == DeltaClass::kXorClass ? "xor" : "overwrite";
-        as.frame_bytes = m.frame_bytes;
-        as.frames = m.frames.size();
-      }
-      for (const auto& r : a.acks) {
-        auto text = store.Get(run_keys::Ack(v, a.id, r));
-        if (!text.ok()) continue;
-        auto ack = AckRecord::FromJson(*text, prefix);
-        if (ack.ok() && ack->ok) as.acks.push_back(r);
-        else as.nacks.push_back(r);
-      }
-      if (a.fenced) {
-        auto text = store.Get(prefix + "fence");
-        if (text.ok()) {
-          auto fence = FenceRecord::FromJson(*text, prefix + "fence");
-          as.fence_reason = fence.ok() ? fence->reason : "(unreadable: " + fence.status().message() + ")";
-        }
-      }
-      if (vs.commit && vs.commit->attempt == a.id) as.state = "committed";
-      else if (a.fenced) as.state = "fenced";
-      else if (a.has_manifest) as.state = "open";
-      else as.state = "starting";
+      DCR_ASSIGN_OR_RETURN(AttemptStatus as, ReadAttemptStatus(store, v, a, vs.commit));
       vs.attempts.push_back(std::move(as));
     }
   }
-  for (auto& [v, vs] : versions) report.versions.push_back(std::move(vs));
+  std::vector<VersionStatus> out;
+  for (auto& [v, vs] : versions) out.push_back(std::move(vs));
+  return out;
+}
 
+// The receivers' records; one bad record (a stray file, a torn write by
+// another tool) must not hide the others: it is reported beside them.
+Status ReadReceivers(Store& store, std::chrono::milliseconds heartbeat_timeout, RunStatusReport* report) {
   DCR_ASSIGN_OR_RETURN(auto regs, store.List("receivers/"));
   const double now = UnixNow(), fresh = std::chrono::duration<double>(heartbeat_timeout).count();
   for (const auto& o : regs) {
-    // One bad record (a stray file, a torn write by another tool) must not
-    // hide the others: it is reported beside them.
     auto text = store.Get(o.key);
     if (text.status().code() == Code::kNotFound) continue;  // removed since the listing
     if (!text.ok()) {
-      report.unreadable_receivers.push_back({o.key, text.status()});
+      report->unreadable_receivers.push_back({o.key, text.status()});
       continue;
     }
     auto parsed = ReceiverRecord::FromJson(*text, StoreContext(store.url(), o.key));
     if (!parsed.ok()) {
-      report.unreadable_receivers.push_back({o.key, parsed.status()});
+      report->unreadable_receivers.push_back({o.key, parsed.status()});
       continue;
     }
     ReceiverRecord r = std::move(*parsed);
     ReceiverStatus rs;
     rs.age_seconds = now - r.heartbeat;
     rs.live = r.state != "stopped" && rs.age_seconds <= fresh;
-    rs.behind = state.latest && *state.latest > r.version ? *state.latest - r.version : 0;
-    for (const auto& vs : report.versions)
+    rs.behind = report->latest && *report->latest > r.version ? *report->latest - r.version : 0;
+    for (const auto& vs : report->versions)
       if (vs.commit && vs.version > r.version &&
           std::find(vs.commit->retired.begin(), vs.commit->retired.end(), r.id) != vs.commit->retired.end())
         rs.retired_at = vs.version;
     rs.record = std::move(r);
-    report.receivers.push_back(std::move(rs));
+    report->receivers.push_back(std::move(rs));
   }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<RunStatusReport> ReadRunStatus(Store& store, std::chrono::milliseconds heartbeat_timeout) {
+  RunStatusReport report;
+  DCR_ASSIGN_OR_RETURN(RunState state, ReadRunState(store));
+  report.run = state.run;
+  report.latest = state.latest;
+  DCR_ASSIGN_OR_RETURN(auto snaps, store.List("snapshots/v"));
+  for (const auto& o : snaps)
+    if (o.key.ends_with("/snapshot.json") && o.key.size() == 10 + 11 + 14)
+      report.snapshots.push_back(std::strtoull(o.key.substr(11, 10).c_str(), nullptr, 10));
+  DCR_ASSIGN_OR_RETURN(report.versions, ReadVersions(store, state.latest));
+  DCR_RETURN_IF_ERROR(ReadReceivers(store, heartbeat_timeout, &report));
   return report;
 }
 
