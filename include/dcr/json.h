@@ -23,6 +23,10 @@ std::string JsonText(const BasicJson& doc, int indent = -1) {
   return doc.dump(indent, ' ', false, BasicJson::error_handler_t::replace);
 }
 
+// `text` parsed as a JSON object, or bad("not a JSON object").
+Result<nlohmann::ordered_json> ParseJsonObject(std::string_view text,
+                                               const std::function<Status(std::string_view what)>& bad);
+
 // The fields of one JSON object. Each getter returns the field, or the
 // error `bad` makes of what is wrong with it (for instance "'version' must
 // be a non-negative integer"): each kind of document words its own errors.

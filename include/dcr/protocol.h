@@ -60,7 +60,22 @@ std::string Attempts(uint64_t v);  // prefix, ends in '/'
 std::string Attempt(uint64_t v, std::string_view attempt);  // prefix, ends in '/'
 std::string Acks(uint64_t v, std::string_view attempt);  // prefix, ends in '/'
 std::string Ack(uint64_t v, std::string_view attempt, std::string_view receiver);
+// Objects of attempt `attempt` of version v.
+std::string AttemptRecord(uint64_t v, std::string_view attempt);  // attempt.json
+std::string Manifest(uint64_t v, std::string_view attempt);  // manifest.json
+std::string Fence(uint64_t v, std::string_view attempt);
+// Frame object `index` of sender `sender`, relative to its attempt (the
+// name manifests list): frames/s<sender>-<NNNN>.bin.
+std::string FrameObject(uint32_t sender, size_t index);
+// Of an attempt of trainer processes: process p's record, its frame-object
+// signing key (relative to the attempt: procs/p<P>.pub), and the
+// contributions process `from` sends process `to`.
+std::string Process(uint64_t v, std::string_view attempt, uint32_t p);
+std::string ProcessSigner(uint32_t p);
+std::string Contribution(uint64_t v, std::string_view attempt, uint32_t from, uint32_t to);
+inline constexpr std::string_view kSnapshots = "snapshots/";  // prefix
 std::string Snapshot(uint64_t v);  // prefix, ends in '/'
+inline constexpr std::string_view kReceivers = "receivers/";  // prefix
 std::string Receiver(std::string_view id);
 }  // namespace run_keys
 

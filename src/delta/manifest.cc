@@ -98,8 +98,7 @@ std::string DeltaManifest::ToJson() const {
 }
 
 Result<DeltaManifest> DeltaManifest::FromJson(std::string_view text, const std::string& where) {
-  json doc = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
-  if (doc.is_discarded() || !doc.is_object()) return Bad(where, "not a JSON object");
+  DCR_ASSIGN_OR_RETURN(json doc, ParseJsonObject(text, [&](std::string_view what) { return Bad(where, what); }));
   DCR_ASSIGN_OR_RETURN(std::string format, Str(doc, "format", where));
   if (format != "dcr-delta") return Bad(where, "'format' is not \"dcr-delta\"");
   DCR_ASSIGN_OR_RETURN(uint64_t version, U64(doc, "format_version", where));

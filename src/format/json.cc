@@ -4,6 +4,13 @@
 
 namespace dcr {
 
+Result<nlohmann::ordered_json> ParseJsonObject(std::string_view text,
+                                               const std::function<Status(std::string_view what)>& bad) {
+  auto doc = nlohmann::ordered_json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (doc.is_discarded() || !doc.is_object()) return bad("not a JSON object");
+  return doc;
+}
+
 const JsonFields::Json* JsonFields::Find(const char* key) const {
   if (!object_.is_object()) return nullptr;
   auto it = object_.find(key);

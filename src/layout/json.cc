@@ -61,8 +61,7 @@ std::string LayoutMapToJson(const LayoutMap& map) {
 }
 
 Result<LayoutMap> LayoutMapFromJson(std::string_view text, const std::string& where) {
-  json doc = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
-  if (doc.is_discarded() || !doc.is_object()) return Bad(where, "not a JSON object");
+  DCR_ASSIGN_OR_RETURN(json doc, ParseJsonObject(text, [&](std::string_view what) { return Bad(where, what); }));
   DCR_ASSIGN_OR_RETURN(std::string format, Str(doc, "format", where));
   if (format != kLayoutFormat) return Bad(where, fmt::format("'format' is '{}', expected '{}'", format, kLayoutFormat));
   auto v = doc.find("format_version");

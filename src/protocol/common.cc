@@ -86,7 +86,7 @@ Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& att
   const std::string prefix = run_keys::Attempt(v, attempt);
   // The attempt's prefix ends in '/'; the delta's messages add "/<object>".
   const std::string where = StoreContext(store.url(), prefix.substr(0, prefix.size() - 1));
-  DCR_ASSIGN_OR_RETURN(std::string text, store.Get(prefix + std::string(kManifestFileName)));
+  DCR_ASSIGN_OR_RETURN(std::string text, store.Get(run_keys::Manifest(v, attempt)));
   DCR_ASSIGN_OR_RETURN(DeltaManifest m, DeltaManifest::FromJson(text, where + "/" + std::string(kManifestFileName)));
   auto blobs = std::make_shared<std::vector<std::string>>();
   std::vector<std::span<const uint8_t>> spans;

@@ -60,7 +60,7 @@ Status AttemptCoordinator::Fence(uint64_t v, const std::string& id, const Status
   // Never fence a committed attempt (its commit's response may have been lost).
   if (auto c = ReadCommit(store_, v); c.ok() && c->attempt == id) return Status::Ok();
   const FenceRecord fence{why.ToString(), ClockOf(o_).UnixSeconds()};
-  DCR_RETURN_IF_ERROR(store_.Put(run_keys::Attempt(v, id) + "fence", fence.ToJson()));
+  DCR_RETURN_IF_ERROR(store_.Put(run_keys::Fence(v, id), fence.ToJson()));
   // The store's fence is the one receivers obey; the relays' copy only lets
   // them drop the attempt's frames early.
   if (o_.relay) o_.relay->Fence(run_keys::Attempt(v, id));
@@ -126,7 +126,7 @@ Status AckWait::PollStore() {
     Take(ack, false);
     if (refused()) return Status::Ok();
   }
-  DCR_ASSIGN_OR_RETURN(auto regs, store_.List("receivers/"));
+  DCR_ASSIGN_OR_RETURN(auto regs, store_.List(run_keys::kReceivers));
   const double now = ClockOf(o_).UnixSeconds(), fresh = std::chrono::duration<double>(o_.heartbeat_timeout).count();
   for (const auto& o : regs) {
     auto text = store_.Get(o.key);

@@ -32,7 +32,7 @@ Status CollectGarbage(Store& store, uint64_t keep_versions, std::chrono::millise
   // The floor: nothing at or below it is needed by a live receiver (it holds
   // a newer version) or by a joiner (it starts from the newest snapshot).
   uint64_t floor = *state.latest;
-  DCR_ASSIGN_OR_RETURN(auto regs, store.List("receivers/"));
+  DCR_ASSIGN_OR_RETURN(auto regs, store.List(run_keys::kReceivers));
   const double now = clock.UnixSeconds(), fresh = std::chrono::duration<double>(heartbeat_timeout).count();
   for (const auto& o : regs) {
     auto text = store.Get(o.key);

@@ -83,9 +83,6 @@ Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& att
 // nothing. nullopt when it does not parse or names another version: the
 // attempt's frames are then applied once its manifest exists.
 using StreamedAttempt = std::optional<AttemptRecord>;
-// Where trainer process P's frame-object signing key lies, relative to its
-// attempt: procs/p<P>.pub.
-std::string ProcessSignerKey(uint32_t process);
 // The public key that signs frame object `key` of attempt `st` (prefix
 // `attempt_prefix`): empty when the attempt signs nothing, nullopt while the
 // store does not show it yet.
@@ -161,6 +158,20 @@ std::string BaselineDir(const std::string& state_dir);  // the baseline checkpoi
 // nullopt when there is none; kInvalidArgument when it does not parse.
 Result<std::optional<BaselineState>> ReadBaseline(const std::string& state_dir);
 Status WriteBaseline(const std::string& state_dir, const BaselineState& s);
+
+// state_dir/shards.json (a ShardPublisher's): which run and version its
+// local senders' shard files hold, and their partial digest there.
+struct ShardsState {
+  std::string run_id;
+  uint64_t version = 0;
+  std::vector<uint32_t> senders;  // the global indices of the local senders
+  Digest digest;
+  bool operator==(const ShardsState&) const = default;
+};
+std::string ShardsRecordPath(const std::string& state_dir);
+// nullopt when there is none; kInvalidArgument when it does not parse.
+Result<std::optional<ShardsState>> ReadShardsState(const std::string& state_dir);
+Status WriteShardsState(const std::string& state_dir, const ShardsState& s);
 
 // state_dir/baseline-digests.json: the baseline's chunk digests at a
 // version, trusted only while the baseline's files keep their sizes and

@@ -13,19 +13,7 @@ namespace dcr::protocol_internal {
 
 namespace {
 
-nlohmann::json ParseObject(std::string_view text) {
-  auto doc = nlohmann::json::parse(text.begin(), text.end(), nullptr, false);
-  return doc.is_object() ? doc : nlohmann::json();
-}
-
-bool IsString(const nlohmann::json& doc, const char* key) { return doc.contains(key) && doc[key].is_string(); }
-
-// An unsigned integer member no larger than `max`.
-bool GetUnsigned(const nlohmann::json& doc, const char* key, uint64_t max, uint64_t* out) {
-  if (!doc.contains(key) || !doc[key].is_number_unsigned()) return false;
-  *out = doc[key].get<uint64_t>();
-  return *out <= max;
-}
+using json = nlohmann::ordered_json;
 
 // A decimal uint32 with nothing else (from_chars: no sign, no spaces).
 bool ParseU32(std::string_view s, uint32_t* out) {
@@ -34,63 +22,72 @@ bool ParseU32(std::string_view s, uint32_t* out) {
   return ec == std::errc() && end == s.data() + s.size();
 }
 
+Result<Digest> DigestField(const JsonFields& f, const char* key) {
+  DCR_ASSIGN_OR_RETURN(std::string hex, f.String(key));
+  Digest d;
+  if (!Digest::FromHex(hex, &d)) return f.Error(fmt::format("'{}' is not a digest", key));
+  return d;
+}
+
 }  // namespace
 
 Result<FollowJournal> ParseFollowJournal(std::string_view text, const std::string& path) {
-  const nlohmann::json doc = ParseObject(text);
+  // Any flaw is the same advice: the journal cannot be trusted.
+  const auto bad = [&](std::string_view what) {
+    return InvalidArgument(
+        fmt::format("{}: does not parse ({}); remove it and the checkpoint to rejoin from a snapshot", path, what));
+  };
+  DCR_ASSIGN_OR_RETURN(const json doc, ParseJsonObject(text, bad));
+  const JsonFields f(doc, bad);
   FollowJournal j;
-  if (!doc.is_object() || !IsString(doc, "run_id") || !IsString(doc, "receiver") || !IsString(doc, "attempt") ||
-      !GetUnsigned(doc, "version", std::numeric_limits<uint64_t>::max(), &j.version))
-    return InvalidArgument(path + ": does not parse; remove it and the checkpoint to rejoin from a snapshot");
-  j.run_id = doc["run_id"].get<std::string>();
-  j.receiver = doc["receiver"].get<std::string>();
-  j.attempt = doc["attempt"].get<std::string>();
+  DCR_ASSIGN_OR_RETURN(j.run_id, f.String("run_id"));
+  DCR_ASSIGN_OR_RETURN(j.receiver, f.String("receiver"));
+  DCR_ASSIGN_OR_RETURN(j.attempt, f.String("attempt"));
+  DCR_ASSIGN_OR_RETURN(j.version, f.U64("version"));
   return j;
 }
 
 std::string FollowJournalJson(const FollowJournal& j) {
-  nlohmann::json doc = {{"run_id", j.run_id}, {"receiver", j.receiver}, {"version", j.version}, {"attempt", j.attempt}};
+  json doc = {{"run_id", j.run_id}, {"receiver", j.receiver}, {"version", j.version}, {"attempt", j.attempt}};
   return JsonText(doc, 1) + "\n";
 }
 
 Result<RankJournal> ParseRankJournal(std::string_view text, const std::string& path) {
-  const nlohmann::json doc = ParseObject(text);
-  auto bad = [&] {
-    return InvalidArgument(path + ": does not parse; remove the directory's files to rejoin from a snapshot");
+  const auto bad = [&](std::string_view what) {
+    return InvalidArgument(
+        fmt::format("{}: does not parse ({}); remove the directory's files to rejoin from a snapshot", path, what));
   };
-  if (!doc.is_object()) return bad();
-  for (const char* k : {"run_id", "receiver", "engine", "digest", "attempt", "attempt_state", "attempt_digest"})
-    if (!IsString(doc, k)) return bad();
+  DCR_ASSIGN_OR_RETURN(const json doc, ParseJsonObject(text, bad));
+  const JsonFields f(doc, bad);
   RankJournal j;
-  uint64_t rank = 0, ranks = 0;
-  constexpr uint64_t kU32 = std::numeric_limits<uint32_t>::max();
-  if (!GetUnsigned(doc, "rank", kU32, &rank) || !GetUnsigned(doc, "ranks", kU32, &ranks) || rank >= ranks ||
-      !GetUnsigned(doc, "version", std::numeric_limits<uint64_t>::max(), &j.version))
-    return bad();
-  j.run_id = doc["run_id"].get<std::string>();
-  j.receiver = doc["receiver"].get<std::string>();
-  j.rank.engine = doc["engine"].get<std::string>();
+  DCR_ASSIGN_OR_RETURN(j.run_id, f.String("run_id"));
+  DCR_ASSIGN_OR_RETURN(j.receiver, f.String("receiver"));
+  DCR_ASSIGN_OR_RETURN(j.rank.engine, f.String("engine"));
+  DCR_ASSIGN_OR_RETURN(const uint64_t rank, f.U64("rank"));
+  DCR_ASSIGN_OR_RETURN(const uint64_t ranks, f.U64("ranks"));
+  if (ranks > std::numeric_limits<uint32_t>::max() || rank >= ranks)
+    return bad(fmt::format("rank {} of {} ranks", rank, ranks));
   j.rank.rank = static_cast<uint32_t>(rank);
   j.rank.ranks = static_cast<uint32_t>(ranks);
-  j.attempt = doc["attempt"].get<std::string>();
-  j.attempt_state = doc["attempt_state"].get<std::string>();
-  if (!Digest::FromHex(doc["digest"].get<std::string>(), &j.digest) ||
-      !Digest::FromHex(doc["attempt_digest"].get<std::string>(), &j.attempt_digest))
-    return bad();
+  DCR_ASSIGN_OR_RETURN(j.version, f.U64("version"));
+  DCR_ASSIGN_OR_RETURN(j.digest, DigestField(f, "digest"));
+  DCR_ASSIGN_OR_RETURN(j.attempt, f.String("attempt"));
+  DCR_ASSIGN_OR_RETURN(j.attempt_state, f.String("attempt_state"));
+  DCR_ASSIGN_OR_RETURN(j.attempt_digest, DigestField(f, "attempt_digest"));
   return j;
 }
 
 std::string RankJournalJson(const RankJournal& j) {
-  nlohmann::json doc = {{"run_id", j.run_id},
-                        {"receiver", j.receiver},
-                        {"engine", j.rank.engine},
-                        {"rank", j.rank.rank},
-                        {"ranks", j.rank.ranks},
-                        {"version", j.version},
-                        {"digest", j.digest.ToHex()},
-                        {"attempt", j.attempt},
-                        {"attempt_state", j.attempt_state},
-                        {"attempt_digest", j.attempt_digest.ToHex()}};
+  json doc = {{"run_id", j.run_id},
+              {"receiver", j.receiver},
+              {"engine", j.rank.engine},
+              {"rank", j.rank.rank},
+              {"ranks", j.rank.ranks},
+              {"version", j.version},
+              {"digest", j.digest.ToHex()},
+              {"attempt", j.attempt},
+              {"attempt_state", j.attempt_state},
+              {"attempt_digest", j.attempt_digest.ToHex()}};
   return JsonText(doc, 1) + "\n";
 }
 

@@ -335,7 +335,7 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
   attempt.object_key = signer.public_hex();
   attempt.coordinator = o_.coordinator_id;
   attempt.time = ClockOf(o_).UnixSeconds();
-  DCR_RETURN_IF_ERROR(store_.Put(prefix + "attempt.json", attempt.ToJson(), WriteMode::kCreateIfAbsent));
+  DCR_RETURN_IF_ERROR(store_.Put(run_keys::AttemptRecord(v, id), attempt.ToJson(), WriteMode::kCreateIfAbsent));
   DCR_RETURN_IF_ERROR(Fault(o_, "attempt-opened"));
 
   // Senders: each encodes the chunks it owns, streaming frames into its object.
@@ -382,7 +382,7 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
   report->payload_bytes = m.payload_bytes;
   report->changed_words = m.changed_words;
   DCR_RETURN_IF_ERROR(Fault(o_, "frames-written"));
-  DCR_RETURN_IF_ERROR(store_.Put(prefix + std::string(kManifestFileName), m.ToJson(), WriteMode::kCreateIfAbsent));
+  DCR_RETURN_IF_ERROR(store_.Put(run_keys::Manifest(v, id), m.ToJson(), WriteMode::kCreateIfAbsent));
   DCR_RETURN_IF_ERROR(Fault(o_, "manifest-written"));
 
   return coordinator_.AwaitAcksAndCommit(v, id, std::move(m), report, manifest_out);

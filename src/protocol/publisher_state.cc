@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "dcr/hash.h"
@@ -104,20 +105,67 @@ StateDirLock::~StateDirLock() {
 std::string BaselineDir(const std::string& state_dir) { return (fs::path(state_dir) / "baseline").string(); }
 std::string BaselineRecord(const std::string& state_dir) { return (fs::path(state_dir) / "publisher.json").string(); }
 
-Result<std::optional<BaselineState>> ReadBaseline(const std::string& state_dir) {
-  const std::string path = BaselineRecord(state_dir);
+namespace {
+
+// A local state record of the publisher at `path`: nullopt when there is
+// none; kInvalidArgument naming the file when it does not parse.
+template <class Record>
+Result<std::optional<Record>> ReadStateRecord(const std::string& path,
+                                              Result<Record> (*parse)(const JsonFields& fields)) {
   std::error_code ec;
-  if (!fs::exists(path, ec)) return std::optional<BaselineState>();
+  if (!fs::exists(path, ec)) return std::optional<Record>();
   DCR_ASSIGN_OR_RETURN(MappedFile f, MappedFile::Open(path, false));
-  auto doc = nlohmann::json::parse(f.data().begin(), f.data().end(), nullptr, false);
-  if (doc.is_discarded() || !doc.is_object() || !doc["run_id"].is_string() || !doc["version"].is_number_unsigned())
-    return InvalidArgument(path + ": does not parse");
-  return std::optional<BaselineState>(BaselineState{doc["run_id"].get<std::string>(), doc["version"].get<uint64_t>()});
+  const auto bad = [&](std::string_view what) {
+    return InvalidArgument(fmt::format("{}: does not parse: {}", path, what));
+  };
+  const std::string_view text(reinterpret_cast<const char*>(f.data().data()), f.data().size());
+  DCR_ASSIGN_OR_RETURN(const nlohmann::ordered_json doc, ParseJsonObject(text, bad));
+  DCR_ASSIGN_OR_RETURN(Record r, parse(JsonFields(doc, bad)));
+  return std::optional<Record>(std::move(r));
+}
+
+Result<BaselineState> ParseBaselineState(const JsonFields& f) {
+  BaselineState s;
+  DCR_ASSIGN_OR_RETURN(s.run_id, f.String("run_id"));
+  DCR_ASSIGN_OR_RETURN(s.version, f.U64("version"));
+  return s;
+}
+
+Result<ShardsState> ParseShardsState(const JsonFields& f) {
+  ShardsState s;
+  DCR_ASSIGN_OR_RETURN(s.run_id, f.String("run_id"));
+  DCR_ASSIGN_OR_RETURN(s.version, f.U64("version"));
+  DCR_ASSIGN_OR_RETURN(auto senders, f.U64s("senders", std::numeric_limits<uint32_t>::max()));
+  for (uint64_t k : senders) {
+    if (k > std::numeric_limits<uint32_t>::max()) return f.Error("'senders' must hold sender indices");
+    s.senders.push_back(static_cast<uint32_t>(k));
+  }
+  DCR_ASSIGN_OR_RETURN(std::string hex, f.String("digest"));
+  if (!Digest::FromHex(hex, &s.digest)) return f.Error("'digest' is not a digest");
+  return s;
+}
+
+}  // namespace
+
+Result<std::optional<BaselineState>> ReadBaseline(const std::string& state_dir) {
+  return ReadStateRecord<BaselineState>(BaselineRecord(state_dir), ParseBaselineState);
 }
 
 Status WriteBaseline(const std::string& state_dir, const BaselineState& s) {
-  nlohmann::json doc = {{"run_id", s.run_id}, {"version", s.version}};
+  nlohmann::ordered_json doc = {{"run_id", s.run_id}, {"version", s.version}};
   return WriteFileAtomically(BaselineRecord(state_dir), JsonText(doc, 1) + "\n");
+}
+
+std::string ShardsRecordPath(const std::string& state_dir) { return (fs::path(state_dir) / "shards.json").string(); }
+
+Result<std::optional<ShardsState>> ReadShardsState(const std::string& state_dir) {
+  return ReadStateRecord<ShardsState>(ShardsRecordPath(state_dir), ParseShardsState);
+}
+
+Status WriteShardsState(const std::string& state_dir, const ShardsState& s) {
+  nlohmann::ordered_json doc = {
+      {"run_id", s.run_id}, {"version", s.version}, {"senders", s.senders}, {"digest", s.digest.ToHex()}};
+  return WriteFileAtomically(ShardsRecordPath(state_dir), JsonText(doc, 1) + "\n");
 }
 
 // state_dir/baseline-digests.json: the baseline's chunk digests at a

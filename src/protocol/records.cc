@@ -22,8 +22,21 @@ std::string Acks(uint64_t v, std::string_view attempt) { return Attempt(v, attem
 std::string Ack(uint64_t v, std::string_view attempt, std::string_view receiver) {
   return Acks(v, attempt) + std::string(receiver) + ".json";
 }
-std::string Snapshot(uint64_t v) { return "snapshots/" + VersionDir(v) + "/"; }
-std::string Receiver(std::string_view id) { return "receivers/" + std::string(id) + ".json"; }
+std::string AttemptRecord(uint64_t v, std::string_view attempt) { return Attempt(v, attempt) + "attempt.json"; }
+std::string Manifest(uint64_t v, std::string_view attempt) {
+  return Attempt(v, attempt) + std::string(kManifestFileName);
+}
+std::string Fence(uint64_t v, std::string_view attempt) { return Attempt(v, attempt) + "fence"; }
+std::string FrameObject(uint32_t sender, size_t index) { return fmt::format("frames/s{}-{:04}.bin", sender, index); }
+std::string Process(uint64_t v, std::string_view attempt, uint32_t p) {
+  return Attempt(v, attempt) + fmt::format("procs/p{}.json", p);
+}
+std::string ProcessSigner(uint32_t p) { return fmt::format("procs/p{}.pub", p); }
+std::string Contribution(uint64_t v, std::string_view attempt, uint32_t from, uint32_t to) {
+  return Attempt(v, attempt) + fmt::format("contrib/p{}-p{}.bin", from, to);
+}
+std::string Snapshot(uint64_t v) { return std::string(kSnapshots) + VersionDir(v) + "/"; }
+std::string Receiver(std::string_view id) { return std::string(kReceivers) + std::string(id) + ".json"; }
 }  // namespace run_keys
 
 namespace {
@@ -37,8 +50,7 @@ Status Bad(const std::string& where, std::string_view what) {
 }
 
 Result<json> Parse(std::string_view text, const std::string& where, std::string_view format) {
-  json doc = json::parse(text.begin(), text.end(), nullptr, false);
-  if (doc.is_discarded() || !doc.is_object()) return Bad(where, "not a JSON object");
+  DCR_ASSIGN_OR_RETURN(json doc, ParseJsonObject(text, [&](std::string_view what) { return Bad(where, what); }));
   auto f = doc.find("format");
   if (f == doc.end() || !f->is_string() || *f != format)
     return Bad(where, fmt::format("'format' is not \"{}\"", format));

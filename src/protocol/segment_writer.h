@@ -68,7 +68,7 @@ class SegmentedFrameWriter {
   Status Write(std::string_view frame) {
     if (!writer_ || in_segment_ >= segment_bytes_) {
       DCR_RETURN_IF_ERROR(Rotate());
-      names_.push_back(fmt::format("frames/s{}-{:04}.bin", sender_, names_.size()));
+      names_.push_back(run_keys::FrameObject(sender_, names_.size()));
       starts_.push_back(written_);
       DCR_ASSIGN_OR_RETURN(writer_, store_.OpenWriter(prefix_ + names_.back(), WriteMode::kOverwrite));
       signing_ = signer_.Begin(prefix_ + names_.back());

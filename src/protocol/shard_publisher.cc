@@ -10,14 +10,12 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
-#include <nlohmann/json.hpp>
 #include <set>
 #include <thread>
 #include <tuple>
 
 #include "coordinator.h"
 #include "dcr/contribution.h"
-#include "dcr/json.h"
 #include "dcr/layout_apply.h"
 #include "internal.h"
 
@@ -32,9 +30,6 @@ std::string ShardsDir(const std::string& state_dir) { return (fs::path(state_dir
 std::string ShardDir(const std::string& state_dir, size_t k) {
   return (fs::path(ShardsDir(state_dir)) / fmt::format("s{}", k)).string();
 }
-std::string ShardsRecord(const std::string& state_dir) { return (fs::path(state_dir) / "shards.json").string(); }
-std::string ContribKey(uint32_t from, uint32_t to) { return fmt::format("contrib/p{}-p{}.bin", from, to); }
-std::string ProcessKey(uint32_t p) { return fmt::format("procs/p{}.json", p); }
 
 std::vector<TensorInfo> RunTensorInfos(const RunRecord& run) {
   std::vector<TensorInfo> out;
@@ -69,10 +64,8 @@ namespace protocol_internal {
 // damaged baseline is found.
 struct ShardsMemo {
   bool valid = false;
-  std::string dir, run_id;
-  uint64_t version = 0;
-  std::vector<uint32_t> senders;
-  Digest digest;
+  std::string dir;
+  ShardsState state;
   std::vector<RankBufferFiles> shards;
 };
 
@@ -241,6 +234,9 @@ class ShardRun {
   // caught up, or rebuilt), into baseline_.
   Status LoadShards(const CommitRecord& want);  // timed into report_.baseline_seconds
   Status OpenOrRebuildShards(const CommitRecord& want);
+  // The baseline the shards record names, opened and caught up to `want`;
+  // false when there is none or it cannot be trusted (then it is rebuilt).
+  Result<bool> OpenRecordedShards(const CommitRecord& want, std::vector<RankBufferFiles> remembered);
   Status ApplyCommitted(uint64_t from, uint64_t to);
   Status WriteShardsRecord(uint64_t version, const Digest& digest);
   // Commit of an attempt this process recorded: the baseline becomes the
@@ -307,15 +303,11 @@ Status ShardRun::Prepare() {
 }
 
 Status ShardRun::WriteShardsRecord(uint64_t version, const Digest& digest) {
-  nlohmann::json doc = {
-      {"run_id", record_.run_id}, {"version", version}, {"senders", local_ids_}, {"digest", digest.ToHex()}};
-  DCR_RETURN_IF_ERROR(WriteFileAtomically(ShardsRecord(state_dir_), JsonText(doc, 1) + "\n"));
+  const ShardsState state{record_.run_id, version, local_ids_, digest};
+  DCR_RETURN_IF_ERROR(WriteShardsState(state_dir_, state));
   memo_.valid = true;
   memo_.dir = state_dir_;
-  memo_.run_id = record_.run_id;
-  memo_.version = version;
-  memo_.senders = local_ids_;
-  memo_.digest = digest;
+  memo_.state = state;
   return Status::Ok();
 }
 
@@ -352,47 +344,46 @@ Status ShardRun::LoadShards(const CommitRecord& want) {
   return s;
 }
 
+Result<bool> ShardRun::OpenRecordedShards(const CommitRecord& want, std::vector<RankBufferFiles> remembered) {
+  // A record that does not parse, or of another run or senders, is rebuilt over.
+  auto read = ReadShardsState(state_dir_);
+  if (!read.ok() || !*read) return false;
+  const ShardsState& recorded = **read;
+  if (recorded.run_id != record_.run_id || recorded.version > want.version || recorded.senders != local_ids_)
+    return false;
+  const uint64_t at = recorded.version;
+  // This publisher wrote the record and nothing has touched the files
+  // since (the directory is locked while publishing): no digest pass.
+  const bool known =
+      memo_.valid && memo_.dir == state_dir_ && memo_.state == recorded && remembered.size() == local_ids_.size();
+  if (known) baseline_ = std::move(remembered);
+  for (size_t i = baseline_.size(); i < local_ids_.size(); ++i) {
+    auto opened = RankBufferFiles::Open(*local_[i].layout, ShardDir(state_dir_, local_ids_[i]));
+    if (!opened.ok()) return false;
+    baseline_.push_back(std::move(*opened));
+  }
+  if (!known && SendersDigest(baseline_) != recorded.digest) return false;
+  Status caught = ApplyCommitted(at, want.version);
+  if (Transient(caught)) return caught;
+  const bool at_target =
+      at == want.version ? recorded.digest == want.target_digest : SendersDigest(baseline_) == want.target_digest;
+  if (!caught.ok() || (P() == 1 && !at_target)) return false;
+  if (at < want.version) DCR_RETURN_IF_ERROR(WriteShardsRecord(want.version, SendersDigest(baseline_)));
+  return true;
+}
+
 Status ShardRun::OpenOrRebuildShards(const CommitRecord& want) {
   baseline_.clear();
   std::vector<RankBufferFiles> remembered = std::move(memo_.shards);  // used when the record is the one remembered
   memo_.shards.clear();
   // The recorded baseline, when its files still hold the recorded digest.
-  if (auto f = MappedFile::Open(ShardsRecord(state_dir_), false); f.ok()) {
-    auto doc = nlohmann::json::parse(f->data().begin(), f->data().end(), nullptr, false);
-    Digest recorded;
-    if (!doc.is_discarded() && doc.is_object() && doc.value("run_id", "") == record_.run_id &&
-        doc["version"].is_number_unsigned() && doc["version"].get<uint64_t>() <= want.version &&
-        doc["senders"] == nlohmann::json(local_ids_) && doc["digest"].is_string() &&
-        Digest::FromHex(doc["digest"].get<std::string>(), &recorded)) {
-      const uint64_t at = doc["version"].get<uint64_t>();
-      // This publisher wrote the record and nothing has touched the files
-      // since (the directory is locked while publishing): no digest pass.
-      const bool known = memo_.valid && memo_.dir == state_dir_ && memo_.run_id == record_.run_id &&
-                         memo_.version == at && memo_.senders == local_ids_ && memo_.digest == recorded &&
-                         remembered.size() == local_ids_.size();
-      if (known) baseline_ = std::move(remembered);
-      for (size_t i = baseline_.size(); i < local_ids_.size(); ++i) {
-        auto opened = RankBufferFiles::Open(*local_[i].layout, ShardDir(state_dir_, local_ids_[i]));
-        if (!opened.ok()) break;
-        baseline_.push_back(std::move(*opened));
-      }
-      if (baseline_.size() == local_ids_.size() && (known || SendersDigest(baseline_) == recorded)) {
-        Status caught = ApplyCommitted(at, want.version);
-        const bool at_target =
-            at == want.version ? recorded == want.target_digest : SendersDigest(baseline_) == want.target_digest;
-        if (caught.ok() && (P() > 1 || at_target)) {
-          if (at < want.version) DCR_RETURN_IF_ERROR(WriteShardsRecord(want.version, SendersDigest(baseline_)));
-          return Status::Ok();
-        }
-        if (Transient(caught)) return caught;
-      }
-    }
-  }
+  DCR_ASSIGN_OR_RETURN(const bool opened, OpenRecordedShards(want, std::move(remembered)));
+  if (opened) return Status::Ok();
   // Rebuilt: the newest snapshot through the maps, then the committed deltas.
   memo_.valid = false;
   baseline_.clear();
   std::error_code ec;
-  fs::remove(ShardsRecord(state_dir_), ec);
+  fs::remove(ShardsRecordPath(state_dir_), ec);
   fs::remove_all(ShardsDir(state_dir_), ec);
   DCR_ASSIGN_OR_RETURN(SnapshotRecord snap, NewestSnapshot(store_, want.version));
   const std::string tmp = (fs::path(state_dir_) / "shards.snapshot").string();
@@ -427,7 +418,7 @@ Status ShardRun::MoveBaseline(uint64_t v, const Digest& partial) {
   const auto start = ClockOf(o_).Now();
   memo_.valid = false;
   std::error_code ec;
-  fs::remove(ShardsRecord(state_dir_), ec);
+  fs::remove(ShardsRecordPath(state_dir_), ec);
   CopyCurrentIntoBaseline();
   Status written = WriteShardsRecord(v, partial);
   report_.advance_seconds = SecondsSince(ClockOf(o_), start);
@@ -462,7 +453,7 @@ Status ShardRun::AdoptCurrent(const CommitRecord& c) {
   memo_ = {};
   baseline_.clear();
   std::error_code ec;
-  fs::remove(ShardsRecord(state_dir_), ec);
+  fs::remove(ShardsRecordPath(state_dir_), ec);
   fs::remove_all(ShardsDir(state_dir_), ec);
   for (size_t i = 0; i < local_ids_.size(); ++i) {
     DCR_ASSIGN_OR_RETURN(RankBufferFiles f,
@@ -544,13 +535,12 @@ Result<ShardRun::Projected> ShardRun::ProjectLocal(const DeltaManifest& m, Proce
 Result<ShardRun::Outcome> ShardRun::ExchangeContributions(uint64_t v, const std::string& id, const AttemptRecord& doc,
                                                           const DeltaManifest& m, Projected* projected,
                                                           Clock::Instant deadline) {
-  const std::string prefix = run_keys::Attempt(v, id);
   std::vector<ChunkContribution>& mine = projected->to[Me()];
   // One object per peer, written even when empty (the peer waits for it).
   for (uint32_t q = 0; q < P(); ++q) {
     if (q == Me()) continue;
     DCR_ASSIGN_OR_RETURN(std::string bytes, WriteContributions({doc.delta_id, doc.cls, Me(), q}, m, projected->to[q]));
-    DCR_RETURN_IF_ERROR(store_.Put(prefix + ContribKey(Me(), q), bytes));
+    DCR_RETURN_IF_ERROR(store_.Put(run_keys::Contribution(v, id, Me(), q), bytes));
   }
   DCR_RETURN_IF_ERROR(Fault(o_, "contributions-written"));
   std::set<uint32_t> missing;
@@ -558,7 +548,7 @@ Result<ShardRun::Outcome> ShardRun::ExchangeContributions(uint64_t v, const std:
     if (q != Me()) missing.insert(q);
   for (;;) {
     for (auto it = missing.begin(); it != missing.end();) {
-      const std::string key = prefix + ContribKey(*it, Me());
+      const std::string key = run_keys::Contribution(v, id, *it, Me());
       DCR_ASSIGN_OR_RETURN(auto bytes, GetIfPresent(store_, key));
       if (!bytes) {
         ++it;
@@ -613,9 +603,9 @@ Status ShardRun::WriteOwnedFrames(uint64_t v, const std::string& id, const Owned
   if (!bytes.empty()) {
     // Signed by a key of this process for this attempt, whose public half
     // is in the store before the object: receivers verify relayed copies.
-    rec->objects = {fmt::format("frames/s{}-0000.bin", Me())};  // a segment name: relays carry it
+    rec->objects = {run_keys::FrameObject(Me(), 0)};  // a segment name: relays carry it
     DCR_ASSIGN_OR_RETURN(const ObjectSigner signer, ObjectSigner::Generate());
-    DCR_RETURN_IF_ERROR(store_.Put(prefix + ProcessSignerKey(Me()), signer.public_hex() + "\n"));
+    DCR_RETURN_IF_ERROR(store_.Put(prefix + run_keys::ProcessSigner(Me()), signer.public_hex() + "\n"));
     bytes = signer.Sign(prefix + rec->objects[0], std::move(bytes));
     report_.memory.frames_in_flight_bytes = std::max<uint64_t>(report_.memory.frames_in_flight_bytes, bytes.size());
     DCR_RETURN_IF_ERROR(store_.Put(prefix + rec->objects[0], bytes));
@@ -625,7 +615,7 @@ Status ShardRun::WriteOwnedFrames(uint64_t v, const std::string& id, const Owned
   rec->process = Me();
   rec->processes = P();
   rec->senders = local_ids_;
-  DCR_RETURN_IF_ERROR(store_.Put(prefix + ProcessKey(Me()), rec->ToJson()));
+  DCR_RETURN_IF_ERROR(store_.Put(run_keys::Process(v, id, Me()), rec->ToJson()));
   return Fault(o_, "record-written");
 }
 
@@ -662,7 +652,6 @@ Result<PublishReport> ShardRun::Coordinate(uint64_t v) {
 Result<AttemptCoordinator::AttemptResult> ShardRun::CoordinateAttempt(uint64_t v, const std::string& id, DeltaClass cls,
                                                                       const CommitRecord& base_commit,
                                                                       Digest* partial) {
-  const std::string prefix = run_keys::Attempt(v, id);
   AttemptRecord doc;
   doc.version = v;
   doc.cls = cls;
@@ -671,7 +660,7 @@ Result<AttemptCoordinator::AttemptResult> ShardRun::CoordinateAttempt(uint64_t v
   doc.processes = P();
   doc.senders = maps_.size();
   doc.time = ClockOf(o_).UnixSeconds();
-  DCR_RETURN_IF_ERROR(store_.Put(prefix + "attempt.json", doc.ToJson(), WriteMode::kCreateIfAbsent));
+  DCR_RETURN_IF_ERROR(store_.Put(run_keys::AttemptRecord(v, id), doc.ToJson(), WriteMode::kCreateIfAbsent));
   DCR_ASSIGN_OR_RETURN(Participation own, Participate(v, id, doc, ClockOf(o_).Now() + o_.peer_timeout));
   if (own.outcome != Outcome::kRecorded)
     return AttemptCoordinator::AttemptResult{false, Aborted("the attempt was fenced or superseded while it ran")};
@@ -710,7 +699,7 @@ Result<AttemptCoordinator::AttemptResult> ShardRun::CoordinateAttempt(uint64_t v
   report_.payload_bytes = m.payload_bytes;
   report_.changed_words = m.changed_words;
   DCR_RETURN_IF_ERROR(Fault(o_, "frames-written"));
-  DCR_RETURN_IF_ERROR(store_.Put(prefix + std::string(kManifestFileName), m.ToJson(), WriteMode::kCreateIfAbsent));
+  DCR_RETURN_IF_ERROR(store_.Put(run_keys::Manifest(v, id), m.ToJson(), WriteMode::kCreateIfAbsent));
   DCR_RETURN_IF_ERROR(Fault(o_, "manifest-written"));
   DeltaManifest committed;
   return coordinator_.AwaitAcksAndCommit(v, id, std::move(m), &report_, &committed);
@@ -718,10 +707,9 @@ Result<AttemptCoordinator::AttemptResult> ShardRun::CoordinateAttempt(uint64_t v
 
 Result<std::optional<uint32_t>> ShardRun::AwaitProcessRecords(uint64_t v, const std::string& id,
                                                               std::vector<ProcessRecord>* records) {
-  const std::string prefix = run_keys::Attempt(v, id);
   const auto deadline = ClockOf(o_).Now() + o_.peer_timeout;
   for (uint32_t q = 1; q < P();) {
-    const std::string key = prefix + ProcessKey(q);
+    const std::string key = run_keys::Process(v, id, q);
     DCR_ASSIGN_OR_RETURN(auto text, GetIfPresent(store_, key));
     if (!text) {
       if (ClockOf(o_).Now() >= deadline) return std::optional<uint32_t>(q);
@@ -776,7 +764,7 @@ Result<PublishReport> ShardRun::Work(uint64_t v) {
     for (const AttemptInfo& a : attempts)
       if (!a.fenced) newest = &a;
     if (newest && !tried.count(newest->id)) {
-      const std::string key = run_keys::Attempt(v, newest->id) + "attempt.json";
+      const std::string key = run_keys::AttemptRecord(v, newest->id);
       DCR_ASSIGN_OR_RETURN(auto text, GetIfPresent(store_, key));
       if (text) {
         DCR_ASSIGN_OR_RETURN(AttemptRecord doc, ParseProcessesAttempt(*text, StoreContext(store_.url(), key)));

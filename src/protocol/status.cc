@@ -20,7 +20,7 @@ Result<AttemptStatus> ReadAttemptStatus(Store& store, uint64_t v, const AttemptI
   as.id = a.id;
   const std::string prefix = run_keys::Attempt(v, a.id);
   if (a.has_manifest) {
-    DCR_ASSIGN_OR_RETURN(std::string text, store.Get(prefix + std::string(kManifestFileName)));
+    DCR_ASSIGN_OR_RETURN(std::string text, store.Get(run_keys::Manifest(v, a.id)));
     DCR_ASSIGN_OR_RETURN(DeltaManifest m, DeltaManifest::FromJson(text, StoreContext(store.url(), prefix)));
     as.mode = m.delta_class == DeltaClass::kXorClass ? "xor" : "overwrite";
     as.frame_bytes = m.frame_bytes;
@@ -34,9 +34,9 @@ Result<AttemptStatus> ReadAttemptStatus(Store& store, uint64_t v, const AttemptI
     else as.nacks.push_back(r);
   }
   if (a.fenced) {
-    auto text = store.Get(prefix + "fence");
+    auto text = store.Get(run_keys::Fence(v, a.id));
     if (text.ok()) {
-      auto fence = FenceRecord::FromJson(*text, prefix + "fence");
+      auto fence = FenceRecord::FromJson(*text, run_keys::Fence(v, a.id));
       as.fence_reason = fence.ok() ? fence->reason : "(unreadable: " + fence.status().message() + ")";
     }
   }
@@ -82,7 +82,7 @@ Result<std::vector<VersionStatus>> ReadVersions(Store& store, std::optional<uint
 // The receivers' records; one bad record (a stray file, a torn write by
 // another tool) must not hide the others: it is reported beside them.
 Status ReadReceivers(Store& store, std::chrono::milliseconds heartbeat_timeout, RunStatusReport* report) {
-  DCR_ASSIGN_OR_RETURN(auto regs, store.List("receivers/"));
+  DCR_ASSIGN_OR_RETURN(auto regs, store.List(run_keys::kReceivers));
   const double now = UnixNow(), fresh = std::chrono::duration<double>(heartbeat_timeout).count();
   for (const auto& o : regs) {
     auto text = store.Get(o.key);

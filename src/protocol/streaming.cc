@@ -12,10 +12,10 @@ namespace dcr::protocol_internal {
 Result<std::optional<StreamedAttempt>> ReadStreamedAttempt(Store& store, uint64_t v, const std::string& id,
                                                            const std::function<void(const std::string&)>& log) {
   const std::string prefix = run_keys::Attempt(v, id);
-  DCR_ASSIGN_OR_RETURN(auto text, GetIfPresent(store, prefix + "attempt.json"));
+  DCR_ASSIGN_OR_RETURN(auto text, GetIfPresent(store, run_keys::AttemptRecord(v, id)));
   if (!text) return std::optional<StreamedAttempt>();  // not yet visible: look again next time
   StreamedAttempt st;
-  auto record = AttemptRecord::FromJson(*text, StoreContext(store.url(), prefix + "attempt.json"));
+  auto record = AttemptRecord::FromJson(*text, StoreContext(store.url(), run_keys::AttemptRecord(v, id)));
   if (record.ok() && record->version == v) st = std::move(*record);
   else
     log(
@@ -24,8 +24,6 @@ Result<std::optional<StreamedAttempt>> ReadStreamedAttempt(Store& store, uint64_
                     prefix, record.ok() ? "another version" : record.status().message()));
   return std::optional<StreamedAttempt>(std::move(st));
 }
-
-std::string ProcessSignerKey(uint32_t process) { return fmt::format("procs/p{}.pub", process); }
 
 Result<std::optional<std::string>> ObjectSignerOf(Store& store, const std::string& attempt_prefix,
                                                   const StreamedAttempt& st, const std::string& key) {
@@ -40,7 +38,7 @@ Result<std::optional<std::string>> ObjectSignerOf(Store& store, const std::strin
   const auto parsed = std::from_chars(digits.data(), digits.data() + digits.size(), process);
   if (digits.empty() || parsed.ec != std::errc() || parsed.ptr != digits.data() + digits.size())
     return std::optional<std::string>("");
-  DCR_ASSIGN_OR_RETURN(auto text, GetIfPresent(store, attempt_prefix + ProcessSignerKey(process)));
+  DCR_ASSIGN_OR_RETURN(auto text, GetIfPresent(store, attempt_prefix + run_keys::ProcessSigner(process)));
   if (!text) return std::optional<std::string>();
   while (!text->empty() && text->back() == '\n') text->pop_back();
   return std::optional<std::string>(std::move(*text));
@@ -73,7 +71,7 @@ Result<std::vector<std::string>> StreamedObjectsToApply(Store& store, uint64_t v
     if (prefetched.count(key) && !seen->count(key)) todo.push_back(key);
   if (todo.empty()) return todo;
   // The listing may be older than a fence written since.
-  DCR_ASSIGN_OR_RETURN(auto fence, GetIfPresent(store, run_keys::Attempt(v, a.id) + "fence"));
+  DCR_ASSIGN_OR_RETURN(auto fence, GetIfPresent(store, run_keys::Fence(v, a.id)));
   if (fence) return std::vector<std::string>();
   seen->insert(todo.begin(), todo.end());
   return todo;
