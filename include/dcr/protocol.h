@@ -329,6 +329,10 @@ struct PublishReport {
   std::string attempt;
   uint32_t attempts = 0;  // tries it took
   uint64_t frame_bytes = 0, payload_bytes = 0, changed_words = 0, total_bytes = 0;
+  // What a receiver downloads for this version (AttemptDownload): the
+  // committed attempt's records, frame objects and manifest, and the commit
+  // record; 0 when the store could not list them after the commit.
+  uint64_t manifest_bytes = 0, download_bytes = 0;
   std::vector<std::string> acked, retired;
   uint64_t relay_acks = 0;  // of the committing attempt's acks, those that came up the relay tree first
   // Acks the tree carried that the store did not hold when they arrived
@@ -577,6 +581,9 @@ struct AttemptStatus {
   std::string id, state;  // state: committed, fenced, open (manifest written), starting
   std::string mode;  // xor / overwrite (from the manifest), or empty
   uint64_t frame_bytes = 0, frames = 0;
+  // What a receiver downloads for this attempt (AttemptDownload; with the
+  // commit record when it is the committed one).
+  uint64_t manifest_bytes = 0, download_bytes = 0;
   std::vector<std::string> acks, nacks;
   std::string fence_reason;
 };

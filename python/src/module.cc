@@ -346,6 +346,8 @@ nb::dict PublishReportDict(const dcr::PublishReport& r) {
   d["attempts"] = r.attempts;
   d["frame_bytes"] = r.frame_bytes;
   d["payload_bytes"] = r.payload_bytes;
+  d["manifest_bytes"] = r.manifest_bytes;
+  d["download_bytes"] = r.download_bytes;
   d["changed_words"] = r.changed_words;
   d["total_bytes"] = r.total_bytes;
   d["acked"] = r.acked;

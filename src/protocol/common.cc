@@ -80,6 +80,21 @@ Result<std::vector<AttemptInfo>> ListAttempts(Store& store, uint64_t v) {
   return out;
 }
 
+Result<AttemptDownload> AttemptDownloadBytes(Store& store, uint64_t v, const std::string& id) {
+  const std::string prefix = run_keys::Attempt(v, id);
+  DCR_ASSIGN_OR_RETURN(auto objects, store.List(prefix));
+  AttemptDownload out;
+  for (const ObjectInfo& o : objects) {
+    const std::string_view leaf = std::string_view(o.key).substr(prefix.size());
+    const bool manifest = leaf == kManifestFileName;
+    if (manifest || leaf == "attempt.json" || leaf.starts_with("frames/") ||
+        (leaf.starts_with("procs/") && leaf.ends_with(".pub")))
+      out.total += o.size;
+    if (manifest) out.manifest = o.size;
+  }
+  return out;
+}
+
 Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& attempt,
                                 std::map<std::string, std::string>* prefetched, uint64_t* object_bytes,
                                 const std::map<std::string, ReleasedObject>* released) {

@@ -262,6 +262,11 @@ Result<AttemptCoordinator::AttemptResult> AttemptCoordinator::AwaitAcksAndCommit
   } else {
     DCR_RETURN_IF_ERROR(s);
   }
+  // Best effort: v is committed whatever the listing meets.
+  if (auto download = AttemptDownloadBytes(store_, v, c.attempt); download.ok()) {
+    report->manifest_bytes = download->manifest;
+    report->download_bytes = download->total + c.ToJson().size();
+  }
   report->acked = c.acked;
   report->retired = c.retired;
   report->relay_acks = wait.tally().from_tree();

@@ -55,6 +55,14 @@ struct AttemptInfo {
 };
 Result<std::vector<AttemptInfo>> ListAttempts(Store& store, uint64_t v);
 
+// The bytes a receiver downloads for attempt `id` of version v, from a
+// listing: attempt.json, the frame objects (signature trailers included),
+// the processes' signing keys and the manifest; `manifest` of those.
+struct AttemptDownload {
+  uint64_t manifest = 0, total = 0;
+};
+Result<AttemptDownload> AttemptDownloadBytes(Store& store, uint64_t v, const std::string& id);
+
 // A frame object a receiver applied as it arrived and then dropped, all
 // but its frames' headers (by offset in the object).
 struct ReleasedObject {

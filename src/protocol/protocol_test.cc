@@ -750,7 +750,8 @@ TEST_F(ProtocolTest, TwoCoordinatorsCommitEachVersionOnce) {
 TEST_F(ProtocolTest, StatusListsTheAttemptsOfEachVersion) {
   Publisher pub(*store_, Path("state"), Fast());
   ASSERT_TRUE(pub.Publish(0, Version(0)).ok());
-  ASSERT_TRUE(pub.Publish(1, Version(1)).ok());
+  auto published = pub.Publish(1, Version(1));
+  ASSERT_TRUE(published.ok()) << published.status().ToString();
   PublishOptions o = Fast();
   o.max_attempts = 1;
   o.fault = [](std::string_view point) { return point == "manifest-written" ? Aborted("injected") : Status::Ok(); };
@@ -765,6 +766,26 @@ TEST_F(ProtocolTest, StatusListsTheAttemptsOfEachVersion) {
   EXPECT_EQ(v1.attempts[0].id, v1.commit->attempt);
   EXPECT_EQ(v1.attempts[0].mode, "xor");
   EXPECT_GT(v1.attempts[0].frame_bytes, 0u);
+  // What a receiver downloads for v1: every object of the attempt but the
+  // acks, and the commit record.
+  uint64_t download = 0, manifest = 0;
+  const std::string prefix = run_keys::Attempt(1, v1.commit->attempt);
+  auto objects = store_->List(prefix);
+  ASSERT_TRUE(objects.ok());
+  for (const ObjectInfo& obj : *objects) {
+    if (obj.key.starts_with(run_keys::Acks(1, v1.commit->attempt))) continue;
+    download += obj.size;
+    if (obj.key == run_keys::Manifest(1, v1.commit->attempt)) manifest = obj.size;
+  }
+  auto commit = store_->Get(run_keys::Commit(1));
+  ASSERT_TRUE(commit.ok());
+  download += commit->size();
+  EXPECT_GT(manifest, 0u);
+  EXPECT_EQ(v1.attempts[0].manifest_bytes, manifest);
+  EXPECT_EQ(v1.attempts[0].download_bytes, download);
+  EXPECT_EQ(published->manifest_bytes, manifest);
+  EXPECT_EQ(published->download_bytes, download);
+  EXPECT_GT(download, v1.attempts[0].frame_bytes + manifest);
   const VersionStatus& v2 = status->versions[2];
   EXPECT_FALSE(v2.committed);
   ASSERT_EQ(v2.attempts.size(), 1u);

@@ -26,6 +26,9 @@ Result<AttemptStatus> ReadAttemptStatus(Store& store, uint64_t v, const AttemptI
     as.frame_bytes = m.frame_bytes;
     as.frames = m.frames.size();
   }
+  DCR_ASSIGN_OR_RETURN(const AttemptDownload download, AttemptDownloadBytes(store, v, a.id));
+  as.manifest_bytes = download.manifest;
+  as.download_bytes = download.total + (commit && commit->attempt == a.id ? commit->ToJson().size() : 0);
   for (const auto& r : a.acks) {
     auto text = store.Get(run_keys::Ack(v, a.id, r));
     if (!text.ok()) continue;

@@ -94,6 +94,12 @@ def test_apply_gives_next_version(tmp, versions, family, update):
     m = manifest(d)
     assert len(m["frames"]) == made["frames"]
     assert (d / "frames.bin").stat().st_size == made["frame_bytes"]
+    # What a receiver downloads: the delta's files, the manifest among them.
+    assert made["manifest_bytes"] == (d / "manifest.json").stat().st_size
+    assert made["download_bytes"] == sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+    assert made["download_bytes"] == made["frame_bytes"] + made["manifest_bytes"]
+    assert made["download_bytes_per_changed_word"] == pytest.approx(
+        made["download_bytes"] / made["changed_words"])
 
     # Applied to a copy of v0: v1, byte for byte, by filecmp and by dcr diff.
     t = copy_ckpt(v0, tmp / "t")

@@ -21,6 +21,11 @@ inline constexpr int kExitError = 2;
 // Prints "dcr <command>: <status>" to stderr and returns kExitError.
 int Fail(const std::string& command, const Status& status);
 
+// Bytes per changed word (0 when nothing changed).
+inline double PerChange(uint64_t bytes, uint64_t changed) {
+  return changed ? static_cast<double>(bytes) / static_cast<double>(changed) : 0.0;
+}
+
 // A layout map JSON file, parsed and validated (errors name the file).
 Result<LayoutMap> ReadLayoutFile(const std::string& path);
 

@@ -1,6 +1,7 @@
 // dcr delta make | apply | verify | inspect: deltas between checkpoints.
 #include <fmt/format.h>
 
+#include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
 
@@ -25,8 +26,17 @@ struct DeltaArgs {
   bool no_add = false;
 };
 
-double PerChange(uint64_t bytes, uint64_t changed) {
-  return changed ? static_cast<double>(bytes) / static_cast<double>(changed) : 0.0;
+// The bytes a receiver downloads for the delta in `dir` (its files: frame
+// objects and manifest), and the manifest's of them.
+void DeltaDownloadBytes(const std::string& dir, uint64_t* manifest, uint64_t* total) {
+  std::error_code ec;
+  *manifest = *total = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    if (!e.is_regular_file(ec)) continue;
+    const uint64_t size = e.file_size(ec);
+    *total += size;
+    if (e.path().filename() == kManifestFileName) *manifest = size;
+  }
 }
 
 int RunMake(const DeltaArgs& a) {
@@ -48,6 +58,8 @@ int RunMake(const DeltaArgs& a) {
   progress.Finish();
   if (!m.ok()) return Fail("delta make", m.status());
   const double seconds = MonotonicSeconds() - t0;
+  uint64_t manifest_bytes = 0, download_bytes = 0;
+  DeltaDownloadBytes(a.out, &manifest_bytes, &download_bytes);
   if (a.json) {
     json doc = {{"delta", a.out},
                 {"delta_id", fmt::format("{:016x}", m->delta_id)},
@@ -60,6 +72,9 @@ int RunMake(const DeltaArgs& a) {
                 {"payload_bytes", m->payload_bytes},
                 {"frame_bytes", m->frame_bytes},
                 {"bytes_per_changed_word", PerChange(m->payload_bytes, m->changed_words)},
+                {"manifest_bytes", manifest_bytes},
+                {"download_bytes", download_bytes},
+                {"download_bytes_per_changed_word", PerChange(download_bytes, m->changed_words)},
                 {"seconds", seconds},
                 {"base_digest", m->base_digest.ToHex()},
                 {"target_digest", m->target_digest.ToHex()}};
@@ -75,6 +90,8 @@ int RunMake(const DeltaArgs& a) {
         m->payload_bytes, PerChange(m->payload_bytes, m->changed_words),
         m->total_bytes ? 100.0 * static_cast<double>(m->payload_bytes) / static_cast<double>(m->total_bytes) : 0.0,
         m->total_bytes, seconds, FormatBytes(static_cast<double>(m->total_bytes) / seconds));
+    fmt::print("a receiver downloads {} bytes ({:.3f} per changed word): frames and the {}-byte manifest\n",
+               download_bytes, PerChange(download_bytes, m->changed_words), manifest_bytes);
   }
   return kExitOk;
 }

@@ -289,6 +289,9 @@ int RunPublish(const PublishArgs& a) {
                 {"total_bytes", r->total_bytes},
                 {"frame_bytes", r->frame_bytes},
                 {"payload_bytes", r->payload_bytes},
+                {"manifest_bytes", r->manifest_bytes},
+                {"download_bytes", r->download_bytes},
+                {"download_bytes_per_changed_word", PerChange(r->download_bytes, r->changed_words)},
                 {"changed_words", r->changed_words},
                 {"acked", r->acked},
                 {"retired", r->retired},
@@ -307,9 +310,11 @@ int RunPublish(const PublishArgs& a) {
                r->attempt.empty() ? "snapshot" : "attempt " + r->attempt);
   } else {
     fmt::print(
-        "committed version {} (attempt {}, {} tries): {} of frames for {} ({:.2f}%), {} receivers acked{}, {:.2f} s\n",
+        "committed version {} (attempt {}, {} tries): {} of frames ({} downloaded per receiver with the manifest and "
+        "records) for {} ({:.2f}%), {} receivers acked{}, {:.2f} s\n",
         r->version, r->attempt.empty() ? "snapshot" : r->attempt, r->attempts, FormatBytes(r->frame_bytes),
-        FormatBytes(r->total_bytes), r->total_bytes ? 100.0 * r->frame_bytes / r->total_bytes : 0.0, r->acked.size(),
+        FormatBytes(r->download_bytes), FormatBytes(r->total_bytes),
+        r->total_bytes ? 100.0 * r->frame_bytes / r->total_bytes : 0.0, r->acked.size(),
         r->retired.empty() ? "" : fmt::format(", {} retired", r->retired.size()), r->total_seconds);
   }
   return kExitOk;
@@ -427,6 +432,8 @@ int RunStatus(const StatusArgs& a) {
                       {"mode", at.mode},
                       {"frames", at.frames},
                       {"frame_bytes", at.frame_bytes},
+                      {"manifest_bytes", at.manifest_bytes},
+                      {"download_bytes", at.download_bytes},
                       {"acks", at.acks},
                       {"nacks", at.nacks},
                       {"fence_reason", at.fence_reason}});
@@ -471,8 +478,8 @@ int RunStatus(const StatusArgs& a) {
     }
     fmt::print("\n");
     for (const auto& at : v.attempts) {
-      fmt::print("    attempt {} {:9} {:9} {:>10} in {} frames, acks {}{}{}\n", at.id, at.state, at.mode,
-                 FormatBytes(at.frame_bytes), at.frames, at.acks.size(),
+      fmt::print("    attempt {} {:9} {:9} {:>10} in {} frames, {} to download, acks {}{}{}\n", at.id, at.state,
+                 at.mode, FormatBytes(at.frame_bytes), at.frames, FormatBytes(at.download_bytes), at.acks.size(),
                  at.nacks.empty() ? "" : fmt::format(", failed: {}", fmt::join(at.nacks, " ")),
                  at.fence_reason.empty() ? "" : " (" + at.fence_reason + ")");
     }
