@@ -55,14 +55,6 @@ def sparse_patch(worker, patches):
 
 
 def main() -> None:
-    import torch
-    import transformers
-    from vllm.distributed.weight_transfer.base import ModuleSource
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
-    import dcr.vllm as dv
-    import vllm_job as J
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
@@ -73,6 +65,25 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     work = a.dir or tempfile.mkdtemp(prefix="dcr-vllm-bench-", dir="/dev/shm")
+    try:
+        exact = bench(a, work)
+    finally:  # a failed run must not leave a checkpoint's worth of /dev/shm behind
+        if not a.dir:
+            shutil.rmtree(work, ignore_errors=True)
+    if not exact:
+        sys.exit(1)
+
+
+def bench(a, work) -> bool:
+    """Runs the benchmark in `work`; whether dcr left the engine equal to a fresh load of every version."""
+    import torch
+    import transformers
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    import dcr.vllm as dv
+    import vllm_job as J
+
     h = a.hidden
     cfg = transformers.Qwen3Config(vocab_size=a.vocab, hidden_size=h, intermediate_size=3 * h,
                                    num_hidden_layers=a.layers, num_attention_heads=h // 64, num_key_value_heads=max(1, h // 256),
@@ -165,10 +176,7 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"rows": rows, "exact": exact}, f)
-    if not a.dir:
-        shutil.rmtree(work, ignore_errors=True)
-    if not exact:
-        sys.exit(1)
+    return exact
 
 
 if __name__ == "__main__":
