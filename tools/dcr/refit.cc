@@ -308,6 +308,9 @@ int RunPublish(const PublishArgs& a) {
   } else if (r->already_committed) {
     fmt::print("version {} was already committed ({})\n", r->version,
                r->attempt.empty() ? "snapshot" : "attempt " + r->attempt);
+  } else if (r->version == 0) {
+    fmt::print("committed version 0: the run and its snapshot of {} ({:.2f} s)\n", FormatBytes(r->total_bytes),
+               r->total_seconds);
   } else {
     fmt::print(
         "committed version {} (attempt {}, {} tries): {} of frames ({} downloaded per receiver with the manifest and "
