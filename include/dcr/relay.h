@@ -196,8 +196,14 @@ struct RelaySecurity {
 // Secure by default: no key file is refused unless `insecure` (plain TCP,
 // no authentication; the relay and its clients warn at every start), and
 // then neither other file may be given; a key file with `insecure` is refused.
+// Errors name the inputs as `names` says (the caller's flags or arguments).
+struct RelaySecurityNames {
+  std::string key = "this process's key pair file", server_public = "the relays' public key file",
+              allow = "the allow list", insecure = "insecure links";
+};
 Result<RelaySecurity> LoadRelaySecurity(const std::string& key_file, const std::string& server_public_file,
-                                        const std::string& allow_file, bool insecure);
+                                        const std::string& allow_file, bool insecure,
+                                        const RelaySecurityNames& names = {});
 // The line the relay and its clients log at every start without keys.
 inline constexpr std::string_view kRelayInsecureWarning =
     "WARNING: insecure relay link (plain TCP): no peer is authenticated and nothing is encrypted; anyone who can "

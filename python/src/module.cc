@@ -384,7 +384,7 @@ std::optional<dcr::RelayClientOptions> RelayOptions(const std::string& id, const
   dcr::RelayClientOptions o;
   o.id = id;
   o.addresses = addresses;
-  o.security = Take(dcr::LoadRelaySecurity(key, pub, "", insecure));
+  o.security = Take(dcr::LoadRelaySecurity(key, pub, "", insecure, {"relay_key", "relay_pub", "", "relay_insecure"}));
   return o;
 }
 

@@ -220,9 +220,9 @@ Status RelayServer::Run(const std::function<bool()>& stop) {
                     "fences as a sender; give each line its role (sender, relay or receiver)",
                     any));
   if (o_.upstream.empty() && !o_.verify_object)
-    Log("a root without --store keeps the first copy of each object a sender sends, unverified: a holder of a "
-        "sender's key can push a forged copy first, which receivers refuse and fetch from the store instead (bits "
-        "stay safe, the tree's fast path does not); give the root --store to verify signatures here");
+    Log("a root without the run's store keeps the first copy of each object a sender sends, unverified: a holder "
+        "of a sender's key can push a forged copy first, which receivers refuse and fetch from the store instead "
+        "(bits stay safe, the tree's fast path does not); give the root the store to verify signatures here");
   DCR_RETURN_IF_ERROR(OpenSpool());
   if (!o_.upstream.empty()) DCR_RETURN_IF_ERROR(Attach(0));
   last_stats_ = Clock::now();

@@ -226,8 +226,8 @@ TEST(Relay, ARelayWithAnUpstreamRefusesSenders) {
   EXPECT_TRUE((*sender)->Flush(kGuard));
   EXPECT_EQ(TakeAll(**far, AttemptPrefix(1), 1),
             (std::map<std::string, std::string>{{ObjectKey(1, 0), MakeFrame(0, 5)}}));
-  EXPECT_TRUE(root.lines.Has("a root without --store keeps the first copy"));
-  EXPECT_FALSE(mid.lines.Has("a root without --store"));
+  EXPECT_TRUE(root.lines.Has("a root without the run's store keeps the first copy"));
+  EXPECT_FALSE(mid.lines.Has("a root without the run's store"));
 }
 
 TEST(Relay, AFencedAttemptIsDroppedEverywhere) {

@@ -261,20 +261,22 @@ Result<std::map<std::string, RelayRoles>> ReadCurveAllowList(const std::string& 
 }
 
 Result<RelaySecurity> LoadRelaySecurity(const std::string& key_file, const std::string& server_public_file,
-                                        const std::string& allow_file, bool insecure) {
+                                        const std::string& allow_file, bool insecure, const RelaySecurityNames& names) {
   RelaySecurity sec;
   if (key_file.empty()) {
     if (!server_public_file.empty() || !allow_file.empty())
-      return InvalidArgument(
-          "relay keys: a public key or allow list without this process's own key pair (--relay-key / --key)");
+      return InvalidArgument(fmt::format("relay keys: {} without this process's own key pair ({})",
+                                         server_public_file.empty() ? names.allow : names.server_public, names.key));
     if (!insecure)
       return InvalidArgument(
-          "relay links are authenticated by default: give this process's CURVE key pair (--key for a relay, "
-          "--relay-key and --relay-pub for its clients; dcr relay keygen makes them), or say --insecure "
-          "(--relay-insecure for clients) to use plain TCP on a trusted network");
+          fmt::format("relay links are authenticated by default: give this process's CURVE key pair ({}; dcr relay "
+                      "keygen makes one), or ask for {} (plain TCP) on a trusted network",
+                      names.key, names.insecure));
     return sec;
   }
-  if (insecure) return InvalidArgument("relay keys: a key pair and --insecure together; drop one");
+  if (insecure)
+    return InvalidArgument(
+        fmt::format("relay keys: a key pair ({}) and {} together; drop one", names.key, names.insecure));
   DCR_ASSIGN_OR_RETURN(CurveKeyPair own, ReadCurveKeyPair(key_file));
   sec.own = own;
   if (!server_public_file.empty()) {

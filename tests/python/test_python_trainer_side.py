@@ -170,6 +170,12 @@ def test_relay_arguments_are_refused_with_a_reason(tmp_path):
     store = dcr.open_store(f"file://{tmp_path}/store")
     with pytest.raises(dcr.InvalidArgumentError, match="relay_key, relay_pub and relay_insecure need relay addresses"):
         dcr.ShardPublisher(store, None, [t], relay_key=str(tmp_path / "k.key"))
+    # Without keys, or with keys and insecure: the reason names this API's arguments.
+    with pytest.raises(dcr.InvalidArgumentError, match=r"key pair \(relay_key;.*ask for relay_insecure"):
+        dcr.ShardPublisher(store, None, [t], relay=["tcp://127.0.0.1:9"])
+    with pytest.raises(dcr.InvalidArgumentError, match=r"a key pair \(relay_key\) and relay_insecure together"):
+        dcr.ShardPublisher(store, None, [t], relay=["tcp://127.0.0.1:9"], relay_key=str(tmp_path / "k.key"),
+                           relay_insecure=True)
     with pytest.raises(dcr.DcrError, match="k.key"):  # a key file that is not there
         dcr.ShardPublisher(store, None, [t], relay=["tcp://127.0.0.1:9"], relay_key=str(tmp_path / "k.key"),
                            relay_pub=str(tmp_path / "k.pub"))

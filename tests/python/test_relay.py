@@ -1000,13 +1000,18 @@ def test_plain_tcp_only_when_asked(tmp):
     address = free_address()
     obj = tmp / "object.bin"
     obj.write_bytes(b"x")
-    for args in (["relay", "--id", "r", "--listen", address],
-                 ["follow", "--store", f"file://{tmp}/store", "--until", "0", tmp / "target", "--relay", address],
-                 ["publish", "--store", f"file://{tmp}/store", "--version", "0", tmp / "none", "--relay", address],
-                 ["relay", "push", "--to", address, "--object-key",
-                  "attempts/v0000000001/0000-0123abcd/frames/s0-0000.bin", obj]):
+    # Each names its own flags (a relay's --key/--insecure, a client's --relay-key/--relay-insecure).
+    for args, flags in ((["relay", "--id", "r", "--listen", address], ("--key", "--insecure")),
+                        (["follow", "--store", f"file://{tmp}/store", "--until", "0", tmp / "target", "--relay",
+                          address], ("--relay-key", "--relay-insecure")),
+                        (["publish", "--store", f"file://{tmp}/store", "--version", "0", tmp / "none", "--relay",
+                          address], ("--relay-key", "--relay-insecure")),
+                        (["relay", "push", "--to", address, "--object-key",
+                          "attempts/v0000000001/0000-0123abcd/frames/s0-0000.bin", obj], ("--key", "--insecure"))):
         res = run_dcr(*args)
         assert res.returncode != 0 and "authenticated by default" in res.stderr, str(res)
+        key, insecure = flags
+        assert f"key pair ({key};" in res.stderr and f"ask for {insecure} (plain TCP)" in res.stderr, res.stderr
     # Asked for: it runs, and says what it is at start.
     log = tmp / "insecure-relay.log"
     with open(log, "wb") as out:

@@ -221,7 +221,8 @@ Result<RelayClientOptions> RelayClient(const std::string& id, const std::vector<
   RelayClientOptions o;
   o.id = id;
   o.addresses = addresses;
-  DCR_ASSIGN_OR_RETURN(o.security, LoadRelaySecurity(key, pub, "", insecure));
+  DCR_ASSIGN_OR_RETURN(
+      o.security, LoadRelaySecurity(key, pub, "", insecure, {"--relay-key", "--relay-pub", "", "--relay-insecure"}));
   return o;
 }
 

@@ -62,7 +62,8 @@ int RunRelayDaemon(const RelayArgs& a) {
   o.link_bytes_per_second = a.link_mbps * 1e6;
   o.ping_every = std::chrono::milliseconds(static_cast<int64_t>(a.ping * 1000));
   o.dead_after = std::chrono::milliseconds(static_cast<int64_t>(a.dead_after * 1000));
-  auto sec = LoadRelaySecurity(a.key, a.relay_pub, a.allow, a.insecure);
+  auto sec =
+      LoadRelaySecurity(a.key, a.relay_pub, a.allow, a.insecure, {"--key", "--relay-pub", "--allow", "--insecure"});
   if (!sec.ok()) return Fail("relay", sec.status());
   if (sec->enabled() && sec->allowed.empty())
     return Fail("relay",
@@ -292,7 +293,7 @@ void AddRelayCommand(CLI::App& app) {
       ExitCode() = Fail("relay push", p.status());
       return;
     }
-    auto sec = LoadRelaySecurity(ua->key, ua->relay_pub, "", ua->insecure);
+    auto sec = LoadRelaySecurity(ua->key, ua->relay_pub, "", ua->insecure, {"--key", "--relay-pub", "", "--insecure"});
     if (!sec.ok()) {
       ExitCode() = Fail("relay push", sec.status());
       return;

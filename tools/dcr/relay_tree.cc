@@ -81,9 +81,10 @@ int RunTree(const TreeArgs& a) {
   // The receivers' key must not be a sender's: receivers could then push
   // objects into the roots and fence attempts.
   if (!a.insecure && !a.relay_key.empty() && !a.key.empty() && !a.allow.empty()) {
-    auto receivers = LoadRelaySecurity(a.relay_key, a.relay_pub, "", false);
+    auto receivers =
+        LoadRelaySecurity(a.relay_key, a.relay_pub, "", false, {"--relay-key", "--relay-pub", "", "--insecure"});
     if (!receivers.ok()) return Fail("relay tree", receivers.status().WithContext("--relay-key"));
-    auto relays = LoadRelaySecurity(a.key, "", a.allow, false);
+    auto relays = LoadRelaySecurity(a.key, "", a.allow, false, {"--key", "--relay-pub", "--allow", "--insecure"});
     if (!relays.ok()) return Fail("relay tree", relays.status());
     auto it = relays->allowed.find(receivers->own->public_key);
     if (it != relays->allowed.end() && (it->second & RoleBit(RelayRole::kSender)))
