@@ -32,6 +32,7 @@
 #include "dcr/layout_apply.h"
 #include "dcr/layout_families.h"
 #include "dcr/synth.h"
+#include "internal.h"
 #include "testing/temp_dir.h"
 
 namespace dcr {
@@ -981,6 +982,18 @@ TEST_F(ProtocolTest, APublisherTrustsItsCachedBaselineDigestsOnlyForAnUnchangedB
   EXPECT_EQ(cached_version(), 0);
   ASSERT_TRUE(pub.Publish(1, Version(1)).ok());
   EXPECT_EQ(cached_version(), 1);
+  {
+    // It reads back as version 1's chunk digests (the next publish skips the pass).
+    auto base = Checkpoint::Open(Path("state/baseline"));
+    auto state = ReadRunState(*store_);
+    auto commit = protocol_internal::ReadCommit(*store_, 1);
+    ASSERT_TRUE(base.ok() && state.ok() && state->run && commit.ok());
+    const auto table =
+        protocol_internal::ReadDigestCache(Path("state"), 1, *base, protocol_internal::LayoutOf(*state->run));
+    ASSERT_TRUE(table.has_value());
+    EXPECT_EQ(protocol_internal::Total(*table), commit->target_digest);
+    EXPECT_FALSE(protocol_internal::ReadDigestCache(Path("state"), 0, *base, protocol_internal::LayoutOf(*state->run)));
+  }
   // Damage the baseline (a later modification time than the cache records).
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
   {

@@ -187,19 +187,61 @@ std::string BootId() {
   return id;
 }
 
-// Name, size and mtime (ns) of every file of the baseline, sorted by name.
-nlohmann::json BaselineFileStamps(const Checkpoint& baseline) {
-  nlohmann::json files = nlohmann::json::array();
+// Name, size and mtime (ns) of every file of the baseline, sorted by name;
+// nullopt when one cannot be read (then no cache matches).
+struct FileStamp {
+  std::string name;
+  uint64_t size = 0, mtime_ns = 0;
+  bool operator==(const FileStamp&) const = default;
+};
+std::optional<std::vector<FileStamp>> BaselineFileStamps(const Checkpoint& baseline) {
   std::vector<std::string> names = baseline.files();
   std::sort(names.begin(), names.end());
+  std::vector<FileStamp> out;
   for (const auto& name : names) {
     struct stat st {};
-    if (::stat(name.c_str(), &st) != 0) return nlohmann::json();  // unknown: never matches
-    files.push_back(
+    if (::stat(name.c_str(), &st) != 0) return std::nullopt;
+    out.push_back(
         {fs::path(name).filename().string(), static_cast<uint64_t>(st.st_size),
          static_cast<uint64_t>(st.st_mtim.tv_sec) * 1000000000ull + static_cast<uint64_t>(st.st_mtim.tv_nsec)});
   }
-  return files;
+  return out;
+}
+
+// The cache's record: what it was taken of, and the digests.
+struct DigestCacheRecord {
+  uint64_t version = 0;
+  std::string boot_id;
+  std::vector<FileStamp> files;
+  ChunkDigestTable chunks;
+};
+
+Result<DigestCacheRecord> ParseDigestCache(const JsonFields& f) {
+  DigestCacheRecord r;
+  DCR_ASSIGN_OR_RETURN(std::string format, f.String("format"));
+  if (format != "dcr-baseline-digests") return f.Error("'format' is not \"dcr-baseline-digests\"");
+  DCR_ASSIGN_OR_RETURN(r.version, f.U64("version"));
+  DCR_ASSIGN_OR_RETURN(r.boot_id, f.String("boot_id"));
+  DCR_ASSIGN_OR_RETURN(const JsonFields::Json* files, f.Array("files"));
+  for (const auto& file : *files) {
+    const JsonFields ff(file, [&](std::string_view what) { return f.Error(what); });
+    FileStamp stamp;
+    DCR_ASSIGN_OR_RETURN(stamp.name, ff.String("name"));
+    DCR_ASSIGN_OR_RETURN(stamp.size, ff.U64("size"));
+    DCR_ASSIGN_OR_RETURN(stamp.mtime_ns, ff.U64("mtime_ns"));
+    r.files.push_back(std::move(stamp));
+  }
+  DCR_ASSIGN_OR_RETURN(const JsonFields::Json* chunks, f.Array("chunks"));
+  for (const auto& row : *chunks) {
+    if (!row.is_array()) return f.Error("'chunks' must hold arrays of digests");
+    std::vector<Digest>& out = r.chunks.emplace_back();
+    for (const auto& hex : row) {
+      Digest d;
+      if (!hex.is_string() || !Digest::FromHex(hex.get<std::string>(), &d)) return f.Error("a chunk digest is not one");
+      out.push_back(d);
+    }
+  }
+  return r;
 }
 
 }  // namespace
@@ -212,17 +254,20 @@ void DropDigestCache(const std::string& state_dir) {
 // Best effort: a cache that cannot be written costs the next publish a pass.
 void WriteDigestCache(const std::string& state_dir, uint64_t version, const Checkpoint& baseline,
                       const ChunkDigestTable& digests) {
-  nlohmann::json table = nlohmann::json::array();
+  const auto stamps = BaselineFileStamps(baseline);
+  if (!stamps) return DropDigestCache(state_dir);
+  nlohmann::ordered_json files = nlohmann::ordered_json::array(), table = nlohmann::ordered_json::array();
+  for (const FileStamp& f : *stamps) files.push_back({{"name", f.name}, {"size", f.size}, {"mtime_ns", f.mtime_ns}});
   for (const auto& tensor : digests) {
-    nlohmann::json row = nlohmann::json::array();
+    nlohmann::ordered_json row = nlohmann::ordered_json::array();
     for (const auto& d : tensor) row.push_back(d.ToHex());
     table.push_back(std::move(row));
   }
-  nlohmann::json doc = {{"format", "dcr-baseline-digests"},
-                        {"version", version},
-                        {"boot_id", BootId()},
-                        {"files", BaselineFileStamps(baseline)},
-                        {"chunks", std::move(table)}};
+  const nlohmann::ordered_json doc = {{"format", "dcr-baseline-digests"},
+                                      {"version", version},
+                                      {"boot_id", BootId()},
+                                      {"files", std::move(files)},
+                                      {"chunks", std::move(table)}};
   if (!WriteFileAtomically(DigestCachePath(state_dir), JsonText(doc) + "\n").ok()) DropDigestCache(state_dir);
 }
 
@@ -230,23 +275,16 @@ void WriteDigestCache(const std::string& state_dir, uint64_t version, const Chec
 // or nullopt when there is no cache or it cannot be trusted.
 std::optional<ChunkDigestTable> ReadDigestCache(const std::string& state_dir, uint64_t version,
                                                 const Checkpoint& baseline, const DeltaManifest& layout) {
-  auto f = MappedFile::Open(DigestCachePath(state_dir), false);
-  if (!f.ok()) return std::nullopt;
-  auto doc = nlohmann::json::parse(f->data().begin(), f->data().end(), nullptr, false);
-  if (doc.is_discarded() || !doc.is_object() || doc.value("format", "") != "dcr-baseline-digests" ||
-      !doc["version"].is_number_unsigned() || doc["version"].get<uint64_t>() != version ||
-      doc.value("boot_id", "") != BootId() || BootId().empty() || doc["files"] != BaselineFileStamps(baseline) ||
-      !doc["chunks"].is_array() || doc["chunks"].size() != layout.tensors.size())
+  auto read = ReadStateRecord<DigestCacheRecord>(DigestCachePath(state_dir), ParseDigestCache);
+  if (!read.ok() || !*read) return std::nullopt;
+  DigestCacheRecord& r = **read;
+  const std::string boot = BootId();
+  if (r.version != version || boot.empty() || r.boot_id != boot || r.files != BaselineFileStamps(baseline) ||
+      r.chunks.size() != layout.tensors.size())
     return std::nullopt;
-  ChunkDigestTable table(layout.tensors.size());
-  for (size_t t = 0; t < table.size(); ++t) {
-    const auto& row = doc["chunks"][t];
-    if (!row.is_array() || row.size() != layout.ChunkCount(t)) return std::nullopt;
-    table[t].resize(row.size());
-    for (size_t c = 0; c < row.size(); ++c)
-      if (!row[c].is_string() || !Digest::FromHex(row[c].get<std::string>(), &table[t][c])) return std::nullopt;
-  }
-  return table;
+  for (size_t t = 0; t < r.chunks.size(); ++t)
+    if (r.chunks[t].size() != layout.ChunkCount(t)) return std::nullopt;
+  return std::move(r.chunks);
 }
 
 }  // namespace protocol_internal
