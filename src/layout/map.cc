@@ -73,33 +73,43 @@ namespace {
 
 using DeclaredIndex = std::unordered_map<std::string_view, size_t>;
 
-// The tensors' names and the buffers' ids: non-empty, unique, with a dtype
-// and a shape whose byte size fits 64 bits. Indexed by name and id.
-Status ValidateDeclarations(const LayoutMap& map, DeclaredIndex* tensors, DeclaredIndex* buffers) {
-  for (size_t i = 0; i < map.tensors.size(); ++i) {
-    const LayoutTensor& t = map.tensors[i];
-    const std::string what = fmt::format("tensor #{} '{}'", i, t.name);
-    if (t.name.empty())
-      return InvalidArgument(fmt::format("tensor #{}: empty name; give every tensor its checkpoint name", i));
-    if (!tensors->emplace(t.name, i).second)
-      return InvalidArgument(fmt::format("{}: declared twice; declare each tensor once", what));
-    DCR_RETURN_IF_ERROR(CheckDType(t.dtype, what));
+// How a kind of declaration is named in errors: "tensor", its "name",
+// and how to fix an empty or repeated one.
+struct DeclarationWords {
+  const char* kind;
+  const char* key;
+  const char* empty_fix;
+  const char* twice_fix;
+};
+
+// Declarations `decls` (tensors or buffers, keyed by `key`): non-empty,
+// unique keys, a dtype and a shape whose byte size fits 64 bits. Indexed by key.
+template <class Decl>
+Status ValidateDeclared(const std::vector<Decl>& decls, std::string Decl::*key, const DeclarationWords& words,
+                        DeclaredIndex* index) {
+  for (size_t i = 0; i < decls.size(); ++i) {
+    const Decl& d = decls[i];
+    const std::string& k = d.*key;
+    const std::string what = fmt::format("{} #{} '{}'", words.kind, i, k);
+    if (k.empty())
+      return InvalidArgument(fmt::format("{} #{}: empty {}; {}", words.kind, i, words.key, words.empty_fix));
+    if (!index->emplace(k, i).second)
+      return InvalidArgument(fmt::format("{}: declared twice; {}", what, words.twice_fix));
+    DCR_RETURN_IF_ERROR(CheckDType(d.dtype, what));
     uint64_t n;
-    if (!Product(t.shape, &n) || !ByteSize(t.dtype, n))
-      return InvalidArgument(fmt::format("{}: shape {} overflows 64 bits", what, Dims(t.shape)));
-  }
-  for (size_t i = 0; i < map.buffers.size(); ++i) {
-    const LayoutBuffer& b = map.buffers[i];
-    const std::string what = fmt::format("buffer #{} '{}'", i, b.id);
-    if (b.id.empty()) return InvalidArgument(fmt::format("buffer #{}: empty id; give every buffer a unique id", i));
-    if (!buffers->emplace(b.id, i).second)
-      return InvalidArgument(fmt::format("{}: declared twice; buffer ids must be unique", what));
-    DCR_RETURN_IF_ERROR(CheckDType(b.dtype, what));
-    uint64_t n;
-    if (!Product(b.shape, &n) || !ByteSize(b.dtype, n))
-      return InvalidArgument(fmt::format("{}: shape {} overflows 64 bits", what, Dims(b.shape)));
+    if (!Product(d.shape, &n) || !ByteSize(d.dtype, n))
+      return InvalidArgument(fmt::format("{}: shape {} overflows 64 bits", what, Dims(d.shape)));
   }
   return Status::Ok();
+}
+
+// The tensors' names and the buffers' ids, validated and indexed.
+Status ValidateDeclarations(const LayoutMap& map, DeclaredIndex* tensors, DeclaredIndex* buffers) {
+  DCR_RETURN_IF_ERROR(ValidateDeclared(
+      map.tensors, &LayoutTensor::name,
+      {"tensor", "name", "give every tensor its checkpoint name", "declare each tensor once"}, tensors));
+  return ValidateDeclared(map.buffers, &LayoutBuffer::id,
+                          {"buffer", "id", "give every buffer a unique id", "buffer ids must be unique"}, buffers);
 }
 
 // Copy `i` of the map (tensor `t` into buffer `b`, both declared): same
