@@ -71,26 +71,14 @@ Result<std::vector<AttemptInfo>> ListAttempts(Store& store, uint64_t v) {
     std::string_view leaf = rest.substr(slash + 1);
     if (out.empty() || out.back().id != id) out.push_back({id});
     AttemptInfo& a = out.back();
-    if (leaf == kManifestFileName) a.has_manifest = true;
+    if (leaf == kManifestFileName) a.has_manifest = true, a.manifest_bytes = o.size;
     else if (leaf == "fence") a.fenced = true;
     else if (leaf.starts_with("acks/") && leaf.ends_with(".json"))
       a.acks.emplace_back(leaf.substr(5, leaf.size() - 10));
     else if (leaf.starts_with("frames/")) a.frame_objects.push_back(o.key);
-  }
-  return out;
-}
-
-Result<AttemptDownload> AttemptDownloadBytes(Store& store, uint64_t v, const std::string& id) {
-  const std::string prefix = run_keys::Attempt(v, id);
-  DCR_ASSIGN_OR_RETURN(auto objects, store.List(prefix));
-  AttemptDownload out;
-  for (const ObjectInfo& o : objects) {
-    const std::string_view leaf = std::string_view(o.key).substr(prefix.size());
-    const bool manifest = leaf == kManifestFileName;
-    if (manifest || leaf == "attempt.json" || leaf.starts_with("frames/") ||
+    if (leaf == kManifestFileName || leaf == "attempt.json" || leaf.starts_with("frames/") ||
         (leaf.starts_with("procs/") && leaf.ends_with(".pub")))
-      out.total += o.size;
-    if (manifest) out.manifest = o.size;
+      a.download_bytes += o.size;
   }
   return out;
 }
@@ -188,15 +176,23 @@ Result<SnapshotRecord> ReadSnapshot(Store& store, uint64_t v) {
   return SnapshotRecord::FromJson(text, StoreContext(store.url(), key));
 }
 
-Result<SnapshotRecord> NewestSnapshot(Store& store, uint64_t at_most) {
-  DCR_ASSIGN_OR_RETURN(auto objects, store.List("snapshots/v"));
-  std::optional<uint64_t> best;
+Result<std::vector<uint64_t>> ListSnapshots(Store& store) {
+  const std::string prefix = std::string(run_keys::kSnapshots) + "v";
+  DCR_ASSIGN_OR_RETURN(auto objects, store.List(prefix));
+  std::vector<uint64_t> out;
   for (const auto& o : objects) {
     // snapshots/v<10 digits>/snapshot.json
-    if (o.key.size() != 10 + 11 + 14 || !o.key.ends_with("/snapshot.json")) continue;
-    const uint64_t v = std::strtoull(o.key.substr(11, 10).c_str(), nullptr, 10);
-    if (v <= at_most && (!best || v > *best)) best = v;
+    if (o.key.size() != prefix.size() + 10 + 14 || !o.key.ends_with("/snapshot.json")) continue;
+    out.push_back(std::strtoull(o.key.substr(prefix.size(), 10).c_str(), nullptr, 10));
   }
+  return out;
+}
+
+Result<SnapshotRecord> NewestSnapshot(Store& store, uint64_t at_most) {
+  DCR_ASSIGN_OR_RETURN(auto versions, ListSnapshots(store));
+  std::optional<uint64_t> best;
+  for (uint64_t v : versions)
+    if (v <= at_most && (!best || v > *best)) best = v;
   if (!best) return NotFound(fmt::format("{}: no snapshot at or below version {}", store.url(), at_most));
   return ReadSnapshot(store, *best);
 }

@@ -28,10 +28,17 @@ std::string RandomHex(int digits) {
 
 uint64_t NewDeltaId() { return std::strtoull(RandomHex(16).c_str(), nullptr, 16) | 1; }
 
+namespace {
+
+// The id and class of a version's attempt number `seq`: the first is xor
+// class; every retry (and a version someone already tried) is overwrite,
+// which repairs receivers whatever part of a failed attempt they applied.
 std::string NextAttempt(size_t seq, DeltaClass* cls) {
   *cls = seq == 0 ? DeltaClass::kXorClass : DeltaClass::kOverwrite;
   return fmt::format("{:04}-{}", seq, RandomHex(8));
 }
+
+}  // namespace
 
 Result<std::string> PublisherStateDir(const std::string& configured, Store& store) {
   if (!configured.empty()) return configured;
@@ -216,6 +223,35 @@ Status AckWait::Run() {
 
 }  // namespace
 
+Status AttemptCoordinator::RunAttempts(uint64_t v, PublishReport* report, const Attempt& attempt,
+                                       const std::function<Status()>& after_fenced) {
+  DCR_ASSIGN_OR_RETURN(auto prior, ListAttempts(store_, v));
+  Status last_failure;
+  for (uint32_t n = 0; n < std::max<uint32_t>(o_.max_attempts, 1); ++n) {
+    DeltaClass cls;
+    const std::string id = NextAttempt(prior.size() + n, &cls);
+    ++report->attempts;
+    DCR_ASSIGN_OR_RETURN(bool committed, Settle(v, id, attempt(id, cls), &last_failure));
+    if (committed) return Status::Ok();
+    if (after_fenced) DCR_RETURN_IF_ERROR(after_fenced());
+  }
+  return Aborted(fmt::format("version {} was not committed after {} attempts; last failure: {}", v, report->attempts,
+                             last_failure.ToString()));
+}
+
+Result<AttemptCoordinator::AttemptResult> AttemptCoordinator::PublishManifest(uint64_t v, const std::string& id,
+                                                                              DeltaManifest m, PublishReport* report,
+                                                                              DeltaManifest* manifest_out) {
+  report->attempt = id;
+  report->frame_bytes = m.frame_bytes;
+  report->payload_bytes = m.payload_bytes;
+  report->changed_words = m.changed_words;
+  DCR_RETURN_IF_ERROR(Fault(o_, "frames-written"));
+  DCR_RETURN_IF_ERROR(store_.Put(run_keys::Manifest(v, id), m.ToJson(), WriteMode::kCreateIfAbsent));
+  DCR_RETURN_IF_ERROR(Fault(o_, "manifest-written"));
+  return AwaitAcksAndCommit(v, id, std::move(m), report, manifest_out);
+}
+
 Result<AttemptCoordinator::AttemptResult> AttemptCoordinator::AwaitAcksAndCommit(uint64_t v, const std::string& id,
                                                                                  DeltaManifest m, PublishReport* report,
                                                                                  DeltaManifest* manifest_out) {
@@ -263,10 +299,12 @@ Result<AttemptCoordinator::AttemptResult> AttemptCoordinator::AwaitAcksAndCommit
     DCR_RETURN_IF_ERROR(s);
   }
   // Best effort: v is committed whatever the listing meets.
-  if (auto download = AttemptDownloadBytes(store_, v, c.attempt); download.ok()) {
-    report->manifest_bytes = download->manifest;
-    report->download_bytes = download->total + c.ToJson().size();
-  }
+  if (auto attempts = ListAttempts(store_, v); attempts.ok())
+    for (const AttemptInfo& a : *attempts)
+      if (a.id == c.attempt) {
+        report->manifest_bytes = a.manifest_bytes;
+        report->download_bytes = a.download_bytes + c.ToJson().size();
+      }
   report->acked = c.acked;
   report->retired = c.retired;
   report->relay_acks = wait.tally().from_tree();

@@ -4,6 +4,7 @@
 // commit (docs/protocol.md). Not public API.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <string_view>
 
@@ -15,11 +16,6 @@ std::string DefaultCoordinatorId();  // host-pid
 std::string RandomHex(int digits);
 // A random nonzero delta id.
 uint64_t NewDeltaId();
-
-// The id and class of a version's attempt number `seq`: the first is xor
-// class; every retry (and a version someone already tried) is overwrite,
-// which repairs receivers whatever part of a failed attempt they applied.
-std::string NextAttempt(size_t seq, DeltaClass* cls);
 
 // The injected fault at `point`, if any (PublishOptions::fault).
 inline Status Fault(const PublishOptions& o, std::string_view point) { return o.fault ? o.fault(point) : Status::Ok(); }
@@ -36,6 +32,20 @@ class AttemptCoordinator {
   };
   AttemptCoordinator(Store& store, const PublishOptions& options) : store_(store), o_(options) {}
 
+  // Runs attempts of version v, each under the next attempt id and class,
+  // until one commits (Ok) or max_attempts were fenced (kAborted naming the
+  // last failure), counting them in report->attempts. `after_fenced` runs
+  // after each fenced attempt: an error stops the retries.
+  using Attempt = std::function<Result<AttemptResult>(const std::string& id, DeltaClass cls)>;
+  Status RunAttempts(uint64_t v, PublishReport* report, const Attempt& attempt,
+                     const std::function<Status()>& after_fenced = nullptr);
+  // Attempt `id`'s frames are written: reports the manifest's sizes, writes
+  // it (fault points "frames-written" before, "manifest-written" after) and
+  // commits as AwaitAcksAndCommit.
+  Result<AttemptResult> PublishManifest(uint64_t v, const std::string& id, DeltaManifest m, PublishReport* report,
+                                        DeltaManifest* manifest_out);
+
+ private:
   // Waits for the acks of attempt `id` (manifest `m`, written), then commits.
   Result<AttemptResult> AwaitAcksAndCommit(uint64_t v, const std::string& id, DeltaManifest m, PublishReport* report,
                                            DeltaManifest* manifest_out);
@@ -45,7 +55,6 @@ class AttemptCoordinator {
   Result<bool> Settle(uint64_t v, const std::string& id, Result<AttemptResult> result, Status* last_failure);
   Status Fence(uint64_t v, const std::string& id, const Status& why);
 
- private:
   Store& store_;
   const PublishOptions& o_;
   bool cancelled_ = false;  // o_.cancel stopped an attempt's wait: no retry

@@ -65,9 +65,9 @@ Status CollectGarbage(Store& store, uint64_t keep_versions, std::chrono::millise
     }
     if (below_floor || losing) DCR_RETURN_IF_ERROR(store.Delete(o.key));
   }
-  DCR_ASSIGN_OR_RETURN(auto snaps, store.List("snapshots/"));
+  DCR_ASSIGN_OR_RETURN(auto snaps, store.List(run_keys::kSnapshots));
   for (const auto& o : snaps) {
-    auto v = VersionOf(o.key, "snapshots/");
+    auto v = VersionOf(o.key, run_keys::kSnapshots);
     if (v && *v < snapshot->version) DCR_RETURN_IF_ERROR(store.Delete(o.key));
   }
   return Status::Ok();

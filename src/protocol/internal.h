@@ -13,12 +13,16 @@
 #include <thread>
 #include <vector>
 
+#include "dcr/json.h"
 #include "dcr/mapped_file.h"
 #include "dcr/protocol.h"
 
 namespace dcr::protocol_internal {
 
 double UnixNow();  // the machine's wall clock (dcr status)
+
+// A record's field `key` holding a digest (32 lowercase hex digits).
+Result<Digest> DigestField(const JsonFields& f, const char* key);
 
 // The clock the options inject (RealClock() when none).
 inline Clock& ClockOf(const PublishOptions& o) { return o.clock ? *o.clock : RealClock(); }
@@ -52,16 +56,12 @@ struct AttemptInfo {
   bool has_manifest = false, fenced = false;
   std::vector<std::string> acks;  // receivers
   std::vector<std::string> frame_objects;  // full keys of its frame objects written so far
+  // What a receiver downloads of it: attempt.json, the frame objects
+  // (signature trailers included), the processes' signing keys and the
+  // manifest; `manifest_bytes` of those.
+  uint64_t manifest_bytes = 0, download_bytes = 0;
 };
 Result<std::vector<AttemptInfo>> ListAttempts(Store& store, uint64_t v);
-
-// The bytes a receiver downloads for attempt `id` of version v, from a
-// listing: attempt.json, the frame objects (signature trailers included),
-// the processes' signing keys and the manifest; `manifest` of those.
-struct AttemptDownload {
-  uint64_t manifest = 0, total = 0;
-};
-Result<AttemptDownload> AttemptDownloadBytes(Store& store, uint64_t v, const std::string& id);
 
 // A frame object a receiver applied as it arrived and then dropped, all
 // but its frames' headers (by offset in the object).
@@ -124,6 +124,8 @@ bool ForEachStreamedFrame(const std::string& key, const std::string& blob, const
 // snapshot.json. Download writes them into `dir` (created) and opens it.
 Status UploadSnapshot(Store& store, uint64_t v, const Checkpoint& ckpt, const Digest& digest, Progress* progress);
 Result<SnapshotRecord> ReadSnapshot(Store& store, uint64_t v);
+// The versions with a complete snapshot (snapshot.json written), ascending.
+Result<std::vector<uint64_t>> ListSnapshots(Store& store);
 // The newest snapshot at or below `at_most` (kNotFound if none).
 Result<SnapshotRecord> NewestSnapshot(Store& store, uint64_t at_most);
 Status DownloadSnapshot(Store& store, const SnapshotRecord& snapshot, const std::string& dir, Progress* progress);

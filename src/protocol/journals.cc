@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dcr/json.h"
+#include "internal.h"
 
 namespace dcr::protocol_internal {
 
@@ -20,13 +21,6 @@ bool ParseU32(std::string_view s, uint32_t* out) {
   if (s.empty()) return false;
   auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), *out);
   return ec == std::errc() && end == s.data() + s.size();
-}
-
-Result<Digest> DigestField(const JsonFields& f, const char* key) {
-  DCR_ASSIGN_OR_RETURN(std::string hex, f.String(key));
-  Digest d;
-  if (!Digest::FromHex(hex, &d)) return f.Error(fmt::format("'{}' is not a digest", key));
-  return d;
 }
 
 }  // namespace

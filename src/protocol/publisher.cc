@@ -279,40 +279,28 @@ Result<PublishReport> PublishRun::PublishDelta(uint64_t v, const Checkpoint& nex
   if (o_.snapshot_every > 0 && v - 1 > 0 && (v - 1) % o_.snapshot_every == 0)
     DCR_RETURN_IF_ERROR(UploadMissedSnapshot(v - 1, baseline, Total(base_digests)));
 
-  DCR_ASSIGN_OR_RETURN(auto prior, ListAttempts(store_, v));
-  Status last_failure;
-  for (uint32_t n = 0; n < std::max<uint32_t>(o_.max_attempts, 1); ++n) {
-    DeltaClass cls;
-    const std::string id = NextAttempt(prior.size() + n, &cls);
-    DeltaManifest manifest;
-    ChunkDigestTable target_digests;
-    ++report.attempts;
-    DCR_ASSIGN_OR_RETURN(
-        bool committed,
-        coordinator_.Settle(
-            v, id, RunAttempt(v, id, cls, baseline, next, layout, base_digests, &report, &manifest, &target_digests),
-            &last_failure));
-    if (!committed) continue;
-    // Committed: advance the baseline to v (copy the changed chunks). A
-    // crash here leaves the baseline at v-1; the next publish catches it up.
-    DCR_RETURN_IF_ERROR(Fault(o_, "committed"));
-    // No msync: a killed process leaves the page cache intact, and after an OS
-    // crash the baseline's digest check at the next publish rebuilds it.
-    const auto advance_start = ClockOf(o_).Now();
-    DropDigestCache(state_dir_);
-    CopyChunks(baseline, next, layout, manifest.frames);
-    DCR_RETURN_IF_ERROR(WriteBaseline(state_dir_, {run.run_id, v}));
-    WriteDigestCache(state_dir_, v, baseline, target_digests);
-    report.advance_seconds = SecondsSince(ClockOf(o_), advance_start);
-    if (o_.snapshot_every > 0 && v % o_.snapshot_every == 0)
-      DCR_RETURN_IF_ERROR(UploadSnapshot(store_, v, next, manifest.target_digest, nullptr));
-    // Best effort: v is committed whatever GC meets, and the next publish collects again.
-    CollectGarbage(store_, o_.keep_versions, o_.heartbeat_timeout, ClockOf(o_)).IgnoreError();
-    report.total_seconds = SecondsSince(ClockOf(o_), start);
-    return report;
-  }
-  return Aborted(fmt::format("version {} was not committed after {} attempts; last failure: {}", v, report.attempts,
-                             last_failure.ToString()));
+  DeltaManifest manifest;  // the committed attempt's
+  ChunkDigestTable target_digests;
+  DCR_RETURN_IF_ERROR(coordinator_.RunAttempts(v, &report, [&](const std::string& id, DeltaClass cls) {
+    return RunAttempt(v, id, cls, baseline, next, layout, base_digests, &report, &manifest, &target_digests);
+  }));
+  // Committed: advance the baseline to v (copy the changed chunks). A
+  // crash here leaves the baseline at v-1; the next publish catches it up.
+  DCR_RETURN_IF_ERROR(Fault(o_, "committed"));
+  // No msync: a killed process leaves the page cache intact, and after an OS
+  // crash the baseline's digest check at the next publish rebuilds it.
+  const auto advance_start = ClockOf(o_).Now();
+  DropDigestCache(state_dir_);
+  CopyChunks(baseline, next, layout, manifest.frames);
+  DCR_RETURN_IF_ERROR(WriteBaseline(state_dir_, {run.run_id, v}));
+  WriteDigestCache(state_dir_, v, baseline, target_digests);
+  report.advance_seconds = SecondsSince(ClockOf(o_), advance_start);
+  if (o_.snapshot_every > 0 && v % o_.snapshot_every == 0)
+    DCR_RETURN_IF_ERROR(UploadSnapshot(store_, v, next, manifest.target_digest, nullptr));
+  // Best effort: v is committed whatever GC meets, and the next publish collects again.
+  CollectGarbage(store_, o_.keep_versions, o_.heartbeat_timeout, ClockOf(o_)).IgnoreError();
+  report.total_seconds = SecondsSince(ClockOf(o_), start);
+  return report;
 }
 
 Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::string& id, DeltaClass cls,
@@ -377,15 +365,7 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
     for (uint64_t c = 0; c < m.ChunkCount(t); ++c) (*target_digests_out)[t].push_back(all_target.at(i++));
   report->encode_seconds += SecondsSince(ClockOf(o_), encode_start);
   report->memory.frames_in_flight_bytes = std::max(report->memory.frames_in_flight_bytes, in_flight.peak());
-  report->attempt = id;
-  report->frame_bytes = m.frame_bytes;
-  report->payload_bytes = m.payload_bytes;
-  report->changed_words = m.changed_words;
-  DCR_RETURN_IF_ERROR(Fault(o_, "frames-written"));
-  DCR_RETURN_IF_ERROR(store_.Put(run_keys::Manifest(v, id), m.ToJson(), WriteMode::kCreateIfAbsent));
-  DCR_RETURN_IF_ERROR(Fault(o_, "manifest-written"));
-
-  return coordinator_.AwaitAcksAndCommit(v, id, std::move(m), report, manifest_out);
+  return coordinator_.PublishManifest(v, id, std::move(m), report, manifest_out);
 }
 
 Result<PublishReport> PublishVersion(Store& store, const std::string& state_dir, const PublishOptions& options,

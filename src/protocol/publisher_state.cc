@@ -140,8 +140,7 @@ Result<ShardsState> ParseShardsState(const JsonFields& f) {
     if (k > std::numeric_limits<uint32_t>::max()) return f.Error("'senders' must hold sender indices");
     s.senders.push_back(static_cast<uint32_t>(k));
   }
-  DCR_ASSIGN_OR_RETURN(std::string hex, f.String("digest"));
-  if (!Digest::FromHex(hex, &s.digest)) return f.Error("'digest' is not a digest");
+  DCR_ASSIGN_OR_RETURN(s.digest, DigestField(f, "digest"));
   return s;
 }
 

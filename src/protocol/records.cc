@@ -10,6 +10,7 @@
 #include "dcr/frame.h"
 #include "dcr/json.h"
 #include "dcr/protocol.h"
+#include "internal.h"
 
 namespace dcr {
 
@@ -39,6 +40,15 @@ std::string Snapshot(uint64_t v) { return std::string(kSnapshots) + VersionDir(v
 std::string Receiver(std::string_view id) { return std::string(kReceivers) + std::string(id) + ".json"; }
 }  // namespace run_keys
 
+namespace protocol_internal {
+Result<Digest> DigestField(const JsonFields& f, const char* key) {
+  DCR_ASSIGN_OR_RETURN(std::string hex, f.String(key));
+  Digest d;
+  if (!Digest::FromHex(hex, &d)) return f.Error(fmt::format("'{}' is not a digest", key));
+  return d;
+}
+}  // namespace protocol_internal
+
 namespace {
 
 using json = nlohmann::ordered_json;
@@ -67,10 +77,7 @@ Result<std::string> Str(const json& o, const char* key, const std::string& where
 }
 Result<bool> Bool(const json& o, const char* key, const std::string& where) { return Fields(o, where).Bool(key); }
 Result<Digest> Dig(const json& o, const char* key, const std::string& where) {
-  DCR_ASSIGN_OR_RETURN(std::string hex, Str(o, key, where));
-  Digest d;
-  if (!Digest::FromHex(hex, &d)) return Bad(where, fmt::format("'{}' is not a digest", key));
-  return d;
+  return protocol_internal::DigestField(Fields(o, where), key);
 }
 Result<std::vector<std::string>> Strs(const json& o, const char* key, const std::string& where) {
   return Fields(o, where).Strings(key);

@@ -624,29 +624,18 @@ Result<PublishReport> ShardRun::Coordinate(uint64_t v) {
   report_.version = v;
   DCR_ASSIGN_OR_RETURN(CommitRecord base_commit, ReadCommit(store_, v - 1));
   DCR_RETURN_IF_ERROR(LoadShards(base_commit));
-  DCR_ASSIGN_OR_RETURN(auto prior, ListAttempts(store_, v));
-  Status last_failure;
-  for (uint32_t n = 0; n < std::max<uint32_t>(o_.max_attempts, 1); ++n) {
-    DeltaClass cls;
-    const std::string id = NextAttempt(prior.size() + n, &cls);
-    Digest partial;  // this process's senders at v
-    ++report_.attempts;
-    DCR_ASSIGN_OR_RETURN(
-        bool committed,
-        coordinator_.Settle(v, id, CoordinateAttempt(v, id, cls, base_commit, &partial), &last_failure));
-    if (!committed) {
-      DCR_RETURN_IF_ERROR(staging_.Failure());  // the attempt is fenced; another would fail the same way
-      continue;
-    }
-    DCR_RETURN_IF_ERROR(Fault(o_, "committed"));
-    DCR_RETURN_IF_ERROR(MoveBaseline(v, partial));
-    CollectGarbage(store_, o_.keep_versions, o_.heartbeat_timeout, ClockOf(o_)).IgnoreError();
-    report_.staging_seconds = staging_.seconds();
-    report_.total_seconds = SecondsSince(ClockOf(o_), start);
-    return report_;
-  }
-  return Aborted(fmt::format("version {} was not committed after {} attempts; last failure: {}", v, report_.attempts,
-                             last_failure.ToString()));
+  Digest partial;  // this process's senders at v, of the committed attempt
+  DCR_RETURN_IF_ERROR(coordinator_.RunAttempts(
+      v, &report_,
+      [&](const std::string& id, DeltaClass cls) { return CoordinateAttempt(v, id, cls, base_commit, &partial); },
+      // The attempt is fenced; another would fail the same way.
+      [&] { return staging_.Failure(); }));
+  DCR_RETURN_IF_ERROR(Fault(o_, "committed"));
+  DCR_RETURN_IF_ERROR(MoveBaseline(v, partial));
+  CollectGarbage(store_, o_.keep_versions, o_.heartbeat_timeout, ClockOf(o_)).IgnoreError();
+  report_.staging_seconds = staging_.seconds();
+  report_.total_seconds = SecondsSince(ClockOf(o_), start);
+  return report_;
 }
 
 Result<AttemptCoordinator::AttemptResult> ShardRun::CoordinateAttempt(uint64_t v, const std::string& id, DeltaClass cls,
@@ -694,15 +683,8 @@ Result<AttemptCoordinator::AttemptResult> ShardRun::CoordinateAttempt(uint64_t v
                                    "partials (base {} vs {}, target {} vs {})",
                                    id, m.base_digest.ToHex(), base_commit.target_digest.ToHex(),
                                    m.target_digest.ToHex(), target_sum.ToHex()))};
-  report_.attempt = id;
-  report_.frame_bytes = m.frame_bytes;
-  report_.payload_bytes = m.payload_bytes;
-  report_.changed_words = m.changed_words;
-  DCR_RETURN_IF_ERROR(Fault(o_, "frames-written"));
-  DCR_RETURN_IF_ERROR(store_.Put(run_keys::Manifest(v, id), m.ToJson(), WriteMode::kCreateIfAbsent));
-  DCR_RETURN_IF_ERROR(Fault(o_, "manifest-written"));
   DeltaManifest committed;
-  return coordinator_.AwaitAcksAndCommit(v, id, std::move(m), &report_, &committed);
+  return coordinator_.PublishManifest(v, id, std::move(m), &report_, &committed);
 }
 
 Result<std::optional<uint32_t>> ShardRun::AwaitProcessRecords(uint64_t v, const std::string& id,

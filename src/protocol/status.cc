@@ -26,9 +26,8 @@ Result<AttemptStatus> ReadAttemptStatus(Store& store, uint64_t v, const AttemptI
     as.frame_bytes = m.frame_bytes;
     as.frames = m.frames.size();
   }
-  DCR_ASSIGN_OR_RETURN(const AttemptDownload download, AttemptDownloadBytes(store, v, a.id));
-  as.manifest_bytes = download.manifest;
-  as.download_bytes = download.total + (commit && commit->attempt == a.id ? commit->ToJson().size() : 0);
+  as.manifest_bytes = a.manifest_bytes;
+  as.download_bytes = a.download_bytes + (commit && commit->attempt == a.id ? commit->ToJson().size() : 0);
   for (const auto& r : a.acks) {
     auto text = store.Get(run_keys::Ack(v, a.id, r));
     if (!text.ok()) continue;
@@ -121,10 +120,7 @@ Result<RunStatusReport> ReadRunStatus(Store& store, std::chrono::milliseconds he
   DCR_ASSIGN_OR_RETURN(RunState state, ReadRunState(store));
   report.run = state.run;
   report.latest = state.latest;
-  DCR_ASSIGN_OR_RETURN(auto snaps, store.List("snapshots/v"));
-  for (const auto& o : snaps)
-    if (o.key.ends_with("/snapshot.json") && o.key.size() == 10 + 11 + 14)
-      report.snapshots.push_back(std::strtoull(o.key.substr(11, 10).c_str(), nullptr, 10));
+  DCR_ASSIGN_OR_RETURN(report.snapshots, ListSnapshots(store));
   DCR_ASSIGN_OR_RETURN(report.versions, ReadVersions(store, state.latest));
   DCR_RETURN_IF_ERROR(ReadReceivers(store, heartbeat_timeout, &report));
   return report;
