@@ -81,16 +81,18 @@ enum class ApplyOutcome {
 
 class ChunkApplier {
  public:
-  // Applies `frame` to `target` (the chunk's bytes, header.words words),
-  // whose digest is `current` (computed by the caller, or tracked). Decodes
-  // and checks everything before writing a byte: on any error the target is
-  // unchanged. Checks: the frame's shape matches the target; xor/add frames
-  // need current == base digest (or == target: already applied); the result's
-  // digest must equal the frame's target digest. On success `*after` holds
-  // the chunk's new digest.
+  // Applies `frame` to `target` (the chunk's bytes, whole words of the
+  // frame's dtype), whose digest is `current` (computed by the caller, or
+  // tracked). Decodes and checks everything before writing a byte: on any
+  // error the target is unchanged. A chunk at the frame's target digest is
+  // left alone (already applied); otherwise the digest after the change,
+  // computed from the chunk's own old and new words, must be the frame's
+  // target digest, which it is only when the chunk was the frame's base
+  // (or, for an overwrite frame, differs from it only where the frame
+  // writes). On success `*after` holds the chunk's new digest.
   // Errors: kFailedPrecondition (the chunk is neither the frame's base nor
-  // its target), kDataLoss (the payload does not decode, or decodes to the
-  // wrong digest), kInvalidArgument (frame and target disagree).
+  // its target), kDataLoss (the payload does not decode), kInvalidArgument
+  // (frame and target disagree).
   Result<ApplyOutcome> Apply(const FrameView& frame, const DigestKey& key, uint64_t first_word,
                              std::span<uint8_t> target, const Digest& current, Digest* after);
 

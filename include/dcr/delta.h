@@ -2,8 +2,11 @@
 // version to a target version, plus the manifest that describes them
 // (DESIGN section 4; docs/format.md). A delta is a manifest plus one or more
 // frame objects (files in a directory, or objects in a store):
-//   manifest.json   tensors, chunking, digests, the frame objects, the frame
-//                   list (object, offset, size), totals
+//   tensors.json    the tensor table: names, dtypes, shapes, chunking (what
+//                   does not change between versions; a run states it once,
+//                   in run.json)
+//   manifest.bin    the version's digests, the frame objects, and the frames
+//                   (chunk, object, size): binary, sized by the change
 //   frames.bin      (`dcr delta make`) the frames, back to back, in (tensor,
 //                   chunk) order; the protocol writes one object per sender
 #pragma once
@@ -31,7 +34,13 @@ class Progress;
 class ThreadPool;
 
 inline constexpr uint64_t kDefaultChunkElements = 1ull << 20;
-inline constexpr std::string_view kManifestFileName = "manifest.json";
+inline constexpr std::string_view kTableFileName = "tensors.json";
+inline constexpr std::string_view kManifestFileName = "manifest.bin";
+inline constexpr std::string_view kOldManifestFileName = "manifest.json";  // format version 1
+inline constexpr uint8_t kDeltaFormatVersion = 2;
+inline constexpr uint32_t kManifestMagic = 0x4D524344;  // "DCRM" little-endian
+inline constexpr uint8_t kExplicitOffsets = 1;  // manifest flag: frame offsets are listed
+inline constexpr size_t kManifestFixedBytes = 56;  // before the object list
 inline constexpr std::string_view kFramesFileName = "frames.bin";
 
 struct DeltaTensor {
@@ -39,35 +48,67 @@ struct DeltaTensor {
   DType dtype = DType::kU8;
   std::vector<uint64_t> shape;
   uint64_t elements = 0;
-  Digest base_digest, target_digest;
 };
 
 struct DeltaFrameEntry {
   uint32_t tensor = 0, chunk = 0;
   uint32_t object = 0;  // index into DeltaManifest::objects
   uint64_t offset = 0, bytes = 0;  // within that object, header included
+  // From the frame's header (manifest.bin does not repeat them: DeltaReader
+  // fills them in).
   Mode mode = Mode::kOverwrite;
   Codec codec = Codec::kRaw;
   uint32_t changed = 0;  // words
+  uint32_t payload_bytes = 0;
 };
 
 struct DeltaManifest {
   uint64_t delta_id = 0;
   DeltaClass delta_class = DeltaClass::kXorClass;
   uint64_t chunk_elements = kDefaultChunkElements;
-  Digest base_digest, target_digest;  // the whole checkpoint: sums over tensors
+  Digest base_digest, target_digest;  // the whole checkpoint: sums over chunks
+  // The tensor table: the run's (run.json), or the delta directory's.
   std::vector<DeltaTensor> tensors;  // sorted by name; a frame's tensor id indexes this
   // Names of the frame objects, relative to where the manifest lives
   // ('/'-separated, no '.' or '..' components).
   std::vector<std::string> objects;
   std::vector<DeltaFrameEntry> frames;  // sorted by (tensor, chunk), at most one per chunk
+  // Each tensor's target digest, known where the delta was made (FinishDelta)
+  // and carried by the JSON description; manifest.bin does not store them
+  // (empty after Decode): receivers track chunk digests instead.
+  std::vector<Digest> tensor_target_digests;
   // Totals.
   uint64_t total_elements = 0, total_bytes = 0, changed_words = 0, payload_bytes = 0, frame_bytes = 0;
 
+  // manifest.bin (docs/format.md): the version's facts and its frame list;
+  // the tensor table is named by TableId, not included. Frames must be
+  // sorted, and their entries' mode, codec and changed are not stored (the
+  // frames' headers hold them).
+  std::string Encode() const;
+  // Parses and validates manifest.bin against `table` (chunk_elements and
+  // tensors; a manifest for another table is refused, kFailedPrecondition):
+  // ids in range, frames sorted and unique, sizes possible, the checksum
+  // (kDataLoss). A format version 1 manifest (JSON) is refused,
+  // kUnimplemented. `where` names the object in errors.
+  static Result<DeltaManifest> Decode(std::span<const uint8_t> bytes, const DeltaManifest& table,
+                                      const std::string& where);
+
+  // The tensor table alone as JSON (tensors.json), and back (a manifest
+  // with no frames) from a document of that `format` (run.json holds the
+  // same fields, and others); its 64-bit id (XXH3 of its canonical bytes).
+  std::string TableJson() const;
+  static Result<DeltaManifest> FromTableJson(std::string_view json, const std::string& where,
+                                             const char* format = "dcr-tensors");
+  uint64_t TableId() const;
+
+  // Everything as one JSON document, for people and for Python (the table,
+  // digests, objects and every frame entry): not a stored format.
   std::string ToJson() const;
-  // Parses and validates (tensor ids in range, chunks inside tensors, frames
-  // sorted and unique, digests well-formed). `where` names the file in errors.
   static Result<DeltaManifest> FromJson(std::string_view json, const std::string& where);
+
+  // Appends a frame entry after checking it (ids in range, after the last,
+  // possible sizes); adds its bytes to frame_bytes.
+  Status AddFrame(uint64_t tensor, uint64_t chunk, uint64_t object, DeltaFrameEntry entry, const std::string& where);
 
   // Chunks of tensor t, and the word range of its chunk c.
   uint64_t ChunkCount(size_t t) const;
@@ -128,7 +169,7 @@ Result<DeltaManifest> MakeDelta(const Checkpoint& base, const Checkpoint& next, 
 
 // Frames of a delta whose payloads a receiver dropped once it applied them,
 // keeping their headers: frame index in the manifest -> the header's bytes.
-using ReleasedFrames = std::map<size_t, std::array<uint8_t, kFrameHeaderBytes>>;
+using ReleasedFrames = std::map<size_t, std::array<uint8_t, kMaxFrameHeaderBytes>>;
 
 // An opened delta: the manifest and its frame objects, read zero-copy.
 class DeltaReader {
@@ -177,17 +218,16 @@ struct ApplyReport {
 };
 
 // Applies the delta to `target` (opened kReadWrite) in place. First checks,
-// without writing, that every tensor is the delta's base, with any chunks
-// already at their target counted as done (so an interrupted apply resumes,
-// and no frame is applied twice), and, for overwrite frames, chunks in any
-// state the frame still turns into its target (a half-written chunk);
-// refuses otherwise (kFailedPrecondition). Also refuses (kDataLoss, naming
-// the tensor) a manifest whose tensor or total target digests are not what
-// its frames make (an altered manifest), and a frame whose payload was
-// released (DeltaReader) on a chunk not at its target, before writing. Then applies the
-// frames in parallel, each verified by digest before its bytes are written,
-// syncs the files, and checks the resulting digests against the manifest's
-// once more. Errors name the tensor and chunk.
+// without writing, that the chunks no frame changes hold what the manifest
+// says, and that every framed chunk is at its frame's target (done: an
+// interrupted apply resumes, and no frame is applied twice) or turns into it
+// when its frame is applied (the delta's base; for overwrite frames, any
+// state the frame repairs, such as a half-written chunk); refuses otherwise
+// (kFailedPrecondition, naming the chunk), as it refuses a frame whose
+// payload was released (DeltaReader) on a chunk not at its target. Then
+// applies the frames in parallel, each verified by digest before its bytes
+// are written, syncs the files, and checks the resulting digest against the
+// manifest's (kDataLoss). Errors name the tensor and chunk.
 // `tracked`, when given and not empty, holds the target's chunk digests (no
 // digest pass); when given it receives the chunk digests after the apply
 // (unchanged on error, except chunks whose frames were applied).
@@ -198,13 +238,16 @@ Result<ApplyReport> ApplyDelta(Checkpoint& target, const DeltaReader& delta, Pro
                                ThreadPool* pool = nullptr, ChunkDigestTable* tracked = nullptr, bool sync = true);
 
 struct VerifyReport {
-  bool matches = false;
-  std::vector<std::string> differing;  // tensors whose digest is not the expected one
+  bool matches = false;  // the checkpoint's digest is the expected one
+  // When not (against the target): the tensors holding a chunk the delta
+  // changes whose digest is not its frame's target. A difference elsewhere
+  // shows in `matches` alone (a manifest has no per-tensor digests).
+  std::vector<std::string> differing;
 };
 
 // Is `ckpt` the delta's target (or, with against_base, its base)? A full
-// digest pass; errors only for mismatched tensor sets.
-Result<VerifyReport> VerifyDelta(const Checkpoint& ckpt, const DeltaManifest& manifest, bool against_base = false,
+// digest pass; errors for mismatched tensor sets and unreadable frames.
+Result<VerifyReport> VerifyDelta(const Checkpoint& ckpt, const DeltaReader& delta, bool against_base = false,
                                  Progress* progress = nullptr, ThreadPool* pool = nullptr);
 
 }  // namespace dcr

@@ -1,6 +1,7 @@
 // Frames: one encoded chunk of one tensor, verifiable and applicable on its
 // own, in any order (docs/format.md has the byte layout). A frame is a
-// 96-byte header followed by its payload.
+// compact header (27 to 43 bytes: varints, the chunk's target digest, a
+// checksum of header and payload) followed by its payload.
 #pragma once
 
 #include <cstdint>
@@ -14,9 +15,10 @@
 
 namespace dcr {
 
-inline constexpr uint32_t kFrameMagic = 0x46524344;  // "DCRF" little-endian
-inline constexpr uint16_t kFrameFormatVersion = 1;
-inline constexpr uint32_t kFrameHeaderBytes = 96;
+inline constexpr uint8_t kFrameTag = 0xD2;  // a frame's first byte: format version 2
+inline constexpr uint32_t kOldFrameMagic = 0x46524344;  // "DCRF": format version 1 (refused)
+inline constexpr uint32_t kMinFrameHeaderBytes = 27;
+inline constexpr uint32_t kMaxFrameHeaderBytes = 43;
 
 // How a frame's values relate to the receiver's bits.
 enum class Mode : uint8_t {
@@ -37,27 +39,22 @@ std::string_view CodecName(Codec codec);  // "sparse", "zstd", "raw"
 bool CodecFromName(std::string_view name, Codec* codec);  // as ModeFromName
 
 struct FrameHeader {
-  uint32_t tensor = 0;  // index into the delta's tensor list
+  uint32_t tensor = 0;  // index into the run's tensor table
   uint32_t chunk = 0;  // chunk index within the tensor
-  uint64_t first_element = 0;  // chunk * chunk_elements
-  uint32_t elements = 0;  // elements in this chunk
-  uint32_t words = 0;  // words in this chunk (see WordBytes)
   uint32_t changed = 0;  // words whose bits change
   Mode mode = Mode::kOverwrite;
   Codec codec = Codec::kRaw;
   DType dtype = DType::kU8;
-  uint8_t word_bytes = 1;
   uint32_t payload_bytes = 0;
-  uint32_t payload_crc = 0;  // CRC32C of the payload
-  Digest base_digest;  // the chunk's digest before
-  Digest target_digest;  // ... and after applying
-  uint64_t delta_id = 0;  // the delta (attempt) this frame belongs to
+  Digest target_digest;  // the chunk's digest after applying
+  uint32_t crc = 0;  // CRC32C of the header's other bytes and the payload
+  uint32_t header_bytes = 0;  // of this header as encoded (set by EncodeFrame and the parsers)
 
   friend bool operator==(const FrameHeader&, const FrameHeader&) = default;
 };
 
-// Serialises `header` (computing the header checksum) followed by `payload`.
-// The caller fills payload_bytes and payload_crc (EncodeFrame does both).
+// Serialises `header` followed by `payload`, filling in payload_bytes, crc
+// and header_bytes.
 std::string EncodeFrame(FrameHeader header, std::span<const uint8_t> payload);
 
 // A frame's header and payload. The payload is empty, header.payload_bytes
@@ -70,15 +67,15 @@ struct FrameView {
 };
 
 // Parses the frame at the start of `bytes` and checks everything that can be
-// checked without the tensor: magic, version, header checksum, field ranges
-// (words consistent with elements and dtype, changed <= words), that the
-// payload is present, and its checksum. `*consumed` (optional) gets the
-// frame's total size. Errors: kDataLoss (truncated, checksum mismatch),
-// kInvalidArgument (malformed), kUnimplemented (newer format version).
+// checked without the chunk: the tag, field ranges, that the payload is
+// present, and the checksum. `*consumed` (optional) gets the frame's total
+// size. Errors: kDataLoss (truncated, checksum mismatch), kInvalidArgument
+// (malformed), kUnimplemented (another format version).
 Result<FrameView> ParseFrame(std::span<const uint8_t> bytes, size_t* consumed = nullptr);
 
-// The same checks of the header alone (the first kFrameHeaderBytes of
-// `bytes`): everything but the payload's presence and checksum.
+// The same checks of the header alone (at the start of `bytes`, of at most
+// kMaxFrameHeaderBytes): everything but the payload's presence and the
+// checksum.
 Result<FrameHeader> ParseFrameHeader(std::span<const uint8_t> bytes);
 
 }  // namespace dcr

@@ -142,16 +142,17 @@ def inspect_delta(delta_dir: PathLike) -> dict:
     return json.loads(_dcr.inspect_delta(os.fspath(delta_dir)))
 
 
+def describe_manifest(manifest: bytes, table_json: str) -> dict:
+    """A stored manifest (``manifest.bin``: a delta directory's, or an attempt's
+    in a store) as a dict, decoded against its tensor table: the text of the
+    delta's ``tensors.json`` or of the run's ``run.json``. Frame entries carry
+    no mode, codec or changed count (the frames' headers hold them)."""
+    return json.loads(_dcr.describe_manifest(manifest, table_json))
+
+
 def read_delta(delta_dir: PathLike) -> Delta:
     """Loads a delta directory (one frame object) into memory."""
-    d = os.fspath(delta_dir)
-    with open(os.path.join(d, "manifest.json"), "rb") as f:
-        manifest = f.read().decode()
-    objects = json.loads(manifest).get("objects", [])
-    if len(objects) != 1:
-        raise InvalidArgumentError(f"{d}: an in-memory delta has one frame object, this one has {len(objects)}")
-    with open(os.path.join(d, objects[0]), "rb") as f:
-        return Delta.from_parts(manifest, f.read())
+    return Delta.read(os.fspath(delta_dir))
 
 
 def open_store(url: str, create_root: bool = True) -> Store:
@@ -721,7 +722,7 @@ def validate_layout(layout: Union[str, Mapping[str, Any]]) -> str:
 
 __all__ = [
     "Checkpoint", "TensorInfo", "Delta", "Store", "Publisher", "Follower", "Sender", "Receiver", "ShardPublisher", "VerifyResult",
-    "make_delta", "apply_delta", "verify_delta", "inspect_delta", "read_delta", "open_store", "identity_layout",
+    "make_delta", "apply_delta", "verify_delta", "inspect_delta", "describe_manifest", "read_delta", "open_store", "identity_layout",
     "validate_layout", "add_digests", "default_publisher_state_dir", "torch_dtype", "dtype_name", "byte_view", "errors", "DEFAULT_CHUNK_ELEMENTS",
     *errors.__all__,
 ]

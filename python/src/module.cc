@@ -195,6 +195,34 @@ PyDelta DeltaFromParts(const std::string& manifest_json, nb::bytes frames) {
   return d;
 }
 
+// A delta directory with one frame object, into memory.
+PyDelta DeltaFromDir(const std::filesystem::path& path) {
+  const std::string dir = path.string();
+  PyDelta d;
+  dcr::Status s;
+  {
+    nb::gil_scoped_release release;
+    auto reader = dcr::DeltaReader::Open(dir);
+    if (!reader.ok()) {
+      s = reader.status();
+    } else if (reader->manifest().objects.size() != 1) {
+      s = dcr::InvalidArgument(dir + ": an in-memory delta has one frame object, this one has " +
+                               std::to_string(reader->manifest().objects.size()));
+    } else {
+      auto bytes = dcr::MappedFile::Open((std::filesystem::path(dir) / reader->manifest().objects[0]).string(), false);
+      if (!bytes.ok()) {
+        s = bytes.status();
+      } else {
+        d.manifest = reader->manifest();
+        const auto data = bytes->data();
+        d.frames = std::make_shared<std::string>(reinterpret_cast<const char*>(data.data()), data.size());
+      }
+    }
+  }
+  Check(s);
+  return d;
+}
+
 void WriteDelta(const PyDelta& d, const std::filesystem::path& path) {
   const std::string dir = path.string();
   dcr::Status s;
@@ -207,11 +235,11 @@ void WriteDelta(const PyDelta& d, const std::filesystem::path& path) {
     } else if (std::filesystem::exists(std::filesystem::path(dir) / dcr::kManifestFileName)) {
       s = dcr::AlreadyExists(dir + ": holds a delta already");
     } else {
-      // Frames first, manifest last: a directory with a manifest is complete.
-      s = dcr::WriteFileAtomically((std::filesystem::path(dir) / d.manifest.objects[0]).string(), *d.frames);
-      if (s.ok())
-        s = dcr::WriteFileAtomically((std::filesystem::path(dir) / dcr::kManifestFileName).string(),
-                                     d.manifest.ToJson());
+      // Table and frames first, manifest last: a directory with a manifest is complete.
+      const std::filesystem::path p(dir);
+      s = dcr::WriteFileAtomically((p / dcr::kTableFileName).string(), d.manifest.TableJson());
+      if (s.ok()) s = dcr::WriteFileAtomically((p / d.manifest.objects[0]).string(), *d.frames);
+      if (s.ok()) s = dcr::WriteFileAtomically((p / dcr::kManifestFileName).string(), d.manifest.Encode());
     }
   }
   Check(s);
@@ -706,7 +734,7 @@ NB_MODULE(_dcr, m) {
         {
           nb::gil_scoped_release release;
           auto reader = dcr::DeltaReader::Open(delta_dir);
-          r = reader.ok() ? dcr::VerifyDelta(ckpt.ckpt, reader->manifest(), against_base)
+          r = reader.ok() ? dcr::VerifyDelta(ckpt.ckpt, *reader, against_base)
                           : dcr::Result<dcr::VerifyReport>(reader.status());
         }
         dcr::VerifyReport v = Take(std::move(r));
@@ -731,9 +759,30 @@ NB_MODULE(_dcr, m) {
       },
       "delta_dir"_a);
 
+  // A stored manifest (manifest.bin) described as JSON, decoded against its
+  // tensor table: a delta directory's tensors.json, or a run's run.json.
+  m.def(
+      "describe_manifest",
+      [](nb::bytes manifest, const std::string& table_json) {
+        dcr::Result<dcr::DeltaManifest> table = dcr::DeltaManifest::FromTableJson(table_json, "tensor table");
+        if (!table.ok()) {
+          auto run = dcr::RunRecord::FromJson(table_json, "run.json");
+          if (run.ok()) {
+            dcr::DeltaManifest t;
+            t.chunk_elements = run->chunk_elements;
+            t.tensors = run->tensors;
+            table = std::move(t);
+          }
+        }
+        const std::span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(manifest.c_str()), manifest.size());
+        return Take(dcr::DeltaManifest::Decode(bytes, Take(std::move(table)), "manifest")).ToJson();
+      },
+      "manifest"_a, "table_json"_a);
+
   // In-memory deltas
   nb::class_<PyDelta>(m, "Delta")
       .def_static("from_parts", &DeltaFromParts, "manifest_json"_a, "frames"_a)
+      .def_static("read", &DeltaFromDir, "dir"_a)
       .def_prop_ro("manifest_json", [](const PyDelta& d) { return d.manifest.ToJson(); })
       .def_prop_ro("frames", [](const PyDelta& d) { return nb::bytes(d.frames->data(), d.frames->size()); })
       .def_prop_ro("frame_count", [](const PyDelta& d) { return d.manifest.frames.size(); })

@@ -565,14 +565,13 @@ void BuildAddDecodeTable(uint32_t word_bits, uint32_t gap_k, uint32_t value_k, u
 // them (sparse changes in a large chunk miss the caches).
 template <typename U, ValueCoding coding, WordImage image>
 [[gnu::always_inline]] inline Status DecodeSparseLoop(uint32_t gap_k, uint32_t value_k, const FrameHeader& h,
-                                                      const std::string& where, const uint8_t* target,
+                                                      uint64_t words, const std::string& where, const uint8_t* target,
                                                       BitReader* reader, Change<U>* changes, const uint32_t* table) {
   constexpr uint32_t kBits = kWordBits<U>;
   constexpr Mode mode = kModeOf<coding>;
   constexpr uint64_t kMaxMagnitudeMinus1 = Mask(kBits) >> 1;
   BitReader r = *reader;
   const uint32_t changed = h.changed;
-  const uint64_t words = h.words;
   uint64_t next = 0;  // the first word the next change may be at
   // What is malformed, if anything: a message and the word a change was at.
   const char* error = nullptr;
@@ -836,12 +835,8 @@ void EncodeChanges(const ChunkInput& in, const EncodeOptions& opt, uint32_t word
 
   FrameHeader& h = out->header;
   h = FrameHeader{};
-  h.elements = in.elements;
-  h.words = words;
   h.changed = n;
   h.dtype = in.dtype;
-  h.word_bytes = sizeof(U);
-  h.base_digest = out->base_digest;
   h.mode = mode;
 
   // The dense layout in the chosen mode: for raw, and for zstd when the
@@ -969,11 +964,13 @@ Status ChunkApplier::Decode(const FrameView& frame, std::span<const uint8_t> tar
         fmt::format("{}: its payload was dropped once the frame was applied, so it cannot be "
                     "applied again",
                     where));
-  const uint32_t wb = h.word_bytes;
+  const uint32_t wb = WordBytes(h.dtype);
+  const uint32_t words = static_cast<uint32_t>(target.size() / wb);  // the caller checked the size
+  if (h.changed > words) return DataLoss(fmt::format("{}: {} changed words in a chunk of {}", where, h.changed, words));
   const WordImage image = ImageKind(h.dtype);
   // The changes, decoded with the old and new words and checked against the
   // frame's digest before the target is written.
-  const uint32_t most = h.codec == Codec::kSparse ? h.changed : h.words;  // changes the frame may hold
+  const uint32_t most = h.codec == Codec::kSparse ? h.changed : words;  // changes the frame may hold
   uint8_t* changes = Reserve(changes_, changes_capacity_, size_t{most} * ChangeBytes(wb));
   uint32_t n = 0;
   Status error;
@@ -1011,7 +1008,7 @@ Status ChunkApplier::Decode(const FrameView& frame, std::span<const uint8_t> tar
         constexpr ValueCoding kCoding = decltype(coding_constant)::value;
         auto run = [&](auto image_constant) {
           error = Run<&DecodeSparseLoop<U, kCoding, decltype(image_constant)::value>>(
-              gap_k, value_k, h, where, target.data(), &r, reinterpret_cast<Change<U>*>(changes), table);
+              gap_k, value_k, h, words, where, target.data(), &r, reinterpret_cast<Change<U>*>(changes), table);
         };
         if constexpr (kCoding == ValueCoding::kSignExpGolomb) WithImage(image, run);
         else run(std::integral_constant<WordImage, WordImage::kPlain>{});
@@ -1022,7 +1019,7 @@ Status ChunkApplier::Decode(const FrameView& frame, std::span<const uint8_t> tar
     if (!r.AtPaddedEnd()) return DataLoss(where + ": sparse payload has bytes after its last change");
     n = h.changed;
   } else {
-    const uint64_t dense_bytes = uint64_t{h.words} * wb;
+    const uint64_t dense_bytes = uint64_t{words} * wb;
     std::span<const uint8_t> dense;
     if (h.codec == Codec::kRaw) {
       if (frame.payload.size() != dense_bytes)
@@ -1046,7 +1043,7 @@ Status ChunkApplier::Decode(const FrameView& frame, std::span<const uint8_t> tar
       auto* c = reinterpret_cast<Change<U>*>(changes);
       WithImage(image, [&](auto image_constant) {
         constexpr WordImage kImage = decltype(image_constant)::value;
-        for (uint32_t p = 0; p < h.words; ++p) {
+        for (uint32_t p = 0; p < words; ++p) {
           const U v = Load<U>(dense.data() + size_t{p} * sizeof(U));
           const U old = Load<U>(target.data() + size_t{p} * sizeof(U));
           U nw;
@@ -1085,15 +1082,27 @@ void ChunkApplier::WriteChanges(uint32_t wb, uint32_t n, std::span<uint8_t> targ
   });
 }
 
+namespace {
+
+// kInvalidArgument unless `target` is a whole number of the frame's words
+// (at most 2^32 of them).
+Status CheckTargetSize(const FrameHeader& h, std::span<const uint8_t> target, const std::string& where) {
+  const uint64_t wb = WordBytes(h.dtype);
+  if (target.size() % wb != 0 || target.size() / wb > 0xFFFFFFFFu)
+    return InvalidArgument(
+        fmt::format("{}: a {} frame cannot cover a chunk of {} bytes", where, Name(h.dtype), target.size()));
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<uint32_t> ChunkApplier::ApplyUnverified(const FrameView& frame, std::span<uint8_t> target) {
   const FrameHeader& h = frame.header;
   const std::string where = fmt::format("frame (tensor {}, chunk {})", h.tensor, h.chunk);
-  if (target.size() != uint64_t{h.words} * h.word_bytes)
-    return InvalidArgument(fmt::format("{}: covers {} words of {} bytes but the target chunk has {} bytes", where,
-                                       h.words, h.word_bytes, target.size()));
+  DCR_RETURN_IF_ERROR(CheckTargetSize(h, target, where));
   uint32_t n = 0;
   DCR_RETURN_IF_ERROR(Decode(frame, target, where, &n));
-  WriteChanges(h.word_bytes, n, target);
+  WriteChanges(WordBytes(h.dtype), n, target);
   return n;
 }
 
@@ -1101,19 +1110,12 @@ Result<ApplyOutcome> ChunkApplier::Apply(const FrameView& frame, const DigestKey
                                          std::span<uint8_t> target, const Digest& current, Digest* after) {
   const FrameHeader& h = frame.header;
   const std::string where = fmt::format("frame (tensor {}, chunk {})", h.tensor, h.chunk);
-  const uint32_t wb = h.word_bytes;
-  if (target.size() != uint64_t{h.words} * wb)
-    return InvalidArgument(fmt::format("{}: covers {} words of {} bytes but the target chunk has {} bytes", where,
-                                       h.words, wb, target.size()));
+  const uint32_t wb = WordBytes(h.dtype);
+  DCR_RETURN_IF_ERROR(CheckTargetSize(h, target, where));
   if (current == h.target_digest) {
     *after = current;
     return ApplyOutcome::kAlreadyApplied;
   }
-  if (h.mode != Mode::kOverwrite && current != h.base_digest)
-    return FailedPrecondition(
-        fmt::format("{}: the target chunk is neither this frame's base nor its target (digest {} , base {}); "
-                    "it needs an overwrite frame or a resync from a snapshot",
-                    where, current.ToHex(), h.base_digest.ToHex()));
 
   uint32_t n = 0;
   DCR_RETURN_IF_ERROR(Decode(frame, target, where, &n));
@@ -1123,15 +1125,15 @@ Result<ApplyOutcome> ChunkApplier::Apply(const FrameView& frame, const DigestKey
     using U = decltype(word);
     d += DigestChanges<U>(key, first_word, reinterpret_cast<const Change<U>*>(changes), n);
   });
-  if (d != h.target_digest) {
-    if (h.mode == Mode::kOverwrite && current != h.base_digest)
-      return FailedPrecondition(
-          fmt::format("{}: the target chunk differs from the base outside this frame's positions; it needs a dense "
-                      "overwrite or a resync from a snapshot",
-                      where));
-    return DataLoss(
-        fmt::format("{}: decodes to digest {} but the frame promises {}", where, d.ToHex(), h.target_digest.ToHex()));
-  }
+  // The digest after the change is computed from the chunk's own words: a
+  // chunk not at the frame's base does not reach the target (the frame's
+  // checksum held, so the frame is what its publisher wrote).
+  if (d != h.target_digest)
+    return FailedPrecondition(fmt::format(
+        "{}: the target chunk is not this frame's base (applying it would give digest {}, not the frame's target "
+        "{}); it needs {} or a resync from a snapshot",
+        where, d.ToHex(), h.target_digest.ToHex(),
+        h.mode == Mode::kOverwrite ? "a dense overwrite" : "an overwrite frame"));
   WriteChanges(wb, n, target);
   *after = d;
   return ApplyOutcome::kApplied;

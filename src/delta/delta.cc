@@ -148,7 +148,7 @@ Result<EncodedFrames> EncodeFrames(const Checkpoint& base, const Checkpoint& nex
       auto view = ParseFrame(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(frame.data()), frame.size()));
       if (!view.ok()) return view.status().WithContext("internal: a frame just encoded does not parse");
       const FrameHeader& h = view->header;
-      out.frames.push_back({t, c, 0, out.bytes, frame.size(), h.mode, h.codec, h.changed});
+      out.frames.push_back({t, c, 0, out.bytes, frame.size(), h.mode, h.codec, h.changed, h.payload_bytes});
       DCR_RETURN_IF_ERROR(sink(frame));
       out.bytes += frame.size();
     }
@@ -188,8 +188,6 @@ Result<EncodedFrames> EncodeFrames(const Checkpoint& base, const Checkpoint& nex
       if (*changed) {
         encoded.header.tensor = t;
         encoded.header.chunk = c;
-        encoded.header.first_element = uint64_t{c} * m.chunk_elements;
-        encoded.header.delta_id = m.delta_id;
         out.target_digests[begin + i] = encoded.header.target_digest;
         frames[b][i] = EncodeFrame(encoded.header, encoded.payload);
       }
@@ -207,20 +205,15 @@ void FinishDelta(DeltaManifest& m, std::span<const Digest> base_digests, std::sp
     return std::pair(a.tensor, a.chunk) < std::pair(b.tensor, b.chunk);
   });
   m.base_digest = m.target_digest = Digest();
-  size_t i = 0;
-  for (auto& t : m.tensors) {
-    t.base_digest = t.target_digest = Digest();
-    for (uint64_t c = 0, n = m.ChunkCount(static_cast<size_t>(&t - m.tensors.data())); c < n; ++c, ++i) {
-      t.base_digest += base_digests[i];
-      t.target_digest += target_digests[i];
-    }
-    m.base_digest += t.base_digest;
-    m.target_digest += t.target_digest;
-  }
+  for (const Digest& d : base_digests) m.base_digest += d;
+  m.tensor_target_digests.assign(m.tensors.size(), Digest());
+  for (size_t t = 0, i = 0; t < m.tensors.size(); ++t)
+    for (uint64_t c = 0; c < m.ChunkCount(t); ++c) m.tensor_target_digests[t] += target_digests[i++];
+  for (const Digest& d : m.tensor_target_digests) m.target_digest += d;
   m.changed_words = m.payload_bytes = m.frame_bytes = 0;
   for (const auto& f : m.frames) {
     m.changed_words += f.changed;
-    m.payload_bytes += f.bytes - kFrameHeaderBytes;
+    m.payload_bytes += f.payload_bytes;
     m.frame_bytes += f.bytes;
   }
 }
@@ -232,7 +225,7 @@ Result<DeltaManifest> MakeDelta(const Checkpoint& base, const Checkpoint& next, 
   fs::create_directories(out_dir, ec);
   if (ec) return ErrnoError(ec.value(), "cannot create " + out_dir);
   const std::string manifest_path = (fs::path(out_dir) / kManifestFileName).string();
-  if (fs::exists(manifest_path))
+  if (fs::exists(manifest_path) || fs::exists(fs::path(out_dir) / kOldManifestFileName))
     return AlreadyExists(fmt::format("{} already holds a delta; remove it or choose another directory", out_dir));
   const std::string frames_path = (fs::path(out_dir) / kFramesFileName).string();
   std::ofstream frames_out(frames_path, std::ios::binary | std::ios::trunc);
@@ -257,20 +250,31 @@ Result<DeltaManifest> MakeDelta(const Checkpoint& base, const Checkpoint& next, 
   m.objects = {std::string(kFramesFileName)};
   m.frames = std::move(encoded.frames);
   FinishDelta(m, encoded.base_digests, encoded.target_digests);
-  DCR_RETURN_IF_ERROR(WriteFileAtomically(manifest_path, m.ToJson()));
+  DCR_RETURN_IF_ERROR(WriteFileAtomically((fs::path(out_dir) / kTableFileName).string(), m.TableJson()));
+  DCR_RETURN_IF_ERROR(WriteFileAtomically(manifest_path, m.Encode()));
   return m;
 }
 
 Result<DeltaReader> DeltaReader::Open(const std::string& dir) {
   const std::string manifest_path = (fs::path(dir) / kManifestFileName).string();
+  const std::string table_path = (fs::path(dir) / kTableFileName).string();
   std::error_code ec;
-  if (!fs::exists(manifest_path, ec))
+  if (!fs::exists(manifest_path, ec)) {
+    if (fs::exists(fs::path(dir) / kOldManifestFileName, ec))
+      return Unimplemented(
+          fmt::format("{} holds a delta of format version 1 ({}; this dcr reads version {}): remake "
+                      "it with this dcr",
+                      dir, kOldManifestFileName, kDeltaFormatVersion));
     return NotFound(fmt::format("{} is not a delta: no {} in it", dir, kManifestFileName));
+  }
+  DCR_ASSIGN_OR_RETURN(MappedFile table_file, MappedFile::Open(table_path, false));
+  const auto table_text = table_file.data();
+  DCR_ASSIGN_OR_RETURN(
+      DeltaManifest table,
+      DeltaManifest::FromTableJson(
+          std::string_view(reinterpret_cast<const char*>(table_text.data()), table_text.size()), table_path));
   DCR_ASSIGN_OR_RETURN(MappedFile manifest_file, MappedFile::Open(manifest_path, false));
-  const auto text = manifest_file.data();
-  DCR_ASSIGN_OR_RETURN(DeltaManifest m,
-                       DeltaManifest::FromJson(
-                           std::string_view(reinterpret_cast<const char*>(text.data()), text.size()), manifest_path));
+  DCR_ASSIGN_OR_RETURN(DeltaManifest m, DeltaManifest::Decode(manifest_file.data(), table, manifest_path));
   auto files = std::make_shared<std::vector<MappedFile>>();
   std::vector<std::span<const uint8_t>> objects;
   for (const auto& name : m.objects) {
@@ -290,14 +294,37 @@ Result<DeltaReader> DeltaReader::FromObjects(DeltaManifest manifest, std::vector
   if (!released.empty() && released.rbegin()->first >= manifest.frames.size())
     return InvalidArgument(
         fmt::format("{}: a released frame {} of {}", where, released.rbegin()->first, manifest.frames.size()));
+  // Each entry's mode, codec and changed come from its frame's header
+  // (manifest.bin does not repeat them); Frame() checks the rest.
+  uint64_t changed = 0, payload = 0;
   for (size_t i = 0; i < manifest.frames.size(); ++i) {
-    const DeltaFrameEntry& f = manifest.frames[i];
-    if (released.count(i)) continue;  // Frame() checks its header's size against the entry
-    const uint64_t size = objects[f.object].size();
-    if (f.offset > size || f.bytes > size - f.offset)
-      return DataLoss(fmt::format("{}/{}: frame (tensor {}, chunk {}) at [{}, +{}) is past the end ({} bytes)", where,
-                                  manifest.objects[f.object], f.tensor, f.chunk, f.offset, f.bytes, size));
+    DeltaFrameEntry& f = manifest.frames[i];
+    std::span<const uint8_t> header;
+    if (auto it = released.find(i); it != released.end()) {
+      header = it->second;
+    } else {
+      const uint64_t size = objects[f.object].size();
+      if (f.offset > size || f.bytes > size - f.offset)
+        return DataLoss(fmt::format("{}/{}: frame (tensor {}, chunk {}) at [{}, +{}) is past the end ({} bytes)", where,
+                                    manifest.objects[f.object], f.tensor, f.chunk, f.offset, f.bytes, size));
+      header = objects[f.object].subspan(f.offset, f.bytes);
+    }
+    auto h = ParseFrameHeader(header);
+    if (!h.ok())  // the manifest places a frame where there is none
+      return DataLoss(fmt::format("{}/{}: frame of tensor {} chunk {}: {}", where, manifest.objects[f.object], f.tensor,
+                                  f.chunk, h.status().message()));
+    f.mode = h->mode;
+    f.codec = h->codec;
+    f.changed = h->changed;
+    f.payload_bytes = h->payload_bytes;
+    changed += h->changed;
+    payload += h->payload_bytes;
   }
+  if (changed != manifest.changed_words || payload != manifest.payload_bytes)
+    return DataLoss(
+        fmt::format("{}: the manifest's totals ({} changed words, {} payload bytes) are not its frames' "
+                    "({}, {})",
+                    where, manifest.changed_words, manifest.payload_bytes, changed, payload));
   DeltaReader r;
   r.dir_ = std::move(where);
   r.manifest_ = std::move(manifest);
@@ -318,7 +345,7 @@ Result<FrameView> DeltaReader::Frame(size_t i) const {
     auto header = ParseFrameHeader(released->second);
     if (header.ok()) {
       view = FrameView{*header, {}};
-      consumed = kFrameHeaderBytes + header->payload_bytes;
+      consumed = header->header_bytes + header->payload_bytes;
     } else {
       view = header.status();
     }
@@ -327,13 +354,8 @@ Result<FrameView> DeltaReader::Frame(size_t i) const {
   }
   if (!view.ok()) return view.status().WithContext(where);
   const FrameHeader& h = view->header;
-  uint64_t first_word, words;
-  uint32_t elements;
-  manifest_.ChunkWords(e.tensor, e.chunk, &first_word, &words, &elements);
-  if (consumed != e.bytes || h.tensor != e.tensor || h.chunk != e.chunk || h.delta_id != manifest_.delta_id ||
-      h.dtype != t.dtype || h.elements != elements || h.words != words ||
-      h.first_element != uint64_t{e.chunk} * manifest_.chunk_elements || h.mode != e.mode || h.codec != e.codec ||
-      h.changed != e.changed)
+  if (consumed != e.bytes || h.tensor != e.tensor || h.chunk != e.chunk || h.dtype != t.dtype || h.mode != e.mode ||
+      h.codec != e.codec || h.changed != e.changed || h.payload_bytes != e.payload_bytes)
     return DataLoss(where + ": the frame's header disagrees with the manifest");
   if ((manifest_.delta_class == DeltaClass::kOverwrite) != (h.mode == Mode::kOverwrite))
     return DataLoss(where + ": frame mode " + std::string(ModeName(h.mode)) + " in a delta of the other class");
@@ -342,24 +364,24 @@ Result<FrameView> DeltaReader::Frame(size_t i) const {
 
 namespace {
 
-// kDataLoss naming the first tensor whose digest in `digests` (what `what`
-// describes) is not the manifest's target digest, or a total that is not
-// the manifest's; `next` says what it means or what to do.
-Status CheckTargetDigests(const DeltaManifest& m, std::span<const Digest> digests, const std::string& where,
-                          std::string_view what, std::string_view next) {
-  Digest total;
-  for (size_t t = 0; t < m.tensors.size(); ++t) {
-    total += digests[t];
-    if (digests[t] != m.tensors[t].target_digest)
-      return DataLoss(fmt::format("delta {}: tensor '{}' has target digest {} in the manifest, but {} {}; {}", where,
-                                  m.tensors[t].name, m.tensors[t].target_digest.ToHex(), what, digests[t].ToHex(),
-                                  next));
-  }
-  if (total != m.target_digest)
-    return DataLoss(
-        fmt::format("delta {}: the manifest's total target digest is {}, but {} {} (the sum over its tensors); {}",
-                    where, m.target_digest.ToHex(), what, total.ToHex(), next));
-  return Status::Ok();
+// What the pre-write checks of ApplyDelta found for each frame.
+enum class FrameState : uint8_t { kPending, kDone };
+
+// A dry run of `frame` on a copy of its chunk: does it turn the chunk's
+// current bits into the frame's target? (A chunk not at the frame's base
+// does not, whatever its mode: the digest after the change is computed from
+// the chunk's own words.)
+bool ReachesTarget(const Checkpoint& target, size_t index, const DeltaManifest& m, const DeltaFrameEntry& e,
+                   const FrameView& frame, const DigestKey& key, const Digest& now, std::vector<uint8_t>* scratch) {
+  const auto [offset, bytes] = ChunkByteRange(m, e.tensor, e.chunk);
+  const auto data = target.Data(index).subspan(offset, bytes);
+  scratch->assign(data.begin(), data.end());
+  uint64_t first_word, words;
+  uint32_t elements;
+  m.ChunkWords(e.tensor, e.chunk, &first_word, &words, &elements);
+  thread_local ChunkApplier dry_run;
+  Digest after;
+  return dry_run.Apply(frame, key, first_word, *scratch, now, &after).ok();
 }
 
 }  // namespace
@@ -386,78 +408,57 @@ Result<ApplyReport> ApplyDelta(Checkpoint& target, const DeltaReader& delta, Pro
     target_index[t] = static_cast<size_t>(target.Find(m.tensors[t].name));
     keys[t] = MakeDigestKey(m.tensors[t].name);
   }
-
-  // Classify frames: done (chunk at target), pending (chunk at base), or,
-  // for overwrite frames only, repairable (the chunk holds other bits that
-  // the frame still turns into its target: a dense overwrite always, a
-  // sparse one when the chunk differs from the target only at its
-  // positions, which a dry run on a copy decides). Any other chunk state, or
-  // a tensor whose frameless or base chunks moved, is refused before a byte
-  // is written.
-  std::vector<uint8_t> done(m.frames.size(), 0);
-  std::vector<Digest> expected(m.tensors.size()), current(m.tensors.size());
-  for (size_t t = 0; t < m.tensors.size(); ++t) {
-    expected[t] = m.tensors[t].base_digest;
-    for (const auto& d : digests[t]) current[t] += d;
-  }
   auto not_base = [&](const DeltaFrameEntry& e, std::string_view why) {
     return FailedPrecondition(fmt::format(
         "{} is not the base of delta {}: tensor '{}' chunk {} holds other bits (digest {}){}; apply the delta to its "
         "base version, or use an overwrite delta",
         target.path(), delta.dir(), m.tensors[e.tensor].name, e.chunk, digests[e.tensor][e.chunk].ToHex(), why));
   };
-  ChunkApplier dry_run;
-  std::vector<uint8_t> scratch;
-  // Each tensor's digest once every frame is applied (a frame is checked
-  // against its own header's target digest when applied).
-  std::vector<Digest> made(m.tensors.size());
-  for (size_t t = 0; t < m.tensors.size(); ++t)
-    for (const auto& d : digests[t]) made[t] += d;
+
+  // Before a byte is written: the chunks without frames must hold what the
+  // manifest's target says they hold (its digest less its frames' targets);
+  // each framed chunk is done (at its frame's target) or must reach it. When
+  // no chunk is done, the framed chunks' sum against the manifest's base
+  // digest shows that at once; otherwise (a resumed apply, a chunk in
+  // another state, an overwrite delta repairing a half-written chunk) a dry
+  // run of each pending frame on a copy decides, naming the chunk.
+  std::vector<FrameState> state(m.frames.size(), FrameState::kPending);
+  Digest framed_now, framed_target, all_now;
+  size_t done = 0;
+  for (const auto& chunks : digests)
+    for (const Digest& d : chunks) all_now += d;
   for (size_t i = 0; i < m.frames.size(); ++i) {
     const auto& e = m.frames[i];
     DCR_ASSIGN_OR_RETURN(FrameView frame, delta.Frame(i));
     const Digest& now = digests[e.tensor][e.chunk];
-    made[e.tensor] += frame.header.target_digest - now;
-    if (now == frame.header.target_digest) {
-      done[i] = 1;
-      expected[e.tensor] += frame.header.target_digest - frame.header.base_digest;
-    } else if (!frame.PayloadHeld()) {
+    framed_now += now;
+    framed_target += frame.header.target_digest;
+    if (now == frame.header.target_digest) state[i] = FrameState::kDone, ++done;
+    else if (!frame.PayloadHeld())
       return not_base(e, " but its frame's payload was dropped once applied (the chunk changed since)");
-    } else if (now != frame.header.base_digest) {
-      if (frame.header.mode != Mode::kOverwrite) return not_base(e, "");
-      if (frame.header.codec == Codec::kSparse) {
-        const auto [offset, bytes] = ChunkByteRange(m, e.tensor, e.chunk);
-        const auto data = target.Data(target_index[e.tensor]).subspan(offset, bytes);
-        scratch.assign(data.begin(), data.end());
-        uint64_t first_word, words;
-        uint32_t elements;
-        m.ChunkWords(e.tensor, e.chunk, &first_word, &words, &elements);
-        Digest after;
-        if (!dry_run.Apply(frame, keys[e.tensor], first_word, scratch, now, &after).ok())
-          return not_base(e, " that this overwrite frame cannot repair");
-      }
-      // Repairable: leave the chunk out of its tensor's check.
-      current[e.tensor] -= now;
-      expected[e.tensor] -= frame.header.base_digest;
+  }
+  const Digest rest = m.target_digest - framed_target;  // the chunks no frame changes
+  if (all_now - framed_now != rest)
+    return FailedPrecondition(fmt::format(
+        "{} is not the base of delta {}: it differs outside the chunks the delta changes (digest {}, the delta's is "
+        "{}), or the manifest does not belong to these frames; nothing was written",
+        target.path(), delta.dir(), (all_now - framed_now).ToHex(), rest.ToHex()));
+  if (done > 0 || framed_now != m.base_digest - rest) {
+    std::vector<uint8_t> scratch;
+    for (size_t i = 0; i < m.frames.size(); ++i) {
+      if (state[i] == FrameState::kDone) continue;
+      const auto& e = m.frames[i];
+      DCR_ASSIGN_OR_RETURN(FrameView frame, delta.Frame(i));
+      if (!ReachesTarget(target, target_index[e.tensor], m, e, frame, keys[e.tensor], digests[e.tensor][e.chunk],
+                         &scratch))
+        return not_base(e, frame.header.mode == Mode::kOverwrite ? " that this overwrite frame cannot repair" : "");
     }
   }
-  for (size_t t = 0; t < m.tensors.size(); ++t)
-    if (current[t] != expected[t])
-      return FailedPrecondition(fmt::format(
-          "{} is not the base of delta {}: tensor '{}' differs outside the delta's frames (digest {}, the delta's "
-          "base is {})",
-          target.path(), delta.dir(), m.tensors[t].name, current[t].ToHex(), m.tensors[t].base_digest.ToHex()));
-  // The manifest's target digests must be what its frames make: an altered
-  // manifest (or one paired with other frames) is refused before a byte is
-  // written.
-  DCR_RETURN_IF_ERROR(CheckTargetDigests(m, made, delta.dir(), "its frames make",
-                                         "the manifest does not belong to these frames (altered, or from another "
-                                         "delta); nothing was written"));
 
   std::vector<Status> errors(m.frames.size());
   std::atomic<uint64_t> applied{0}, payload{0}, changed{0};
   PoolOr(pool).ParallelFor(m.frames.size(), [&](size_t i) {
-    if (done[i]) return;
+    if (state[i] == FrameState::kDone) return;
     thread_local ChunkApplier applier;
     const auto& e = m.frames[i];
     auto frame = delta.Frame(i);
@@ -486,33 +487,42 @@ Result<ApplyReport> ApplyDelta(Checkpoint& target, const DeltaReader& delta, Pro
   for (const auto& s : errors) DCR_RETURN_IF_ERROR(s);
   if (sync) DCR_RETURN_IF_ERROR(target.Sync());
   // The digests of what was applied, against the manifest once more.
-  for (size_t t = 0; t < m.tensors.size(); ++t) {
-    made[t] = Digest{};
-    for (const auto& d : digests[t]) made[t] += d;
-  }
+  Digest made;
+  for (const auto& chunks : digests)
+    for (const Digest& d : chunks) made += d;
   if (tracked && tracked != &digests) *tracked = std::move(digests);
-  DCR_RETURN_IF_ERROR(CheckTargetDigests(m, made, delta.dir(), target.path() + " holds",
-                                         "apply an overwrite delta of this version to it, or restore it"));
+  if (made != m.target_digest)
+    return DataLoss(
+        fmt::format("delta {}: the manifest's target digest is {}, but {} holds {}; apply an overwrite "
+                    "delta of this version to it, or restore it",
+                    delta.dir(), m.target_digest.ToHex(), target.path(), made.ToHex()));
   ApplyReport report;
   report.frames_applied = applied.load();
-  report.frames_already_applied = static_cast<uint64_t>(std::count(done.begin(), done.end(), 1));
+  report.frames_already_applied = done;
   report.payload_bytes = payload.load();
   report.changed_words = changed.load();
   return report;
 }
 
-Result<VerifyReport> VerifyDelta(const Checkpoint& ckpt, const DeltaManifest& m, bool against_base, Progress* progress,
-                                 ThreadPool* pool) {
+Result<VerifyReport> VerifyDelta(const Checkpoint& ckpt, const DeltaReader& delta, bool against_base,
+                                 Progress* progress, ThreadPool* pool) {
+  const DeltaManifest& m = delta.manifest();
   DCR_RETURN_IF_ERROR(CheckSameTensors(ckpt, m));
   const auto digests = ChunkDigests(ckpt, m, progress, pool);
   VerifyReport report;
-  for (size_t t = 0; t < m.tensors.size(); ++t) {
-    Digest d;
-    for (const auto& c : digests[t]) d += c;
-    if (d != (against_base ? m.tensors[t].base_digest : m.tensors[t].target_digest))
-      report.differing.push_back(m.tensors[t].name);
+  Digest total;
+  for (const auto& chunks : digests)
+    for (const Digest& d : chunks) total += d;
+  report.matches = total == (against_base ? m.base_digest : m.target_digest);
+  if (report.matches || against_base) return report;
+  for (size_t i = 0; i < m.frames.size(); ++i) {
+    const auto& e = m.frames[i];
+    DCR_ASSIGN_OR_RETURN(FrameView frame, delta.Frame(i));
+    const std::string& name = m.tensors[e.tensor].name;
+    if (digests[e.tensor][e.chunk] != frame.header.target_digest &&
+        (report.differing.empty() || report.differing.back() != name))
+      report.differing.push_back(name);
   }
-  report.matches = report.differing.empty();
   return report;
 }
 

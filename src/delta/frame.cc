@@ -2,30 +2,12 @@
 
 #include <fmt/format.h>
 
-#include <bit>
 #include <cstring>
 
+#include "bytes.h"
 #include "dcr/hash.h"
 
 namespace dcr {
-namespace {
-
-// Little-endian field access at fixed offsets (docs/format.md).
-template <typename T>
-void Put(uint8_t* p, size_t off, T v) {
-  std::memcpy(p + off, &v, sizeof v);  // x86-64 and aarch64 are little-endian
-}
-template <typename T>
-T Get(const uint8_t* p, size_t off) {
-  T v;
-  std::memcpy(&v, p + off, sizeof v);
-  return v;
-}
-static_assert(std::endian::native == std::endian::little, "dcr frames are little-endian; add byte swaps");
-
-constexpr size_t kHeaderCrcOffset = 92;
-
-}  // namespace
 
 std::string_view ModeName(Mode m) {
   switch (m) {
@@ -63,95 +45,94 @@ std::string_view CodecName(Codec c) {
   return "?";
 }
 
+namespace {
+
+// The header's bytes before its checksum: tag, mode and codec, dtype,
+// tensor, chunk, changed, payload bytes (varints), target digest.
+void PutHeaderFields(const FrameHeader& h, std::string& out) {
+  ByteWriter w(out);
+  w.Fixed<uint8_t>(kFrameTag);
+  w.Fixed<uint8_t>(static_cast<uint8_t>(static_cast<uint8_t>(h.mode) | static_cast<uint8_t>(h.codec) << 2));
+  w.Fixed<uint8_t>(static_cast<uint8_t>(h.dtype));
+  w.Varint(h.tensor);
+  w.Varint(h.chunk);
+  w.Varint(h.changed);
+  w.Varint(h.payload_bytes);
+  w.Fixed(h.target_digest.lane[0]);
+  w.Fixed(h.target_digest.lane[1]);
+}
+
+// A varint that must fit 32 bits, or a malformed-header error.
+bool Varint32(ByteReader& r, uint32_t* out) {
+  const uint64_t v = r.Varint();
+  *out = static_cast<uint32_t>(v);
+  return r.ok() && v <= 0xFFFFFFFFu;
+}
+
+}  // namespace
+
 std::string EncodeFrame(FrameHeader h, std::span<const uint8_t> payload) {
   h.payload_bytes = static_cast<uint32_t>(payload.size());
-  h.payload_crc = Crc32c(payload.data(), payload.size());
-  std::string out(kFrameHeaderBytes + payload.size(), '\0');
-  auto* p = reinterpret_cast<uint8_t*>(out.data());
-  Put<uint32_t>(p, 0, kFrameMagic);
-  Put<uint16_t>(p, 4, kFrameFormatVersion);
-  Put<uint16_t>(p, 6, static_cast<uint16_t>(kFrameHeaderBytes));
-  Put<uint32_t>(p, 8, h.tensor);
-  Put<uint32_t>(p, 12, h.chunk);
-  Put<uint64_t>(p, 16, h.first_element);
-  Put<uint32_t>(p, 24, h.elements);
-  Put<uint32_t>(p, 28, h.words);
-  Put<uint32_t>(p, 32, h.changed);
-  Put<uint8_t>(p, 36, static_cast<uint8_t>(h.mode));
-  Put<uint8_t>(p, 37, static_cast<uint8_t>(h.codec));
-  Put<uint8_t>(p, 38, static_cast<uint8_t>(h.dtype));
-  Put<uint8_t>(p, 39, h.word_bytes);
-  Put<uint32_t>(p, 40, h.payload_bytes);
-  Put<uint32_t>(p, 44, h.payload_crc);
-  Put<uint64_t>(p, 48, h.base_digest.lane[0]);
-  Put<uint64_t>(p, 56, h.base_digest.lane[1]);
-  Put<uint64_t>(p, 64, h.target_digest.lane[0]);
-  Put<uint64_t>(p, 72, h.target_digest.lane[1]);
-  Put<uint64_t>(p, 80, h.delta_id);
-  Put<uint32_t>(p, 88, 0);  // reserved
-  Put<uint32_t>(p, kHeaderCrcOffset, Crc32c(p, kHeaderCrcOffset));
-  if (!payload.empty()) std::memcpy(p + kFrameHeaderBytes, payload.data(), payload.size());
+  std::string out;
+  out.reserve(kMaxFrameHeaderBytes + payload.size());
+  PutHeaderFields(h, out);
+  uint32_t crc = Crc32c(out.data(), out.size());
+  crc = Crc32c(payload.data(), payload.size(), crc);
+  ByteWriter(out).Fixed<uint32_t>(crc);
+  out.append(reinterpret_cast<const char*>(payload.data()), payload.size());
   return out;
 }
 
 Result<FrameHeader> ParseFrameHeader(std::span<const uint8_t> bytes) {
-  if (bytes.size() < kFrameHeaderBytes)
-    return DataLoss(fmt::format("truncated frame: {} bytes, a header needs {}", bytes.size(), kFrameHeaderBytes));
-  const uint8_t* p = bytes.data();
-  if (Get<uint32_t>(p, 0) != kFrameMagic) return InvalidArgument("not a dcr frame (bad magic)");
-  const uint16_t version = Get<uint16_t>(p, 4);
-  if (version != kFrameFormatVersion)
-    return Unimplemented(fmt::format("frame format version {} (this dcr reads {})", version, kFrameFormatVersion));
-  if (Get<uint16_t>(p, 6) != kFrameHeaderBytes)
-    return InvalidArgument(fmt::format("frame header size {} (expected {})", Get<uint16_t>(p, 6), kFrameHeaderBytes));
-  const uint32_t header_crc = Get<uint32_t>(p, kHeaderCrcOffset);
-  if (Crc32c(p, kHeaderCrcOffset) != header_crc) return DataLoss("frame header checksum mismatch");
-
+  if (bytes.empty()) return DataLoss("truncated frame: no bytes");
+  if (bytes[0] != kFrameTag) {
+    ByteReader old(bytes);
+    if (old.Fixed<uint32_t>() == kOldFrameMagic) {
+      const uint16_t version = old.Fixed<uint16_t>();
+      return Unimplemented(fmt::format("frame format version {} (this dcr reads 2){}", version,
+                                       version < 2 ? ": it was written by an older dcr" : ""));
+    }
+    return InvalidArgument(fmt::format("not a dcr frame (first byte {:02x}, not {:02x})", bytes[0], kFrameTag));
+  }
+  ByteReader r(bytes.first(std::min<size_t>(bytes.size(), kMaxFrameHeaderBytes)));
   FrameHeader h;
-  h.tensor = Get<uint32_t>(p, 8);
-  h.chunk = Get<uint32_t>(p, 12);
-  h.first_element = Get<uint64_t>(p, 16);
-  h.elements = Get<uint32_t>(p, 24);
-  h.words = Get<uint32_t>(p, 28);
-  h.changed = Get<uint32_t>(p, 32);
-  const uint8_t mode = Get<uint8_t>(p, 36), codec = Get<uint8_t>(p, 37), dtype = Get<uint8_t>(p, 38);
-  h.word_bytes = Get<uint8_t>(p, 39);
-  h.payload_bytes = Get<uint32_t>(p, 40);
-  h.payload_crc = Get<uint32_t>(p, 44);
-  h.base_digest.lane[0] = Get<uint64_t>(p, 48);
-  h.base_digest.lane[1] = Get<uint64_t>(p, 56);
-  h.target_digest.lane[0] = Get<uint64_t>(p, 64);
-  h.target_digest.lane[1] = Get<uint64_t>(p, 72);
-  h.delta_id = Get<uint64_t>(p, 80);
+  r.Fixed<uint8_t>();
+  const uint8_t kinds = r.Fixed<uint8_t>(), dtype = r.Fixed<uint8_t>();
+  const bool fields =
+      Varint32(r, &h.tensor) && Varint32(r, &h.chunk) && Varint32(r, &h.changed) && Varint32(r, &h.payload_bytes);
+  h.target_digest.lane[0] = r.Fixed<uint64_t>();
+  h.target_digest.lane[1] = r.Fixed<uint64_t>();
+  h.crc = r.Fixed<uint32_t>();
+  if (r.malformed() || (!r.ok() && bytes.size() >= kMaxFrameHeaderBytes))
+    return InvalidArgument("malformed frame header (a varint not in its shortest form, or too long)");
+  if (!r.ok()) return DataLoss(fmt::format("truncated frame: {} bytes, its header needs more", bytes.size()));
+  if (!fields) return InvalidArgument("malformed frame header (a field beyond 32 bits)");
+  h.header_bytes = static_cast<uint32_t>(r.pos());
   const std::string where = fmt::format("frame (tensor {}, chunk {})", h.tensor, h.chunk);
-  if (mode < 1 || mode > 3) return InvalidArgument(fmt::format("{}: unknown mode {}", where, mode));
-  if (codec < 1 || codec > 3) return InvalidArgument(fmt::format("{}: unknown codec {}", where, codec));
+  const uint8_t mode = kinds & 3, codec = (kinds >> 2) & 3;
+  if (mode == 0) return InvalidArgument(fmt::format("{}: unknown mode 0", where));
+  if (codec == 0) return InvalidArgument(fmt::format("{}: unknown codec 0", where));
+  if (kinds >> 4) return InvalidArgument(fmt::format("{}: reserved bits are set", where));
   if (dtype >= kDTypeCount) return InvalidArgument(fmt::format("{}: unknown dtype {}", where, dtype));
+  if (h.target_digest.lane[0] >= kDigestPrime || h.target_digest.lane[1] >= kDigestPrime)
+    return InvalidArgument(fmt::format("{}: a target digest lane is not below 2^61-1", where));
   h.mode = static_cast<Mode>(mode);
   h.codec = static_cast<Codec>(codec);
   h.dtype = static_cast<DType>(dtype);
-  if (h.word_bytes != WordBytes(h.dtype))
-    return InvalidArgument(fmt::format("{}: word size {} is wrong for {}", where, h.word_bytes, Name(h.dtype)));
-  const auto chunk_bytes = ByteSize(h.dtype, h.elements);
-  if (!chunk_bytes || *chunk_bytes != static_cast<uint64_t>(h.words) * h.word_bytes)
-    return InvalidArgument(
-        fmt::format("{}: {} elements of {} are not {} words", where, h.elements, Name(h.dtype), h.words));
-  if (h.changed > h.words)
-    return InvalidArgument(fmt::format("{}: {} changed words in a chunk of {}", where, h.changed, h.words));
-  if (Get<uint32_t>(p, 88) != 0) return InvalidArgument(fmt::format("{}: reserved field is not zero", where));
   return h;
 }
 
 Result<FrameView> ParseFrame(std::span<const uint8_t> bytes, size_t* consumed) {
   DCR_ASSIGN_OR_RETURN(FrameHeader h, ParseFrameHeader(bytes));
   const std::string where = fmt::format("frame (tensor {}, chunk {})", h.tensor, h.chunk);
-  if (bytes.size() - kFrameHeaderBytes < h.payload_bytes)
+  if (bytes.size() - h.header_bytes < h.payload_bytes)
     return DataLoss(
-        fmt::format("{}: truncated payload: {} of {} bytes", where, bytes.size() - kFrameHeaderBytes, h.payload_bytes));
-  const auto payload = bytes.subspan(kFrameHeaderBytes, h.payload_bytes);
-  if (Crc32c(payload.data(), payload.size()) != h.payload_crc)
-    return DataLoss(fmt::format("{}: payload checksum mismatch", where));
-  if (consumed) *consumed = kFrameHeaderBytes + h.payload_bytes;
+        fmt::format("{}: truncated payload: {} of {} bytes", where, bytes.size() - h.header_bytes, h.payload_bytes));
+  const auto payload = bytes.subspan(h.header_bytes, h.payload_bytes);
+  uint32_t crc = Crc32c(bytes.data(), h.header_bytes - 4);
+  crc = Crc32c(payload.data(), payload.size(), crc);
+  if (crc != h.crc) return DataLoss(fmt::format("{}: checksum mismatch", where));
+  if (consumed) *consumed = h.header_bytes + h.payload_bytes;
   return FrameView{h, payload};
 }
 

@@ -142,8 +142,8 @@ struct FrameChunk {
   uint64_t eb = 0;  // bytes per element
 };
 
-// Checks that `frame` is a frame of `manifest` (tensor, chunk, counts, dtype,
-// delta id); fills the chunk's geometry.
+// Checks that `frame` is a frame of `manifest` (tensor, chunk, dtype); fills
+// the chunk's geometry.
 Status CheckFrameFits(const DeltaManifest& manifest, const FrameHeader& h, FrameChunk* fc) {
   uint64_t words = 0;
   std::string& where = fc->where;
@@ -155,16 +155,9 @@ Status CheckFrameFits(const DeltaManifest& manifest, const FrameHeader& h, Frame
   if (h.chunk >= manifest.ChunkCount(h.tensor))
     return InvalidArgument(fmt::format("{}: the tensor has only {} chunks", where, manifest.ChunkCount(h.tensor)));
   manifest.ChunkWords(h.tensor, h.chunk, &fc->first_word, &words, &fc->elements);
-  if (h.elements != fc->elements || h.words != words || h.dtype != tensor.dtype ||
-      h.first_element != uint64_t{h.chunk} * manifest.chunk_elements)
+  if (h.dtype != tensor.dtype)
     return InvalidArgument(
-        fmt::format("{}: the frame covers {} {} elements ({} words) at {}, the manifest's chunk is {} "
-                    "{} elements ({} words) at {}",
-                    where, h.elements, Name(h.dtype), h.words, h.first_element, fc->elements, Name(tensor.dtype), words,
-                    uint64_t{h.chunk} * manifest.chunk_elements));
-  if (manifest.delta_id != 0 && h.delta_id != manifest.delta_id)
-    return InvalidArgument(fmt::format("{}: the frame belongs to delta {:016x}, not this manifest's {:016x}", where,
-                                       h.delta_id, manifest.delta_id));
+        fmt::format("{}: the frame is of {} but the tensor is {}", where, Name(h.dtype), Name(tensor.dtype)));
   const uint32_t bits = BitsPerElement(tensor.dtype);
   if (bits == 0 || bits % 8 != 0)
     return Unimplemented(fmt::format("{}: dtype {} is packed below a byte; it cannot be placed through a map", where,
@@ -391,9 +384,19 @@ Result<ApplyReport> ApplyEngineDelta(std::span<PlacedRank* const> ranks, const D
   }
   // The ranks' digests over the delta's tensors (a residual delta holds a few).
   std::vector<std::string> checked;
-  Digest total, expected;
-  for (size_t t = 0; t < m.tensors.size(); ++t)
-    if (!residual[t]) expected += m.tensors[t].target_digest, checked.push_back(m.tensors[t].name);
+  Digest total, expected = m.target_digest;
+  for (size_t t = 0; t < m.tensors.size(); ++t) {
+    if (!residual[t]) {
+      checked.push_back(m.tensors[t].name);
+    } else if (m.tensor_target_digests.size() == m.tensors.size()) {
+      expected -= m.tensor_target_digests[t];
+    } else {
+      return FailedPrecondition(fmt::format(
+          "tensor '{}' is a residual here, and the delta does not carry per-tensor digests (a stored manifest does "
+          "not): the ranks cannot be checked against it; apply it with the delta its sender made in memory",
+          m.tensors[t].name));
+    }
+  }
   for (PlacedRank* r : ranks) total += RankDigest(*r, checked);
   if (total != expected)
     return DataLoss(

@@ -217,8 +217,7 @@ struct MergeScratch {
   std::vector<uint8_t> base, next;
 };
 
-Status EncodeMerged(const DeltaManifest& manifest, ChunkId id, const ChunkInput& in, const EncodeOptions& opt,
-                    MergeScratch& s, MergedChunk* out);
+Status EncodeMerged(ChunkId id, const ChunkInput& in, const EncodeOptions& opt, MergeScratch& s, MergedChunk* out);
 
 // Merges one chunk's contributions into its frame: they must cover the chunk
 // exactly once; the chunk's base and next bits are rebuilt in a chunk-sized
@@ -252,7 +251,7 @@ Status MergeChunk(const DeltaManifest& manifest, ChunkId id, std::span<const Chu
     in.base = parts[0]->direct_base;
     in.next = parts[0]->direct_next;
     in.base_digest = nullptr;  // the encoder's pass
-    return EncodeMerged(manifest, id, in, opt, s, out);
+    return EncodeMerged(id, in, opt, s, out);
   }
   s.next.assign(uint64_t{elements} * eb, 0);
   s.ranges.clear();
@@ -304,12 +303,11 @@ Status MergeChunk(const DeltaManifest& manifest, ChunkId id, std::span<const Chu
   }
   in.base = s.base;
   in.next = s.next;
-  return EncodeMerged(manifest, id, in, opt, s, out);
+  return EncodeMerged(id, in, opt, s, out);
 }
 
 // Encodes a merged chunk's base and next bits into its frame.
-Status EncodeMerged(const DeltaManifest& manifest, ChunkId id, const ChunkInput& in, const EncodeOptions& opt,
-                    MergeScratch& s, MergedChunk* out) {
+Status EncodeMerged(ChunkId id, const ChunkInput& in, const EncodeOptions& opt, MergeScratch& s, MergedChunk* out) {
   DCR_ASSIGN_OR_RETURN(bool changed, s.encoder.Encode(in, opt, &s.encoded));
   out->base_digest = s.encoded.base_digest;
   out->changed = changed;
@@ -319,8 +317,6 @@ Status EncodeMerged(const DeltaManifest& manifest, ChunkId id, const ChunkInput&
   }
   s.encoded.header.tensor = id.tensor;
   s.encoded.header.chunk = id.chunk;
-  s.encoded.header.first_element = uint64_t{id.chunk} * manifest.chunk_elements;
-  s.encoded.header.delta_id = manifest.delta_id;
   out->target_digest = s.encoded.header.target_digest;
   out->frame = EncodeFrame(s.encoded.header, s.encoded.payload);
   return Status::Ok();
@@ -390,7 +386,7 @@ DeltaManifest StartLayoutDelta(std::span<const TensorInfo> tensors, const DeltaO
   std::vector<TensorInfo> sorted(tensors.begin(), tensors.end());
   std::sort(sorted.begin(), sorted.end(), [](const TensorInfo& a, const TensorInfo& b) { return a.name < b.name; });
   for (const TensorInfo& t : sorted) {
-    m.tensors.push_back({t.name, t.dtype, t.shape, t.numel, {}, {}});
+    m.tensors.push_back({t.name, t.dtype, t.shape, t.numel});
     m.total_elements += t.numel;
     m.total_bytes += t.nbytes;
   }
@@ -430,8 +426,8 @@ Result<std::string> AssembleLayoutDelta(DeltaManifest& m, std::span<const OwnedF
     if (f == frames.end()) continue;
     DCR_ASSIGN_OR_RETURN(FrameView v,
                          ParseFrame({reinterpret_cast<const uint8_t*>(f->second->data()), f->second->size()}));
-    m.frames.push_back(
-        {id.tensor, id.chunk, 0, bytes.size(), f->second->size(), v.header.mode, v.header.codec, v.header.changed});
+    m.frames.push_back({id.tensor, id.chunk, 0, bytes.size(), f->second->size(), v.header.mode, v.header.codec,
+                        v.header.changed, v.header.payload_bytes});
     bytes += *f->second;
   }
   m.objects = {std::string(kFramesFileName)};

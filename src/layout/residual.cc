@@ -150,9 +150,6 @@ Result<OwnedFrames> EncodeFullChunkOverwrites(const DeltaManifest& manifest,
                                   tensor.name, id.chunk));
     encoded.header.tensor = id.tensor;
     encoded.header.chunk = id.chunk;
-    encoded.header.first_element = first;
-    encoded.header.delta_id = manifest.delta_id;
-    encoded.header.base_digest = merged.base_digests[i];
     out.frame_of.push_back(static_cast<int64_t>(out.frames.size()));
     out.frames.push_back(EncodeFrame(encoded.header, encoded.payload));
   }
@@ -243,14 +240,14 @@ Status Fp8BlockPlacer::Overwrite(const DeltaManifest& manifest, const FrameView&
                                        shape_.cols));
   if (fp8_.size() != shape_.rows * shape_.cols || scales_.size() != shape_.scale_rows() * shape_.scale_cols() * 4)
     return InvalidArgument(fmt::format("{}: the FP8 or scale buffer has the wrong size", where));
-  if (h.mode != Mode::kOverwrite || h.changed != h.words)
-    return FailedPrecondition(
-        fmt::format("{}: a {} frame with {} of {} words; a tensor quantized on load needs "
-                    "full-chunk overwrites (a residual delta, EncodeFullChunkOverwrites)",
-                    where, ModeName(h.mode), h.changed, h.words));
   uint64_t first_word, words;
   uint32_t elements;
   manifest.ChunkWords(h.tensor, h.chunk, &first_word, &words, &elements);
+  if (h.mode != Mode::kOverwrite || h.changed != words)
+    return FailedPrecondition(
+        fmt::format("{}: a {} frame with {} of {} words; a tensor quantized on load needs "
+                    "full-chunk overwrites (a residual delta, EncodeFullChunkOverwrites)",
+                    where, ModeName(h.mode), h.changed, words));
   const uint64_t eb = BitsPerElement(t.dtype) / 8, first = uint64_t{h.chunk} * manifest.chunk_elements;
   scratch_.assign(uint64_t{elements} * eb, 0);
   // From all-zero bits (digest 0), the decode must reach the frame's target.

@@ -83,14 +83,16 @@ Result<std::vector<AttemptInfo>> ListAttempts(Store& store, uint64_t v) {
   return out;
 }
 
-Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& attempt,
+Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& attempt, const DeltaManifest& table,
                                 std::map<std::string, std::string>* prefetched, uint64_t* object_bytes,
                                 const std::map<std::string, ReleasedObject>* released) {
   const std::string prefix = run_keys::Attempt(v, attempt);
   // The attempt's prefix ends in '/'; the delta's messages add "/<object>".
   const std::string where = StoreContext(store.url(), prefix.substr(0, prefix.size() - 1));
   DCR_ASSIGN_OR_RETURN(std::string text, store.Get(run_keys::Manifest(v, attempt)));
-  DCR_ASSIGN_OR_RETURN(DeltaManifest m, DeltaManifest::FromJson(text, where + "/" + std::string(kManifestFileName)));
+  DCR_ASSIGN_OR_RETURN(DeltaManifest m,
+                       DeltaManifest::Decode(std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()),
+                                             table, where + "/" + std::string(kManifestFileName)));
   auto blobs = std::make_shared<std::vector<std::string>>();
   std::vector<std::span<const uint8_t>> spans;
   blobs->reserve(m.objects.size());

@@ -247,7 +247,7 @@ Result<AttemptCoordinator::AttemptResult> AttemptCoordinator::PublishManifest(ui
   report->payload_bytes = m.payload_bytes;
   report->changed_words = m.changed_words;
   DCR_RETURN_IF_ERROR(Fault(o_, "frames-written"));
-  DCR_RETURN_IF_ERROR(store_.Put(run_keys::Manifest(v, id), m.ToJson(), WriteMode::kCreateIfAbsent));
+  DCR_RETURN_IF_ERROR(store_.Put(run_keys::Manifest(v, id), m.Encode(), WriteMode::kCreateIfAbsent));
   DCR_RETURN_IF_ERROR(Fault(o_, "manifest-written"));
   return AwaitAcksAndCommit(v, id, std::move(m), report, manifest_out);
 }

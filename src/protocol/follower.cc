@@ -186,20 +186,18 @@ Status CheckpointTarget::ApplyAttempt(const std::string& id, const DeltaReader& 
   return Status::Ok();
 }
 
-// A frame is applied only to a chunk at its base; one at its target is
-// done, one in any other state is left to the manifest (ApplyDelta repairs
-// it with an overwrite frame, or the attempt is nacked). Which chunks are
-// done is in their digests, so no xor frame is ever applied twice.
+// A frame is applied only to a chunk it turns into its target (its base:
+// the applier checks the digest after the change, computed from the chunk's
+// own words, before writing); one at its target is done, one in any other
+// state is left to the manifest (ApplyDelta repairs it with an overwrite
+// frame, or the attempt is nacked). Which chunks are done is in their
+// digests, so no xor frame is ever applied twice.
 Status CheckpointTarget::ApplyStreamed(const DeltaManifest&, std::span<const FrameView> frames, ApplyCounts* counts) {
   for (const FrameView& frame : frames) {
     const FrameHeader& h = frame.header;
     Digest& now = digests_[h.tensor][h.chunk];
     if (now == h.target_digest) {
       ++counts->already;
-      continue;
-    }
-    if (now != h.base_digest) {
-      ++counts->left;
       continue;
     }
     uint64_t first_word = 0, words = 0;

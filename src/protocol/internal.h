@@ -67,7 +67,7 @@ Result<std::vector<AttemptInfo>> ListAttempts(Store& store, uint64_t v);
 // but its frames' headers (by offset in the object).
 struct ReleasedObject {
   uint64_t bytes = 0;  // the object's size
-  std::map<uint64_t, std::array<uint8_t, kFrameHeaderBytes>> headers;
+  std::map<uint64_t, std::array<uint8_t, kMaxFrameHeaderBytes>> headers;
 };
 
 // The attempt's delta, frames downloaded (kept in memory). Objects found in
@@ -76,15 +76,15 @@ struct ReleasedObject {
 // whose headers cover every frame the manifest places in them are read
 // from those headers (their frames come without payloads), others are
 // downloaded. `object_bytes`, when given, is increased by the bytes of the
-// whole objects the delta holds.
-Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& attempt,
+// whole objects the delta holds. `table`: the run's tensor table (LayoutOf).
+Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& attempt, const DeltaManifest& table,
                                 std::map<std::string, std::string>* prefetched = nullptr,
                                 uint64_t* object_bytes = nullptr,
                                 const std::map<std::string, ReleasedObject>* released = nullptr);
 
 // Streaming: frames applied as their objects arrive, before the attempt's
 // manifest (streaming.cc; docs/protocol.md). What attempt.json says: the
-// delta id and class every frame must carry, and who signs its frame
+// class every frame's mode must be of, and who signs its frame
 // objects (protocol.h, "Frame object signatures"): object_key for all of
 // them, or else, for an attempt of `processes` trainer processes, each
 // process its own (procs/p<P>.pub); neither: an older publisher that signs
@@ -111,8 +111,8 @@ Result<std::vector<std::string>> StreamedObjectsToApply(Store& store, uint64_t v
                                                         const std::map<std::string, std::string>& prefetched,
                                                         std::set<std::string>* seen);
 // Calls fn on each frame of frame object `key` in order, each checked: it
-// parses (header and payload checksums), carries `attempt`'s delta id and
-// a mode of its class, and has the run's (`layout`'s) shape of its chunk.
+// parses (its checksum), has a mode of `attempt`'s class, and names a chunk
+// of the run (`layout`) with its tensor's dtype.
 // Stops at the first that does not, logging why: the manifest decides.
 // Returns whether fn saw every frame of the object.
 bool ForEachStreamedFrame(const std::string& key, const std::string& blob, const DeltaManifest& layout,

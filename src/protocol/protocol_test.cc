@@ -40,6 +40,15 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// The manifest at `key`, decoded against the run's tensor table.
+Result<DeltaManifest> StoredManifest(Store& store, const std::string& key) {
+  DCR_ASSIGN_OR_RETURN(RunState state, ReadRunState(store));
+  if (!state.run) return NotFound("no run.json");
+  DCR_ASSIGN_OR_RETURN(std::string bytes, store.Get(key));
+  return DeltaManifest::Decode(std::span(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()),
+                               protocol_internal::LayoutOf(*state.run), key);
+}
+
 // A store that forwards to another and lets a test break chosen requests:
 // `hook(op, key, after)` runs before each request (after=false; a non-OK
 // status fails it unrun) and after each write or delete succeeded
@@ -231,10 +240,7 @@ class ProtocolTest : public testing::TempDirTest {
   // The map's tensors (in map order) that attempt `attempt` of version v
   // has a frame for.
   std::vector<std::string> FramedTensors(uint64_t v, const std::string& attempt, const CompiledLayout& layout) {
-    auto text = store_->Get(run_keys::Attempt(v, attempt) + "manifest.json");
-    EXPECT_TRUE(text.ok()) << text.status().ToString();
-    if (!text.ok()) return {};
-    auto m = DeltaManifest::FromJson(*text, "manifest");
+    auto m = StoredManifest(*store_, run_keys::Manifest(v, attempt));
     EXPECT_TRUE(m.ok()) << m.status().ToString();
     if (!m.ok()) return {};
     std::set<std::string> framed;
@@ -337,9 +343,7 @@ TEST_F(ProtocolTest, MemoryHeldByThePublisherAndReceiversIsReported) {
   EXPECT_EQ(m.baseline_bytes, version(0).total_bytes());
   EXPECT_TRUE(m.baseline_in_memory) << shm;
   EXPECT_EQ(m.staging_bytes, 0u);
-  auto text = store_->Get(run_keys::Attempt(1, (*r)->attempt) + std::string(kManifestFileName));
-  ASSERT_TRUE(text.ok()) << text.status().ToString();
-  auto parsed = DeltaManifest::FromJson(*text, "manifest");
+  auto parsed = StoredManifest(*store_, run_keys::Manifest(1, (*r)->attempt));
   ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
   const DeltaManifest& manifest = *parsed;
   uint64_t chunks = 0, largest_frame = 0;
@@ -363,7 +367,7 @@ TEST_F(ProtocolTest, MemoryHeldByThePublisherAndReceiversIsReported) {
   // Each held at most 4 objects of frames not yet applied, and the headers
   // of those it applied; the delta is several times that.
   const uint64_t bound =
-      4 * (o.segment_bytes + largest_frame + kObjectTrailerBytes) + manifest.frames.size() * kFrameHeaderBytes;
+      4 * (o.segment_bytes + largest_frame + kObjectTrailerBytes) + manifest.frames.size() * kMaxFrameHeaderBytes;
   const uint64_t delta = manifest.frame_bytes + manifest.objects.size() * kObjectTrailerBytes;
   ASSERT_GT(delta, 2 * bound) << "too small a delta to tell objects in flight from it";
   auto status = ReadRunStatus(*store_, kGuard);
@@ -405,7 +409,7 @@ TEST_F(ProtocolTest, FrameObjectVerifierAcceptsOnlyThePublishersObjects) {
 
 TEST_F(ProtocolTest, ReceiversDownloadSegmentsWhileTheAttemptStreams) {
   PublishOptions o = Fast();
-  o.segment_bytes = 4096;  // many frame objects per sender
+  o.segment_bytes = 2048;  // many frame objects per sender
   // Per receiver: how often it read each frame object.
   struct Reads {
     std::mutex mu;
@@ -1118,12 +1122,10 @@ TEST_F(ProtocolTest, AnEngineIsAckedWhenItsRanksPartialDigestsAddUpToTheTarget) 
       auto objects = store_->List(run_keys::Attempts(1));
       if (objects.ok())
         for (const ObjectInfo& o : *objects) {
-          if (!o.key.ends_with("/manifest.json") || answered.count(o.key)) continue;
-          auto text = store_->Get(o.key);
-          ASSERT_TRUE(text.ok());
-          auto m = DeltaManifest::FromJson(*text, o.key);
-          ASSERT_TRUE(m.ok());
-          const std::string prefix = o.key.substr(0, o.key.size() - std::string("manifest.json").size());
+          if (!o.key.ends_with("/manifest.bin") || answered.count(o.key)) continue;
+          auto m = StoredManifest(*store_, o.key);
+          ASSERT_TRUE(m.ok()) << m.status().ToString();
+          const std::string prefix = o.key.substr(0, o.key.size() - std::string("manifest.bin").size());
           // The first attempt's partials are off by one; the retry's add up.
           Digest part;
           part.lane[0] = 12345;
@@ -1827,9 +1829,9 @@ TEST_F(ShardProcessTest, AWorkerFailingMidAttemptIsFencedAndTheOverwriteRetryCom
   EXPECT_TRUE(round.results[0]->attempt.starts_with("0001-")) << round.results[0]->attempt;
   ASSERT_EQ(fences.reasons().size(), 1u);
   EXPECT_NE(fences.reasons()[0].find("process 2 wrote no record"), std::string::npos) << fences.reasons()[0];
-  auto manifest = store_->Get(run_keys::Attempt(1, round.results[0]->attempt) + "manifest.json");
-  ASSERT_TRUE(manifest.ok());
-  EXPECT_NE(manifest->find("\"class\": \"overwrite\""), std::string::npos);
+  auto manifest = StoredManifest(*store_, run_keys::Manifest(1, round.results[0]->attempt));
+  ASSERT_TRUE(manifest.ok()) << manifest.status().ToString();
+  EXPECT_EQ(manifest->delta_class, DeltaClass::kOverwrite);
   ExpectIdentical(Path("dense"), 1);
 }
 
@@ -1998,7 +2000,7 @@ TEST_F(ShardProcessTest, AForgedContributionObjectIsRefused) {
   auto attempts = store_->List(run_keys::Attempts(1));
   ASSERT_TRUE(attempts.ok());
   for (const auto& o : *attempts)
-    EXPECT_FALSE(o.key.find("/0000-") != std::string::npos && o.key.ends_with("manifest.json"));
+    EXPECT_FALSE(o.key.find("/0000-") != std::string::npos && o.key.ends_with("manifest.bin"));
   ASSERT_TRUE(followed.ok()) << followed.ToString();
   ExpectIdentical(Path("dense"), 1);
 }
@@ -2038,10 +2040,14 @@ TEST(AssembleLayoutManifestTest, BuildsTheManifestFromEveryProcessRecord) {
   EXPECT_EQ(m.frames[2].offset, 100u);
   EXPECT_EQ(m.base_digest, dig(13));
   EXPECT_EQ(m.target_digest, dig(17));
-  EXPECT_EQ(m.tensors[1].target_digest, dig(8));
+  ASSERT_EQ(m.tensor_target_digests.size(), m.tensors.size());
+  EXPECT_EQ(m.tensor_target_digests[1], dig(8));
   EXPECT_EQ(m.frame_bytes, 330u);
   // The manifest parses back as a delta manifest.
-  EXPECT_TRUE(DeltaManifest::FromJson(m.ToJson(), "assembled").ok());
+  const std::string bytes = m.Encode();
+  EXPECT_TRUE(
+      DeltaManifest::Decode(std::span(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()), m, "assembled")
+          .ok());
   // Every chunk exactly once; frames only of owned chunks.
   ProcessRecord twice = p1;
   twice.chunks.insert(twice.chunks.begin(), {0, 1, dig(2), dig(3)});
@@ -2062,6 +2068,37 @@ TEST(AssembleLayoutManifestTest, BuildsTheManifestFromEveryProcessRecord) {
   outside.chunks.push_back({1, 5, dig(1), dig(1)});
   const ProcessRecord outsides[] = {p0, outside};
   EXPECT_EQ(AssembleLayoutManifest(m2, outsides).code(), Code::kInvalidArgument);
+}
+
+// A store written by the previous format (JSON manifests, 96-byte frame
+// headers; its run.json has no format_version) is refused, naming the
+// version, by everything that reads run.json: publishers and receivers alike.
+TEST(RunRecordTest, AStoreOfTheOldFormatIsRefusedNamingItsVersion) {
+  RunRecord r;
+  r.run_id = "r";
+  r.chunk_elements = 1024;
+  r.tensors.push_back({"w", DType::kBF16, {4, 4}, 16});
+  auto back = RunRecord::FromJson(r.ToJson(), "run.json");
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->tensors.size(), 1u);
+  auto doc = nlohmann::json::parse(r.ToJson());
+  for (const auto& version : {nlohmann::json(), nlohmann::json(1), nlohmann::json(3)}) {
+    if (version.is_null()) doc.erase("format_version");
+    else doc["format_version"] = version;
+    auto old = RunRecord::FromJson(doc.dump(), "run.json");
+    ASSERT_FALSE(old.ok());
+    EXPECT_EQ(old.status().code(), Code::kUnimplemented) << old.status().ToString();
+    const std::string named = version.is_null() ? "1" : version.dump();
+    EXPECT_NE(old.status().message().find("format version " + named), std::string::npos) << old.status().message();
+  }
+  // Through the store, as a receiver meets it.
+  auto store = OpenStore("mem://old-format-run");
+  ASSERT_TRUE(store.ok());
+  doc.erase("format_version");
+  ASSERT_TRUE((*store)->Put(run_keys::kRun, doc.dump()).ok());
+  auto state = ReadRunState(**store);
+  ASSERT_FALSE(state.ok());
+  EXPECT_EQ(state.status().code(), Code::kUnimplemented) << state.status().ToString();
 }
 
 TEST(AttemptRecordTest, RoundTripsAndRefusesBadRecords) {
@@ -2302,10 +2339,9 @@ class ForgingAckTransport final : public FrameObjectSink {
     // Once r's real ack is in (so that what the forged nack names is fixed).
     if (forged_.count(prefix) || !store_.Head(prefix + "acks/r.json").ok()) return {};
     forged_.insert(prefix);
-    auto text = store_.Get(prefix + "manifest.json");
-    EXPECT_TRUE(text.ok());
-    if (!text.ok()) return {};
-    auto m = DeltaManifest::FromJson(*text, "manifest");
+    auto m = StoredManifest(store_, prefix + "manifest.bin");
+    EXPECT_TRUE(m.ok()) << m.status().ToString();
+    if (!m.ok()) return {};
     AckRecord nack{"r", false, {}, "forged: apply failed", {}};
     AckRecord ghost{"ghost", true, m->target_digest, "", {}};
     AckRecord traversal{"../../../receivers/r", true, m->target_digest, "", {}};

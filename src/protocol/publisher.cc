@@ -65,7 +65,8 @@ class PublishRun {
   // another run's) or a damaged one.
   Status OpenBaseline(uint64_t v, const CommitRecord& want, const RunRecord& run, const DeltaManifest& layout,
                       std::optional<Checkpoint>* out, ChunkDigestTable* digests);
-  Status CatchUpBaseline(Checkpoint& baseline, uint64_t from, uint64_t to, ChunkDigestTable* digests);
+  Status CatchUpBaseline(Checkpoint& baseline, uint64_t from, uint64_t to, const DeltaManifest& layout,
+                         ChunkDigestTable* digests);
   // Opens the baseline (recorded at version `at`), catches it up to `want`
   // and checks its digest.
   Status LoadBaseline(uint64_t at, const CommitRecord& want, const RunRecord& run, const DeltaManifest& layout,
@@ -136,10 +137,11 @@ Result<PublishReport> PublishRun::PublishSnapshot(const Checkpoint& next) {
   return report;
 }
 
-Status PublishRun::CatchUpBaseline(Checkpoint& baseline, uint64_t from, uint64_t to, ChunkDigestTable* digests) {
+Status PublishRun::CatchUpBaseline(Checkpoint& baseline, uint64_t from, uint64_t to, const DeltaManifest& layout,
+                                   ChunkDigestTable* digests) {
   for (uint64_t v = from + 1; v <= to; ++v) {
     DCR_ASSIGN_OR_RETURN(CommitRecord c, ReadCommit(store_, v));
-    DCR_ASSIGN_OR_RETURN(DeltaReader delta, LoadAttempt(store_, v, c.attempt));
+    DCR_ASSIGN_OR_RETURN(DeltaReader delta, LoadAttempt(store_, v, c.attempt, layout));
     auto applied = ApplyDelta(baseline, delta, nullptr, nullptr, digests);
     if (!applied.ok())
       return applied.status().WithContext(
@@ -156,7 +158,7 @@ Status PublishRun::LoadBaseline(uint64_t at, const CommitRecord& want, const Run
   if (auto cached = ReadDigestCache(state_dir_, at, baseline, layout)) *digests = std::move(*cached);
   else *digests = ChunkDigests(baseline, layout);
   DropDigestCache(state_dir_);  // the baseline may change from here on
-  DCR_RETURN_IF_ERROR(CatchUpBaseline(baseline, at, want.version, digests));
+  DCR_RETURN_IF_ERROR(CatchUpBaseline(baseline, at, want.version, layout, digests));
   if (Total(*digests) != want.target_digest)
     return FailedPrecondition(fmt::format("the publisher baseline {} is not committed version {} (digest {} != {})",
                                           baseline.path(), want.version, Total(*digests).ToHex(),
@@ -179,7 +181,7 @@ Status PublishRun::RebuildBaseline(const CommitRecord& want, const RunRecord& ru
     DCR_ASSIGN_OR_RETURN(Checkpoint rebuilt, Checkpoint::Open(fresh, OpenMode::kReadWrite));
     DCR_RETURN_IF_ERROR(CheckRunTensors(rebuilt, run));
     ChunkDigestTable digests = ChunkDigests(rebuilt, layout);
-    DCR_RETURN_IF_ERROR(CatchUpBaseline(rebuilt, snap.version, want.version, &digests));
+    DCR_RETURN_IF_ERROR(CatchUpBaseline(rebuilt, snap.version, want.version, layout, &digests));
     if (Total(digests) != want.target_digest)
       return DataLoss(fmt::format("{}: the snapshot of version {} and the committed deltas do not make version {}",
                                   store_.url(), snap.version, want.version));
@@ -310,10 +312,10 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
                                                          DeltaManifest* manifest_out,
                                                          ChunkDigestTable* target_digests_out) {
   const std::string prefix = run_keys::Attempt(v, id);
-  // The delta id is in attempt.json so that receivers can check (and apply)
-  // frames that arrive before the manifest.
-  // So is the public key that signs its frame objects, made for this
-  // attempt: receivers verify what any other transport brings.
+  // attempt.json names the attempt's class and delta id, so that receivers
+  // can check (and apply) frames that arrive before the manifest, and the
+  // public key that signs its frame objects, made for this attempt:
+  // receivers verify what any other transport brings.
   const uint64_t delta_id = NewDeltaId();
   DCR_ASSIGN_OR_RETURN(const ObjectSigner signer, ObjectSigner::Generate());
   AttemptRecord attempt;

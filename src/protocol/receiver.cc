@@ -151,7 +151,7 @@ void ReceiverWalk::NoteFramesHeld(uint64_t loaded) {
   uint64_t held = loaded;
   for (const auto& [key, bytes] : prefetched_) held += bytes.size();
   for (const auto& [key, bytes] : relayed_) held += bytes.size();
-  for (const auto& [key, object] : released_) held += object.headers.size() * kFrameHeaderBytes;
+  for (const auto& [key, object] : released_) held += object.headers.size() * kMaxFrameHeaderBytes;
   frames_held_peak_ = std::max(frames_held_peak_, held);
 }
 
@@ -199,7 +199,9 @@ Status ReceiverWalk::StreamApply(uint64_t v, const AttemptInfo& a) {
         key, blob, st.shape, *st.attempt,
         [&](const FrameView& f, size_t offset) {
           frames.push_back(f);
-          std::copy_n(blob.data() + offset, kFrameHeaderBytes, headers.headers[offset].begin());
+          auto& header = headers.headers[offset];
+          header.fill(0);
+          std::copy_n(blob.data() + offset, f.header.header_bytes, header.begin());
         },
         [this](const std::string& l) { Log(l); });
     const uint64_t left = st.counts.left;
@@ -236,7 +238,7 @@ Status ReceiverWalk::CatchUp(uint64_t v, const CommitRecord& c) {
   for (const auto& a : attempts)
     if (a.id == c.attempt && a.has_manifest) DCR_RETURN_IF_ERROR(StreamRest(v, a));
   uint64_t loaded = 0;
-  auto delta = LoadAttempt(store_, v, c.attempt, &prefetched_, &loaded, &released_);
+  auto delta = LoadAttempt(store_, v, c.attempt, shape_, &prefetched_, &loaded, &released_);
   NoteFramesHeld(loaded);
   Status s = delta.status();
   ApplyCounts counts;
@@ -263,7 +265,7 @@ Status ReceiverWalk::ApplyAndAck(uint64_t v, const AttemptInfo& a) {
   DCR_RETURN_IF_ERROR(StreamRest(v, a));
   const auto [relayed, relayed_bytes] = Relayed(prefix);
   uint64_t loaded = 0;
-  auto delta = LoadAttempt(store_, v, a.id, &prefetched_, &loaded, &released_);
+  auto delta = LoadAttempt(store_, v, a.id, shape_, &prefetched_, &loaded, &released_);
   NoteFramesHeld(loaded);
   const auto ready = ClockOf(o_).Now();  // the manifest and every frame object are here
   if (Transient(delta.status())) return delta.status();

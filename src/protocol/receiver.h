@@ -56,7 +56,7 @@ class ReceiverTarget {
   virtual Status ApplyAttempt(const std::string& id, const DeltaReader& delta, ApplyCounts* counts) = 0;
   // Applies frames of the journaled attempt that arrived before its manifest
   // (each already checked by ForEachStreamedFrame against `shape`: the run's
-  // tensors with the attempt's delta id and class). Frames it cannot prove
+  // tensors with the attempt's class). Frames it cannot prove
   // safe are logged and left to the manifest; errors are journal I/O only.
   virtual Status ApplyStreamed(const DeltaManifest& shape, std::span<const FrameView> frames, ApplyCounts* counts) = 0;
 };

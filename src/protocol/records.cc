@@ -110,6 +110,7 @@ Result<EngineRank> GetEngine(const json& doc, const std::string& where) {
 std::string RunRecord::ToJson() const {
   json doc;
   doc["format"] = "dcr-run";
+  doc["format_version"] = kDeltaFormatVersion;
   doc["run_id"] = run_id;
   doc["chunk_elements"] = chunk_elements;
   json& ts = doc["tensors"] = json::array();
@@ -119,34 +120,20 @@ std::string RunRecord::ToJson() const {
 
 Result<RunRecord> RunRecord::FromJson(std::string_view text, const std::string& where) {
   DCR_ASSIGN_OR_RETURN(json doc, Parse(text, where, "dcr-run"));
+  // Format version 1 (JSON manifests, 96-byte frame headers) had no field.
+  const auto version = doc.find("format_version");
+  const uint64_t v = version != doc.end() && version->is_number_unsigned() ? version->get<uint64_t>() : 1;
+  if (v != kDeltaFormatVersion)
+    return Unimplemented(fmt::format("{}: a run of delta format version {} (this dcr reads {}){}", where, v,
+                                     kDeltaFormatVersion,
+                                     v < kDeltaFormatVersion ? ": it was written by an older dcr; publish into a new, "
+                                                               "empty store (a new run)"
+                                                             : ""));
   RunRecord r;
   DCR_ASSIGN_OR_RETURN(r.run_id, Str(doc, "run_id", where));
-  DCR_ASSIGN_OR_RETURN(r.chunk_elements, U64(doc, "chunk_elements", where));
-  if (r.chunk_elements == 0 || r.chunk_elements % 8 != 0 || r.chunk_elements > (1ull << 28))
-    return Bad(where, "'chunk_elements' must be a positive multiple of 8, at most 2^28");
-  auto ts = doc.find("tensors");
-  if (ts == doc.end() || !ts->is_array()) return Bad(where, "'tensors' must be an array");
-  for (const auto& t : *ts) {
-    if (!t.is_object()) return Bad(where, "each tensor must be an object");
-    DeltaTensor d;
-    DCR_ASSIGN_OR_RETURN(d.name, Str(t, "name", where));
-    DCR_ASSIGN_OR_RETURN(std::string dtype, Str(t, "dtype", where));
-    auto parsed = ParseDType(dtype);
-    if (!parsed) return Bad(where, fmt::format("tensor '{}': unknown dtype '{}'", d.name, dtype));
-    d.dtype = *parsed;
-    auto sh = t.find("shape");
-    if (sh == t.end() || !sh->is_array())
-      return Bad(where, fmt::format("tensor '{}': 'shape' must be an array", d.name));
-    for (const auto& x : *sh) {
-      if (!x.is_number_unsigned()) return Bad(where, fmt::format("tensor '{}': bad shape", d.name));
-      d.shape.push_back(x.get<uint64_t>());
-    }
-    auto info = MakeTensorInfo(d.name, d.dtype, d.shape);
-    if (!info.ok()) return Bad(where, info.status().message());
-    d.elements = info->numel;
-    if (!r.tensors.empty() && !(r.tensors.back().name < d.name)) return Bad(where, "tensors must be sorted and unique");
-    r.tensors.push_back(std::move(d));
-  }
+  DCR_ASSIGN_OR_RETURN(DeltaManifest table, DeltaManifest::FromTableJson(text, where, "dcr-run"));
+  r.chunk_elements = table.chunk_elements;
+  r.tensors = std::move(table.tensors);
   return r;
 }
 
@@ -407,7 +394,8 @@ std::string ProcessRecord::ToJson() const {
   doc["objects"] = objects;
   json& fs = doc["frames"] = json::array();
   for (const DeltaFrameEntry& f : frames)
-    fs.push_back({f.tensor, f.chunk, f.object, f.offset, f.bytes, ModeName(f.mode), CodecName(f.codec), f.changed});
+    fs.push_back({f.tensor, f.chunk, f.object, f.offset, f.bytes, ModeName(f.mode), CodecName(f.codec), f.changed,
+                  f.payload_bytes});
   json& cs = doc["chunks"] = json::array();
   for (const Chunk& c : chunks) cs.push_back({c.tensor, c.chunk, c.base.ToHex(), c.target.ToHex()});
   return Dump(doc);
@@ -439,21 +427,23 @@ Result<ProcessRecord> ProcessRecord::FromJson(std::string_view text, const std::
   auto fs = doc.find("frames");
   if (fs == doc.end() || !fs->is_array()) return Bad(where, "'frames' must be an array");
   for (const auto& f : *fs) {
-    if (!f.is_array() || f.size() != 8 || !f[0].is_number_unsigned() || !f[1].is_number_unsigned() ||
+    if (!f.is_array() || f.size() != 9 || !f[0].is_number_unsigned() || !f[1].is_number_unsigned() ||
         !f[2].is_number_unsigned() || !f[3].is_number_unsigned() || !f[4].is_number_unsigned() || !f[5].is_string() ||
-        !f[6].is_string() || !f[7].is_number_unsigned())
-      return Bad(where, "each frame must be [tensor, chunk, object, offset, bytes, mode, codec, changed]");
+        !f[6].is_string() || !f[7].is_number_unsigned() || !f[8].is_number_unsigned())
+      return Bad(where, "each frame must be [tensor, chunk, object, offset, bytes, mode, codec, changed, payload]");
     DeltaFrameEntry e;
-    const uint64_t tensor = f[0], chunk = f[1], object = f[2], changed = f[7];
+    const uint64_t tensor = f[0], chunk = f[1], object = f[2], changed = f[7], payload = f[8];
     e.offset = f[3];
     e.bytes = f[4];
     if (tensor > 0xFFFFFFFFu || chunk > 0xFFFFFFFFu || changed > 0xFFFFFFFFu || object >= r.objects.size() ||
-        e.bytes < kFrameHeaderBytes || e.bytes > (1ull << 32) || e.offset > (1ull << 62))
+        e.bytes < kMinFrameHeaderBytes || e.bytes > (1ull << 32) || e.offset > (1ull << 62) ||
+        payload > e.bytes - kMinFrameHeaderBytes)
       return Bad(where, fmt::format("frame (tensor {}, chunk {}) has impossible indices or sizes", tensor, chunk));
     e.tensor = static_cast<uint32_t>(tensor);
     e.chunk = static_cast<uint32_t>(chunk);
     e.object = static_cast<uint32_t>(object);
     e.changed = static_cast<uint32_t>(changed);
+    e.payload_bytes = static_cast<uint32_t>(payload);
     const std::string mode = f[5], codec = f[6];
     if (!ModeFromName(mode, &e.mode)) return Bad(where, fmt::format("frame mode '{}'", mode));
     if (!CodecFromName(codec, &e.codec)) return Bad(where, fmt::format("frame codec '{}'", codec));

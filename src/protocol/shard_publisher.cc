@@ -315,7 +315,7 @@ Status ShardRun::ApplyCommitted(uint64_t from, uint64_t to) {
   std::vector<uint8_t> scratch;
   for (uint64_t v = from + 1; v <= to; ++v) {
     DCR_ASSIGN_OR_RETURN(CommitRecord c, ReadCommit(store_, v));
-    DCR_ASSIGN_OR_RETURN(DeltaReader delta, LoadAttempt(store_, v, c.attempt));
+    DCR_ASSIGN_OR_RETURN(DeltaReader delta, LoadAttempt(store_, v, c.attempt, LayoutOf(record_)));
     for (size_t i = 0; i < delta.manifest().frames.size(); ++i) {
       DCR_ASSIGN_OR_RETURN(FrameView frame, delta.Frame(i));
       for (RankBufferFiles& f : baseline_) {
@@ -597,7 +597,7 @@ Status ShardRun::WriteOwnedFrames(uint64_t v, const std::string& id, const Owned
     const std::string& f = owned.frames[static_cast<size_t>(owned.frame_of[i])];
     DCR_ASSIGN_OR_RETURN(FrameView fv, ParseFrame({reinterpret_cast<const uint8_t*>(f.data()), f.size()}));
     rec->frames.push_back({owned.chunks[i].tensor, owned.chunks[i].chunk, 0, bytes.size(), f.size(), fv.header.mode,
-                           fv.header.codec, fv.header.changed});
+                           fv.header.codec, fv.header.changed, fv.header.payload_bytes});
     bytes += f;
   }
   if (!bytes.empty()) {

@@ -15,13 +15,15 @@ namespace {
 
 // Attempt `a` of version v as status shows it; `commit`: v's, if committed.
 Result<AttemptStatus> ReadAttemptStatus(Store& store, uint64_t v, const AttemptInfo& a,
-                                        const std::optional<CommitRecord>& commit) {
+                                        const std::optional<CommitRecord>& commit, const DeltaManifest& table) {
   AttemptStatus as;
   as.id = a.id;
   const std::string prefix = run_keys::Attempt(v, a.id);
   if (a.has_manifest) {
     DCR_ASSIGN_OR_RETURN(std::string text, store.Get(run_keys::Manifest(v, a.id)));
-    DCR_ASSIGN_OR_RETURN(DeltaManifest m, DeltaManifest::FromJson(text, StoreContext(store.url(), prefix)));
+    DCR_ASSIGN_OR_RETURN(DeltaManifest m,
+                         DeltaManifest::Decode(std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()),
+                                               table, StoreContext(store.url(), run_keys::Manifest(v, a.id))));
     as.mode = m.delta_class == DeltaClass::kXorClass ? "xor" : "overwrite";
     as.frame_bytes = m.frame_bytes;
     as.frames = m.frames.size();
@@ -50,7 +52,8 @@ Result<AttemptStatus> ReadAttemptStatus(Store& store, uint64_t v, const AttemptI
 }
 
 // Every committed version up to `latest`, and every version with attempts.
-Result<std::vector<VersionStatus>> ReadVersions(Store& store, std::optional<uint64_t> latest) {
+Result<std::vector<VersionStatus>> ReadVersions(Store& store, std::optional<uint64_t> latest,
+                                                const DeltaManifest& table) {
   std::map<uint64_t, VersionStatus> versions;
   if (latest)
     for (uint64_t v = 0; v <= *latest; ++v) {
@@ -72,7 +75,7 @@ Result<std::vector<VersionStatus>> ReadVersions(Store& store, std::optional<uint
     vs.version = v;
     DCR_ASSIGN_OR_RETURN(auto attempts, ListAttempts(store, v));
     for (const auto& a : attempts) {
-      DCR_ASSIGN_OR_RETURN(AttemptStatus as, ReadAttemptStatus(store, v, a, vs.commit));
+      DCR_ASSIGN_OR_RETURN(AttemptStatus as, ReadAttemptStatus(store, v, a, vs.commit, table));
       vs.attempts.push_back(std::move(as));
     }
   }
@@ -121,7 +124,8 @@ Result<RunStatusReport> ReadRunStatus(Store& store, std::chrono::milliseconds he
   report.run = state.run;
   report.latest = state.latest;
   DCR_ASSIGN_OR_RETURN(report.snapshots, ListSnapshots(store));
-  DCR_ASSIGN_OR_RETURN(report.versions, ReadVersions(store, state.latest));
+  const DeltaManifest table = state.run ? LayoutOf(*state.run) : DeltaManifest();
+  DCR_ASSIGN_OR_RETURN(report.versions, ReadVersions(store, state.latest, table));
   DCR_RETURN_IF_ERROR(ReadReceivers(store, heartbeat_timeout, &report));
   return report;
 }

@@ -91,17 +91,13 @@ bool ForEachStreamedFrame(const std::string& key, const std::string& blob, const
       refused = frame.status().ToString();
     } else {
       const FrameHeader& h = frame->header;
-      uint64_t first_word = 0, words = 0;
-      uint32_t elements = 0;
-      if (h.delta_id != st.delta_id) refused = fmt::format("delta id {:016x}, not attempt.json's", h.delta_id);
-      else if ((st.cls == DeltaClass::kOverwrite) != (h.mode == Mode::kOverwrite))
+      if ((st.cls == DeltaClass::kOverwrite) != (h.mode == Mode::kOverwrite))
         refused = fmt::format("mode {} in an attempt of the other class", ModeName(h.mode));
       else if (h.tensor >= layout.tensors.size() || h.chunk >= layout.ChunkCount(h.tensor))
         refused = fmt::format("tensor {} chunk {} is not in the run", h.tensor, h.chunk);
-      else if (layout.ChunkWords(h.tensor, h.chunk, &first_word, &words, &elements),
-               h.dtype != layout.tensors[h.tensor].dtype || h.elements != elements || h.words != words ||
-                   h.first_element != uint64_t{h.chunk} * layout.chunk_elements)
-        refused = fmt::format("its shape is not that of tensor '{}' chunk {}", layout.tensors[h.tensor].name, h.chunk);
+      else if (h.dtype != layout.tensors[h.tensor].dtype)
+        refused = fmt::format("a {} frame for tensor '{}' of {}", Name(h.dtype), layout.tensors[h.tensor].name,
+                              Name(layout.tensors[h.tensor].dtype));
     }
     if (!refused.empty()) {
       // The manifest decides: LoadAttempt and the apply report it if the frame is needed.

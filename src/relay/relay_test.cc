@@ -157,7 +157,7 @@ TEST(Relay, ACorruptObjectIsNeverForwarded) {
   for (uint32_t s = 0; s < 3; ++s) (*sender)->Object(ObjectKey(1, s), MakeFrame(s, 5));
   // A frame damaged before its envelope CRC was computed: only the frame's own checksum tells.
   std::string bad = MakeFrame(9, 5);
-  bad[120] ^= 0x10;
+  bad[bad.size() - 10] ^= 0x10;  // in its payload
   (*sender)->Object(ObjectKey(1, 9), bad);
   EXPECT_TRUE((*sender)->Flush(kGuard));
   auto got = TakeAll(**far, AttemptPrefix(1), 2);

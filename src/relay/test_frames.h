@@ -16,16 +16,10 @@ inline std::string MakeFrame(uint32_t chunk, uint8_t fill) {
   std::vector<uint8_t> payload(64, fill);
   FrameHeader h;
   h.chunk = chunk;
-  h.first_element = uint64_t{chunk} * 64;
-  h.elements = 64;
-  h.words = 64;
   h.changed = 64;
   h.mode = Mode::kOverwrite;
   h.codec = Codec::kRaw;
   h.dtype = DType::kU8;
-  h.word_bytes = 1;
-  h.payload_bytes = 64;
-  h.payload_crc = Crc32c(payload.data(), payload.size());
   return EncodeFrame(h, payload);
 }
 

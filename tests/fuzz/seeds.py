@@ -47,13 +47,26 @@ def delta_seeds(dcr, frames_out, manifests_out):
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([dcr, "gen", "-o", f"{tmp}/g", "--family", "deepseek-v3", "--size", "1MB",
                         "--versions", "1", "--rate", "0.05", "--seed", "5"], check=True, capture_output=True)
+        # Binary manifests with their tensor tables, from a model of few tensors
+        # (the table is in every input), as checked and as resealed inputs.
+        subprocess.run([dcr, "gen", "-o", f"{tmp}/small", "--family", "llama", "--size", "256KB",
+                        "--versions", "1", "--rate", "0.05", "--seed", "6"], check=True, capture_output=True)
+        for mode, chunk in (("xor", "4096"), ("overwrite", "8192"), ("xor", "65536")):
+            d = f"{tmp}/b-{mode}-{chunk}"
+            subprocess.run([dcr, "delta", "make", f"{tmp}/small/v0", f"{tmp}/small/v1", "-o", d, "--mode", mode,
+                            "--chunk", chunk], check=True, capture_output=True)
+            table = json.dumps(json.load(open(f"{d}/tensors.json")), separators=(",", ":")).encode()
+            manifest = open(f"{d}/manifest.bin", "rb").read()
+            for variant, flag in (("checked", 0), ("resealed", 1 << 31)):
+                with open(os.path.join(manifests_out, f"binary-{mode}-{chunk}-{variant}"), "wb") as f:
+                    f.write(struct.pack("<I", len(table) | flag) + table + manifest)
         n = 0
         for mode, chunk, extra in (("xor", "4096", []), ("xor", "65536", ["--no-add"]), ("overwrite", "2048", [])):
             d = f"{tmp}/d-{mode}-{chunk}-{len(extra)}"
             subprocess.run([dcr, "delta", "make", f"{tmp}/g/v0", f"{tmp}/g/v1", "-o", d, "--mode", mode,
                             "--chunk", chunk, *extra], check=True, capture_output=True)
-            with open(f"{d}/manifest.json", "rb") as f:
-                doc = json.loads(f.read())
+            doc = json.loads(subprocess.run([dcr, "delta", "inspect", d, "--manifest"], check=True,
+                                            capture_output=True).stdout)
             # Not the whole manifest (150 KB, hundreds of tensors): every entry
             # takes the same parser paths, and inputs that large make each
             # execution ~100x slower (manifest_fuzz.options caps -max_len).
@@ -68,9 +81,16 @@ def delta_seeds(dcr, frames_out, manifests_out):
                 frame = data[entry["offset"]:entry["offset"] + entry["bytes"]]
                 if len(frame) > 64 << 10:
                     continue  # keep seeds small
-                for variant, first in (("checked", frame[0]), ("resealed", frame[0] | 1)):
+                # The chunk's words, as the receiver's tensor table gives them.
+                tensor = doc["tensors"][entry["tensor"]]
+                numel = 1
+                for dim in tensor["shape"]:
+                    numel *= dim
+                elements = min(int(chunk), numel - entry["chunk"] * int(chunk))
+                words = elements * (2 if tensor["dtype"] == "C64" else 1)
+                for variant, flags in (("checked", 0), ("resealed", 1)):
                     with open(os.path.join(frames_out, f"frame-{n}-{variant}"), "wb") as f:
-                        f.write(bytes([first]) + frame[1:])
+                        f.write(bytes([flags]) + struct.pack("<I", words) + frame)
                 n += 1
 
 

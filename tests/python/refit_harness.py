@@ -33,6 +33,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import dcr
 from conftest import DCR_BIN, run_dcr
 
 # Receivers poll and beat quickly so that an episode takes about a second.
@@ -101,6 +102,22 @@ def view_json(view, key: str):
         return None if data is None else json.loads(data)
     except ValueError:
         return None
+
+
+def view_manifest(view, key: str):
+    """The stored manifest at `key`, decoded against the run's table (None
+    while either is missing or unreadable)."""
+    data, run = view.read(key), view.read("run.json")
+    try:
+        return None if data is None or run is None else dcr.describe_manifest(data, run.decode())
+    except dcr.DcrError:
+        return None
+
+
+def stored_manifest(attempt_dir: Path) -> dict:
+    """An attempt's manifest in a file store, decoded against run.json."""
+    store = attempt_dir.parents[2]
+    return dcr.describe_manifest((attempt_dir / "manifest.bin").read_bytes(), (store / "run.json").read_text())
 
 
 def checkpoint_files(d: Path) -> dict[str, bytes]:
@@ -457,8 +474,8 @@ class Harness:
                 if doc is None:
                     continue
                 seen = self.attempts_seen[key] = {"class": doc.get("class"), "frame_bytes": None, "fenced": False}
-            if seen["frame_bytes"] is None and "manifest.json" in files:
-                m = view_json(self.view, prefix + "manifest.json")
+            if seen["frame_bytes"] is None and "manifest.bin" in files:
+                m = view_manifest(self.view, prefix + "manifest.bin")
                 if m is not None:
                     seen["frame_bytes"] = m["totals"]["frame_bytes"]
             if "fence" in files:
@@ -566,7 +583,7 @@ def damage_frames(attempt_dir: Path, how: str, rng: random.Random) -> str:
     """Damages one frame object of an attempt in the store, the way a broken
     network or disk would: flips a byte, truncates, duplicates a frame (the
     frames after it shift), or swaps two frames. Returns what it did."""
-    m = json.loads((attempt_dir / "manifest.json").read_text())
+    m = stored_manifest(attempt_dir)
     frames = m["frames"]
     by_object: dict[int, list[dict]] = {}
     for f in frames:

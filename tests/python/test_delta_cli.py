@@ -57,7 +57,8 @@ def diff(a: Path, b: Path) -> tuple[int, dict]:
 
 
 def manifest(delta: Path) -> dict:
-    return json.loads((delta / "manifest.json").read_text())
+    """The delta's whole manifest as JSON (the table and every frame entry)."""
+    return dcr_json("delta", "inspect", delta, "--manifest")
 
 
 def inspect(delta: Path) -> dict:
@@ -90,14 +91,20 @@ def test_apply_gives_next_version(tmp, versions, family, update):
     assert made["frames"] > 10, "chunks of 4096 elements: a 2 MB model changes in many chunks"
     assert 0 < made["changed_elements"] < made["total_elements"]
     assert 0 < made["payload_bytes"] < made["total_bytes"]
-    assert made["frame_bytes"] == made["payload_bytes"] + 96 * made["frames"]
+    # Each frame: a header of 27 to 43 bytes (docs/format.md), then its payload.
+    headers = made["frame_bytes"] - made["payload_bytes"]
+    assert 27 * made["frames"] <= headers <= 43 * made["frames"], made
     m = manifest(d)
     assert len(m["frames"]) == made["frames"]
     assert (d / "frames.bin").stat().st_size == made["frame_bytes"]
-    # What a receiver downloads: the delta's files, the manifest among them.
-    assert made["manifest_bytes"] == (d / "manifest.json").stat().st_size
-    assert made["download_bytes"] == sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+    # What a receiver downloads per version: the manifest and the frames; the
+    # tensor table once per run.
+    assert made["manifest_bytes"] == (d / "manifest.bin").stat().st_size
+    assert made["table_bytes"] == (d / "tensors.json").stat().st_size
+    assert made["download_bytes"] == sum(f.stat().st_size for f in d.iterdir() if f.is_file()) - made["table_bytes"]
     assert made["download_bytes"] == made["frame_bytes"] + made["manifest_bytes"]
+    # Sized by the change: a few bytes per frame besides the fixed part.
+    assert made["manifest_bytes"] < 64 + 8 * made["frames"]
     assert made["download_bytes_per_changed_word"] == pytest.approx(
         made["download_bytes"] / made["changed_words"])
 
@@ -347,42 +354,34 @@ def test_corrupt_frame_is_refused_without_writing(tmp, versions):
     assert r.returncode == 2 and f"'{tensor}'" in r.stderr, str(r)
 
 
-def test_altered_manifest_digests_are_refused_without_writing(tmp, versions):
-    """Issue 22: frames carry their own digests, so a manifest whose tensor or
-    total target digest was altered used to apply with exit 0. It is refused,
-    naming the tensor, before the target is touched."""
+def test_altered_manifest_digest_is_refused_without_writing(tmp, versions):
+    """Frames carry their chunks' digests, so only the manifest says what the
+    whole checkpoint must end as. One whose target digest was altered (its
+    checksum made good: re-encoded) is refused before the target is touched."""
+    import dcr
     g, _ = versions("qwen3-moe", "training")
     d = tmp / "d"
     make(g / "v0", g / "v1", d)
-    original = manifest(d)
-    changed = next(i for i, t in enumerate(original["tensors"]) if t["base_digest"] != t["target_digest"])
-    name = original["tensors"][changed]["name"]
+    original = (d / "manifest.bin").read_bytes()
     t = copy_ckpt(g / "v0", tmp / "t")
     before = snapshot(t)
 
-    # One tensor's target digest: that of another tensor (well-formed, wrong).
-    m = json.loads(json.dumps(original))
-    other = (changed + 1) % len(m["tensors"])
-    m["tensors"][changed]["target_digest"] = original["tensors"][other]["target_digest"]
-    (d / "manifest.json").write_text(json.dumps(m))
+    delta = dcr.read_delta(d)
+    m = json.loads(delta.manifest_json)
+    m["target_digest"] = m["base_digest"]
+    altered = tmp / "altered"
+    dcr.Delta.from_parts(json.dumps(m), delta.frames).write(altered)
+    (d / "manifest.bin").write_bytes((altered / "manifest.bin").read_bytes())
+    assert (d / "manifest.bin").read_bytes() != original
     r = run_dcr("delta", "apply", t, d)
     assert r.returncode == 2, str(r)
-    assert f"tensor '{name}'" in r.stderr and "target digest" in r.stderr, r.stderr
+    assert "not the base" in r.stderr and "nothing was written" in r.stderr, r.stderr
     assert snapshot(t) == before, "an altered manifest changed the target"
 
-    # Only the total target digest.
-    m = json.loads(json.dumps(original))
-    m["target_digest"] = original["base_digest"]
-    (d / "manifest.json").write_text(json.dumps(m))
-    r = run_dcr("delta", "apply", t, d)
-    assert r.returncode == 2, str(r)
-    assert "total target digest" in r.stderr, r.stderr
-    assert snapshot(t) == before
-
     # The untouched manifest still applies, and says it verified the result.
-    (d / "manifest.json").write_text(json.dumps(original))
+    (d / "manifest.bin").write_bytes(original)
     applied = apply(t, d)
-    assert applied["verified"] is True and applied["frames_applied"] == len(original["frames"])
+    assert applied["verified"] is True and applied["frames_applied"] == len(manifest(d)["frames"])
     assert_same_tree(t, g / "v1")
 
 
@@ -407,7 +406,7 @@ def test_missing_or_broken_delta_directory(tmp, versions):
     # No such directory.
     r = run_dcr("delta", "apply", t, tmp / "no-such-delta")
     assert r.returncode == 2, str(r)
-    assert "no-such-delta" in r.stderr and "manifest.json" in r.stderr, r.stderr
+    assert "no-such-delta" in r.stderr and "manifest.bin" in r.stderr, r.stderr
     # A directory without a manifest.
     (tmp / "empty").mkdir()
     r = run_dcr("delta", "apply", t, tmp / "empty")
@@ -415,17 +414,18 @@ def test_missing_or_broken_delta_directory(tmp, versions):
     # A truncated manifest.
     d = tmp / "d"
     make(g / "v0", g / "v1", d)
-    text = (d / "manifest.json").read_text()
-    (d / "manifest.json").write_text(text[: len(text) // 2])
+    data = (d / "manifest.bin").read_bytes()
+    (d / "manifest.bin").write_bytes(data[: len(data) // 2])
     for cmd in (["apply", t, d], ["verify", t, d], ["inspect", d]):
         r = run_dcr("delta", *cmd)
         assert_no_crash(r)
         assert r.returncode == 2, str(r)
-        assert "manifest.json" in r.stderr and "malformed" in r.stderr, r.stderr
-    # A manifest that is JSON but not a delta's.
-    (d / "manifest.json").write_text(json.dumps({"format": "something-else"}))
+        assert "manifest.bin" in r.stderr and "checksum" in r.stderr, r.stderr
+    # A delta of format version 1 (a JSON manifest.json): refused, naming the version.
+    (d / "manifest.bin").unlink()
+    (d / "manifest.json").write_text(json.dumps({"format": "dcr-delta", "format_version": 1}))
     r = run_dcr("delta", "apply", t, d)
-    assert r.returncode == 2 and "format" in r.stderr, str(r)
+    assert r.returncode == 2 and "format version 1" in r.stderr, str(r)
     # frames.bin missing.
     d2 = tmp / "d2"
     make(g / "v0", g / "v1", d2)

@@ -445,7 +445,7 @@ def test_ctrl_c_interrupts_a_publish_waiting_for_acks(tmp_path):
         deadline = time.monotonic() + 120  # a guard only
         # Until its attempt's manifest is written: it waits for acks (or is
         # about to; a SIGINT before its first poll is seen at that poll).
-        while not any(k.endswith("/manifest.json") for k, _, _ in store.list("attempts/")):
+        while not any(k.endswith("/manifest.bin") for k, _, _ in store.list("attempts/")):
             if time.monotonic() > deadline or trainer.poll() is not None:
                 pytest.fail("the trainer wrote no attempt: " + (trainer.stderr.read() if trainer.poll() is not None
                                                                  else "within 120 s"))

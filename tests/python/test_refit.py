@@ -335,7 +335,7 @@ class Campaign:
             deadline = time.monotonic() + 20
             while target is None and runs[0].alive() and time.monotonic() < deadline:
                 for d in h.attempt_dirs(v):
-                    if d not in known and (d / "manifest.json").exists():
+                    if d not in known and (d / "manifest.bin").exists():
                         target = d
                         break
                 else:

@@ -99,6 +99,7 @@ from pathlib import Path
 
 import pytest
 from conftest import DCR_BIN, dcr_json, run_dcr
+from refit_harness import stored_manifest
 
 SIZE = "4MB"
 CHUNK = "4096"
@@ -606,7 +607,7 @@ def test_a_slow_childs_backlog_is_spooled(tree):
         attempts = t.store / "attempts" / f"v{1:010}"
         deadline = time.monotonic() + TIMEOUT_S  # a guard only
         while True:  # every frame object is in the store (the manifest comes after them) and at the root
-            manifests = list(attempts.glob("*/manifest.json")) if attempts.exists() else []
+            manifests = list(attempts.glob("*/manifest.bin")) if attempts.exists() else []
             if manifests:
                 written = sum(f.stat().st_size for f in (manifests[0].parent / "frames").iterdir())
                 if fresh_stats(t, "r0")["accepted_bytes"] == written:
@@ -893,40 +894,6 @@ def test_a_corrupt_frame_is_dropped_never_forwarded(tree):
     assert stats["r2"]["dropped_corrupt"] == 0
 
 
-def crc32c_table() -> list[int]:
-    table = []
-    for i in range(256):
-        c = i
-        for _ in range(8):
-            c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
-        table.append(c)
-    return table
-
-
-CRC32C_TABLE = crc32c_table()
-
-
-def crc32c(data: bytes) -> int:
-    """CRC32C (Castagnoli), for rewriting frame headers (docs/format.md)."""
-    crc = 0xFFFFFFFF
-    for b in data:
-        crc = CRC32C_TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
-
-
-def with_delta_id(frames: bytes, delta_id: int) -> bytes:
-    """The frames with another delta id (header bytes 80..87) and header checksums redone."""
-    out, off = bytearray(), 0
-    while off < len(frames):
-        header = bytearray(frames[off:off + 96])
-        payload = struct.unpack_from("<I", header, 40)[0]
-        struct.pack_into("<Q", header, 80, delta_id)
-        struct.pack_into("<I", header, 92, crc32c(bytes(header[:92])))
-        out += header + frames[off + 96:off + 96 + payload]
-        off += 96 + payload
-    return bytes(out)
-
-
 @pytest.mark.parametrize("relay_reads_store", [False, True], ids=["receiver-verifies", "relay-verifies"])
 def test_a_forged_object_pushed_ahead_of_the_publisher_is_refused(tree, relay_reads_store):
     """Forged copies pushed with a sender's key: a relay without the store keeps the first copy of a key
@@ -941,11 +908,11 @@ def test_a_forged_object_pushed_ahead_of_the_publisher_is_refused(tree, relay_re
     t.wait_attached({"receiver victim": "r0"})
     pub, go, attempt_dir = t.publish_paused(1, "attempt-opened")
     attempt = attempt_dir.name
-    delta_id = int(read_json(attempt_dir / "attempt.json")["delta_id"], 16)
-    # The attacker's bits: v2 against the v0 the victim holds, in the run's chunking.
+    # The attacker's bits: v2 against the v0 the victim holds, in the run's chunking (well-formed
+    # frames: only the signature tells them from the publisher's).
     res = run_dcr("delta", "make", t.gen / "v0", t.gen / "v2", "-o", t.root / "attacker", "--chunk", CHUNK)
     assert res.returncode == 0, str(res)
-    frames = with_delta_id(b"".join(p.read_bytes() for p in sorted((t.root / "attacker").glob("*.bin"))), delta_id)
+    frames = (t.root / "attacker" / "frames.bin").read_bytes()
     made_up = b"DCRS\x01\x01\x00\x00" + bytes(range(64))  # a trailer whose signature is nobody's
     forged = {"s0-0000": frames, "s1-0000": frames + made_up}
     for name, data in forged.items():
@@ -1120,7 +1087,7 @@ def test_a_receivers_key_cannot_forge_acks_or_fence(tree):
     pub, go, attempt_dir = t.publish_paused(1, "manifest-written")
     attempt = attempt_dir.name
     prefix = f"attempts/v{1:010}/{attempt}/"
-    target = read_json(attempt_dir / "manifest.json")["target_digest"]
+    target = stored_manifest(attempt_dir)["target_digest"]
     lane0, lane1 = int(target[:16], 16), int(target[16:], 16)
 
     keys = dict(line.split(" ", 1) for line in t.client_key.read_text().splitlines() if not line.startswith("#"))

@@ -22,18 +22,24 @@ struct DeltaArgs {
   std::string chunk = "1048576";
   bool json = false;
   bool frames = false;
+  bool manifest = false;
   bool against_base = false;
   bool no_add = false;
 };
 
-// The bytes a receiver downloads for the delta in `dir` (its files: frame
-// objects and manifest), and the manifest's of them.
-void DeltaDownloadBytes(const std::string& dir, uint64_t* manifest, uint64_t* total) {
+// The bytes a receiver downloads per version for the delta in `dir` (its
+// manifest and frame objects; the tensor table is the run's, fetched once),
+// the manifest's of them, and the table's.
+void DeltaDownloadBytes(const std::string& dir, uint64_t* manifest, uint64_t* total, uint64_t* table) {
   std::error_code ec;
-  *manifest = *total = 0;
+  *manifest = *total = *table = 0;
   for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
     if (!e.is_regular_file(ec)) continue;
     const uint64_t size = e.file_size(ec);
+    if (e.path().filename() == kTableFileName) {
+      *table = size;
+      continue;
+    }
     *total += size;
     if (e.path().filename() == kManifestFileName) *manifest = size;
   }
@@ -58,8 +64,8 @@ int RunMake(const DeltaArgs& a) {
   progress.Finish();
   if (!m.ok()) return Fail("delta make", m.status());
   const double seconds = MonotonicSeconds() - t0;
-  uint64_t manifest_bytes = 0, download_bytes = 0;
-  DeltaDownloadBytes(a.out, &manifest_bytes, &download_bytes);
+  uint64_t manifest_bytes = 0, download_bytes = 0, table_bytes = 0;
+  DeltaDownloadBytes(a.out, &manifest_bytes, &download_bytes, &table_bytes);
   if (a.json) {
     json doc = {{"delta", a.out},
                 {"delta_id", fmt::format("{:016x}", m->delta_id)},
@@ -75,6 +81,7 @@ int RunMake(const DeltaArgs& a) {
                 {"manifest_bytes", manifest_bytes},
                 {"download_bytes", download_bytes},
                 {"download_bytes_per_changed_word", PerChange(download_bytes, m->changed_words)},
+                {"table_bytes", table_bytes},
                 {"seconds", seconds},
                 {"base_digest", m->base_digest.ToHex()},
                 {"target_digest", m->target_digest.ToHex()}};
@@ -90,8 +97,10 @@ int RunMake(const DeltaArgs& a) {
         m->payload_bytes, PerChange(m->payload_bytes, m->changed_words),
         m->total_bytes ? 100.0 * static_cast<double>(m->payload_bytes) / static_cast<double>(m->total_bytes) : 0.0,
         m->total_bytes, seconds, FormatBytes(static_cast<double>(m->total_bytes) / seconds));
-    fmt::print("a receiver downloads {} bytes ({:.3f} per changed word): frames and the {}-byte manifest\n",
-               download_bytes, PerChange(download_bytes, m->changed_words), manifest_bytes);
+    fmt::print(
+        "a receiver downloads {} bytes ({:.3f} per changed word): frames and the {}-byte manifest (and once per run "
+        "the {}-byte tensor table)\n",
+        download_bytes, PerChange(download_bytes, m->changed_words), manifest_bytes, table_bytes);
   }
   return kExitOk;
 }
@@ -111,7 +120,7 @@ int RunApply(const DeltaArgs& a) {
   // writing; here the bits now in the files are read back and checked
   // against them too (a full digest pass, as `dcr delta verify`).
   Progress verify_progress("delta apply: verify", delta->manifest().total_bytes);
-  auto verified = VerifyDelta(*target, delta->manifest(), false, &verify_progress);
+  auto verified = VerifyDelta(*target, *delta, false, &verify_progress);
   verify_progress.Finish();
   if (!verified.ok()) return Fail("delta apply", verified.status());
   if (!verified->matches) {
@@ -121,10 +130,10 @@ int RunApply(const DeltaArgs& a) {
       names += (i ? ", '" : "'") + verified->differing[i] + "'";
     if (verified->differing.size() > kNamed) names += fmt::format(" and {} more", verified->differing.size() - kNamed);
     return Fail("delta apply",
-                DataLoss(fmt::format("applied, but {} does not hold the delta's target: tensor {} read back with "
-                                     "other digests than the manifest's; apply an overwrite delta of this version to "
-                                     "it, or restore it",
-                                     a.target, names)));
+                DataLoss(fmt::format("applied, but {} does not hold the delta's target: it reads back with "
+                                     "another digest than the manifest's{}; apply an overwrite delta of this version "
+                                     "to it, or restore it",
+                                     a.target, names.empty() ? "" : " (tensors " + names + ")")));
   }
   const double verify_seconds = MonotonicSeconds() - t0 - seconds;
   if (a.json) {
@@ -156,7 +165,7 @@ int RunVerify(const DeltaArgs& a) {
   auto target = Checkpoint::Open(a.target);
   if (!target.ok()) return Fail("delta verify", target.status());
   Progress progress("delta verify", delta->manifest().total_bytes);
-  auto report = VerifyDelta(*target, delta->manifest(), a.against_base, &progress);
+  auto report = VerifyDelta(*target, *delta, a.against_base, &progress);
   progress.Finish();
   if (!report.ok()) return Fail("delta verify", report.status());
   const char* what = a.against_base ? "base" : "target";
@@ -173,6 +182,8 @@ int RunVerify(const DeltaArgs& a) {
       fmt::print("differs: {}\n", report->differing[i]);
     if (report->differing.size() > kShown)
       fmt::print("... and {} more tensors (--json lists all)\n", report->differing.size() - kShown);
+    if (!report->matches && report->differing.empty() && !a.against_base)
+      fmt::print("differs: outside the chunks the delta changes\n");
     fmt::print("{} {} the delta's {}\n", a.target, report->matches ? "is" : "is NOT", what);
   }
   return report->matches ? kExitOk : kExitDiffers;
@@ -183,6 +194,12 @@ int RunInspect(const DeltaArgs& a) {
   if (!delta.ok()) return Fail("delta inspect", delta.status());
   const DeltaManifest& m = delta->manifest();
   // Every frame is parsed and checked (checksums, agreement with the manifest).
+  for (size_t i = 0; a.manifest && i < m.frames.size(); ++i)
+    if (auto frame = delta->Frame(i); !frame.ok()) return Fail("delta inspect", frame.status());
+  if (a.manifest) {
+    fmt::print("{}", m.ToJson());
+    return kExitOk;
+  }
   std::map<std::string, std::pair<uint64_t, uint64_t>> by_kind;  // "add/sparse" -> (frames, payload)
   for (size_t i = 0; i < m.frames.size(); ++i) {
     auto frame = delta->Frame(i);
@@ -274,6 +291,8 @@ void AddDeltaCommand(CLI::App& app) {
   inspect->add_option("delta", a->delta, "the delta directory")->required();
   inspect->add_flag("--frames", a->frames, "list every frame");
   inspect->add_flag("--json", a->json, "print JSON");
+  inspect->add_flag("--manifest", a->manifest,
+                    "print the whole manifest as JSON (with the tensor table and every frame entry)");
   inspect->callback([a] { ExitCode() = RunInspect(*a); });
 }
 
