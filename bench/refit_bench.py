@@ -97,7 +97,7 @@ def bench_one(a, update, rate, work):
     segments = [os.path.getmtime(os.path.join(frames_dir, f)) for f in os.listdir(frames_dir)]
     timeline = dict(attempt=os.path.getmtime(os.path.join(attempt_dir, "attempt.json")) - t0,
                     first_segment=min(segments) - t0 if segments else 0.0, segments=len(segments),
-                    manifest=os.path.getmtime(os.path.join(attempt_dir, "manifest.json")) - t0,
+                    manifest=os.path.getmtime(os.path.join(attempt_dir, "manifest.bin")) - t0,
                     last_ack=max(acks) - t0)
     refit = committed_at - t0  # to the commit; the publisher then advances its baseline and collects garbage
     full = up + down
