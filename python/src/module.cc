@@ -764,16 +764,10 @@ NB_MODULE(_dcr, m) {
   m.def(
       "describe_manifest",
       [](nb::bytes manifest, const std::string& table_json) {
-        dcr::Result<dcr::DeltaManifest> table = dcr::DeltaManifest::FromTableJson(table_json, "tensor table");
-        if (!table.ok()) {
-          auto run = dcr::RunRecord::FromJson(table_json, "run.json");
-          if (run.ok()) {
-            dcr::DeltaManifest t;
-            t.chunk_elements = run->chunk_elements;
-            t.tensors = run->tensors;
-            table = std::move(t);
-          }
-        }
+        auto table = dcr::DeltaManifest::FromTableJson(table_json, "tensor table");
+        if (!table.ok())
+          if (auto run = dcr::DeltaManifest::FromTableJson(table_json, "run.json", "dcr-run"); run.ok())
+            table = std::move(run);
         const std::span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(manifest.c_str()), manifest.size());
         return Take(dcr::DeltaManifest::Decode(bytes, Take(std::move(table)), "manifest")).ToJson();
       },

@@ -14,7 +14,6 @@
 
 #include "dcr/chunk_codec.h"
 #include "dcr/delta.h"
-#include "dcr/hash.h"
 #include "dcr/layout_apply.h"
 
 namespace dcr {

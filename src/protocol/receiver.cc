@@ -182,7 +182,6 @@ Status ReceiverWalk::StreamApply(uint64_t v, const AttemptInfo& a) {
     if (!doc || !*doc) return Status::Ok();  // not visible yet, or left to the manifest
     st.attempt = &**doc;
     st.shape = shape_;
-    st.shape.delta_id = st.attempt->delta_id;
     st.shape.delta_class = st.attempt->cls;
   }
   if (!target_.MayStream(a.id, st.attempt->cls)) return Status::Ok();

@@ -180,7 +180,7 @@ class ReceiverWalk {
   uint64_t frames_held_peak_ = 0;  // towards version_ + 1: the heartbeat's frames_held_bytes at its commit
   struct Streamed {
     const AttemptRecord* attempt = nullptr;  // in attempt_docs_
-    DeltaManifest shape;  // the run's shape with the attempt's delta id and class
+    DeltaManifest shape;  // the run's shape with the attempt's class
     std::set<std::string> objects;  // frame objects looked at
     ApplyCounts counts;
   };

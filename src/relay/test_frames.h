@@ -7,7 +7,6 @@
 #include <vector>
 
 #include "dcr/frame.h"
-#include "dcr/hash.h"
 
 namespace dcr::relay_testing {
 
