@@ -62,7 +62,7 @@ std::string Acks(uint64_t v, std::string_view attempt);  // prefix, ends in '/'
 std::string Ack(uint64_t v, std::string_view attempt, std::string_view receiver);
 // Objects of attempt `attempt` of version v.
 std::string AttemptRecord(uint64_t v, std::string_view attempt);  // attempt.json
-std::string Manifest(uint64_t v, std::string_view attempt);  // manifest.json
+std::string Manifest(uint64_t v, std::string_view attempt);  // manifest.bin
 std::string Fence(uint64_t v, std::string_view attempt);
 // Frame object `index` of sender `sender`, relative to its attempt (the
 // name manifests list): frames/s<sender>-<NNNN>.bin.
@@ -75,6 +75,11 @@ std::string ProcessSigner(uint32_t p);
 std::string Contribution(uint64_t v, std::string_view attempt, uint32_t from, uint32_t to);
 inline constexpr std::string_view kSnapshots = "snapshots/";  // prefix
 std::string Snapshot(uint64_t v);  // prefix, ends in '/'
+// Of a snapshot taken by trainer processes: the elements process `from`
+// sends process `to` (the owner of their tensors), and process p's record
+// of the file it wrote (a SnapshotRecord of its tensors).
+std::string SnapshotPart(uint64_t v, uint32_t from, uint32_t to);
+std::string SnapshotProcess(uint64_t v, uint32_t p);
 inline constexpr std::string_view kReceivers = "receivers/";  // prefix
 std::string Receiver(std::string_view id);
 }  // namespace run_keys
@@ -195,7 +200,9 @@ struct SnapshotRecord {
     std::string name;
     uint64_t bytes = 0;
   };
-  std::vector<File> files;  // relative to the snapshot's files/ prefix
+  // Relative to the snapshot's files/ prefix; at least one in snapshot.json
+  // (a trainer process's record of its part may have none).
+  std::vector<File> files;
   std::string ToJson() const;
   static Result<SnapshotRecord> FromJson(std::string_view json, const std::string& where);
 };

@@ -148,8 +148,20 @@ constexpr uint64_t kCopyBlock = 16u << 20;
 
 }  // namespace
 
+Result<SnapshotRecord::File> UploadSnapshotFile(Store& store, uint64_t v, const std::string& path,
+                                                const std::string& name, Progress* progress) {
+  DCR_ASSIGN_OR_RETURN(MappedFile file, MappedFile::Open(path, false));
+  DCR_ASSIGN_OR_RETURN(auto writer, store.OpenWriter(run_keys::Snapshot(v) + "files/" + name, WriteMode::kOverwrite));
+  for (uint64_t off = 0; off < file.size(); off += kCopyBlock) {
+    const uint64_t n = std::min<uint64_t>(kCopyBlock, file.size() - off);
+    DCR_RETURN_IF_ERROR(writer->Write(file.data().subspan(off, n)));
+    if (progress) progress->Add(n);
+  }
+  DCR_RETURN_IF_ERROR(writer->Close());
+  return SnapshotRecord::File{name, file.size()};
+}
+
 Status UploadSnapshot(Store& store, uint64_t v, const Checkpoint& ckpt, const Digest& digest, Progress* progress) {
-  const std::string prefix = run_keys::Snapshot(v);
   DCR_ASSIGN_OR_RETURN(auto files, CheckpointFiles(ckpt));
   SnapshotRecord record;
   record.version = v;
@@ -158,24 +170,19 @@ Status UploadSnapshot(Store& store, uint64_t v, const Checkpoint& ckpt, const Di
     // A single-file checkpoint is stored as model.safetensors.
     const std::string name =
         files.size() == 1 && path.extension() == ".safetensors" ? "model.safetensors" : path.filename().string();
-    DCR_ASSIGN_OR_RETURN(MappedFile file, MappedFile::Open(path.string(), false));
-    DCR_ASSIGN_OR_RETURN(auto writer, store.OpenWriter(prefix + "files/" + name, WriteMode::kOverwrite));
-    for (uint64_t off = 0; off < file.size(); off += kCopyBlock) {
-      const uint64_t n = std::min<uint64_t>(kCopyBlock, file.size() - off);
-      DCR_RETURN_IF_ERROR(writer->Write(file.data().subspan(off, n)));
-      if (progress) progress->Add(n);
-    }
-    DCR_RETURN_IF_ERROR(writer->Close());
-    record.files.push_back({name, file.size()});
+    DCR_ASSIGN_OR_RETURN(SnapshotRecord::File file, UploadSnapshotFile(store, v, path.string(), name, progress));
+    record.files.push_back(std::move(file));
   }
   // The record last: a snapshot with a record is complete.
-  return store.Put(prefix + "snapshot.json", record.ToJson());
+  return store.Put(run_keys::Snapshot(v) + "snapshot.json", record.ToJson());
 }
 
 Result<SnapshotRecord> ReadSnapshot(Store& store, uint64_t v) {
   const std::string key = run_keys::Snapshot(v) + "snapshot.json";
   DCR_ASSIGN_OR_RETURN(std::string text, store.Get(key));
-  return SnapshotRecord::FromJson(text, StoreContext(store.url(), key));
+  DCR_ASSIGN_OR_RETURN(SnapshotRecord r, SnapshotRecord::FromJson(text, StoreContext(store.url(), key)));
+  if (r.files.empty()) return InvalidArgument(StoreContext(store.url(), key) + ": a snapshot names no file");
+  return r;
 }
 
 Result<std::vector<uint64_t>> ListSnapshots(Store& store) {

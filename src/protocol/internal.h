@@ -9,11 +9,13 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "dcr/json.h"
+#include "dcr/layout_apply.h"
 #include "dcr/mapped_file.h"
 #include "dcr/protocol.h"
 
@@ -123,6 +125,10 @@ bool ForEachStreamedFrame(const std::string& key, const std::string& blob, const
 // files of its directory) as objects under snapshots/v<N>/files/, then
 // snapshot.json. Download writes them into `dir` (created) and opens it.
 Status UploadSnapshot(Store& store, uint64_t v, const Checkpoint& ckpt, const Digest& digest, Progress* progress);
+// One file at `path` as snapshots/v<N>/files/<name> (no record).
+Result<SnapshotRecord::File> UploadSnapshotFile(Store& store, uint64_t v, const std::string& path,
+                                                const std::string& name, Progress* progress);
+// snapshot.json of version v; kInvalidArgument when it names no file.
 Result<SnapshotRecord> ReadSnapshot(Store& store, uint64_t v);
 // The versions with a complete snapshot (snapshot.json written), ascending.
 Result<std::vector<uint64_t>> ListSnapshots(Store& store);
@@ -192,6 +198,29 @@ void WriteDigestCache(const std::string& state_dir, uint64_t version, const Chec
 std::optional<ChunkDigestTable> ReadDigestCache(const std::string& state_dir, uint64_t version,
                                                 const Checkpoint& baseline, const DeltaManifest& layout);
 void DropDigestCache(const std::string& state_dir);
+
+// ---- Snapshots from trainer processes (shard_snapshot.cc) -------------------
+
+// What one trainer process knows of the run and its senders.
+struct ShardSnapshotContext {
+  Store* store = nullptr;
+  const PublishOptions* options = nullptr;
+  const RunRecord* run = nullptr;
+  std::span<const CompiledLayout* const> maps;  // every sender's
+  std::span<const uint32_t> sender_process;  // per sender: its process
+  std::span<const std::vector<uint32_t>> senders_of;  // per process: its senders
+  uint32_t process = 0, processes = 1;
+  std::span<const uint32_t> local_ids;  // global index of each local sender
+  std::vector<PlacedRank> local;  // the local senders' shards, holding the version
+  std::string scratch_dir;  // where this process assembles its file (its state directory)
+};
+// Committed version v's snapshot, taken by every trainer process once its
+// shards hold v (docs/protocol.md, "Snapshots from trainer shards").
+// Returns once this process's file and record are in the store (process 0:
+// once snapshot.json is), at once when the snapshot exists. kUnavailable
+// when a peer is silent past the peer timeout; kDataLoss when the files do
+// not add up to v's digest (no snapshot is recorded).
+Status TakeShardSnapshot(const ShardSnapshotContext& context, uint64_t v);
 
 // A receiver's record receivers/<id>.json: written now by Set, and every
 // `every` by a thread between Start and Stop (the destructor stops it).

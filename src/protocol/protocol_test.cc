@@ -1842,6 +1842,199 @@ TEST_F(ShardProcessTest, AWorkerFailingMidAttemptIsFencedAndTheOverwriteRetryCom
 // trusts the shards record it wrote itself; once another publisher has
 // rebuilt the state (new files under the same names), it opens and checks
 // them again instead of using the files it holds.
+// Each trainer process streams its frames in segments, as the publisher
+// of a checkpoint does: with small segments every process writes several
+// frame objects, each signed with its process's key, and the receiver has
+// downloaded every one of them, once, before the coordinator writes the
+// manifest (it holds there until then). Small chunks: each process
+// encodes its chunks in several batches. The receiver ends bit-exact.
+TEST_F(ShardProcessTest, EachProcessStreamsItsFramesInSegmentsBeforeTheManifest) {
+  PublishOptions small_chunks = Fast();
+  small_chunks.delta.chunk_elements = 1 << 10;
+  ASSERT_TRUE(Publisher(*store_, Path("snapshot"), small_chunks).Publish(0, Version(0)).ok());
+  std::mutex mu;
+  std::map<std::string, int> reads;  // frame object -> downloads by the receiver
+  HookStore view(*store_, [&](std::string_view op, std::string_view key, bool after) {
+    if (op == "read" && !after && key.find("/frames/") != std::string_view::npos) {
+      std::lock_guard lock(mu);
+      ++reads[std::string(key)];
+    }
+    return Status::Ok();
+  });
+  Status followed;
+  std::thread receiver([&] { followed = Follower(view, Path("dense"), Receiver("dense")).Run(1); });
+  WaitForReceivers(1);
+  std::vector<std::string> objects;  // every frame object, when the manifest is next
+  bool downloaded_all = false;
+  auto round = PublishFromProcesses(
+      1, [&](uint32_t) -> Store& { return *store_; },
+      [&](uint32_t p) {
+        PublishOptions o = Trainer();
+        o.segment_bytes = 1024;
+        if (p == 0)
+          o.fault = [&](std::string_view point) {
+            if (point != "frames-written") return Status::Ok();
+            auto listed = store_->List("attempts/v0000000001/");
+            if (!listed.ok()) return listed.status();
+            for (const auto& info : *listed)
+              if (info.key.find("/frames/") != std::string::npos) objects.push_back(info.key);
+            downloaded_all = WaitFor([&] {
+              std::lock_guard lock(mu);
+              for (const auto& k : objects)
+                if (!reads.count(k)) return false;
+              return true;
+            });
+            return Status::Ok();
+          };
+        return o;
+      });
+  receiver.join();
+  for (uint32_t p = 0; p < 3; ++p)
+    ASSERT_TRUE(round.results[p].ok()) << p << ": " << round.results[p].status().ToString();
+  ASSERT_TRUE(followed.ok()) << followed.ToString();
+  ExpectIdentical(Path("dense"), 1);
+  for (uint32_t p = 0; p < 3; ++p) {
+    const std::string mark = fmt::format("/frames/s{}-", p);
+    EXPECT_GE(std::count_if(objects.begin(), objects.end(),
+                            [&](const std::string& k) { return k.find(mark) != std::string::npos; }),
+              2)
+        << "process " << p << " cut no segments";
+    EXPECT_TRUE(store_->Get(run_keys::Attempt(1, round.results[0]->attempt) + run_keys::ProcessSigner(p)).ok()) << p;
+  }
+  EXPECT_TRUE(downloaded_all) << "the receiver did not download the segments before the manifest";
+  for (const auto& k : objects) EXPECT_EQ(reads[k], 1) << k;
+}
+
+// Version v's snapshot, downloaded into `dir`: a checkpoint byte-identical to `want`.
+void ExpectSnapshotOf(Store& store, uint64_t v, const std::string& dir, const Checkpoint& want) {
+  auto snap = protocol_internal::ReadSnapshot(store, v);
+  ASSERT_TRUE(snap.ok()) << snap.status().ToString();
+  ASSERT_TRUE(protocol_internal::DownloadSnapshot(store, *snap, dir, nullptr).ok());
+  auto got = Checkpoint::Open(dir);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_TRUE(DiffCheckpoints(*got, want).identical()) << "the snapshot of version " << v << " differs";
+}
+
+// Trainer processes take the scheduled snapshots: every tensor is written
+// whole by the process owning its first chunk, from its own senders and the
+// parts the others send it; the files, the index and snapshot.json make a
+// checkpoint byte-identical to the version, the parts are removed, and a
+// receiver joining later starts from it. The checkpoint's other files
+// (its config) come along from version 0's snapshot.
+TEST_F(ShardProcessTest, ProcessesTakeTheScheduledSnapshotsAndAJoinerStartsFromOne) {
+  const std::string config = "{\"model_type\": \"llama\"}\n";
+  std::ofstream(Path("gen/v0/config.json")) << config;
+  ASSERT_TRUE(Publisher(*store_, Path("snapshot"), Fast()).Publish(0, Version(0)).ok());
+  for (int v = 1; v <= 3; ++v) {
+    auto round = PublishFromProcesses(
+        v, [&](uint32_t) -> Store& { return *store_; },
+        [&](uint32_t) {
+          PublishOptions o = Trainer();
+          o.snapshot_every = 2;
+          return o;
+        });
+    for (uint32_t p = 0; p < 3; ++p)
+      ASSERT_TRUE(round.results[p].ok()) << v << "/" << p << ": " << round.results[p].status().ToString();
+  }
+  EXPECT_EQ(protocol_internal::ReadSnapshot(*store_, 1).status().code(), Code::kNotFound);
+  EXPECT_EQ(protocol_internal::ReadSnapshot(*store_, 3).status().code(), Code::kNotFound);
+  auto snap = protocol_internal::ReadSnapshot(*store_, 2);
+  ASSERT_TRUE(snap.ok()) << snap.status().ToString();
+  std::set<std::string> files;
+  for (const auto& f : snap->files) files.insert(f.name);
+  EXPECT_TRUE(files.count("model.safetensors.index.json"));
+  EXPECT_TRUE(files.count("config.json"));
+  EXPECT_TRUE(files.count("model-00001-of-00003.safetensors"));
+  EXPECT_GE(files.size(), 3u) << "one process wrote every tensor";
+  auto parts = store_->List(run_keys::Snapshot(2) + "parts/");
+  ASSERT_TRUE(parts.ok());
+  EXPECT_TRUE(parts->empty()) << parts->front().key;
+  ExpectSnapshotOf(*store_, 2, Path("snap2"), Version(2));
+  // A receiver joining now starts from the snapshot of version 2.
+  std::atomic<int> snapshot_reads{0};
+  HookStore view(*store_, [&](std::string_view op, std::string_view key, bool after) {
+    if (op == "read" && !after && key.starts_with(run_keys::Snapshot(2) + "files/")) ++snapshot_reads;
+    return Status::Ok();
+  });
+  ASSERT_TRUE(Follower(view, Path("late"), Receiver("late")).Run(3).ok());
+  EXPECT_GT(snapshot_reads.load(), 0);
+  // Its files are the snapshot's (three shards and the index), its tensors v3's.
+  auto late = Checkpoint::Open(Path("late"));
+  ASSERT_TRUE(late.ok()) << late.status().ToString();
+  EXPECT_TRUE(DiffCheckpoints(*late, Version(3)).identical());
+  EXPECT_GE(late->files().size(), 2u);
+  std::ifstream in(Path("late/config.json"));
+  EXPECT_EQ(std::string((std::istreambuf_iterator<char>(in)), {}), config);
+}
+
+// One process holding every sender writes the snapshot as one file,
+// model.safetensors, and no index.
+TEST_F(ShardProcessTest, OneProcessWritesItsSnapshotAsOneFile) {
+  ASSERT_TRUE(Publisher(*store_, Path("snapshot"), Fast()).Publish(0, Version(0)).ok());
+  PublishOptions o = Trainer();
+  o.snapshot_every = 1;
+  auto shards = Shards(1);
+  auto r = ShardPublisher(*store_, Path("trainer"), o).Publish(1, All(shards));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  auto snap = protocol_internal::ReadSnapshot(*store_, 1);
+  ASSERT_TRUE(snap.ok()) << snap.status().ToString();
+  ASSERT_EQ(snap->files.size(), 1u);
+  EXPECT_EQ(snap->files[0].name, "model.safetensors");
+  ExpectSnapshotOf(*store_, 1, Path("snap1"), Version(1));
+}
+
+// A snapshot the coordinator did not finish (killed after sending its
+// parts) is taken by every process at the next publish, before its attempt.
+// One whose files do not add up to the version (a process's shards changed
+// behind its back) is not recorded: the coordinator fails with kDataLoss.
+TEST_F(ShardProcessTest, AMissedSnapshotIsTakenNextTimeAndABadOneIsNotRecorded) {
+  ASSERT_TRUE(Publisher(*store_, Path("snapshot"), Fast()).Publish(0, Version(0)).ok());
+  // Publishes v from the three processes, snapshots every second version;
+  // `fault(p, point)` and `shards` vary them.
+  auto shards = Shards(1);
+  auto publish = [&](int v, const std::function<Status(uint32_t, std::string_view)>& fault) {
+    shards = Shards(v);
+    std::vector<Result<PublishReport>> results(3, Aborted("not run"));
+    std::vector<std::thread> threads;
+    for (uint32_t p = 0; p < 3; ++p)
+      threads.emplace_back([&, p] {
+        std::vector<ShardSource> local = Local(shards, p);
+        PublishOptions o = Trainer();
+        o.snapshot_every = 2;
+        o.fault = [&, p](std::string_view point) { return fault(p, point); };
+        results[p] = ShardPublisher(*store_, Path(fmt::format("trainer-p{}", p)), o)
+                         .Publish(v, maps_, local, ShardProcesses{p, 3, kPlacement});
+      });
+    for (auto& t : threads) t.join();
+    return results;
+  };
+  const auto none = [](uint32_t, std::string_view) { return Status::Ok(); };
+  auto r1 = publish(1, none);
+  for (uint32_t p = 0; p < 3; ++p) ASSERT_TRUE(r1[p].ok()) << p << ": " << r1[p].status().ToString();
+  auto r2 = publish(2, [](uint32_t p, std::string_view point) {
+    return p == 0 && point == "snapshot-parts-written" ? Aborted("injected: killed") : Status::Ok();
+  });
+  EXPECT_EQ(r2[0].status().code(), Code::kAborted) << r2[0].status().ToString();
+  ASSERT_TRUE(r2[1].ok() && r2[2].ok());
+  EXPECT_EQ(protocol_internal::ReadSnapshot(*store_, 2).status().code(), Code::kNotFound);
+  auto r3 = publish(3, none);
+  for (uint32_t p = 0; p < 3; ++p) ASSERT_TRUE(r3[p].ok()) << p << ": " << r3[p].status().ToString();
+  ExpectSnapshotOf(*store_, 2, Path("snap2"), Version(2));
+
+  // Version 4: process 1's shards change after the commit, before they
+  // become its baseline.
+  auto r4 = publish(4, [&](uint32_t p, std::string_view point) {
+    if (p == 1 && point == "committed") shards[1][0][0] ^= 0x40;
+    return Status::Ok();
+  });
+  EXPECT_EQ(r4[0].status().code(), Code::kDataLoss) << r4[0].status().ToString();
+  EXPECT_NE(r4[0].status().message().find("add up to"), std::string::npos) << r4[0].status().ToString();
+  EXPECT_EQ(protocol_internal::ReadSnapshot(*store_, 4).status().code(), Code::kNotFound);
+  auto state = ReadRunState(*store_);
+  ASSERT_TRUE(state.ok() && state->latest);
+  EXPECT_EQ(*state->latest, 4u) << "the version itself is committed";
+}
+
 TEST_F(ShardProcessTest, APublisherTrustsOnlyTheShardsItRecordedItself) {
   ASSERT_TRUE(Publisher(*store_, Path("snapshot"), Fast()).Publish(0, Version(0)).ok());
   auto all = [&](auto& shards) { return All(shards); };

@@ -337,8 +337,7 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
   m.delta_class = cls;
   m.delta_id = delta_id;
   const auto plan = PlanOwnership(layout, o_.senders);
-  const uint64_t segment_bytes =
-      o_.segment_bytes ? o_.segment_bytes : std::clamp<uint64_t>(next.total_bytes() / 4096, 256 << 10, 16 << 20);
+  const uint64_t segment_bytes = SegmentBytes(o_, next.total_bytes());
   std::vector<Digest> all_base, all_target;
   FramesInFlight in_flight;
   for (uint32_t k = 0; k < plan.size(); ++k) {

@@ -37,6 +37,10 @@ std::string Contribution(uint64_t v, std::string_view attempt, uint32_t from, ui
   return Attempt(v, attempt) + fmt::format("contrib/p{}-p{}.bin", from, to);
 }
 std::string Snapshot(uint64_t v) { return std::string(kSnapshots) + VersionDir(v) + "/"; }
+std::string SnapshotPart(uint64_t v, uint32_t from, uint32_t to) {
+  return Snapshot(v) + fmt::format("parts/p{}-p{}.bin", from, to);
+}
+std::string SnapshotProcess(uint64_t v, uint32_t p) { return Snapshot(v) + fmt::format("parts/p{}.json", p); }
 std::string Receiver(std::string_view id) { return std::string(kReceivers) + std::string(id) + ".json"; }
 }  // namespace run_keys
 
@@ -305,7 +309,7 @@ Result<SnapshotRecord> SnapshotRecord::FromJson(std::string_view text, const std
   DCR_ASSIGN_OR_RETURN(r.version, U64(doc, "version", where));
   DCR_ASSIGN_OR_RETURN(r.digest, Dig(doc, "digest", where));
   auto fs = doc.find("files");
-  if (fs == doc.end() || !fs->is_array() || fs->empty()) return Bad(where, "'files' must be a non-empty array");
+  if (fs == doc.end() || !fs->is_array()) return Bad(where, "'files' must be an array");
   for (const auto& f : *fs) {
     if (!f.is_object()) return Bad(where, "each file must be an object");
     File file;

@@ -1,7 +1,8 @@
 // A sender's frame stream cut into frame objects as it is written (the
-// publisher of a checkpoint). Not public API.
+// publisher of a checkpoint, and each trainer process). Not public API.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -31,6 +32,12 @@ class FramesInFlight {
  private:
   std::atomic<uint64_t> held_{0}, peak_{0};
 };
+
+// The size a sender cuts its frame stream at: the options' segment_bytes,
+// else 1/4096 of the model's bytes within [256 KiB, 16 MiB].
+inline uint64_t SegmentBytes(const PublishOptions& o, uint64_t model_bytes) {
+  return o.segment_bytes ? o.segment_bytes : std::clamp<uint64_t>(model_bytes / 4096, 256 << 10, 16 << 20);
+}
 
 // A sender's frame stream cut into objects frames/s<K>-<NNNN>.bin of about
 // `segment_bytes` each, at frame boundaries. Each object is visible (and can

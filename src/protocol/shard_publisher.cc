@@ -17,7 +17,9 @@
 #include "coordinator.h"
 #include "dcr/contribution.h"
 #include "dcr/layout_apply.h"
+#include "dcr/thread_pool.h"
 #include "internal.h"
+#include "segment_writer.h"
 
 namespace dcr {
 
@@ -217,9 +219,17 @@ class ShardRun {
   // process into `to[Me()]`: kRecorded once all are here.
   Result<Outcome> ExchangeContributions(uint64_t v, const std::string& id, const AttemptRecord& doc,
                                         const DeltaManifest& m, Projected* projected, Clock::Instant deadline);
-  // The owned chunks' frames as this process's frame object, and its record.
-  Status WriteOwnedFrames(uint64_t v, const std::string& id, const OwnedFrames& owned, const std::set<ChunkId>& direct,
-                          ProcessRecord* rec);
+  // Encodes the chunks this process owns (`projected->to[Me()]`, consumed)
+  // in batches, streaming their frames into this process's frame objects:
+  // segments, each signed and closed (and handed to the relay) while the
+  // next batch encodes, so receivers download them before the manifest.
+  // Their frames and chunk digests go into `rec`.
+  Status EncodeOwnedFrames(uint64_t v, const std::string& id, const DeltaManifest& m, const EncodeOptions& encode,
+                           Projected* projected, ProcessRecord* rec);
+  // One batch's frames and digests: into `rec` and the segments.
+  Status WriteBatch(const OwnedFrames& owned, const std::set<ChunkId>& direct,
+                    const std::function<Status()>& first_frame, SegmentedFrameWriter& segments, uint64_t* offset,
+                    ProcessRecord* rec);
   // Process 0: attempt `id` of v from attempt.json to the commit; `partial`:
   // this process's senders' digest at v.
   Result<AttemptCoordinator::AttemptResult> CoordinateAttempt(uint64_t v, const std::string& id, DeltaClass cls,
@@ -228,6 +238,10 @@ class ShardRun {
   // process silent past the peer timeout, if any.
   Result<std::optional<uint32_t>> AwaitProcessRecords(uint64_t v, const std::string& id,
                                                       std::vector<ProcessRecord>* records);
+  // A worker's step once v is committed (`c`): the baseline moves to v
+  // (`recorded`: the attempts this process recorded, and its partial at
+  // v), and the snapshot is taken when due.
+  Status FollowCommit(uint64_t v, const CommitRecord& c, const std::map<std::string, Digest>& recorded);
   // Fenced, superseded by a newer attempt, or v committed.
   Result<bool> Abandoned(uint64_t v, const std::string& id);
   // The local senders' baseline at committed version `want` (opened,
@@ -243,6 +257,9 @@ class ShardRun {
   // current shards, at `partial`.
   Status MoveBaseline(uint64_t v, const Digest& partial);
   void CopyCurrentIntoBaseline();
+  // Takes committed version v's snapshot from the baseline shards (which
+  // hold v) when the options' schedule names v and it is not in the store.
+  Status SnapshotIfDue(uint64_t v);
   uint32_t P() const { return procs_.processes; }
   uint32_t Me() const { return procs_.process; }
 
@@ -464,6 +481,23 @@ Status ShardRun::AdoptCurrent(const CommitRecord& c) {
   return WriteShardsRecord(c.version, digest);
 }
 
+Status ShardRun::SnapshotIfDue(uint64_t v) {
+  if (o_.snapshot_every == 0 || v == 0 || v % o_.snapshot_every != 0) return Status::Ok();
+  ShardSnapshotContext c;
+  c.store = &store_;
+  c.options = &o_;
+  c.run = &record_;
+  c.maps = maps_;
+  c.sender_process = procs_.sender_process;
+  c.senders_of = senders_of_;
+  c.process = Me();
+  c.processes = P();
+  c.local_ids = local_ids_;
+  for (RankBufferFiles& f : baseline_) c.local.push_back(f.placed());
+  c.scratch_dir = state_dir_;
+  return TakeShardSnapshot(c, v);
+}
+
 Result<bool> ShardRun::Abandoned(uint64_t v, const std::string& id) {
   DCR_ASSIGN_OR_RETURN(auto commit, GetIfPresent(store_, run_keys::Commit(v)));
   if (commit) return true;
@@ -486,8 +520,7 @@ Result<ShardRun::Participation> ShardRun::Participate(uint64_t v, const std::str
   DCR_ASSIGN_OR_RETURN(Projected projected, ProjectLocal(m, &out.record));
   DCR_ASSIGN_OR_RETURN(out.outcome, ExchangeContributions(v, id, doc, m, &projected, deadline));
   if (out.outcome != Outcome::kRecorded) return out;
-  DCR_ASSIGN_OR_RETURN(OwnedFrames owned, EncodeOwnedChunks(m, projected.to[Me()], options.encode));
-  DCR_RETURN_IF_ERROR(WriteOwnedFrames(v, id, owned, projected.direct, &out.record));
+  DCR_RETURN_IF_ERROR(EncodeOwnedFrames(v, id, m, options.encode, &projected, &out.record));
   report_.encode_seconds += SecondsSince(ClockOf(o_), encode_start);
   return out;
 }
@@ -581,36 +614,45 @@ Result<ShardRun::Outcome> ShardRun::ExchangeContributions(uint64_t v, const std:
   }
 }
 
-Status ShardRun::WriteOwnedFrames(uint64_t v, const std::string& id, const OwnedFrames& owned,
-                                  const std::set<ChunkId>& direct, ProcessRecord* rec) {
+Status ShardRun::EncodeOwnedFrames(uint64_t v, const std::string& id, const DeltaManifest& m,
+                                   const EncodeOptions& encode, Projected* projected, ProcessRecord* rec) {
   const std::string prefix = run_keys::Attempt(v, id);
-  // The frames of the owned chunks, back to back in (tensor, chunk) order.
-  std::string bytes;
-  for (size_t i = 0; i < owned.chunks.size(); ++i) {
-    rec->chunks.push_back(
-        {owned.chunks[i].tensor, owned.chunks[i].chunk, owned.base_digests[i], owned.target_digests[i]});
-    if (direct.count(owned.chunks[i])) {
-      rec->baseline_digest += owned.base_digests[i];
-      rec->target_digest += owned.target_digests[i];
-    }
-    if (owned.frame_of[i] < 0) continue;
-    const std::string& f = owned.frames[static_cast<size_t>(owned.frame_of[i])];
-    DCR_ASSIGN_OR_RETURN(FrameView fv, ParseFrame({reinterpret_cast<const uint8_t*>(f.data()), f.size()}));
-    rec->frames.push_back({owned.chunks[i].tensor, owned.chunks[i].chunk, 0, bytes.size(), f.size(), fv.header.mode,
-                           fv.header.codec, fv.header.changed, fv.header.payload_bytes});
-    bytes += f;
+  std::vector<ChunkContribution>& mine = projected->to[Me()];
+  const auto chunk_of = [](const ChunkContribution& c) { return ChunkId{c.tensor, c.chunk}; };
+  std::stable_sort(mine.begin(), mine.end(),
+                   [&](const ChunkContribution& a, const ChunkContribution& b) { return chunk_of(a) < chunk_of(b); });
+  // Signed by a key of this process for this attempt, whose public half is
+  // in the store before its first object: receivers verify relayed copies.
+  DCR_ASSIGN_OR_RETURN(const ObjectSigner signer, ObjectSigner::Generate());
+  bool signer_written = false;
+  const auto first_frame = [&]() -> Status {
+    if (signer_written) return Status::Ok();
+    signer_written = true;
+    return store_.Put(prefix + run_keys::ProcessSigner(Me()), signer.public_hex() + "\n");
+  };
+  FramesInFlight in_flight;
+  SegmentedFrameWriter segments(store_, prefix, Me(), SegmentBytes(o_, report_.total_bytes), signer, o_.relay,
+                                in_flight);
+  // Batches of whole chunks, enough to keep every thread of the pool busy.
+  const size_t batch_chunks = std::max<size_t>(32, 8 * DefaultPool().size());
+  uint64_t offset = 0;  // in this process's frame stream
+  for (size_t begin = 0; begin < mine.size();) {
+    size_t end = begin, chunks = 0;
+    for (; end < mine.size(); ++end)
+      if (end == begin || chunk_of(mine[end]) != chunk_of(mine[end - 1])) {
+        if (chunks == batch_chunks) break;
+        ++chunks;
+      }
+    const std::span<const ChunkContribution> batch(mine.data() + begin, end - begin);
+    DCR_ASSIGN_OR_RETURN(OwnedFrames owned, EncodeOwnedChunks(m, batch, encode));
+    DCR_RETURN_IF_ERROR(WriteBatch(owned, projected->direct, first_frame, segments, &offset, rec));
+    for (size_t i = begin; i < end; ++i) mine[i] = {};  // merged: their change lists are not needed again
+    begin = end;
   }
-  if (!bytes.empty()) {
-    // Signed by a key of this process for this attempt, whose public half
-    // is in the store before the object: receivers verify relayed copies.
-    rec->objects = {run_keys::FrameObject(Me(), 0)};  // a segment name: relays carry it
-    DCR_ASSIGN_OR_RETURN(const ObjectSigner signer, ObjectSigner::Generate());
-    DCR_RETURN_IF_ERROR(store_.Put(prefix + run_keys::ProcessSigner(Me()), signer.public_hex() + "\n"));
-    bytes = signer.Sign(prefix + rec->objects[0], std::move(bytes));
-    report_.memory.frames_in_flight_bytes = std::max<uint64_t>(report_.memory.frames_in_flight_bytes, bytes.size());
-    DCR_RETURN_IF_ERROR(store_.Put(prefix + rec->objects[0], bytes));
-    if (o_.relay) o_.relay->Object(prefix + rec->objects[0], bytes);
-  }
+  DCR_RETURN_IF_ERROR(segments.Close());
+  for (DeltaFrameEntry& f : rec->frames) segments.Locate(&f);
+  rec->objects = segments.names();
+  report_.memory.frames_in_flight_bytes = std::max(report_.memory.frames_in_flight_bytes, in_flight.peak());
   rec->attempt = id;
   rec->process = Me();
   rec->processes = P();
@@ -619,11 +661,34 @@ Status ShardRun::WriteOwnedFrames(uint64_t v, const std::string& id, const Owned
   return Fault(o_, "record-written");
 }
 
+Status ShardRun::WriteBatch(const OwnedFrames& owned, const std::set<ChunkId>& direct,
+                            const std::function<Status()>& first_frame, SegmentedFrameWriter& segments,
+                            uint64_t* offset, ProcessRecord* rec) {
+  for (size_t i = 0; i < owned.chunks.size(); ++i) {
+    const ChunkId c = owned.chunks[i];
+    rec->chunks.push_back({c.tensor, c.chunk, owned.base_digests[i], owned.target_digests[i]});
+    if (direct.count(c)) {
+      rec->baseline_digest += owned.base_digests[i];
+      rec->target_digest += owned.target_digests[i];
+    }
+    if (owned.frame_of[i] < 0) continue;
+    const std::string& f = owned.frames[static_cast<size_t>(owned.frame_of[i])];
+    DCR_ASSIGN_OR_RETURN(FrameView fv, ParseFrame({reinterpret_cast<const uint8_t*>(f.data()), f.size()}));
+    rec->frames.push_back({c.tensor, c.chunk, 0, *offset, f.size(), fv.header.mode, fv.header.codec, fv.header.changed,
+                           fv.header.payload_bytes});
+    DCR_RETURN_IF_ERROR(first_frame());
+    DCR_RETURN_IF_ERROR(segments.Write(f));
+    *offset += f.size();
+  }
+  return Status::Ok();
+}
+
 Result<PublishReport> ShardRun::Coordinate(uint64_t v) {
   const auto start = ClockOf(o_).Now();
   report_.version = v;
   DCR_ASSIGN_OR_RETURN(CommitRecord base_commit, ReadCommit(store_, v - 1));
   DCR_RETURN_IF_ERROR(LoadShards(base_commit));
+  DCR_RETURN_IF_ERROR(SnapshotIfDue(v - 1));  // missed when v - 1 was published
   Digest partial;  // this process's senders at v, of the committed attempt
   DCR_RETURN_IF_ERROR(coordinator_.RunAttempts(
       v, &report_,
@@ -632,6 +697,7 @@ Result<PublishReport> ShardRun::Coordinate(uint64_t v) {
       [&] { return staging_.Failure(); }));
   DCR_RETURN_IF_ERROR(Fault(o_, "committed"));
   DCR_RETURN_IF_ERROR(MoveBaseline(v, partial));
+  DCR_RETURN_IF_ERROR(SnapshotIfDue(v));
   CollectGarbage(store_, o_.keep_versions, o_.heartbeat_timeout, ClockOf(o_)).IgnoreError();
   report_.staging_seconds = staging_.seconds();
   report_.total_seconds = SecondsSince(ClockOf(o_), start);
@@ -711,11 +777,28 @@ Result<std::optional<uint32_t>> ShardRun::AwaitProcessRecords(uint64_t v, const 
   return std::optional<uint32_t>();
 }
 
+Status ShardRun::FollowCommit(uint64_t v, const CommitRecord& c, const std::map<std::string, Digest>& recorded) {
+  report_.attempt = c.attempt;
+  report_.acked = c.acked;
+  report_.retired = c.retired;
+  if (auto it = recorded.find(c.attempt); it != recorded.end()) {
+    DCR_RETURN_IF_ERROR(Fault(o_, "committed"));
+    DCR_RETURN_IF_ERROR(MoveBaseline(v, it->second));
+  } else {
+    // Committed without this incarnation's record (an earlier one wrote
+    // it): the baseline follows the committed delta.
+    DCR_RETURN_IF_ERROR(LoadShards(c));
+    report_.already_committed = true;
+  }
+  return SnapshotIfDue(v);
+}
+
 Result<PublishReport> ShardRun::Work(uint64_t v) {
   const auto start = ClockOf(o_).Now();
   report_.version = v;
   DCR_ASSIGN_OR_RETURN(CommitRecord base_commit, ReadCommit(store_, v - 1));
   DCR_RETURN_IF_ERROR(LoadShards(base_commit));
+  DCR_RETURN_IF_ERROR(SnapshotIfDue(v - 1));  // missed when v - 1 was published
   std::map<std::string, Digest> recorded;  // attempts this process recorded -> its partial at v
   std::set<std::string> tried;  // attempts it took part in, or refused
   std::string joined;  // the attempt last joined
@@ -725,18 +808,7 @@ Result<PublishReport> ShardRun::Work(uint64_t v) {
     if (commit_text) {
       DCR_ASSIGN_OR_RETURN(CommitRecord c,
                            CommitRecord::FromJson(*commit_text, StoreContext(store_.url(), run_keys::Commit(v))));
-      report_.attempt = c.attempt;
-      report_.acked = c.acked;
-      report_.retired = c.retired;
-      if (auto it = recorded.find(c.attempt); it != recorded.end()) {
-        DCR_RETURN_IF_ERROR(Fault(o_, "committed"));
-        DCR_RETURN_IF_ERROR(MoveBaseline(v, it->second));
-      } else {
-        // Committed without this incarnation's record (an earlier one wrote
-        // it): the baseline follows the committed delta.
-        DCR_RETURN_IF_ERROR(LoadShards(c));
-        report_.already_committed = true;
-      }
+      DCR_RETURN_IF_ERROR(FollowCommit(v, c, recorded));
       report_.staging_seconds = staging_.seconds();
       report_.total_seconds = SecondsSince(ClockOf(o_), start);
       return report_;

@@ -6,10 +6,13 @@ same AdamW steps, as data-parallel replicas would; each holds one sender
 the run (version 0). A receiver process follows with dcr.Receiver into its
 own live tensors from other random weights; after every commit its
 parameters must be byte-identical to the trainer's (saved by process 0 after
-the commit). Nothing here trusts dcr's digests."""
+the commit). Nothing here trusts dcr's digests. The processes take the
+snapshot of version 2 together: the safetensors package reads its files,
+which must hold the trainer's version 2 bit for bit."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -41,7 +44,8 @@ halves = [{n: live[n] for n in names[0::2]}, {n: live[n] for n in names[1::2]}]
 layouts = [dcr.identity_layout(h) for h in halves]
 store = dcr.open_store(url)
 pub = dcr.ShardPublisher(store, state, [(halves[p], layouts[p])], ack_timeout_s=120, heartbeat_timeout_s=120,
-                         chunk_elements=512, process=p, processes=2, layouts=layouts, peer_timeout_s=120)
+                         chunk_elements=512, process=p, processes=2, layouts=layouts, peer_timeout_s=120,
+                         snapshot_every=2)
 if p == 0:
     pub.publish_snapshot(live)
     print("committed 0", flush=True)
@@ -117,6 +121,20 @@ def test_senders_in_two_torch_processes(tmp_path):
                 assert torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8)), f"version {v}: {n} differs"
         for p in procs:
             assert p.wait(timeout=60) == 0, logs()
+        # The snapshot of version 2: one file per process and the index.
+        files = tmp_path / "store" / "snapshots" / f"v{VERSIONS:010d}" / "files"
+        index = json.loads((files / "model.safetensors.index.json").read_text())
+        shards = sorted(x.name for x in files.glob("*.safetensors"))
+        assert shards == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+        snapshot = {}
+        for name in shards:
+            part = safetensors_torch.load_file(files / name)
+            assert all(index["weight_map"][n] == name for n in part)
+            snapshot.update(part)
+        want = safetensors_torch.load_file(out / f"trainer-v{VERSIONS}.safetensors")
+        assert snapshot.keys() == want.keys() == index["weight_map"].keys()
+        for n in want:
+            assert torch.equal(snapshot[n].view(torch.uint8), want[n].view(torch.uint8)), f"snapshot: {n} differs"
         # Each trainer process keeps only its own sender's baseline shards.
         assert sorted(x.name for x in (tmp_path / "trainer-p0" / "shards").iterdir()) == ["s0"]
         assert sorted(x.name for x in (tmp_path / "trainer-p1" / "shards").iterdir()) == ["s1"]
