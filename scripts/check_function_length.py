@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Checks that no function body in the protocol and layout modules (the
+"""Checks that no function body in the protocol, receiver and layout modules (the
 receiver and publisher walks, where the parallel copies lived) is longer than
 LIMIT lines, so that each step of the walk reads on one screen.
 
@@ -8,7 +8,7 @@ A function body is a '{' that ends a line whose code closes a parameter list
 lambdas count as functions of their own. Strings and comments are ignored.
 Tests are not checked. Exits 1 and names each long body. Run by scripts/test.sh.
 
-    scripts/check_function_length.py [--limit N] [PATH...]   (default: src/protocol src/layout)
+    scripts/check_function_length.py [--limit N] [PATH...]   (default: src/protocol src/receiver src/layout)
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def long_bodies(path: Path, limit: int) -> list[tuple[int, int, str]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--limit", type=int, default=LIMIT)
-    ap.add_argument("paths", nargs="*", default=["src/protocol", "src/layout"])
+    ap.add_argument("paths", nargs="*", default=["src/protocol", "src/receiver", "src/layout"])
     args = ap.parse_args()
     files = []
     for p in args.paths:

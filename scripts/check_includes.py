@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ORDER = ["base", "format", "delta", "store", "layout", "protocol", "relay"]
+ORDER = ["base", "format", "delta", "store", "layout", "protocol", "receiver", "relay"]
 SIDE = ["synth", "families"]
 # The module each public header belongs to (its implementation lives there).
 OWNER = {
@@ -32,6 +32,7 @@ OWNER = {
     "layout.h": "layout", "layout_apply.h": "layout", "layout_residual.h": "layout", "contribution.h": "layout",
     "protocol.h": "protocol",
     "frame_transport.h": "protocol",
+    "receiver.h": "receiver",
     "relay.h": "relay",
     "synth.h": "synth",
     "layout_families.h": "families",

@@ -41,6 +41,7 @@
 #include "dcr/layout_apply.h"
 #include "dcr/mapped_file.h"
 #include "dcr/protocol.h"
+#include "dcr/receiver.h"
 #include "dcr/relay.h"
 #include "dcr/status.h"
 #include "dcr/store.h"

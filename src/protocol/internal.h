@@ -1,4 +1,5 @@
-// Helpers shared by the publisher, the follower and GC. Not public API.
+// Helpers shared by the publisher, the receivers (src/receiver) and GC.
+// Not public API.
 #pragma once
 
 #include <array>
@@ -28,7 +29,6 @@ Result<Digest> DigestField(const JsonFields& f, const char* key);
 
 // The clock the options inject (RealClock() when none).
 inline Clock& ClockOf(const PublishOptions& o) { return o.clock ? *o.clock : RealClock(); }
-inline Clock& ClockOf(const FollowOptions& o) { return o.clock ? *o.clock : RealClock(); }
 inline double SecondsSince(Clock& clock, Clock::Instant since) {
   return std::chrono::duration<double>(clock.Now() - since).count();
 }
@@ -85,7 +85,7 @@ Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& att
                                 const std::map<std::string, ReleasedObject>* released = nullptr);
 
 // Streaming: frames applied as their objects arrive, before the attempt's
-// manifest (streaming.cc; docs/protocol.md). What attempt.json says: the
+// manifest (src/receiver/streaming.cc; docs/protocol.md). What attempt.json says: the
 // class every frame's mode must be of, and who signs its frame
 // objects (protocol.h, "Frame object signatures"): object_key for all of
 // them, or else, for an attempt of `processes` trainer processes, each
@@ -101,25 +101,6 @@ Result<std::optional<std::string>> ObjectSignerOf(Store& store, const std::strin
 // Attempt `id` of version v's attempt.json; nullopt while it is not visible.
 Result<std::optional<StreamedAttempt>> ReadStreamedAttempt(Store& store, uint64_t v, const std::string& id,
                                                            const std::function<void(const std::string&)>& log);
-// Downloads, in order, the frame objects of `a` written so far for which
-// `have` is false into `prefetched` (full key -> bytes), until `prefetched`
-// holds `at_most` of a's objects or one cannot be read; `*progressed` is set
-// when one was downloaded. Only transient store failures are errors.
-Status PrefetchFrameObjects(Store& store, const AttemptInfo& a, std::map<std::string, std::string>* prefetched,
-                            size_t at_most, const std::function<bool(const std::string&)>& have, bool* progressed);
-// The frame objects of `a` in `prefetched` not yet in `*seen`, now added to
-// it; none once the attempt is fenced (re-read: the listing may be older).
-Result<std::vector<std::string>> StreamedObjectsToApply(Store& store, uint64_t v, const AttemptInfo& a,
-                                                        const std::map<std::string, std::string>& prefetched,
-                                                        std::set<std::string>* seen);
-// Calls fn on each frame of frame object `key` in order, each checked: it
-// parses (its checksum), has a mode of `attempt`'s class, and names a chunk
-// of the run (`layout`) with its tensor's dtype.
-// Stops at the first that does not, logging why: the manifest decides.
-// Returns whether fn saw every frame of the object.
-bool ForEachStreamedFrame(const std::string& key, const std::string& blob, const DeltaManifest& layout,
-                          const AttemptRecord& attempt, const std::function<void(const FrameView&, size_t offset)>& fn,
-                          const std::function<void(const std::string&)>& log);
 
 // Snapshots: the regular files of a checkpoint (a file, or the top-level
 // files of its directory) as objects under snapshots/v<N>/files/, then
@@ -221,44 +202,5 @@ struct ShardSnapshotContext {
 // when a peer is silent past the peer timeout; kDataLoss when the files do
 // not add up to v's digest (no snapshot is recorded).
 Status TakeShardSnapshot(const ShardSnapshotContext& context, uint64_t v);
-
-// A receiver's record receivers/<id>.json: written now by Set, and every
-// `every` by a thread between Start and Stop (the destructor stops it).
-class Heartbeat {
- public:
-  // Records carry `clock`'s time; the thread writes one every `every` of real time.
-  Heartbeat(Store& store, std::string id, EngineRank engine, std::chrono::milliseconds every, Clock& clock,
-            std::function<void(const std::string&)> log);
-  ~Heartbeat() { Stop(); }
-  Status Set(const std::string& state);  // records the state now
-  void SetVersion(uint64_t v);  // the next record's version
-  void SetFramesHeld(uint64_t bytes);  // the next record's frames_held_bytes
-  void Start();
-  void Stop();
-
- private:
-  ReceiverRecord Record();
-  Store& store_;
-  const std::string id_;
-  const EngineRank engine_;
-  const std::chrono::milliseconds every_;
-  Clock& clock_;
-  const std::function<void(const std::string&)> log_;
-  std::mutex mu_;
-  std::string state_ = "joining";
-  uint64_t version_ = 0, frames_held_ = 0;
-  std::atomic<bool> stop_{false};
-  std::thread thread_;
-};
-
-// A follower's progress line: to o.log, or stderr with its id.
-void FollowLog(const FollowOptions& o, const std::string& line);
-
-// A follower's outer loop: `start` (store failures that outlast the driver's
-// retries are waited out), then heartbeats and `step` until `done` or
-// `stop`; records "stopped" at the end (best effort).
-Status FollowLoop(Heartbeat& heartbeat, const FollowOptions& o, const std::function<Status()>& start,
-                  const std::function<Status()>& step, const std::function<bool()>& done,
-                  const std::function<bool()>& stop, const std::function<void(const std::string&)>& log);
 
 }  // namespace dcr::protocol_internal

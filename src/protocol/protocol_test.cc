@@ -3,6 +3,7 @@
 // points. Every receiver is compared with the published checkpoint byte for
 // byte. (tests/python/test_refit.py runs the same with real processes.)
 #include "dcr/protocol.h"
+#include "dcr/receiver.h"
 
 #include <fcntl.h>
 #include <sys/file.h>

@@ -1,4 +1,4 @@
-// Fuzzes the receivers' local journals (src/protocol/journals.h): a
+// Fuzzes the receivers' local journals (src/receiver/journals.h): a
 // follower's .dcr-follow.json, a rank's .dcr-rank.json and its
 // .dcr-rank-frames log, which a crash, a disk or a person may leave in any
 // state. The first input byte picks the parser; the rest is the file. Any

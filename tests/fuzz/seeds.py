@@ -440,7 +440,7 @@ def contribution_seeds():
 
 
 def journals_seeds():
-    """The receivers' local journals (src/protocol/journals.h); byte 0 picks the
+    """The receivers' local journals (src/receiver/journals.h); byte 0 picks the
     parser: 0 .dcr-follow.json, 1 .dcr-rank.json, 2 .dcr-rank-frames."""
     import json
     d, e = "0123456789abcdef" * 2, "00000000000000010000000000000002"

@@ -21,6 +21,7 @@
 #include "dcr/layout_apply.h"
 #include "dcr/progress.h"
 #include "dcr/protocol.h"
+#include "dcr/receiver.h"
 #include "dcr/relay.h"
 
 namespace dcr::cli {

@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dcr/json.h"
-#include "internal.h"
+#include "protocol/internal.h"
 
 namespace dcr::protocol_internal {
 
