@@ -17,10 +17,10 @@
 
 namespace dcr {
 
-namespace protocol_internal {
+namespace receiver_internal {
 class ReceiverTarget;
 class ReceiverWalk;
-}  // namespace protocol_internal
+}  // namespace receiver_internal
 
 // ---- Follower (receiver) -----------------------------------------------------
 
@@ -70,8 +70,8 @@ class Follower {
   Store& store_;
   std::string target_;
   FollowOptions options_;
-  std::unique_ptr<protocol_internal::ReceiverTarget> checkpoint_;
-  std::unique_ptr<protocol_internal::ReceiverWalk> walk_;
+  std::unique_ptr<receiver_internal::ReceiverTarget> checkpoint_;
+  std::unique_ptr<receiver_internal::ReceiverWalk> walk_;
 };
 
 // ---- A rank of an engine (docs/protocol.md, "Engines of several ranks") -------
@@ -135,8 +135,8 @@ class RankFollower {
   bool in_memory_ = false;
   std::vector<std::span<uint8_t>> given_;  // in memory: the caller's buffers
   std::vector<bool> changed_;  // by map tensor index, since TakeChangedTensors
-  std::unique_ptr<protocol_internal::ReceiverTarget> target_;
-  std::unique_ptr<protocol_internal::ReceiverWalk> walk_;
+  std::unique_ptr<receiver_internal::ReceiverTarget> target_;
+  std::unique_ptr<receiver_internal::ReceiverWalk> walk_;
 };
 
 }  // namespace dcr

@@ -17,7 +17,7 @@
 
 namespace dcr {
 
-using namespace protocol_internal;
+using namespace receiver_internal;
 namespace fs = std::filesystem;
 
 namespace {

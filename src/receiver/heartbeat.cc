@@ -5,7 +5,7 @@
 
 #include "receiver.h"
 
-namespace dcr::protocol_internal {
+namespace dcr::receiver_internal {
 
 Heartbeat::Heartbeat(Store& store, std::string id, EngineRank engine, std::chrono::milliseconds every, Clock& clock,
                      std::function<void(const std::string&)> log)
@@ -105,4 +105,4 @@ Status FollowLoop(Heartbeat& heartbeat, const FollowOptions& o, const std::funct
   return Status::Ok();
 }
 
-}  // namespace dcr::protocol_internal
+}  // namespace dcr::receiver_internal

@@ -10,7 +10,9 @@
 #include "dcr/json.h"
 #include "protocol/internal.h"
 
-namespace dcr::protocol_internal {
+namespace dcr::receiver_internal {
+
+using protocol_internal::DigestField;
 
 namespace {
 
@@ -114,4 +116,4 @@ std::optional<FrameLog> ParseFrameLog(std::string_view text, const std::string& 
   return out;
 }
 
-}  // namespace dcr::protocol_internal
+}  // namespace dcr::receiver_internal

@@ -15,7 +15,7 @@
 #include "dcr/mapped_file.h"
 #include "dcr/protocol.h"
 
-namespace dcr::protocol_internal {
+namespace dcr::receiver_internal {
 
 inline std::string_view AsText(const MappedFile& f) {
   return {reinterpret_cast<const char*>(f.data().data()), f.data().size()};
@@ -69,4 +69,4 @@ std::string FrameLogLine(char kind, const ChunkKey& chunk, const Digest& d);  //
 // attempt or holds a line this code does not write (then nothing is known).
 std::optional<FrameLog> ParseFrameLog(std::string_view text, const std::string& attempt);
 
-}  // namespace dcr::protocol_internal
+}  // namespace dcr::receiver_internal

@@ -6,7 +6,7 @@
 
 #include <string>
 
-namespace dcr::protocol_internal {
+namespace dcr::receiver_internal {
 namespace {
 
 const char* kD = "0123456789abcdef0123456789abcdef";
@@ -84,4 +84,4 @@ TEST(JournalsTest, FrameLogKeepsWholeLinesOfItsAttemptOnly) {
 }
 
 }  // namespace
-}  // namespace dcr::protocol_internal
+}  // namespace dcr::receiver_internal

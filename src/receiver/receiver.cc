@@ -7,7 +7,7 @@
 #include <chrono>
 #include <thread>
 
-namespace dcr::protocol_internal {
+namespace dcr::receiver_internal {
 
 ReceiverWalk::ReceiverWalk(Store& store, ReceiverTarget& target, FollowOptions options)
     : store_(store),
@@ -416,4 +416,4 @@ Status ReceiverWalk::Step() {
   return Status::Ok();
 }
 
-}  // namespace dcr::protocol_internal
+}  // namespace dcr::receiver_internal

@@ -15,7 +15,9 @@
 #include "dcr/receiver.h"
 #include "protocol/internal.h"
 
-namespace dcr::protocol_internal {
+namespace dcr::receiver_internal {
+
+using namespace protocol_internal;  // the protocol's store reads, attempts, snapshots
 
 // The clock the options inject (RealClock() when none).
 inline Clock& ClockOf(const FollowOptions& o) { return o.clock ? *o.clock : RealClock(); }
@@ -253,4 +255,4 @@ class ReceiverWalk {
   Heartbeat heartbeat_;
 };
 
-}  // namespace dcr::protocol_internal
+}  // namespace dcr::receiver_internal

@@ -7,7 +7,7 @@
 
 #include <string>
 
-namespace dcr::protocol_internal {
+namespace dcr::receiver_internal {
 namespace {
 
 using Kind = StepPlan::Kind;
@@ -88,4 +88,4 @@ TEST(PlanStepTest, DecidesEachStepFromWhatTheWalkHoldsAndTheStoreShows) {
 }
 
 }  // namespace
-}  // namespace dcr::protocol_internal
+}  // namespace dcr::receiver_internal

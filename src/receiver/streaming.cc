@@ -7,7 +7,7 @@
 
 #include "receiver.h"
 
-namespace dcr::protocol_internal {
+namespace dcr::receiver_internal {
 
 Status PrefetchFrameObjects(Store& store, const AttemptInfo& a, std::map<std::string, std::string>* prefetched,
                             size_t at_most, const std::function<bool(const std::string&)>& have, bool* progressed) {
@@ -75,4 +75,4 @@ bool ForEachStreamedFrame(const std::string& key, const std::string& blob, const
   return true;
 }
 
-}  // namespace dcr::protocol_internal
+}  // namespace dcr::receiver_internal

@@ -12,7 +12,7 @@
 
 #include "journals.h"
 
-using namespace dcr::protocol_internal;
+using namespace dcr::receiver_internal;
 
 namespace {
 
