@@ -639,6 +639,8 @@ class DcrTrainerInitInfo(TrainerInitInfo):
     heartbeat_timeout_s: float = 30.0
     update_timeout_s: float = 600.0
     chunk_elements: int = dcr.DEFAULT_CHUNK_ELEMENTS  # the run's chunking, when this trainer creates the run
+    # Also take a snapshot of every N-th version (every trainer process takes part); 0: only version 0.
+    snapshot_every: int = 0
     # Push frame objects into the relay tree's roots (dcr.ShardPublisher's relay arguments).
     relay: list = field(default_factory=list)
     relay_key: str = ""
@@ -699,6 +701,7 @@ class DcrTrainerWeightTransferEngine(TrainerWeightTransferEngine[DcrTrainerInitI
         self.store = store
         options = dict(max_attempts=init_info.max_attempts, ack_timeout_s=init_info.ack_timeout_s,
                        heartbeat_timeout_s=init_info.heartbeat_timeout_s, chunk_elements=init_info.chunk_elements,
+                       snapshot_every=init_info.snapshot_every,
                        inject_failures=init_info.inject_failures, relay=init_info.relay,
                        relay_key=init_info.relay_key, relay_pub=init_info.relay_pub,
                        relay_insecure=init_info.relay_insecure)

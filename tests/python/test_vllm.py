@@ -119,6 +119,16 @@ def test_vllm_engine_follows_two_trainer_processes_publishing_their_shards(tmp_p
         commit = json.loads((store_dir / "commits" / f"v{v:010}.json").read_text())
         objects = sorted(p.name for p in (store_dir / "attempts" / f"v{v:010}" / commit["attempt"] / "frames").iterdir())
         assert objects == ["s0-0000.bin", "s1-0000.bin"], objects
+    # Both processes took the snapshot of version 2 (snapshot_every=2). Each
+    # tensor is written by the process holding its first rows, process 0:
+    # one file and the index. dcr wrote snapshot.json only because the
+    # processes' digests add up to version 2's.
+    snapshot = json.loads((store_dir / "snapshots" / "v0000000002" / "snapshot.json").read_text())
+    assert snapshot["version"] == 2
+    assert sorted(f["name"] for f in snapshot["files"]) == ["model-00001-of-00002.safetensors",
+                                                             "model.safetensors.index.json"], snapshot
+    assert not (store_dir / "snapshots" / "v0000000002" / "parts").exists() or \
+        not any((store_dir / "snapshots" / "v0000000002" / "parts").iterdir())
 
 
 def free_port() -> int:

@@ -178,7 +178,8 @@ def mode_refit(a) -> dict:
     push = dict(relay=[a.relay], relay_key=a.trainer_relay_key, relay_pub=a.relay_pub) if a.trainer_relay_key else {}
     info = dv.DcrTrainerInitInfo(rank=0, store=a.store, state_dir=os.path.join(a.work, "trainer"),
                                  engine_init=engine_init, inject_failures=a.fail_at, heartbeat_timeout_s=60.0,
-                                 **({"chunk_elements": 4096} if a.trainer_processes == 2 else {}), **push)
+                                 **({"chunk_elements": 4096, "snapshot_every": 2} if a.trainer_processes == 2 else {}),
+                                 **push)
     peer = None
     if a.trainer_processes == 2:
         torch.set_num_threads(1)  # the replicas' steps must give the same bits: the same arithmetic
@@ -212,7 +213,7 @@ def mode_trainer_peer(a) -> dict:
     model = make_model(a.family)
     optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr)
     info = dv.DcrTrainerInitInfo(rank=1, store=a.store, state_dir=os.path.join(a.work, "trainer-p1"),
-                                 heartbeat_timeout_s=60.0)
+                                 heartbeat_timeout_s=60.0, snapshot_every=2)
     trainer = WeightTransferTrainerFactory.trainer_init(info, client=None, source=row_senders(model, 1, 2, False))
     out: dict = {"versions": []}
     for step, line in enumerate(sys.stdin, start=1):
