@@ -2038,6 +2038,9 @@ TEST_F(ShardProcessTest, AMissedSnapshotIsTakenNextTimeAndABadOneIsNotRecorded) 
   EXPECT_EQ(r4[0].status().code(), Code::kDataLoss) << r4[0].status().ToString();
   EXPECT_NE(r4[0].status().message().find("add up to"), std::string::npos) << r4[0].status().ToString();
   EXPECT_EQ(protocol_internal::ReadSnapshot(*store_, 4).status().code(), Code::kNotFound);
+  auto parts = store_->List(run_keys::Snapshot(4) + "parts/");
+  ASSERT_TRUE(parts.ok());
+  EXPECT_TRUE(parts->empty()) << "the failed round's parts are left for the next one: " << parts->front().key;
   auto state = ReadRunState(*store_);
   ASSERT_TRUE(state.ok() && state->latest);
   EXPECT_EQ(*state->latest, 4u) << "the version itself is committed";

@@ -233,7 +233,8 @@ class ShardSnapshot {
   }
 
   // Process 0: every process's record, their digests checked against the
-  // version's, the index (several files), then snapshot.json; the parts go.
+  // version's, the index (several files), then snapshot.json; the parts go
+  // (also when the digests do not add up).
   Status Complete() {
     SnapshotRecord snapshot;
     snapshot.version = v_;
@@ -245,18 +246,26 @@ class ShardSnapshot {
       partials += fmt::format(" p{}={}", q, r.digest.ToHex());
       for (const auto& f : r.files) snapshot.files.push_back(f);
     }
-    if (snapshot.digest != commit_.target_digest)
+    if (snapshot.digest != commit_.target_digest) {
+      // Every process has recorded, so none reads the parts any more: the
+      // next round starts from fresh ones.
+      RemoveParts();
       return DataLoss(fmt::format(
           "the snapshot of version {}: the processes' files' digests ({}) add up to {}, not the version's {}; "
           "no snapshot was recorded",
           v_, partials.substr(1), snapshot.digest.ToHex(), commit_.target_digest.ToHex()));
+    }
     if (P() > 1) DCR_RETURN_IF_ERROR(WriteIndex(&snapshot));
     DCR_RETURN_IF_ERROR(CarryOtherFiles(&snapshot));
     DCR_RETURN_IF_ERROR(c_.store->Put(run_keys::Snapshot(v_) + "snapshot.json", snapshot.ToJson()));
-    // Best effort: GC removes what is left once a newer snapshot exists.
+    RemoveParts();
+    return Status::Ok();
+  }
+
+  // Best effort: GC removes what is left once a newer snapshot exists.
+  void RemoveParts() {
     if (auto parts = c_.store->List(run_keys::Snapshot(v_) + "parts/"); parts.ok())
       for (const auto& o : *parts) c_.store->Delete(o.key).IgnoreError();
-    return Status::Ok();
   }
 
   Result<std::vector<SnapshotRecord>> AwaitRecords() {
