@@ -1,16 +1,17 @@
 // The refit protocol (DESIGN section 5; docs/protocol.md): a publisher (a
 // coordinator and its senders) moves a run from committed version v to v+1
-// through a store, and followers (receivers) apply every committed version
-// in place. The store is the control plane: every decision is an object.
+// through a store, and receivers (dcr/receiver.h) apply every committed
+// version in place. The store is the control plane: every decision is an
+// object.
 //
-//   run.json                                  the run: id, chunking, tensors
+//   run.json                                  the run: id, format, chunking, tensors
 //   snapshots/v<N>/snapshot.json, files/...   a full checkpoint (start, join, rejoin)
-//   attempts/v<N>/<attempt>/attempt.json      mode, coordinator (created first)
-//   attempts/v<N>/<attempt>/frames/s<K>.bin   sender K's frames, streamed
-//   attempts/v<N>/<attempt>/senders/s<K>.json sender K's frame list and chunk digests
+//   snapshots/v<N>/parts/...                  trainer processes' parts while they take one
+//   attempts/v<N>/<attempt>/attempt.json      class, delta id, signing key, coordinator (created first)
+//   attempts/v<N>/<attempt>/frames/s<K>-<NNNN>.bin  sender (or trainer process) K's frames, in segments
 //   attempts/v<N>/<attempt>/contrib/p<F>-p<T>.bin  trainer process F's contributions for process T
 //   attempts/v<N>/<attempt>/procs/p<P>.json   trainer process P's frames, chunk digests, partials
-//   attempts/v<N>/<attempt>/manifest.json     the delta manifest (written when every sender is done)
+//   attempts/v<N>/<attempt>/manifest.bin      the delta manifest (written when every sender is done)
 //   attempts/v<N>/<attempt>/acks/<R>.json     receiver R applied and verified it (or failed)
 //   attempts/v<N>/<attempt>/fence             the attempt is obsolete
 //   commits/v<N>.json                         written once, create-if-absent
