@@ -102,6 +102,12 @@ Result<std::optional<std::string>> ObjectSignerOf(Store& store, const std::strin
 Result<std::optional<StreamedAttempt>> ReadStreamedAttempt(Store& store, uint64_t v, const std::string& id,
                                                            const std::function<void(const std::string&)>& log);
 
+// Whether the options' schedule (snapshot_every) gives committed version v
+// a snapshot (version 0 always has one: the run's start).
+inline bool SnapshotDue(const PublishOptions& o, uint64_t v) {
+  return o.snapshot_every > 0 && v > 0 && v % o.snapshot_every == 0;
+}
+
 // Snapshots: the regular files of a checkpoint (a file, or the top-level
 // files of its directory) as objects under snapshots/v<N>/files/, then
 // snapshot.json. Download writes them into `dir` (created) and opens it.

@@ -278,8 +278,7 @@ Result<PublishReport> PublishRun::PublishDelta(uint64_t v, const Checkpoint& nex
   report.memory.baseline_bytes = baseline.total_bytes();
   report.memory.baseline_in_memory = OnMemoryFilesystem(state_dir_);
   for (const auto& chunks : base_digests) report.memory.digest_bytes += chunks.size() * sizeof(Digest);
-  if (o_.snapshot_every > 0 && v - 1 > 0 && (v - 1) % o_.snapshot_every == 0)
-    DCR_RETURN_IF_ERROR(UploadMissedSnapshot(v - 1, baseline, Total(base_digests)));
+  if (SnapshotDue(o_, v - 1)) DCR_RETURN_IF_ERROR(UploadMissedSnapshot(v - 1, baseline, Total(base_digests)));
 
   DeltaManifest manifest;  // the committed attempt's
   ChunkDigestTable target_digests;
@@ -297,8 +296,7 @@ Result<PublishReport> PublishRun::PublishDelta(uint64_t v, const Checkpoint& nex
   DCR_RETURN_IF_ERROR(WriteBaseline(state_dir_, {run.run_id, v}));
   WriteDigestCache(state_dir_, v, baseline, target_digests);
   report.advance_seconds = SecondsSince(ClockOf(o_), advance_start);
-  if (o_.snapshot_every > 0 && v % o_.snapshot_every == 0)
-    DCR_RETURN_IF_ERROR(UploadSnapshot(store_, v, next, manifest.target_digest, nullptr));
+  if (SnapshotDue(o_, v)) DCR_RETURN_IF_ERROR(UploadSnapshot(store_, v, next, manifest.target_digest, nullptr));
   // Best effort: v is committed whatever GC meets, and the next publish collects again.
   CollectGarbage(store_, o_.keep_versions, o_.heartbeat_timeout, ClockOf(o_)).IgnoreError();
   report.total_seconds = SecondsSince(ClockOf(o_), start);

@@ -112,6 +112,8 @@ class SegmentedFrameWriter {
   }
 
   const std::vector<std::string>& names() const { return names_; }
+  // Bytes of frames written so far: the next frame's offset in the stream.
+  uint64_t written() const { return written_; }
 
  private:
   static constexpr size_t kClosesInFlight = 4;

@@ -226,10 +226,10 @@ class ShardRun {
   // Their frames and chunk digests go into `rec`.
   Status EncodeOwnedFrames(uint64_t v, const std::string& id, const DeltaManifest& m, const EncodeOptions& encode,
                            Projected* projected, ProcessRecord* rec);
-  // One batch's frames and digests: into `rec` and the segments.
-  Status WriteBatch(const OwnedFrames& owned, const std::set<ChunkId>& direct,
-                    const std::function<Status()>& first_frame, SegmentedFrameWriter& segments, uint64_t* offset,
-                    ProcessRecord* rec);
+  // One batch's frames and digests: into `rec` and the segments (signed
+  // with `signer`, whose public half goes into the store before the first).
+  Status WriteBatch(const OwnedFrames& owned, const std::set<ChunkId>& direct, const std::string& prefix,
+                    const ObjectSigner& signer, SegmentedFrameWriter& segments, ProcessRecord* rec);
   // Process 0: attempt `id` of v from attempt.json to the commit; `partial`:
   // this process's senders' digest at v.
   Result<AttemptCoordinator::AttemptResult> CoordinateAttempt(uint64_t v, const std::string& id, DeltaClass cls,
@@ -482,7 +482,7 @@ Status ShardRun::AdoptCurrent(const CommitRecord& c) {
 }
 
 Status ShardRun::SnapshotIfDue(uint64_t v) {
-  if (o_.snapshot_every == 0 || v == 0 || v % o_.snapshot_every != 0) return Status::Ok();
+  if (!SnapshotDue(o_, v)) return Status::Ok();
   ShardSnapshotContext c;
   c.store = &store_;
   c.options = &o_;
@@ -621,21 +621,13 @@ Status ShardRun::EncodeOwnedFrames(uint64_t v, const std::string& id, const Delt
   const auto chunk_of = [](const ChunkContribution& c) { return ChunkId{c.tensor, c.chunk}; };
   std::stable_sort(mine.begin(), mine.end(),
                    [&](const ChunkContribution& a, const ChunkContribution& b) { return chunk_of(a) < chunk_of(b); });
-  // Signed by a key of this process for this attempt, whose public half is
-  // in the store before its first object: receivers verify relayed copies.
+  // Signed by a key of this process for this attempt: receivers verify relayed copies.
   DCR_ASSIGN_OR_RETURN(const ObjectSigner signer, ObjectSigner::Generate());
-  bool signer_written = false;
-  const auto first_frame = [&]() -> Status {
-    if (signer_written) return Status::Ok();
-    signer_written = true;
-    return store_.Put(prefix + run_keys::ProcessSigner(Me()), signer.public_hex() + "\n");
-  };
   FramesInFlight in_flight;
   SegmentedFrameWriter segments(store_, prefix, Me(), SegmentBytes(o_, report_.total_bytes), signer, o_.relay,
                                 in_flight);
   // Batches of whole chunks, enough to keep every thread of the pool busy.
   const size_t batch_chunks = std::max<size_t>(32, 8 * DefaultPool().size());
-  uint64_t offset = 0;  // in this process's frame stream
   for (size_t begin = 0; begin < mine.size();) {
     size_t end = begin, chunks = 0;
     for (; end < mine.size(); ++end)
@@ -645,7 +637,7 @@ Status ShardRun::EncodeOwnedFrames(uint64_t v, const std::string& id, const Delt
       }
     const std::span<const ChunkContribution> batch(mine.data() + begin, end - begin);
     DCR_ASSIGN_OR_RETURN(OwnedFrames owned, EncodeOwnedChunks(m, batch, encode));
-    DCR_RETURN_IF_ERROR(WriteBatch(owned, projected->direct, first_frame, segments, &offset, rec));
+    DCR_RETURN_IF_ERROR(WriteBatch(owned, projected->direct, prefix, signer, segments, rec));
     for (size_t i = begin; i < end; ++i) mine[i] = {};  // merged: their change lists are not needed again
     begin = end;
   }
@@ -661,9 +653,8 @@ Status ShardRun::EncodeOwnedFrames(uint64_t v, const std::string& id, const Delt
   return Fault(o_, "record-written");
 }
 
-Status ShardRun::WriteBatch(const OwnedFrames& owned, const std::set<ChunkId>& direct,
-                            const std::function<Status()>& first_frame, SegmentedFrameWriter& segments,
-                            uint64_t* offset, ProcessRecord* rec) {
+Status ShardRun::WriteBatch(const OwnedFrames& owned, const std::set<ChunkId>& direct, const std::string& prefix,
+                            const ObjectSigner& signer, SegmentedFrameWriter& segments, ProcessRecord* rec) {
   for (size_t i = 0; i < owned.chunks.size(); ++i) {
     const ChunkId c = owned.chunks[i];
     rec->chunks.push_back({c.tensor, c.chunk, owned.base_digests[i], owned.target_digests[i]});
@@ -674,11 +665,12 @@ Status ShardRun::WriteBatch(const OwnedFrames& owned, const std::set<ChunkId>& d
     if (owned.frame_of[i] < 0) continue;
     const std::string& f = owned.frames[static_cast<size_t>(owned.frame_of[i])];
     DCR_ASSIGN_OR_RETURN(FrameView fv, ParseFrame({reinterpret_cast<const uint8_t*>(f.data()), f.size()}));
-    rec->frames.push_back({c.tensor, c.chunk, 0, *offset, f.size(), fv.header.mode, fv.header.codec, fv.header.changed,
+    const uint64_t offset = segments.written();  // in this process's frame stream
+    rec->frames.push_back({c.tensor, c.chunk, 0, offset, f.size(), fv.header.mode, fv.header.codec, fv.header.changed,
                            fv.header.payload_bytes});
-    DCR_RETURN_IF_ERROR(first_frame());
+    if (offset == 0)  // before the first object
+      DCR_RETURN_IF_ERROR(store_.Put(prefix + run_keys::ProcessSigner(Me()), signer.public_hex() + "\n"));
     DCR_RETURN_IF_ERROR(segments.Write(f));
-    *offset += f.size();
   }
   return Status::Ok();
 }

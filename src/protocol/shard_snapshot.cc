@@ -87,13 +87,16 @@ class ShardSnapshot {
     fs::remove(scratch_, ec);
     DCR_ASSIGN_OR_RETURN(Checkpoint file, Checkpoint::Create(scratch_, mine));
     file_.emplace(std::move(file));
+    file_index_.assign(m_.tensors.size(), 0);
+    for (uint32_t t = 0; t < m_.tensors.size(); ++t)
+      if (owner_[t] == Me()) file_index_[t] = static_cast<size_t>(file_->Find(m_.tensors[t].name));
     return Status::Ok();
   }
 
   // This process's senders' primary copies: copied into its own file where
-  // it owns the tensor, otherwise into the contribution object of the owner;
-  // one object per other process, written even when empty (its reader waits
-  // for it).
+  // it owns the tensor, otherwise into the contribution object of the owner
+  // (digest field zero: process 0 checks the files' digests); one object per
+  // other process, written even when empty (its reader waits for it).
   Status Send() {
     std::vector<std::vector<ChunkContribution>> to(P());
     std::vector<CopyRun> runs;
@@ -123,7 +126,6 @@ class ShardSnapshot {
               }
               part.covered.emplace_back(static_cast<uint32_t>(r.canonical - first), static_cast<uint32_t>(r.length));
               part.covered_bits.insert(part.covered_bits.end(), bits.begin(), bits.end());
-              part.base_digest += DigestBytes(MakeDigestKey(m_.tensors[t].name), r.canonical * eb, bits);
             }
           }
           if (!part.covered.empty()) to[owner_[t]].push_back(std::move(part));
@@ -142,7 +144,7 @@ class ShardSnapshot {
   // Canonical elements of owned tensor t from `first` on.
   void Place(uint32_t t, uint64_t first, std::span<const uint8_t> bits) {
     const uint64_t eb = BitsPerElement(m_.tensors[t].dtype) / 8;
-    std::span<uint8_t> data = file_->MutableData(static_cast<size_t>(file_->Find(m_.tensors[t].name)));
+    std::span<uint8_t> data = file_->MutableData(file_index_[t]);
     std::copy(bits.begin(), bits.end(), data.begin() + static_cast<ptrdiff_t>(first * eb));
     covered_[t].emplace_back(first, bits.size() / eb);
   }
@@ -329,6 +331,7 @@ class ShardSnapshot {
   CommitRecord commit_;
   DeltaManifest m_;
   std::vector<uint32_t> owner_;  // per tensor: the process that assembles it
+  std::vector<size_t> file_index_;  // per tensor this process owns: its index in file_
   std::vector<std::vector<Interval>> covered_;  // per owned tensor: elements placed
   std::string scratch_;  // this process's file while it is assembled
   std::optional<Checkpoint> file_;
