@@ -43,9 +43,13 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from netlab import Net  # noqa: E402
 
 SEGMENT = 256 << 10
 
@@ -72,59 +76,6 @@ def run(dcr, *args, **kw):
     return p.stdout
 
 
-class Net:
-    """Network namespaces on one bridge, each node's downlink shaped by tc tbf."""
-
-    PREFIX = "dcrb"
-
-    def __init__(self, link_mbps: float):
-        self.rate = f"{link_mbps * 8:.3f}mbit"
-        self.names: list[str] = []
-        self.hub = f"{self.PREFIX}-hub"
-        for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n"):
-            if ns.startswith(self.PREFIX + "-"):  # left by an interrupted run
-                subprocess.run(["ip", "netns", "del", ns.split()[0]])
-        self.ip("netns", "add", self.hub)
-        self.names.append(self.hub)
-        self.ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
-        self.ip("-n", self.hub, "link", "set", "br0", "up")
-
-    @staticmethod
-    def ip(*args: str) -> None:
-        p = subprocess.run(["ip", *args], capture_output=True, text=True)
-        if p.returncode != 0:
-            raise SystemExit(f"ip {' '.join(args)} failed: {p.stderr.strip()}")
-
-    def node(self, name: str) -> tuple[str, str]:
-        """A namespace for `name`, its downlink shaped; (namespace, address)."""
-        k = len(self.names)
-        ns, addr = f"{self.PREFIX}-{name}", f"10.88.{k // 250}.{k % 250 + 1}"
-        self.ip("netns", "add", ns)
-        self.names.append(ns)
-        self.ip("link", "add", f"dcrbh{k}", "type", "veth", "peer", "name", f"dcrbn{k}")
-        self.ip("link", "set", f"dcrbh{k}", "netns", self.hub)
-        self.ip("link", "set", f"dcrbn{k}", "netns", ns)
-        self.ip("-n", self.hub, "link", "set", f"dcrbh{k}", "master", "br0", "up")
-        self.ip("-n", ns, "addr", "add", f"{addr}/16", "dev", f"dcrbn{k}")
-        self.ip("-n", ns, "link", "set", f"dcrbn{k}", "up")
-        self.ip("-n", ns, "link", "set", "lo", "up")
-        # Traffic to the node leaves the hub through dcrbh<k>: its downlink.
-        p = subprocess.run(["ip", "netns", "exec", self.hub, "tc", "qdisc", "add", "dev", f"dcrbh{k}", "root", "tbf",
-                            "rate", self.rate, "burst", "64kb", "latency", "400ms"], capture_output=True, text=True)
-        if p.returncode != 0:
-            raise SystemExit(f"tc tbf on {ns} failed: {p.stderr.strip()}")
-        return ns, addr
-
-    @staticmethod
-    def wrap(ns: str, args: list) -> list:
-        return ["ip", "netns", "exec", ns, *map(str, args)]
-
-    def close(self) -> None:
-        for ns in reversed(self.names):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        self.names = []
-
-
 def apply_tail(logs: list[Path]) -> float:
     """The slowest receiver's seconds from having everything to its ack."""
     tail = 0.0
@@ -146,7 +97,6 @@ def one(dcr: str, work: Path, v0: Path, v1: Path, receivers: int, fanout: int | 
     where: dict[str, str] = {}  # node name -> namespace (tc)
     try:
         run(dcr, "publish", "--store", store, "--version", 0, "--state", root / "state", v0)
-        relay_addr = []
         plan = None
         if fanout is not None:
             n_relays = max(1, math.ceil(receivers / 2))
@@ -169,7 +119,6 @@ def one(dcr: str, work: Path, v0: Path, v1: Path, receivers: int, fanout: int | 
                 if net:
                     args = net.wrap(where[n["id"]], args)
                 procs.append(subprocess.Popen(list(map(str, args)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env()))
-            relay_addr = [n["address"] for n in plan["relays"]]
         # Join first (the snapshot from an unpaced store), so that only the
         # refit goes through the paced links.
         joins = [subprocess.Popen([dcr, "follow", "--store", store, "--id", f"e{i:02}", "--until", "0",

@@ -39,6 +39,8 @@
 #   DCR_S3_SECRET_KEY      S3 secret key              (default: fixed test key)
 #   DCR_S3_MEMSTORE_BYTES  OSD RAM store size         (default: 2 GiB)
 #   DCR_S3_START_TIMEOUT   seconds for the whole start (default: 90)
+#   DCR_S3_ALSO_LISTEN     one more local IPv4 address radosgw listens on,
+#                          same port (bench/scale: the namespaces' bridge)
 #
 # Debian packages used (installed by `start` if missing, via apt-get, with
 # sudo when not root): ceph-mon ceph-osd radosgw (they pull in ceph-base and
@@ -293,7 +295,7 @@ admin socket = $DIR/run/\$name.asok
 
 [client.rgw]
 admin socket = $DIR/run/\$name.asok
-rgw frontends = beast endpoint=127.0.0.1:$RGW_PORT tcp_nodelay=1
+rgw frontends = beast endpoint=127.0.0.1:$RGW_PORT${DCR_S3_ALSO_LISTEN:+ endpoint=$DCR_S3_ALSO_LISTEN:$RGW_PORT} tcp_nodelay=1
 rgw data = $DIR/rgw
 rgw dns name = localhost
 rgw thread pool size = 64
