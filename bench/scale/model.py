@@ -77,6 +77,7 @@ class Params:
     store_cpu: float = 0.0     # CPU seconds the store spends per byte in or out (cpu_pool only)
     poll_cpu: float = 0.0      # cores a following receiver keeps busy polling the store (cpu_pool only)
     s3_poll_cpu: float = 0.0   # added through S3: its own and the store's, per receiver
+    s3_peer_poll_cpu: float = 0.0  # cores of the store's a waiting trainer process's peer polls keep busy
 
 
 @dataclass
@@ -134,6 +135,8 @@ def predict(c: Config, p: Params) -> Prediction:
         if c.transport == "s3":
             cpu += (1 + c.receivers) * c.payload * p.store_cpu
         polling = c.receivers * (p.poll_cpu + (p.s3_poll_cpu if c.transport == "s3" else 0.0))
+        if on_s3:
+            polling += (c.trainers - 1) * p.s3_peer_poll_cpu
         stages["cpu"] = cpu / max(c.cpu_pool - polling, 0.05 * c.cpu_pool)
         if stages["cpu"] > seconds:
             seconds, bound = stages["cpu"], "cpu"

@@ -2,29 +2,29 @@
 """Validate the scale model (model.py) against real refits on this machine.
 
 Each configuration is a real run: P trainer processes (`dcr publish --process p/P`,
-tensor-parallel Megatron shards of one synthetic model) and R receivers (`dcr follow`)
-with a relay tree between them, every process in its own network namespace. Each
-trainer node's uplink (its cross-cluster link) is shaped with tc tbf; every node of
-the rollout cluster (relays, receivers) has both directions shaped to the in-cluster
-rate. The store is a file store in memory: it carries the control records (attempts,
-manifests, acks, commits) and the contribution objects between trainer processes,
-not the frames the receivers take (those come through the tree).
+Megatron pipeline x expert parallel shards of one synthetic model, LAYOUTS) and R
+receivers (`dcr follow`), every process in its own network namespace (netlab.py).
+Each trainer node's uplink (its cross-cluster link) is shaped with tc tbf; every
+node of the rollout cluster (relays, receivers) has both directions shaped to the
+in-cluster rate. Frames go through a relay tree (`dcr relay plan`, a relay per two
+receivers), the records through a file store in memory; or everything through a
+real S3 (the tests' radosgw, listening on the namespaces' bridge).
 
 Per configuration: version 0 is published and every receiver joins it unshaped; v1
-warms the trainers' baselines; v2..vN are timed: the coordinator's `dcr publish` from
+warms the trainers' state; v2..vN are timed: the coordinator's `dcr publish` from
 start to commit, which waits for every receiver's ack (applied and verified). The
 receivers end byte-identical to the last version (checked).
 
-The model's parameters come from two calibration runs in the same invocation,
-unshaped: the CPU seconds the publishers, receivers and relays spend per version
-(from the kernel's accounting of each process), and the protocol's fixed cost.
-Then each shaped configuration's median time is set beside the model's prediction.
+The model's parameters come from the CALIBRATION runs in the same invocation, none
+of them a validated configuration: CPU seconds per version by role (the kernel's
+accounting of each process), idle polling, a link's efficiency, S3's time per
+object, the fixed cost. Then each configuration's median is set beside the model.
 
   sudo bench/scale/validate.py [--dcr build/tools/dcr/dcr] [--size 256MB] [--versions 4]
-                               [--out docs/scale] [--quick]
+                               [--out docs/scale] [--quick] [--no-s3]
 
-Needs root and iproute2 (ip, tc); writes its results as JSON and the plots as PNG
-(matplotlib) under --out.
+Needs root and iproute2 (ip, tc); writes docs/scale/validation.json
+(bench/scale/project.py draws it).
 """
 
 from __future__ import annotations
@@ -348,6 +348,7 @@ CALIBRATION = [  # (transport, trainers, receivers, cross MB/s, in-cluster MB/s)
     ("relay", 1, 1, 4, 64),  # a link's payload per byte of its rate
     ("s3", 1, 4, 0, 0),      # the store's CPU, S3 polling and fixed cost
     ("s3", 1, 1, 64, 4),     # a receiver's time per object from S3
+    ("s3", 8, 4, 0, 0),      # the store's CPU for the trainer processes' peer polls
 ]
 
 
@@ -393,6 +394,10 @@ def calibrate(lab: Lab, cores, s3: bool) -> tuple[Params, list]:
         objects = math.ceil(c.payload / c.segment) + c.trainers - 1
         # Bound by the receiver's link; one request per object, and the fill's one.
         p = replace(p, s3_request_seconds=unexplained(per_object, p) / (objects + 1))
+        # Seven more processes polling while they wait: the store's extra CPU over the run.
+        eight_s3 = notes[5]
+        extra = eight_s3["store_cpu"] - idle["store_cpu"]
+        p = replace(p, s3_peer_poll_cpu=max(0.0, extra) / (7 * eight_s3["seconds"]))
     for n in notes:
         n["config"] = asdict(n["config"])
     return p, notes
@@ -446,7 +451,7 @@ def main():
               f"{params.relay_cpu * 1e9:.2f} ns/B, store {params.store_cpu * 1e9:.2f} ns/B, polling {params.poll_cpu:.3f} "
               f"cores/receiver (S3 +{params.s3_poll_cpu:.3f}), latency "
               f"{params.latency:.3f} s (S3 +{params.s3_latency:.3f}), link efficiency {params.link_efficiency:.3f}, S3 "
-              f"request {params.s3_request_seconds * 1e3:.1f} ms; payload {payload / MB:.2f} MB", flush=True)
+              f"request {params.s3_request_seconds * 1e3:.1f} ms, peer polls {params.s3_peer_poll_cpu:.3f} cores; payload {payload / MB:.2f} MB", flush=True)
         results = []
         print(f"{'via':>5} {'P':>2} {'R':>3} {'fan':>3} {'cross':>6} {'in':>6} {'measured':>9} {'predicted':>9} "
               f"{'error':>6}  bound", flush=True)

@@ -71,3 +71,12 @@ def test_through_s3_every_receiver_downloads_from_the_store_an_object_at_a_time(
     # Two trainer processes: a poll each way, three requests and one (and the answers).
     assert r.seconds == pytest.approx(0.3 + (0.05 + 6 * 0.01) + 3.2 + r.fill)
     assert r.fill == pytest.approx(1 * MB / 0.5e12 + 1 * MB / (5 * MB) + 0.01)  # one segment, one request
+
+
+def test_on_s3_waiting_trainer_processes_poll_the_stores_cores_away():
+    p = Params(encode_rate=1e9, apply_rate=1e9, latency=0.0, s3_peer_poll_cpu=0.2)
+    c = Config(dense=1e9, payload=1 * MB, trainers=4, receivers=1, cross_link=1e12, in_link=1e12, cpu_pool=2,
+               transport="s3")
+    # 2 s of CPU over 2 - 3 x 0.2 cores; a file store's polls cost the store nothing.
+    assert predict(c, p).stages["cpu"] == pytest.approx(2 / 1.4)
+    assert predict(Config(**{**c.__dict__, "transport": "relay"}), p).stages["cpu"] == pytest.approx(1.0)
