@@ -40,7 +40,7 @@ Rates are bytes per second; cores count whole cores.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,3 @@ def predict(c: Config, p: Params) -> Prediction:
             seconds, bound = stages["cpu"], "cpu"
     return Prediction(seconds, stages, fill, bound, startup)
 
-
-def scaled(c: Config, **kw) -> Config:
-    return replace(c, **kw)

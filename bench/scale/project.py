@@ -57,6 +57,17 @@ def at_rate(p: Params, rate: float) -> Params:
     return replace(p, encode_rate=p.encode_rate * ENCODE_SCALE[rate], apply_rate=p.apply_rate * APPLY_SCALE[rate])
 
 
+def save_log_log(fig, ax, path: Path, xlabel: str, ylabel: str, xbase: int = 10) -> None:
+    ax.set_xscale("log", base=xbase)
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--validation", default="docs/scale/validation.json")
@@ -109,35 +120,22 @@ def main():
     fig, ax = plt.subplots(figsize=(6, 4))
     nodes = [1, 2, 4, 8, 16, 32, 64]
     for name, color in (("120B", "C0"), ("1T", "C1")):
-        ts = [predict(testbed(MODELS[name], 0.03, nodes=n), p).seconds for n in nodes]
+        ts = [predict(testbed(MODELS[name], 0.03, nodes=n), at_rate(p, 0.03)).seconds for n in nodes]
         ax.plot(nodes, ts, marker="o", color=color, label=f"{name}, 3%")
     ax.scatter([8], [22.6], marker="x", color="C0", label="reference 120B (relay)")
     ax.scatter([8], [150], marker="x", color="C1", label="reference 1T (relay)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("trainer nodes = rollout nodes (5 Gbit/s cross-cluster each)")
-    ax.set_ylabel("refit (s)")
-    ax.legend(fontsize=8)
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "nodes.png", dpi=120)
+    save_log_log(fig, ax, out / "nodes.png", "trainer nodes = rollout nodes (5 Gbit/s cross-cluster each)",
+                 "refit (s)", xbase=2)
 
     # Time against model size on the testbed, at 1, 3 and 5%.
     fig, ax = plt.subplots(figsize=(6, 4))
-    sizes = sorted(MODELS.items(), key=lambda kv: kv[1])
+    sizes = sorted(MODELS.values())
     for rate, color in ((0.01, "C2"), (0.03, "C0"), (0.05, "C3")):
-        ax.plot([s / GB for _, s in sizes], [predict(testbed(s, rate), at_rate(p, rate)).seconds for _, s in sizes], marker="o",
-                color=color, label=f"dcr {rate:.0%}")
+        ts = [predict(testbed(s, rate), at_rate(p, rate)).seconds for s in sizes]
+        ax.plot([s / GB for s in sizes], ts, marker="o", color=color, label=f"dcr {rate:.0%}")
     ax.scatter([247.2, 2242], [22.6, 150], marker="x", color="C0", label="reference 3% (relay)")
     ax.scatter([247.2], [41.6], marker="x", color="C3", label="reference 5% (relay)")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("checkpoint (GB, BF16)")
-    ax.set_ylabel("refit (s), 8 + 8 nodes")
-    ax.legend(fontsize=8)
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "sizes.png", dpi=120)
+    save_log_log(fig, ax, out / "sizes.png", "checkpoint (GB, BF16)", "refit (s), 8 + 8 nodes")
     print(f"\nplots: {out / 'validation.png'}, {out / 'nodes.png'}, {out / 'sizes.png'}")
 
 

@@ -222,7 +222,7 @@ class Lab:
                                       env=env()) for i in range(c.receivers)]
             if any(j.wait(timeout=600) != 0 for j in joins):
                 raise SystemExit("a receiver could not join version 0")
-            relay_procs, upstream = [], {}
+            relay_procs, upstream, relay_root = [], {}, None
             if c.transport == "relay":
                 # The rollout cluster: a relay per `per_relay` receivers, planned with the fanout.
                 listing, where = [], {}
@@ -236,6 +236,7 @@ class Lab:
                     for up in n["upstream"]:
                         args += ["--parent", up]
                     relay_procs.append(procs.start(net.wrap(where[n["id"]], args)))
+                relay_root = plan["relays"][0]["address"]
                 by_id = {n["id"]: n for n in plan["relays"]}
                 for i in range(c.receivers):
                     n = by_id[f"r{i // c.per_relay:02}"]
@@ -264,8 +265,7 @@ class Lab:
             maps = inputs.senders(c.trainers)
             rows = []
             for v in range(1, inputs.versions + 1):
-                rows.append(self.version(c, v, store, root, trainers, maps, followers, relay_procs,
-                                         upstream and plan["relays"][0]["address"]))
+                rows.append(self.version(c, v, store, root, trainers, maps, followers, relay_procs, relay_root))
             for i, f in enumerate(followers):
                 if f.wait(timeout=120) != 0:
                     raise SystemExit(f"receiver e{i:02} failed: {(root / f'follow-e{i:02}.log').read_text()[-2000:]}")
@@ -372,8 +372,8 @@ def calibrate(lab: Lab, cores, s3: bool) -> tuple[Params, list]:
     process_cpu = max(0.0, (eight_p["publish_cpu"] - one_p["publish_cpu"]) / 7)
     encode_cpu = one_p["publish_cpu"] - process_cpu
     apply_cpu = statistics.mean(n["receiver_cpu"] - poll * n["seconds"] for n in (one_p, eight_p))
-    relays = math.ceil(4 / Config.per_relay)
-    relay_cpu = statistics.mean(n["relay_cpu"] / (relays * n["download_bytes"]) for n in (one_p, eight_p))
+    relays = lambda c: math.ceil(c.receivers / c.per_relay)  # noqa: E731
+    relay_cpu = statistics.mean(n["relay_cpu"] / (relays(n["config"]) * n["download_bytes"]) for n in (one_p, eight_p))
     p = Params(encode_rate=lab.inputs.dense / encode_cpu, apply_rate=lab.inputs.dense / apply_cpu, latency=0.0,
                process_cpu=process_cpu, relay_cpu=relay_cpu, poll_cpu=poll)
 
@@ -448,10 +448,11 @@ def main():
         payload = notes[0]["download_bytes"]
         print(f"calibration: encode {params.encode_rate / 1e9:.2f} GB/s/core, a trainer process "
               f"{params.process_cpu:.3f} CPU s, apply {params.apply_rate / 1e9:.2f} GB/s/core, relay "
-              f"{params.relay_cpu * 1e9:.2f} ns/B, store {params.store_cpu * 1e9:.2f} ns/B, polling {params.poll_cpu:.3f} "
-              f"cores/receiver (S3 +{params.s3_poll_cpu:.3f}), latency "
-              f"{params.latency:.3f} s (S3 +{params.s3_latency:.3f}), link efficiency {params.link_efficiency:.3f}, S3 "
-              f"request {params.s3_request_seconds * 1e3:.1f} ms, peer polls {params.s3_peer_poll_cpu:.3f} cores; payload {payload / MB:.2f} MB", flush=True)
+              f"{params.relay_cpu * 1e9:.2f} ns/B, store {params.store_cpu * 1e9:.2f} ns/B, polling "
+              f"{params.poll_cpu:.3f} cores/receiver (S3 +{params.s3_poll_cpu:.3f}), latency {params.latency:.3f} s "
+              f"(S3 +{params.s3_latency:.3f}), link efficiency {params.link_efficiency:.3f}, S3 request "
+              f"{params.s3_request_seconds * 1e3:.1f} ms, peer polls {params.s3_peer_poll_cpu:.3f} cores; payload "
+              f"{payload / MB:.2f} MB", flush=True)
         results = []
         print(f"{'via':>5} {'P':>2} {'R':>3} {'fan':>3} {'cross':>6} {'in':>6} {'measured':>9} {'predicted':>9} "
               f"{'error':>6}  bound", flush=True)
