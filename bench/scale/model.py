@@ -15,7 +15,7 @@ Stage times, for a model of `dense` bytes and a payload of `payload` bytes:
     encode    share * dense / (trainer_cores * encode_rate)
     cross     share * payload / cross_link           each process over its own link
     tree      sends * payload / in_link              a relay's link, shared by the copies it sends
-    receive   payload / in_link                      S3: + one request per object, one at a time
+    receive   payload / in_link                      S3: + a request's time per fetch_ahead objects
     store_out R * payload / store_rate               S3: the store's egress
     apply     dense / (rollout_cores * apply_rate)
 
@@ -56,6 +56,7 @@ class Config:
     fanout: int = 2            # relay tree fanout
     per_relay: int = 2         # receivers attached to each leaf relay
     segment: float = 256 << 10  # bytes per frame object
+    fetch_ahead: int = 8       # frame objects a receiver downloads from S3 at once (FollowOptions::fetch_ahead)
     trainer_cores: float = 1.0
     rollout_cores: float = 1.0
     cpu_pool: float | None = None  # all processes on one machine of this many cores
@@ -72,7 +73,7 @@ class Params:
     relay_cpu: float = 0.0     # CPU seconds each relay spends per payload byte (cpu_pool only)
     s3_latency: float = 0.0    # added through S3: receivers poll it for frame objects
     link_efficiency: float = 1.0  # payload bytes a link carries per byte of its rate (TCP/IP, framing)
-    s3_request_seconds: float = 0.0  # per frame object a receiver gets from S3: one request at a time
+    s3_request_seconds: float = 0.0  # per round of fetch_ahead frame objects a receiver gets from S3 at once
     peer_poll: float = 0.05    # trainer processes poll the store this often (PublishOptions::peer_poll)
     store_cpu: float = 0.0     # CPU seconds the store spends per byte in or out (cpu_pool only)
     poll_cpu: float = 0.0      # cores a following receiver keeps busy polling the store (cpu_pool only)
@@ -100,6 +101,12 @@ def tree_depth(receivers: int, per_relay: int, fanout: int) -> int:
     return depth
 
 
+def request_rounds(c: Config) -> int:
+    """Rounds of at most fetch_ahead concurrent requests in which a receiver gets a
+    version's frame objects from S3: the segments, one more per further trainer process."""
+    return math.ceil((math.ceil(c.payload / c.segment) + c.trainers - 1) / c.fetch_ahead)
+
+
 def predict(c: Config, p: Params) -> Prediction:
     share = c.share if c.share is not None else 1 / c.trainers
     cross, inner = c.cross_link * p.link_efficiency, c.in_link * p.link_efficiency
@@ -115,7 +122,7 @@ def predict(c: Config, p: Params) -> Prediction:
         hops += [segment * sends / inner] * (tree_depth(c.receivers, c.per_relay, c.fanout) + 1)
     else:
         relays = 0
-        stages["receive"] += (math.ceil(c.payload / c.segment) + c.trainers - 1) * request
+        stages["receive"] += request_rounds(c) * request
         stages["store_out"] = c.receivers * c.payload / p.store_rate
         hops.append(segment / inner + request)
     if not c.cpu_pool:

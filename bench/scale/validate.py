@@ -46,7 +46,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
-from model import Config, Params, predict  # noqa: E402
+from model import Config, Params, predict, request_rounds  # noqa: E402
 from netlab import Net  # noqa: E402
 
 SEGMENT = 256 << 10
@@ -391,9 +391,9 @@ def calibrate(lab: Lab, cores, s3: bool) -> tuple[Params, list]:
                     store_cpu=max(0.0, busy) / ((1 + idle["config"].receivers) * idle["download_bytes"]))
         p = replace(p, s3_latency=unexplained(idle, p))
         c = per_object["config"]
-        objects = math.ceil(c.payload / c.segment) + c.trainers - 1
-        # Bound by the receiver's link; one request per object, and the fill's one.
-        p = replace(p, s3_request_seconds=unexplained(per_object, p) / (objects + 1))
+        # Bound by the receiver's link; a request per round of objects, and the fill's one
+        # (none left over: concurrent requests hide behind the link).
+        p = replace(p, s3_request_seconds=max(0.0, unexplained(per_object, p)) / (request_rounds(c) + 1))
         # Seven more processes polling while they wait: the store's extra CPU over the run.
         eight_s3 = notes[5]
         extra = eight_s3["store_cpu"] - idle["store_cpu"]

@@ -30,6 +30,10 @@ struct FollowOptions {
   // While an attempt is streaming (started, no manifest yet): how often to
   // look for its next frame objects.
   std::chrono::milliseconds stream_poll{20};
+  // Frame objects downloaded from the store at once, in the background: at
+  // most this many of an attempt are in flight or held before they are
+  // applied (the relay's deliveries aside).
+  size_t fetch_ahead = 8;
   std::chrono::milliseconds heartbeat_every{1000};
   // Frame objects from a relay (not owned, must outlive Run). While it is
   // attached the follower downloads no frame objects from the store during

@@ -333,7 +333,13 @@ TEST_F(ProtocolTest, MemoryHeldByThePublisherAndReceiversIsReported) {
   ASSERT_TRUE(Publisher(*store_, shm, o).Publish(0, version(0)).ok());
   std::optional<Result<PublishReport>> r;
   Status followed;
-  std::thread follower([&] { followed = Follower(*store_, Path("r"), Receiver("r")).Run(1); });
+  // Receivers that download at most 3 frame objects ahead of what they applied.
+  auto fetching_three = [&](const std::string& id) {
+    FollowOptions f = Receiver(id);
+    f.fetch_ahead = 3;
+    return f;
+  };
+  std::thread follower([&] { followed = Follower(*store_, Path("r"), fetching_three("r")).Run(1); });
   WaitForReceivers(1);
   r = Publisher(*store_, shm, o).Publish(1, version(1));
   follower.join();
@@ -363,12 +369,12 @@ TEST_F(ProtocolTest, MemoryHeldByThePublisherAndReceiversIsReported) {
   ASSERT_TRUE(record.ok()) << record.status().ToString();
   EXPECT_EQ(record->publisher_memory, m);
   // A late receiver: joins from version 0's snapshot and catches up.
-  ASSERT_TRUE(Follower(*store_, Path("late"), Receiver("late")).Run(1).ok());
+  ASSERT_TRUE(Follower(*store_, Path("late"), fetching_three("late")).Run(1).ok());
   expect_identical(Path("late"));
-  // Each held at most 4 objects of frames not yet applied, and the headers
+  // Each held at most 3 objects of frames not yet applied, and the headers
   // of those it applied; the delta is several times that.
   const uint64_t bound =
-      4 * (o.segment_bytes + largest_frame + kObjectTrailerBytes) + manifest.frames.size() * kMaxFrameHeaderBytes;
+      3 * (o.segment_bytes + largest_frame + kObjectTrailerBytes) + manifest.frames.size() * kMaxFrameHeaderBytes;
   const uint64_t delta = manifest.frame_bytes + manifest.objects.size() * kObjectTrailerBytes;
   ASSERT_GT(delta, 2 * bound) << "too small a delta to tell objects in flight from it";
   auto status = ReadRunStatus(*store_, kGuard);
@@ -475,6 +481,43 @@ TEST_F(ProtocolTest, ReceiversDownloadSegmentsWhileTheAttemptStreams) {
       EXPECT_EQ(n, 1) << "receiver " << i << " read " << key << " " << n << " times";
     EXPECT_EQ(reads[i].n.size(), objects);
   }
+}
+
+// A receiver downloads several frame objects at once (fetch_ahead): its
+// frame reads wait inside the store until three are there together, which
+// one download at a time would never reach (the guard then lets them go).
+TEST_F(ProtocolTest, AReceiverDownloadsSeveralFrameObjectsAtOnce) {
+  PublishOptions o = Fast();
+  o.segment_bytes = 2048;  // many frame objects per sender
+  std::mutex mu;
+  std::condition_variable cv;
+  int inside = 0;
+  bool together = false;
+  HookStore view(*store_, [&](std::string_view op, std::string_view key, bool after) {
+    if (op != "read" || after || key.find("/frames/") == std::string_view::npos) return Status::Ok();
+    std::unique_lock lock(mu);
+    ++inside;
+    if (inside >= 3) together = true;
+    cv.notify_all();
+    cv.wait_for(lock, kGuard, [&] { return together; });
+    --inside;
+    return Status::Ok();
+  });
+  Publisher pub(*store_, Path("state"), o);
+  ASSERT_TRUE(pub.Publish(0, Version(0)).ok());
+  Status followed;
+  std::thread follower([&] {
+    FollowOptions f = Receiver("r");
+    f.fetch_ahead = 3;
+    followed = Follower(view, Path("r"), f).Run(1);
+  });
+  WaitForReceivers(1);
+  auto r = pub.Publish(1, Version(1));
+  follower.join();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_TRUE(followed.ok()) << followed.ToString();
+  EXPECT_TRUE(together) << "no three frame objects were downloaded at once";
+  ExpectIdentical(Path("r"), 1);
 }
 
 // Frames are applied as their objects arrive: while the coordinator is held

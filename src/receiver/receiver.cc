@@ -13,6 +13,7 @@ ReceiverWalk::ReceiverWalk(Store& store, ReceiverTarget& target, FollowOptions o
     : store_(store),
       target_(target),
       o_(std::move(options)),
+      fetcher_(store, o_.fetch_ahead),
       heartbeat_(store, o_.id, target.Engine(), o_.heartbeat_every, ClockOf(o_),
                  [this](const std::string& l) { Log(l); }) {}
 
@@ -38,6 +39,7 @@ Status ReceiverWalk::Start(const std::function<bool()>& stop) {
   shape_ = LayoutOf(run_);
   handled_.clear();
   commit_failures_.clear();
+  fetcher_.Drop("");
   prefetched_.clear();
   released_.clear();
   from_relay_.clear();
@@ -68,6 +70,7 @@ Status ReceiverWalk::Commit(uint64_t v) {
   heartbeat_.SetVersion(v);
   if (frames_held_peak_ > 0) heartbeat_.SetFramesHeld(frames_held_peak_);  // not after a join
   frames_held_peak_ = 0;
+  fetcher_.Drop(run_keys::Attempts(v));
   prefetched_.clear();
   released_.clear();
   from_relay_.clear();
@@ -214,19 +217,43 @@ Status ReceiverWalk::StreamApply(uint64_t v, const AttemptInfo& a) {
 }
 
 Status ReceiverWalk::Prefetch(const AttemptInfo& a, bool* progressed) {
-  return PrefetchFrameObjects(
-      store_, a, &prefetched_, kObjectsAhead, [this](const std::string& key) { return released_.count(key) > 0; },
-      progressed);
+  Status first_error;
+  for (auto& [key, blob] : fetcher_.TakeDone()) {
+    if (!blob.ok()) {
+      if (Transient(blob.status())) {
+        if (first_error.ok()) first_error = blob.status();
+      } else {
+        unreadable_.insert(key);
+      }
+      continue;
+    }
+    if (Holds(key)) continue;  // the relay delivered it meanwhile
+    prefetched_.emplace(key, std::move(*blob));
+    *progressed = true;
+  }
+  DCR_RETURN_IF_ERROR(first_error);
+  size_t held = 0;
+  for (const auto& key : a.frame_objects) held += prefetched_.count(key) + fetcher_.IsPending(key);
+  for (const auto& key : a.frame_objects) {
+    if (held >= o_.fetch_ahead) break;
+    if (Holds(key) || unreadable_.count(key) || fetcher_.IsPending(key)) continue;
+    fetcher_.Fetch(key);
+    ++held;
+  }
+  return Status::Ok();
 }
 
 Status ReceiverWalk::StreamRest(uint64_t v, const AttemptInfo& a) {
-  for (bool progressed = true; progressed;) {
-    progressed = false;
+  const std::string prefix = run_keys::Attempt(v, a.id);
+  for (;;) {
+    bool progressed = false;
     DCR_RETURN_IF_ERROR(Prefetch(a, &progressed));
     NoteFramesHeld();
     DCR_RETURN_IF_ERROR(StreamApply(v, a));
+    if (progressed) continue;
+    if (fetcher_.Pending(prefix) == 0) return Status::Ok();
+    fetcher_.WaitDone(o_.poll);  // a download in flight: its end is the next event
   }
-  return Status::Ok();
 }
 
 // Catches up to committed version v through its committed attempt (a late
@@ -343,6 +370,7 @@ StepPlan PlanStep(const StepInputs& in) {
 
 Status ReceiverWalk::Step() {
   const uint64_t v = version_ + 1;
+  unreadable_.clear();
   StepInputs in;
   in.target_open = target_.Open();
   std::optional<CommitRecord> commit;
@@ -395,6 +423,7 @@ Status ReceiverWalk::Step() {
         std::erase_if(prefetched_, [&](const auto& kv) { return kv.first.starts_with(prefix); });
         std::erase_if(released_, [&](const auto& kv) { return kv.first.starts_with(prefix); });
         std::erase_if(relayed_, [&](const auto& kv) { return kv.first.starts_with(prefix); });
+        fetcher_.Drop(prefix);
         if (o_.relay) o_.relay->Take(prefix);  // dropped
         break;
       case StepPlan::Attempt::kApplyAndAck:
@@ -412,7 +441,11 @@ Status ReceiverWalk::Step() {
       }
     }
   }
-  if (!progressed) ClockOf(o_).Sleep(plan.streaming ? std::min(o_.stream_poll, o_.poll) : o_.poll);
+  if (progressed) return Status::Ok();
+  const auto wait = plan.streaming ? std::min(o_.stream_poll, o_.poll) : o_.poll;
+  // A download in flight: its end is the next event (real time, as the store's).
+  if (fetcher_.Pending() > 0) fetcher_.WaitDone(wait);
+  else ClockOf(o_).Sleep(wait);
   return Status::Ok();
 }
 

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "dcr/receiver.h"
+#include "fetcher.h"
 #include "protocol/internal.h"
 
 namespace dcr::receiver_internal {
@@ -22,12 +23,6 @@ using namespace protocol_internal;  // the protocol's store reads, attempts, sna
 // The clock the options inject (RealClock() when none).
 inline Clock& ClockOf(const FollowOptions& o) { return o.clock ? *o.clock : RealClock(); }
 
-// Downloads, in order, the frame objects of `a` written so far for which
-// `have` is false into `prefetched` (full key -> bytes), until `prefetched`
-// holds `at_most` of a's objects or one cannot be read; `*progressed` is set
-// when one was downloaded. Only transient store failures are errors.
-Status PrefetchFrameObjects(Store& store, const AttemptInfo& a, std::map<std::string, std::string>* prefetched,
-                            size_t at_most, const std::function<bool(const std::string&)>& have, bool* progressed);
 // The frame objects of `a` in `prefetched` not yet in `*seen`, now added to
 // it; none once the attempt is fenced (re-read: the listing may be older).
 Result<std::vector<std::string>> StreamedObjectsToApply(Store& store, uint64_t v, const AttemptInfo& a,
@@ -213,8 +208,12 @@ class ReceiverWalk {
   // are all applied (or found done) moves to released_: its payloads are
   // dropped.
   Status StreamApply(uint64_t v, const AttemptInfo& a);
-  // Downloads a's objects that are neither held nor released, at most
-  // kObjectsAhead at a time (those of a held count), setting *progressed.
+  // Moves the downloads done into prefetched_ (setting *progressed), then
+  // queues a's objects that are neither held, released nor pending, in
+  // order, while fewer than o_.fetch_ahead of a's are held or pending.
+  // Only transient store failures are errors; an object that cannot be
+  // read is not asked for again before the next Step (LoadAttempt reports
+  // it, once the manifest says it is needed).
   Status Prefetch(const AttemptInfo& a, bool* progressed);
   // Once a's manifest is in: its remaining objects a few at a time, each
   // applied and released before the next, so that the manifest's apply
@@ -237,9 +236,8 @@ class ReceiverWalk {
   std::map<std::string, std::string> prefetched_;
   // Objects of prefetched_ whose frames were applied, payloads dropped.
   std::map<std::string, ReleasedObject> released_;
-  // At most this many objects of an attempt are downloaded and not yet
-  // applied (the relay's deliveries aside).
-  static constexpr size_t kObjectsAhead = 4;
+  FrameFetcher fetcher_;  // downloads of frame objects, o_.fetch_ahead at once
+  std::set<std::string> unreadable_;  // objects listed but not readable, in this Step
   std::set<std::string> from_relay_;  // keys in prefetched_ or released_ that the relay delivered
   std::map<std::string, std::string> relayed_;  // delivered, waiting for the key that signs them
   std::map<std::string, StreamedAttempt> attempt_docs_;  // by attempt id, of version_ + 1

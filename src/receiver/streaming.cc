@@ -9,25 +9,6 @@
 
 namespace dcr::receiver_internal {
 
-Status PrefetchFrameObjects(Store& store, const AttemptInfo& a, std::map<std::string, std::string>* prefetched,
-                            size_t at_most, const std::function<bool(const std::string&)>& have, bool* progressed) {
-  size_t held = 0;
-  for (const auto& key : a.frame_objects) held += prefetched->count(key);
-  for (const auto& key : a.frame_objects) {
-    if (held >= at_most) break;
-    if (prefetched->count(key) || have(key)) continue;
-    auto blob = store.Get(key);
-    if (!blob.ok()) {
-      if (Transient(blob.status())) return blob.status();
-      break;  // LoadAttempt reports it, once the manifest says the object is needed
-    }
-    (*prefetched)[key] = std::move(*blob);
-    ++held;
-    *progressed = true;
-  }
-  return Status::Ok();
-}
-
 Result<std::vector<std::string>> StreamedObjectsToApply(Store& store, uint64_t v, const AttemptInfo& a,
                                                         const std::map<std::string, std::string>& prefetched,
                                                         std::set<std::string>* seen) {

@@ -57,15 +57,18 @@ def test_on_a_shared_machine_the_refit_takes_at_least_every_process_cpu_over_the
     assert slow.seconds == pytest.approx(0.1 + 0.05 + 0.1 + 0.25 / 0.05 + slow.fill)
 
 
-def test_through_s3_every_receiver_downloads_from_the_store_an_object_at_a_time():
+def test_through_s3_every_receiver_downloads_from_the_store_fetch_ahead_objects_at_once():
     p = Params(encode_rate=math.inf, apply_rate=math.inf, latency=0.1, store_rate=50 * MB, s3_latency=0.2,
                s3_request_seconds=0.01, link_efficiency=0.5)
     c = Config(dense=1e9, payload=10 * MB, trainers=2, receivers=16, cross_link=1e12, in_link=10 * MB,
                transport="s3", segment=1 * MB)
     r = predict(c, p)
     assert "tree" not in r.stages
-    # 11 objects (10 MB in 1 MB segments from two processes), at half the link's rate.
-    assert r.stages["receive"] == pytest.approx(10 / 5 + 11 * 0.01)
+    # 11 objects (10 MB in 1 MB segments from two processes) in two rounds of at most
+    # 8 requests at once, at half the link's rate.
+    assert r.stages["receive"] == pytest.approx(10 / 5 + 2 * 0.01)
+    one_at_a_time = predict(Config(**{**c.__dict__, "fetch_ahead": 1}), p)
+    assert one_at_a_time.stages["receive"] == pytest.approx(10 / 5 + 11 * 0.01)
     assert r.bound == "store_out"
     assert r.stages["store_out"] == pytest.approx(16 * 10 / 50)
     # Two trainer processes: a poll each way, three requests and one (and the answers).

@@ -334,6 +334,7 @@ struct FollowArgs {
   bool relay_insecure = false;
   std::string layout, engine;  // a rank of an engine
   uint32_t rank = 0, ranks = 0;
+  size_t fetch_ahead = FollowOptions().fetch_ahead;
 };
 
 // Follows into a's target: a checkpoint directory, or a rank's buffer files (--layout).
@@ -368,6 +369,7 @@ int RunFollow(const FollowArgs& a) {
   o.poll = std::chrono::milliseconds(static_cast<int64_t>(a.poll * 1000));
   o.stream_poll = std::chrono::milliseconds(static_cast<int64_t>(a.stream_poll * 1000));
   o.heartbeat_every = std::chrono::milliseconds(static_cast<int64_t>(a.heartbeat * 1000));
+  o.fetch_ahead = a.fetch_ahead;
   o.fault = TestCrashHook();
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
@@ -583,6 +585,9 @@ void AddRefitCommands(CLI::App& app) {
   fol->add_option("--poll", fa->poll, "Seconds between store polls");
   fol->add_option("--stream-poll", fa->stream_poll,
                   "Seconds between looks for new frame objects while an attempt streams");
+  fol->add_option("--fetch-ahead", fa->fetch_ahead,
+                  "Frame objects downloaded from the store at once, at most held ahead of the apply")
+      ->check(CLI::Range(size_t{1}, size_t{1024}));
   fol->add_option("--heartbeat", fa->heartbeat, "Seconds between heartbeats");
   fol->add_option("--relay", fa->relays,
                   "Take frame objects from this relay (repeat: then its ancestors, used in order when it is silent); "
