@@ -38,6 +38,13 @@ bool FrameFetcher::IsPending(const std::string& key) const {
   return IsPendingLocked(key);
 }
 
+bool FrameFetcher::BusyLocked() const { return !queued_.empty() || in_flight_.size() > dropped_.size(); }
+
+bool FrameFetcher::Busy() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return BusyLocked();
+}
+
 size_t FrameFetcher::Pending(const std::string& prefix) const {
   std::lock_guard<std::mutex> lock(mu_);
   size_t n = 0;
@@ -57,7 +64,7 @@ std::vector<std::pair<std::string, Result<std::string>>> FrameFetcher::TakeDone(
 
 void FrameFetcher::WaitDone(std::chrono::milliseconds at_most) {
   std::unique_lock<std::mutex> lock(mu_);
-  done_.wait_for(lock, at_most, [&] { return !finished_.empty() || (queued_.empty() && in_flight_.empty()); });
+  done_.wait_for(lock, at_most, [&] { return !finished_.empty() || !BusyLocked(); });
 }
 
 void FrameFetcher::Drop(const std::string& prefix) {

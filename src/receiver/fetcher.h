@@ -31,10 +31,12 @@ class FrameFetcher {
   // Downloads queued, in flight, or done and not yet taken: all, or those of keys under `prefix`.
   size_t Pending(const std::string& prefix = "") const;
   bool IsPending(const std::string& key) const;
+  // Whether a download is queued or in flight (done ones aside).
+  bool Busy() const;
   // The downloads done since the last call, successful or not, in the order they were queued.
   std::vector<std::pair<std::string, Result<std::string>>> TakeDone();
-  // Blocks until some download is done and not taken, nothing is queued or
-  // in flight, or `at_most` of real time has passed.
+  // Blocks until some download is done and not taken, none is Busy, or
+  // `at_most` of real time has passed.
   void WaitDone(std::chrono::milliseconds at_most);
   // Forgets the downloads of keys under `prefix`: queued ones do not start,
   // done ones are dropped, those in flight are dropped when they finish.
@@ -43,6 +45,7 @@ class FrameFetcher {
  private:
   void Worker();
   bool IsPendingLocked(const std::string& key) const;
+  bool BusyLocked() const;
 
   Store& store_;
   mutable std::mutex mu_;

@@ -98,10 +98,13 @@ TEST(FrameFetcher, NeverRunsMoreThanItsConcurrency) {
   for (int i = 0; i < 6; ++i) ASSERT_TRUE(store.Put("k" + std::to_string(i), "x").ok());
   FrameFetcher f(store, 2);
   for (int i = 0; i < 6; ++i) f.Fetch("k" + std::to_string(i));
+  EXPECT_TRUE(f.Busy());
   for (int i = 0; i < 3; ++i) {
     ASSERT_TRUE(store.AwaitInside(2));
     store.Open(2);
   }
+  while (f.Busy()) f.WaitDone(std::chrono::milliseconds(10));
+  EXPECT_EQ(f.Pending(), 6u);  // done, not taken: pending, no longer busy
   EXPECT_EQ(TakeAll(f).size(), 6u);
   EXPECT_EQ(store.max_inside(), 2);
 }

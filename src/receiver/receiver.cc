@@ -70,7 +70,7 @@ Status ReceiverWalk::Commit(uint64_t v) {
   heartbeat_.SetVersion(v);
   if (frames_held_peak_ > 0) heartbeat_.SetFramesHeld(frames_held_peak_);  // not after a join
   frames_held_peak_ = 0;
-  fetcher_.Drop(run_keys::Attempts(v));
+  fetcher_.Drop("");  // every download is of an attempt of v or older (a join may pass several versions)
   prefetched_.clear();
   released_.clear();
   from_relay_.clear();
@@ -216,7 +216,7 @@ Status ReceiverWalk::StreamApply(uint64_t v, const AttemptInfo& a) {
   return Status::Ok();
 }
 
-Status ReceiverWalk::Prefetch(const AttemptInfo& a, bool* progressed) {
+Status ReceiverWalk::TakeFetched(bool* progressed) {
   Status first_error;
   for (auto& [key, blob] : fetcher_.TakeDone()) {
     if (!blob.ok()) {
@@ -231,7 +231,11 @@ Status ReceiverWalk::Prefetch(const AttemptInfo& a, bool* progressed) {
     prefetched_.emplace(key, std::move(*blob));
     *progressed = true;
   }
-  DCR_RETURN_IF_ERROR(first_error);
+  return first_error;
+}
+
+Status ReceiverWalk::Prefetch(const AttemptInfo& a, bool* progressed) {
+  DCR_RETURN_IF_ERROR(TakeFetched(progressed));
   size_t held = 0;
   for (const auto& key : a.frame_objects) held += prefetched_.count(key) + fetcher_.IsPending(key);
   for (const auto& key : a.frame_objects) {
@@ -333,6 +337,14 @@ Status ReceiverWalk::ApplyAndAck(uint64_t v, const AttemptInfo& a) {
   return Status::Ok();
 }
 
+void ReceiverWalk::Forget(const std::string& prefix) {
+  std::erase_if(prefetched_, [&](const auto& kv) { return kv.first.starts_with(prefix); });
+  std::erase_if(released_, [&](const auto& kv) { return kv.first.starts_with(prefix); });
+  std::erase_if(relayed_, [&](const auto& kv) { return kv.first.starts_with(prefix); });
+  fetcher_.Drop(prefix);
+  if (o_.relay) o_.relay->Take(prefix);  // dropped
+}
+
 // One step towards version_ + 1: apply its commit, or its open attempts.
 StepPlan PlanStep(const StepInputs& in) {
   StepPlan plan;
@@ -419,13 +431,7 @@ Status ReceiverWalk::Step() {
     const StepPlan::ForAttempt& f = plan.attempts[i];
     const std::string prefix = run_keys::Attempt(v, a.id);
     switch (f.what) {
-      case StepPlan::Attempt::kDrop:
-        std::erase_if(prefetched_, [&](const auto& kv) { return kv.first.starts_with(prefix); });
-        std::erase_if(released_, [&](const auto& kv) { return kv.first.starts_with(prefix); });
-        std::erase_if(relayed_, [&](const auto& kv) { return kv.first.starts_with(prefix); });
-        fetcher_.Drop(prefix);
-        if (o_.relay) o_.relay->Take(prefix);  // dropped
-        break;
+      case StepPlan::Attempt::kDrop: Forget(prefix); break;
       case StepPlan::Attempt::kApplyAndAck:
         DCR_RETURN_IF_ERROR(ApplyAndAck(v, a));
         progressed = true;
@@ -434,7 +440,8 @@ Status ReceiverWalk::Step() {
         const size_t before = prefetched_.size();
         DCR_RETURN_IF_ERROR(TakeFromRelay(v, a.id));
         if (prefetched_.size() != before) progressed = true;
-        if (f.download) DCR_RETURN_IF_ERROR(Prefetch(a, &progressed));
+        // Downloads finished before a relay attached are kept all the same.
+        DCR_RETURN_IF_ERROR(f.download ? Prefetch(a, &progressed) : TakeFetched(&progressed));
         NoteFramesHeld();
         if (f.apply_ahead) DCR_RETURN_IF_ERROR(StreamApply(v, a));
         break;
@@ -444,7 +451,7 @@ Status ReceiverWalk::Step() {
   if (progressed) return Status::Ok();
   const auto wait = plan.streaming ? std::min(o_.stream_poll, o_.poll) : o_.poll;
   // A download in flight: its end is the next event (real time, as the store's).
-  if (fetcher_.Pending() > 0) fetcher_.WaitDone(wait);
+  if (fetcher_.Busy()) fetcher_.WaitDone(wait);
   else ClockOf(o_).Sleep(wait);
   return Status::Ok();
 }

@@ -208,18 +208,22 @@ class ReceiverWalk {
   // are all applied (or found done) moves to released_: its payloads are
   // dropped.
   Status StreamApply(uint64_t v, const AttemptInfo& a);
-  // Moves the downloads done into prefetched_ (setting *progressed), then
-  // queues a's objects that are neither held, released nor pending, in
-  // order, while fewer than o_.fetch_ahead of a's are held or pending.
-  // Only transient store failures are errors; an object that cannot be
-  // read is not asked for again before the next Step (LoadAttempt reports
-  // it, once the manifest says it is needed).
+  // Moves the fetcher's finished downloads into prefetched_ (setting
+  // *progressed). Only transient store failures are errors; an object that
+  // cannot be read is not asked for again before the next Step (LoadAttempt
+  // reports it, once the manifest says it is needed).
+  Status TakeFetched(bool* progressed);
+  // TakeFetched, then queues a's objects that are neither held, released
+  // nor pending, in order, while fewer than o_.fetch_ahead of a's are held
+  // or pending.
   Status Prefetch(const AttemptInfo& a, bool* progressed);
   // Once a's manifest is in: its remaining objects a few at a time, each
   // applied and released before the next, so that the manifest's apply
   // reads headers only and the frames held stay O(objects in flight).
   // Where the target cannot apply ahead, the rest is left to LoadAttempt.
   Status StreamRest(uint64_t v, const AttemptInfo& a);
+  // Drops what the walk holds or downloads of the attempt at `prefix`.
+  void Forget(const std::string& prefix);
   bool Holds(const std::string& key) const { return prefetched_.count(key) || released_.count(key); }
 
   Store& store_;
