@@ -24,8 +24,9 @@ test_a_restarted_relay_is_rejoined
     (relays and a receiver) go back to it, and the next version flows
     through it to every receiver below it, nothing from the store.
 test_frames_of_a_fenced_attempt_are_dropped_by_every_relay
-    an attempt that fails after its frames streamed (DCR_TEST_FAIL_AT) is
-    fenced: every relay logs the fence and drops its cached objects, a frame
+    an attempt that fails after its frames streamed (DCR_TEST_FAIL_AT, once
+    the root accepted every frame object: DCR_TEST_PAUSE_AT) is fenced: every
+    relay logs the fence, the root drops all of the attempt's objects, a frame
     object of it pushed later into a middle relay is refused and never
     forwarded, and the retry commits exact everywhere.
 test_a_slow_childs_backlog_is_spooled
@@ -541,8 +542,21 @@ def test_a_restarted_relay_is_rejoined(tree):
 def test_frames_of_a_fenced_attempt_are_dropped_by_every_relay(tree):
     t = tree(versions=1)
     start_tree(t, until=1)
-    # The first attempt fails once its frames are out (before its manifest): fenced, retried.
-    report = t.publish_ok(1, extra_env={"DCR_TEST_FAIL_AT": "frames-written"})
+    # The first attempt fails once its frames are out (before its manifest): fenced, retried. It stands
+    # at that point until the root accepted every frame object of it (a handshake: a fence also drops
+    # what the sender has not sent yet).
+    accepted = fresh_stats(t, "r0")["accepted"]
+    go = t.root / "go-v1"
+    p = t.publish(1, extra_env={"DCR_TEST_PAUSE_AT": f"frames-written:{go}", "DCR_TEST_FAIL_AT": "frames-written"})
+    wait_logged(p.log, "DCR_TEST_PAUSE_AT: waiting at frames-written")
+    (attempt,) = (t.store / "attempts" / f"v{1:010}").iterdir()
+    objects = len(list((attempt / "frames").iterdir()))
+    assert objects > 0
+    deadline = time.monotonic() + TIMEOUT_S
+    while fresh_stats(t, "r0")["accepted"] < accepted + objects:
+        assert time.monotonic() < deadline, "the root never accepted the attempt's frame objects"
+    go.touch()
+    report = t.report(p, 1)
     assert report["attempts"] == 2, report
     t.wait_receivers()
     t.assert_exact(1)
@@ -556,10 +570,10 @@ def test_frames_of_a_fenced_attempt_are_dropped_by_every_relay(tree):
     for rid in RELAYS:
         log = (t.logs / f"relay-{rid}.log").read_text()
         assert f"attempt {prefix} fenced: " in log, f"{rid} did not drop the fenced attempt:\n{log}"
-    # The root had every object of it (the sender sends the FENCE after them); a relay below may have
-    # got fewer (what its parent had not sent yet is dropped from the parent's queue).
+    # The root had every object of it; a relay below may have got fewer (what its parent had not sent
+    # yet is dropped from the parent's queue).
     dropped = int(root_log.split(f"attempt {prefix} fenced: ", 1)[1].split(" ", 1)[0])
-    assert dropped > 0, root_log
+    assert dropped == objects, root_log
     # A frame object of the fenced attempt (real frames, under its key), pushed into the root afterwards:
     # refused, never forwarded. Pushed into r1, which has an upstream: the sender itself is refused.
     commit = read_json(t.store / "commits" / f"v{1:010}.json")

@@ -51,20 +51,24 @@ void OnSignal(int) { g_stop = true; }
 // the attempt and retries). Not for production use: nothing else reads them.
 // DCR_TEST_PAUSE_AT=<point>:<file> waits at the point (its first time)
 // until <file> exists: a handshake for tests that act while a process stands
-// at a known place.
-std::function<Status(std::string_view)> TestCrashHook() {
-  if (const char* pause = std::getenv("DCR_TEST_PAUSE_AT"); pause && *pause) {
-    const std::string spec = pause;
-    const size_t colon = spec.find(':');
-    const std::string point = spec.substr(0, colon), file = colon == std::string::npos ? "" : spec.substr(colon + 1);
-    auto done = std::make_shared<std::atomic<bool>>(false);
-    return [point, file, done](std::string_view at) {
-      if (at != point || done->exchange(true)) return Status::Ok();
-      std::cerr << "DCR_TEST_PAUSE_AT: waiting at " << point << " for " << file << std::endl;
-      while (!std::filesystem::exists(file) && !g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      return Status::Ok();
-    };
-  }
+// at a known place. With DCR_TEST_CRASH_AT or DCR_TEST_FAIL_AT at the same
+// point, the pause comes first.
+std::function<Status(std::string_view)> TestPauseHook() {
+  const char* pause = std::getenv("DCR_TEST_PAUSE_AT");
+  if (!pause || !*pause) return {};
+  const std::string spec = pause;
+  const size_t colon = spec.find(':');
+  const std::string point = spec.substr(0, colon), file = colon == std::string::npos ? "" : spec.substr(colon + 1);
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  return [point, file, done](std::string_view at) {
+    if (at != point || done->exchange(true)) return Status::Ok();
+    std::cerr << "DCR_TEST_PAUSE_AT: waiting at " << point << " for " << file << std::endl;
+    while (!std::filesystem::exists(file) && !g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    return Status::Ok();
+  };
+}
+
+std::function<Status(std::string_view)> TestFaultHook() {
   const char* spec = std::getenv("DCR_TEST_CRASH_AT");
   const bool fail = !spec || !*spec;
   if (fail) spec = std::getenv("DCR_TEST_FAIL_AT");
@@ -86,6 +90,16 @@ std::function<Status(std::string_view)> TestCrashHook() {
       std::raise(SIGKILL);
     }
     return Status::Ok();
+  };
+}
+
+std::function<Status(std::string_view)> TestCrashHook() {
+  auto pause = TestPauseHook();
+  auto fault = TestFaultHook();
+  if (!pause || !fault) return pause ? pause : fault;
+  return [pause, fault](std::string_view at) {
+    DCR_RETURN_IF_ERROR(pause(at));
+    return fault(at);
   };
 }
 
