@@ -1,4 +1,6 @@
-// A fixed pool of worker threads, the one place dcr runs work in parallel.
+// A fixed pool of worker threads, the one place dcr computes in parallel
+// (waits on I/O have threads of their own: the heartbeat, the relay clients,
+// the receiver's frame fetcher).
 #pragma once
 
 #include <condition_variable>
