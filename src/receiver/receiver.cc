@@ -39,13 +39,7 @@ Status ReceiverWalk::Start(const std::function<bool()>& stop) {
   shape_ = LayoutOf(run_);
   handled_.clear();
   commit_failures_.clear();
-  fetcher_.Drop("");
-  prefetched_.clear();
-  released_.clear();
-  from_relay_.clear();
-  relayed_.clear();
-  attempt_docs_.clear();
-  streamed_.clear();
+  ForgetAttempts();
   std::string why;
   DCR_ASSIGN_OR_RETURN(auto held, target_.Resume(store_, run_, *state.latest, &why));
   if (!held) DCR_RETURN_IF_ERROR(Join(*state.latest, why));
@@ -70,13 +64,7 @@ Status ReceiverWalk::Commit(uint64_t v) {
   heartbeat_.SetVersion(v);
   if (frames_held_peak_ > 0) heartbeat_.SetFramesHeld(frames_held_peak_);  // not after a join
   frames_held_peak_ = 0;
-  fetcher_.Drop("");  // every download is of an attempt of v or older (a join may pass several versions)
-  prefetched_.clear();
-  released_.clear();
-  from_relay_.clear();
-  relayed_.clear();
-  streamed_.clear();
-  attempt_docs_.clear();
+  ForgetAttempts();  // all of v or older (a join may pass several versions)
   if (o_.relay) o_.relay->Take(run_keys::Attempts(v));  // late copies of what it now holds
   return target_.Commit(v);
 }
@@ -335,6 +323,16 @@ Status ReceiverWalk::ApplyAndAck(uint64_t v, const AttemptInfo& a) {
   handled_.insert(a.id);
   SetState("following").IgnoreError();
   return Status::Ok();
+}
+
+void ReceiverWalk::ForgetAttempts() {
+  fetcher_.Drop("");
+  prefetched_.clear();
+  released_.clear();
+  from_relay_.clear();
+  relayed_.clear();
+  streamed_.clear();  // points into attempt_docs_
+  attempt_docs_.clear();
 }
 
 void ReceiverWalk::Forget(const std::string& prefix) {

@@ -224,6 +224,9 @@ class ReceiverWalk {
   Status StreamRest(uint64_t v, const AttemptInfo& a);
   // Drops what the walk holds or downloads of the attempt at `prefix`.
   void Forget(const std::string& prefix);
+  // Drops what the walk holds or downloads of every attempt (the relay's
+  // undelivered copies aside).
+  void ForgetAttempts();
   bool Holds(const std::string& key) const { return prefetched_.count(key) || released_.count(key); }
 
   Store& store_;
