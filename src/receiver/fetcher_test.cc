@@ -1,6 +1,7 @@
 // FrameFetcher: downloads run at once up to its concurrency, one at a time
-// they come back in queue order, dropped downloads never come back. Every test orders
-// events with a gate that holds Gets inside the store until it is opened.
+// they come back in queue order, dropped downloads never come back. Every
+// test orders events with a gate that holds reads inside the store until it
+// is opened.
 #include "fetcher.h"
 
 #include <gtest/gtest.h>
@@ -9,37 +10,26 @@
 #include <map>
 #include <mutex>
 
+#include "testing/hook_store.h"
+
 namespace dcr::receiver_internal {
 namespace {
 
-// Forwards to a memory store; each Get waits inside until the gate lets
-// that many Gets through (Open), counting how many are inside at once.
-class GateStore final : public Store {
+// A memory store whose reads wait inside until the gate lets that many
+// through (Open), counting how many are inside at once.
+class Gate {
  public:
-  GateStore() : inner_(OpenMemStore("fetcher-test")) { ResetMemStore("fetcher-test"); }
-  const std::string& url() const override { return inner_->url(); }
-  Result<std::unique_ptr<ObjectWriter>> OpenWriter(std::string_view key, WriteMode mode) override {
-    return inner_->OpenWriter(key, mode);
+  Gate()
+      : inner_(OpenMemStore("fetcher-test")),
+        store_(*inner_, [this](std::string_view op, std::string_view, bool after) {
+          if (op == "read" && !after) Pass();
+          return Status::Ok();
+        }) {
+    ResetMemStore("fetcher-test");
   }
-  Result<ObjectInfo> Head(std::string_view key) override { return inner_->Head(key); }
-  Status ReadRange(std::string_view key, uint64_t offset, std::span<uint8_t> out, const ReadOptions& o) override {
-    return inner_->ReadRange(key, offset, out, o);
-  }
-  Result<std::vector<ObjectInfo>> List(std::string_view prefix) override { return inner_->List(prefix); }
-  Status Delete(std::string_view key) override { return inner_->Delete(key); }
-  Result<std::string> Get(std::string_view key, ObjectInfo* info) override {
-    std::unique_lock<std::mutex> lock(mu_);
-    ++inside_;
-    max_inside_ = std::max(max_inside_, inside_);
-    changed_.notify_all();
-    changed_.wait(lock, [&] { return passes_ > 0; });
-    --passes_;
-    --inside_;
-    lock.unlock();
-    return inner_->Get(key, info);
-  }
+  Store& store() { return store_; }
 
-  // Waits (a guard against hangs, not an ordering) until `n` Gets are inside.
+  // Waits (a guard against hangs, not an ordering) until `n` reads are inside.
   bool AwaitInside(int n) {
     std::unique_lock<std::mutex> lock(mu_);
     return changed_.wait_for(lock, std::chrono::seconds(60), [&] { return inside_ >= n; });
@@ -55,7 +45,18 @@ class GateStore final : public Store {
   }
 
  private:
+  void Pass() {
+    std::unique_lock<std::mutex> lock(mu_);
+    ++inside_;
+    max_inside_ = std::max(max_inside_, inside_);
+    changed_.notify_all();
+    changed_.wait(lock, [&] { return passes_ > 0; });
+    --passes_;
+    --inside_;
+  }
+
   std::unique_ptr<Store> inner_;
+  testing::HookStore store_;
   std::mutex mu_;
   std::condition_variable changed_;
   int inside_ = 0, max_inside_ = 0, passes_ = 0;
@@ -72,16 +73,17 @@ std::vector<std::pair<std::string, Result<std::string>>> TakeAll(FrameFetcher& f
 }
 
 TEST(FrameFetcher, RunsItsConcurrencyAtOnce) {
-  GateStore store;
-  for (const char* k : {"v/a", "v/b", "v/c", "v/d"}) ASSERT_TRUE(store.Put(k, std::string("bytes of ") + k).ok());
-  FrameFetcher f(store, 4);
+  Gate gate;
+  for (const char* k : {"v/a", "v/b", "v/c", "v/d"})
+    ASSERT_TRUE(gate.store().Put(k, std::string("bytes of ") + k).ok());
+  FrameFetcher f(gate.store(), 4);
   for (const char* k : {"v/d", "v/b", "v/missing", "v/a"}) f.Fetch(k);
   f.Fetch("v/b");  // already pending: not queued twice
   EXPECT_EQ(f.Pending(), 4u);
   EXPECT_TRUE(f.IsPending("v/b"));
   EXPECT_FALSE(f.IsPending("v/c"));
-  ASSERT_TRUE(store.AwaitInside(4));  // all four inside the store at once
-  store.Open(4);
+  ASSERT_TRUE(gate.AwaitInside(4));  // all four inside the store at once
+  gate.Open(4);
   std::map<std::string, Result<std::string>> done;  // they finish in any order
   for (auto& [key, blob] : TakeAll(f)) done.emplace(key, std::move(blob));
   ASSERT_EQ(done.size(), 4u);
@@ -90,37 +92,37 @@ TEST(FrameFetcher, RunsItsConcurrencyAtOnce) {
   EXPECT_EQ(*done.at("v/a"), "bytes of v/a");
   EXPECT_EQ(done.at("v/missing").status().code(), Code::kNotFound);
   EXPECT_EQ(f.Pending(), 0u);
-  EXPECT_EQ(store.max_inside(), 4);
+  EXPECT_EQ(gate.max_inside(), 4);
 }
 
 TEST(FrameFetcher, NeverRunsMoreThanItsConcurrency) {
-  GateStore store;
-  for (int i = 0; i < 6; ++i) ASSERT_TRUE(store.Put("k" + std::to_string(i), "x").ok());
-  FrameFetcher f(store, 2);
+  Gate gate;
+  for (int i = 0; i < 6; ++i) ASSERT_TRUE(gate.store().Put("k" + std::to_string(i), "x").ok());
+  FrameFetcher f(gate.store(), 2);
   for (int i = 0; i < 6; ++i) f.Fetch("k" + std::to_string(i));
   EXPECT_TRUE(f.Busy());
   for (int i = 0; i < 3; ++i) {
-    ASSERT_TRUE(store.AwaitInside(2));
-    store.Open(2);
+    ASSERT_TRUE(gate.AwaitInside(2));
+    gate.Open(2);
   }
   while (f.Busy()) f.WaitDone(std::chrono::milliseconds(10));
   EXPECT_EQ(f.Pending(), 6u);  // done, not taken: pending, no longer busy
   EXPECT_EQ(TakeAll(f).size(), 6u);
-  EXPECT_EQ(store.max_inside(), 2);
+  EXPECT_EQ(gate.max_inside(), 2);
 }
 
 TEST(FrameFetcher, DroppedDownloadsNeverComeBackTheRestInQueueOrder) {
-  GateStore store;
-  for (const char* k : {"v1/a", "v1/b", "v2/a", "v2/b"}) ASSERT_TRUE(store.Put(k, "x").ok());
-  FrameFetcher f(store, 1);
+  Gate gate;
+  for (const char* k : {"v1/a", "v1/b", "v2/a", "v2/b"}) ASSERT_TRUE(gate.store().Put(k, "x").ok());
+  FrameFetcher f(gate.store(), 1);
   for (const char* k : {"v1/a", "v1/b", "v2/a", "v2/b"}) f.Fetch(k);
-  ASSERT_TRUE(store.AwaitInside(1));  // v1/a in flight, the rest queued
+  ASSERT_TRUE(gate.AwaitInside(1));  // v1/a in flight, the rest queued
   f.Drop("v1/");
   EXPECT_EQ(f.Pending("v1/"), 0u);
   EXPECT_EQ(f.Pending(), 2u);
   f.Fetch("v1/a");  // asked for again while the dropped download is in flight: a new one
   EXPECT_EQ(f.Pending(), 3u);
-  store.Open(4);
+  gate.Open(4);
   auto done = TakeAll(f);
   ASSERT_EQ(done.size(), 3u);
   EXPECT_EQ(done[0].first, "v2/a");
