@@ -180,21 +180,28 @@ class DeltaReader {
   // kept alive by `owner`. `where` names the delta in errors. Frames in
   // `released` are read from their headers there, not from the objects (an
   // object whose frames are all released may be given empty).
+  // `skipped` (by object, or empty): objects not fetched (a rank of a
+  // sharded engine holds none of their chunks); their frames are not read,
+  // so the manifest's totals are not checked against the frames either.
   static Result<DeltaReader> FromObjects(DeltaManifest manifest, std::vector<std::span<const uint8_t>> objects,
                                          std::shared_ptr<const void> owner, std::string where,
-                                         ReleasedFrames released = {});
+                                         ReleasedFrames released = {}, std::vector<bool> skipped = {});
   const DeltaManifest& manifest() const { return manifest_; }
   const std::string& dir() const { return dir_; }
   // Frame i of the manifest, parsed and checked (checksums, and that its
   // header agrees with the manifest and the tensor). A released frame comes
-  // without its payload (FrameView::PayloadHeld is false). Errors: kDataLoss.
+  // without its payload (FrameView::PayloadHeld is false). Errors: kDataLoss;
+  // kFailedPrecondition for a frame of a skipped object.
   Result<FrameView> Frame(size_t i) const;
+  // Whether frame i's object was skipped (FromObjects).
+  bool Skipped(size_t i) const { return !skipped_.empty() && skipped_[manifest_.frames[i].object]; }
 
  private:
   std::string dir_;
   DeltaManifest manifest_;
   std::vector<std::span<const uint8_t>> objects_;
   ReleasedFrames released_;
+  std::vector<bool> skipped_;  // by object; empty: none
   std::shared_ptr<const void> owner_;
 };
 

@@ -111,6 +111,14 @@ Digest RankDigest(const PlacedRank& rank, std::span<const std::string> only = {}
 // start or join; afterwards ApplyRankFrame's results keep it current).
 ChunkDigestTable RankChunkDigests(const PlacedRank& rank, const DeltaManifest& manifest);
 
+// The chunks of the manifest's tensors that any copy of the rank's map
+// (primary or replica) holds an element of: by tensor, sorted disjoint
+// [first, end) chunk ranges. A frame of any other chunk leaves the rank's
+// buffers and partial digests as they are (ApplyRankFrame), so the rank
+// needs only these chunks' frames.
+using ChunkRanges = std::vector<std::vector<std::pair<uint64_t, uint64_t>>>;
+ChunkRanges RankHeldChunks(const CompiledLayout& layout, const DeltaManifest& manifest);
+
 // What ApplyRankFrame did to one rank's elements of a chunk.
 struct RankFrameResult {
   Digest base, target;  // the rank's partial digests of the chunk, before and after

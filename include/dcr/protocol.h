@@ -64,8 +64,21 @@ std::string AttemptRecord(uint64_t v, std::string_view attempt);  // attempt.jso
 std::string Manifest(uint64_t v, std::string_view attempt);  // manifest.bin
 std::string Fence(uint64_t v, std::string_view attempt);
 // Frame object `index` of sender `sender`, relative to its attempt (the
-// name manifests list): frames/s<sender>-<NNNN>.bin.
-std::string FrameObject(uint32_t sender, size_t index);
+// name manifests list). A sender writes its frames in (tensor, chunk)
+// order, so each object after its first is named by its first frame's
+// chunk: frames/s<sender>-<NNNN>-t<T>c<C>.bin; the first is
+// frames/s<sender>-<NNNN>.bin. Object i then holds chunks from its name's
+// (the first: from the start) up to object i + 1's, which lets a rank of a
+// sharded engine skip objects without its chunks before the manifest.
+std::string FrameObject(uint32_t sender, size_t index, std::optional<ChunkId> first = std::nullopt);
+// What a frame object's name (relative to its attempt) says; nullopt when it
+// is not one of FrameObject's names.
+struct FrameObjectName {
+  uint32_t sender = 0;
+  uint64_t index = 0;
+  std::optional<ChunkId> first;  // nullopt: the sender's first object (or an older publisher's)
+};
+std::optional<FrameObjectName> ParseFrameObject(std::string_view name);
 // Of an attempt of trainer processes: process p's record, its frame-object
 // signing key (relative to the attempt: procs/p<P>.pub), and the
 // contributions process `from` sends process `to`.

@@ -287,10 +287,11 @@ Result<DeltaReader> DeltaReader::Open(const std::string& dir) {
 
 Result<DeltaReader> DeltaReader::FromObjects(DeltaManifest manifest, std::vector<std::span<const uint8_t>> objects,
                                              std::shared_ptr<const void> owner, std::string where,
-                                             ReleasedFrames released) {
-  if (objects.size() != manifest.objects.size())
-    return InvalidArgument(
-        fmt::format("{}: {} frame objects given for {} named", where, objects.size(), manifest.objects.size()));
+                                             ReleasedFrames released, std::vector<bool> skipped) {
+  if (objects.size() != manifest.objects.size() || (!skipped.empty() && skipped.size() != objects.size()))
+    return InvalidArgument(fmt::format("{}: {} frame objects given ({} skip flags) for {} named", where, objects.size(),
+                                       skipped.size(), manifest.objects.size()));
+  const bool some_skipped = std::find(skipped.begin(), skipped.end(), true) != skipped.end();
   if (!released.empty() && released.rbegin()->first >= manifest.frames.size())
     return InvalidArgument(
         fmt::format("{}: a released frame {} of {}", where, released.rbegin()->first, manifest.frames.size()));
@@ -299,6 +300,7 @@ Result<DeltaReader> DeltaReader::FromObjects(DeltaManifest manifest, std::vector
   uint64_t changed = 0, payload = 0;
   for (size_t i = 0; i < manifest.frames.size(); ++i) {
     DeltaFrameEntry& f = manifest.frames[i];
+    if (some_skipped && skipped[f.object]) continue;
     std::span<const uint8_t> header;
     if (auto it = released.find(i); it != released.end()) {
       header = it->second;
@@ -320,7 +322,7 @@ Result<DeltaReader> DeltaReader::FromObjects(DeltaManifest manifest, std::vector
     changed += h->changed;
     payload += h->payload_bytes;
   }
-  if (changed != manifest.changed_words || payload != manifest.payload_bytes)
+  if (!some_skipped && (changed != manifest.changed_words || payload != manifest.payload_bytes))
     return DataLoss(
         fmt::format("{}: the manifest's totals ({} changed words, {} payload bytes) are not its frames' "
                     "({}, {})",
@@ -330,6 +332,7 @@ Result<DeltaReader> DeltaReader::FromObjects(DeltaManifest manifest, std::vector
   r.manifest_ = std::move(manifest);
   r.objects_ = std::move(objects);
   r.released_ = std::move(released);
+  if (some_skipped) r.skipped_ = std::move(skipped);
   r.owner_ = std::move(owner);
   return r;
 }
@@ -339,6 +342,7 @@ Result<FrameView> DeltaReader::Frame(size_t i) const {
   const DeltaTensor& t = manifest_.tensors[e.tensor];
   const std::string where =
       fmt::format("{}/{}: frame of tensor '{}' chunk {}", dir_, manifest_.objects[e.object], t.name, e.chunk);
+  if (Skipped(i)) return FailedPrecondition(where + ": its frame object was not fetched");
   size_t consumed = 0;
   Result<FrameView> view = FrameView{};
   if (auto released = released_.find(i); released != released_.end()) {

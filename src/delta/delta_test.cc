@@ -514,6 +514,37 @@ TEST_F(DeltaTest, ReleasedFramesAreAppliedFromTheirHeadersOnly) {
   EXPECT_EQ(open_released(past).status().code(), Code::kInvalidArgument);
 }
 
+// A rank of a sharded engine skips frame objects without its chunks: their
+// frames are never read (the object may be given empty), asking for one is
+// refused, and the manifest's totals cannot be checked, so they are not.
+TEST_F(DeltaTest, FramesOfSkippedObjectsAreNotRead) {
+  const DeltaManifest m = Make("qwen", 0, 1, DeltaClass::kXorClass, "d");
+  ASSERT_EQ(m.objects.size(), 1u);
+  const auto object = std::make_shared<std::string>(ReadFile(Path("d/frames.bin")));
+  const auto bytes = std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(object->data()), object->size());
+  auto skipped = DeltaReader::FromObjects(m, {std::span<const uint8_t>()}, object, Path("d"), {}, {true});
+  ASSERT_TRUE(skipped.ok()) << skipped.status().ToString();
+  for (size_t i = 0; i < m.frames.size(); ++i) {
+    EXPECT_TRUE(skipped->Skipped(i));
+    EXPECT_EQ(skipped->Frame(i).status().code(), Code::kFailedPrecondition);
+  }
+  auto kept = DeltaReader::FromObjects(m, {bytes}, object, Path("d"), {}, {false});
+  ASSERT_TRUE(kept.ok()) << kept.status().ToString();
+  EXPECT_FALSE(kept->Skipped(0));
+  EXPECT_TRUE(kept->Frame(0).ok());
+  // A checkpoint's apply cannot pass a skipped frame: refused, nothing written.
+  const std::string t = CopyOf("qwen", 0, "t");
+  const auto before = Files(t);
+  {
+    auto c = Checkpoint::Open(t, OpenMode::kReadWrite);
+    ASSERT_TRUE(c.ok());
+    EXPECT_FALSE(ApplyDelta(*c, *skipped).ok());
+  }
+  EXPECT_TRUE(Files(t) == before);
+  EXPECT_EQ(DeltaReader::FromObjects(m, {bytes}, object, Path("d"), {}, {false, true}).status().code(),
+            Code::kInvalidArgument);
+}
+
 TEST_F(DeltaTest, VerifyAgainstTargetAndBase) {
   const DeltaManifest made = Make("qwen", 0, 1, DeltaClass::kXorClass, "d");
   auto reader = DeltaReader::Open(Path("d"));

@@ -130,6 +130,30 @@ ChunkDigestTable RankChunkDigests(const PlacedRank& rank, const DeltaManifest& m
   return table;
 }
 
+ChunkRanges RankHeldChunks(const CompiledLayout& layout, const DeltaManifest& manifest) {
+  ChunkRanges held(manifest.tensors.size());
+  std::vector<CopyRun> runs;
+  for (size_t t = 0; t < manifest.tensors.size(); ++t) {
+    const int64_t local = layout.FindTensor(manifest.tensors[t].name);
+    if (local < 0) continue;
+    const uint64_t ce = manifest.chunk_elements;
+    std::vector<std::pair<uint64_t, uint64_t>> ranges;
+    for (uint32_t c : layout.CopiesOf(static_cast<size_t>(local))) {
+      runs.clear();
+      layout.RunsInRange(c, 0, manifest.tensors[t].elements, &runs);
+      for (const CopyRun& r : runs)
+        if (r.length > 0) ranges.emplace_back(r.canonical / ce, (r.canonical + r.length - 1) / ce + 1);
+    }
+    std::sort(ranges.begin(), ranges.end());
+    for (const auto& [first, end] : ranges) {
+      if (!held[t].empty() && first <= held[t].back().second)
+        held[t].back().second = std::max(held[t].back().second, end);
+      else held[t].emplace_back(first, end);
+    }
+  }
+  return held;
+}
+
 namespace {
 
 // The chunk a frame applies to.

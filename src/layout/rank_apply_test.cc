@@ -11,6 +11,7 @@
 #include <cstring>
 #include <map>
 #include <random>
+#include <set>
 
 #include "dcr/chunk_codec.h"
 #include "dcr/delta.h"
@@ -167,6 +168,40 @@ void ExpectEqualsDenseLoad(std::vector<Rank>& engine, const Tensors& t, DType dt
     for (size_t b = 0; b < engine[r].bytes.size(); ++b)
       EXPECT_TRUE(engine[r].bytes[b] == want[r].bytes[b])
           << what << ": rank " << r << " buffer " << engine[r].layout.map().buffers[b].id;
+}
+
+// RankHeldChunks: every chunk with an element of any of the rank's copies,
+// replicas included, and no other; here from the boxes, element by element.
+TEST(RankApplyTest, HeldChunksAreThoseAnyCopyTouches) {
+  const Delta d = Encode({{"a", std::vector<uint8_t>(240)}, {"b", std::vector<uint8_t>(240)}},
+                         {{"a", std::vector<uint8_t>(240)}, {"b", std::vector<uint8_t>(240)}}, DType::kBF16, {});
+  for (uint32_t r = 0; r < 3; ++r) {
+    const LayoutMap map = RankMap(r, DType::kBF16);
+    auto layout = CompiledLayout::Compile(map);
+    ASSERT_TRUE(layout.ok());
+    std::vector<std::set<uint64_t>> want(2);
+    for (const BoxCopy& c : map.copies) {
+      const size_t t = c.tensor == "a" ? 0 : 1;
+      const uint64_t cols = d.manifest.tensors[t].shape[1];
+      for (uint64_t i = c.offset[0]; i < c.offset[0] + c.extent[0]; ++i)
+        for (uint64_t j = c.offset[1]; j < c.offset[1] + c.extent[1]; ++j) want[t].insert((i * cols + j) / kChunk);
+    }
+    const ChunkRanges held = RankHeldChunks(*layout, d.manifest);
+    ASSERT_EQ(held.size(), 2u);
+    for (size_t t = 0; t < 2; ++t) {
+      std::set<uint64_t> got;
+      for (size_t k = 0; k < held[t].size(); ++k) {
+        if (k > 0) {
+          EXPECT_LT(held[t][k - 1].second, held[t][k].first) << "ranges not sorted and merged";
+        }
+        for (uint64_t c = held[t][k].first; c < held[t][k].second; ++c) got.insert(c);
+      }
+      EXPECT_EQ(got, want[t]) << "rank " << r << " tensor " << t;
+    }
+  }
+  // Rank 0 holds rows 0..5 of "a" (its shard and a replica): chunks 0..3 of 8.
+  auto r0 = CompiledLayout::Compile(RankMap(0, DType::kBF16));
+  EXPECT_EQ(RankHeldChunks(*r0, d.manifest)[0], (std::vector<std::pair<uint64_t, uint64_t>>{{0, 4}}));
 }
 
 TEST(RankApplyTest, PartialsAddUpAndRanksEndAtADenseLoad) {

@@ -83,16 +83,22 @@ Result<std::vector<AttemptInfo>> ListAttempts(Store& store, uint64_t v) {
   return out;
 }
 
-Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& attempt, const DeltaManifest& table,
-                                std::map<std::string, std::string>* prefetched, uint64_t* object_bytes,
-                                const std::map<std::string, ReleasedObject>* released) {
+Result<DeltaManifest> ReadAttemptManifest(Store& store, uint64_t v, const std::string& attempt,
+                                          const DeltaManifest& table) {
+  const std::string key = run_keys::Manifest(v, attempt);
+  DCR_ASSIGN_OR_RETURN(std::string text, store.Get(key));
+  return DeltaManifest::Decode(std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()), table,
+                               StoreContext(store.url(), key));
+}
+
+Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& attempt, DeltaManifest m,
+                                const HeldObjects& held) {
   const std::string prefix = run_keys::Attempt(v, attempt);
   // The attempt's prefix ends in '/'; the delta's messages add "/<object>".
   const std::string where = StoreContext(store.url(), prefix.substr(0, prefix.size() - 1));
-  DCR_ASSIGN_OR_RETURN(std::string text, store.Get(run_keys::Manifest(v, attempt)));
-  DCR_ASSIGN_OR_RETURN(DeltaManifest m,
-                       DeltaManifest::Decode(std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()),
-                                             table, where + "/" + std::string(kManifestFileName)));
+  if (!held.skip.empty() && held.skip.size() != m.objects.size())
+    return InvalidArgument(
+        fmt::format("{}: {} skip flags for {} frame objects", where, held.skip.size(), m.objects.size()));
   auto blobs = std::make_shared<std::vector<std::string>>();
   std::vector<std::span<const uint8_t>> spans;
   blobs->reserve(m.objects.size());
@@ -101,30 +107,34 @@ Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& att
   for (size_t i = 0; i < m.frames.size(); ++i) frames_in[m.frames[i].object].push_back(i);
   for (size_t o = 0; o < m.objects.size(); ++o) {
     const std::string key = prefix + m.objects[o];
-    const auto r = released ? released->find(key) : std::map<std::string, ReleasedObject>::const_iterator();
-    if (released && r != released->end()) {
-      const auto& headers = r->second.headers;
-      const bool covered = std::all_of(frames_in[o].begin(), frames_in[o].end(),
-                                       [&](size_t i) { return headers.count(m.frames[i].offset) > 0; });
-      if (covered) {
-        for (size_t i : frames_in[o]) released_frames.emplace(i, headers.at(m.frames[i].offset));
-        blobs->emplace_back();
-        spans.emplace_back();
-        continue;
-      }
+    const auto r = held.released ? held.released->find(key) : std::map<std::string, ReleasedObject>::const_iterator();
+    const bool covered = held.released && r != held.released->end() &&
+                         std::all_of(frames_in[o].begin(), frames_in[o].end(),
+                                     [&](size_t i) { return r->second.headers.count(m.frames[i].offset) > 0; });
+    if (covered)
+      for (size_t i : frames_in[o]) released_frames.emplace(i, r->second.headers.at(m.frames[i].offset));
+    if (covered || (!held.skip.empty() && held.skip[o])) {
+      blobs->emplace_back();
+      spans.emplace_back();
+      continue;
     }
     std::string blob;
-    if (prefetched && prefetched->count(key)) {
-      blob = std::move(prefetched->at(key));
-      prefetched->erase(key);
+    if (held.prefetched && held.prefetched->count(key)) {
+      blob = std::move(held.prefetched->at(key));
+      held.prefetched->erase(key);
     } else {
       DCR_ASSIGN_OR_RETURN(blob, store.Get(key));
     }
-    if (object_bytes) *object_bytes += blob.size();
+    if (held.object_bytes) *held.object_bytes += blob.size();
     blobs->push_back(std::move(blob));
     spans.emplace_back(reinterpret_cast<const uint8_t*>(blobs->back().data()), blobs->back().size());
   }
-  return DeltaReader::FromObjects(std::move(m), std::move(spans), blobs, where, std::move(released_frames));
+  return DeltaReader::FromObjects(std::move(m), std::move(spans), blobs, where, std::move(released_frames), held.skip);
+}
+
+Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& attempt, const DeltaManifest& table) {
+  DCR_ASSIGN_OR_RETURN(DeltaManifest m, ReadAttemptManifest(store, v, attempt, table));
+  return LoadAttempt(store, v, attempt, std::move(m), HeldObjects{});
 }
 
 namespace {

@@ -72,17 +72,32 @@ struct ReleasedObject {
   std::map<uint64_t, std::array<uint8_t, kMaxFrameHeaderBytes>> headers;
 };
 
-// The attempt's delta, frames downloaded (kept in memory). Objects found in
+// The manifest of attempt `attempt` of version v, checked against `table`
+// (the run's tensor table, LayoutOf).
+Result<DeltaManifest> ReadAttemptManifest(Store& store, uint64_t v, const std::string& attempt,
+                                          const DeltaManifest& table);
+
+// What a receiver holds of an attempt's frame objects before LoadAttempt:
 // `prefetched` (full key -> bytes, downloaded while the attempt streamed)
 // are moved from it instead of downloaded again; objects in `released`
 // whose headers cover every frame the manifest places in them are read
-// from those headers (their frames come without payloads), others are
-// downloaded. `object_bytes`, when given, is increased by the bytes of the
-// whole objects the delta holds. `table`: the run's tensor table (LayoutOf).
-Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& attempt, const DeltaManifest& table,
-                                std::map<std::string, std::string>* prefetched = nullptr,
-                                uint64_t* object_bytes = nullptr,
-                                const std::map<std::string, ReleasedObject>* released = nullptr);
+// from those headers (their frames come without payloads). Objects `skip`
+// says (by manifest object; empty: none) are not fetched (DeltaReader's
+// skipped objects). `object_bytes` is increased by the bytes of the whole
+// objects the delta holds.
+struct HeldObjects {
+  std::map<std::string, std::string>* prefetched = nullptr;
+  const std::map<std::string, ReleasedObject>* released = nullptr;
+  std::vector<bool> skip;
+  uint64_t* object_bytes = nullptr;
+};
+
+// The attempt's delta, frames downloaded (kept in memory), from its
+// manifest `m` and what the receiver holds.
+Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& attempt, DeltaManifest m,
+                                const HeldObjects& held);
+// The same, manifest read (ReadAttemptManifest) and every object downloaded.
+Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& attempt, const DeltaManifest& table);
 
 // Streaming: frames applied as their objects arrive, before the attempt's
 // manifest (src/receiver/streaming.cc; docs/protocol.md). What attempt.json says: the

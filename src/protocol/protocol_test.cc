@@ -1365,6 +1365,107 @@ TEST_F(ProtocolTest, ACancelledPublishFencesItsAttemptAndCommitsNothing) {
 namespace dcr {
 namespace {
 
+// A rank of a sharded engine downloads only the frame objects that may hold
+// frames of its chunks (any copy's, replicas too): before the manifest by the
+// objects' names (each names its first chunk), after it by its frames. Both
+// ranks of a TP=2 engine follow two versions by catching up (commits in)
+// and one while it is published (streaming), from a store that records each
+// rank's frame-object reads, and end with a dense load's bytes. Each rank
+// reads every object holding a frame of its chunks (found here through the
+// map's runs, chunk by chunk), not every object, and at most each sender's
+// first and last object besides (their names bound their chunks from the
+// start and to the end).
+TEST_F(ProtocolTest, RanksDownloadOnlyTheFrameObjectsOfTheirChunks) {
+  PublishOptions o = Fast();
+  o.delta.chunk_elements = 1024;  // tensors of several chunks, so that a rank's rows hold some of them
+  o.segment_bytes = 1024;  // many frame objects per sender
+  Publisher pub(*store_, Path("state"), o);
+  for (int v = 0; v <= 2; ++v) ASSERT_TRUE(pub.Publish(v, Version(v)).ok());
+  auto layouts = TpLayouts(2);
+  std::mutex mu;
+  std::set<std::string> reads[2];
+  std::vector<std::unique_ptr<HookStore>> stores;
+  std::vector<std::unique_ptr<RankFollower>> ranks;
+  for (uint32_t r = 0; r < 2; ++r) {
+    stores.push_back(std::make_unique<HookStore>(*store_, [&, r](std::string_view op, std::string_view key, bool) {
+      std::lock_guard lock(mu);
+      if (op == "read" && key.find("/frames/") != std::string_view::npos) reads[r].emplace(key);
+      return Status::Ok();
+    }));
+    ranks.push_back(std::make_unique<RankFollower>(*stores[r], *layouts[r], Path(fmt::format("rank{}", r)),
+                                                   EngineRank{"e", r, 2}, Receiver(fmt::format("e-r{}", r))));
+    Status s = ranks[r]->Run(2);  // joins from the snapshot, then catches up
+    ASSERT_TRUE(s.ok()) << s.ToString();
+  }
+  Status followed[2];
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < 2; ++r) threads.emplace_back([&, r] { followed[r] = ranks[r]->Run(3); });
+  auto published = pub.Publish(3, Version(3));
+  for (auto& t : threads) t.join();
+  ASSERT_TRUE(published.ok()) << published.status().ToString();
+  EXPECT_EQ(published->acked, (std::vector<std::string>{"e-r0", "e-r1"}));
+  for (uint32_t r = 0; r < 2; ++r) {
+    ASSERT_TRUE(followed[r].ok()) << followed[r].ToString();
+    auto files = RankBufferFiles::Open(*layouts[r], Path(fmt::format("rank{}", r)));
+    ASSERT_TRUE(files.ok());
+    const auto dense = DenseRank(*layouts[r], 3);
+    PlacedRank p = files->placed();
+    for (size_t b = 0; b < p.buffers.size(); ++b)
+      EXPECT_TRUE(std::equal(p.buffers[b].begin(), p.buffers[b].end(), dense[b].begin(), dense[b].end()))
+          << "rank " << r << " buffer " << layouts[r]->map().buffers[b].id;
+  }
+  // The chunks each rank holds an element of, chunk by chunk through the map's runs.
+  std::vector<CopyRun> runs;
+  auto holds = [&](const CompiledLayout& l, const DeltaManifest& m, ChunkId id) {
+    const int64_t t = l.FindTensor(m.tensors[id.tensor].name);
+    if (t < 0) return false;
+    for (uint32_t c : l.CopiesOf(static_cast<size_t>(t))) {
+      runs.clear();
+      l.RunsInRange(c, uint64_t{id.chunk} * m.chunk_elements, m.chunk_elements, &runs);
+      if (!runs.empty()) return true;
+    }
+    return false;
+  };
+  for (uint64_t v = 1; v <= 3; ++v) {
+    auto commit = protocol_internal::ReadCommit(*store_, v);
+    ASSERT_TRUE(commit.ok());
+    const std::string prefix = run_keys::Attempt(v, commit->attempt);
+    auto m = StoredManifest(*store_, run_keys::Manifest(v, commit->attempt));
+    ASSERT_TRUE(m.ok());
+    // The chunks each object's name bounds: from its own (or the start) up
+    // to its sender's next object's (or the end).
+    std::map<std::string, std::pair<ChunkId, ChunkId>> named;
+    const ChunkId end{static_cast<uint32_t>(m->tensors.size()), 0};
+    for (size_t i = 0; i < m->objects.size(); ++i) {
+      auto n = run_keys::ParseFrameObject(m->objects[i]);
+      ASSERT_TRUE(n) << m->objects[i];
+      auto next = i + 1 < m->objects.size() ? run_keys::ParseFrameObject(m->objects[i + 1]) : std::nullopt;
+      named[m->objects[i]] = {n->first.value_or(ChunkId{}), next && next->sender == n->sender ? *next->first : end};
+    }
+    for (uint32_t r = 0; r < 2; ++r) {
+      const CompiledLayout& l = *layouts[r];
+      std::set<std::string> needed, read;
+      for (const DeltaFrameEntry& f : m->frames)
+        if (holds(l, *m, {f.tensor, f.chunk})) needed.insert(prefix + m->objects[f.object]);
+      for (const auto& key : reads[r])
+        if (key.starts_with(prefix)) read.insert(key);
+      for (const auto& key : needed) EXPECT_TRUE(read.count(key)) << "rank " << r << " did not read " << key;
+      for (const auto& key : read) {
+        if (needed.count(key)) continue;
+        // Read without a frame of its chunks: only if its name's range holds one of them.
+        const auto [from, to] = named.at(key.substr(prefix.size()));
+        bool may = false;
+        for (ChunkId c = from; c < to && !may;
+             c = c.chunk + 1 < m->ChunkCount(c.tensor) ? ChunkId{c.tensor, c.chunk + 1} : ChunkId{c.tensor + 1, 0})
+          may = holds(l, *m, c);
+        EXPECT_TRUE(may) << "rank " << r << " version " << v << " read " << key << ", which holds none of its chunks";
+      }
+      EXPECT_LT(read.size(), m->objects.size()) << "rank " << r << " version " << v;
+      EXPECT_LT(needed.size(), m->objects.size()) << "rank " << r << " version " << v << ": meaningless";
+    }
+  }
+}
+
 // RankFollower::TakeChangedTensors: every map tensor after the join, then
 // exactly the tensors the committed version's frames wrote, then nothing.
 TEST_F(ProtocolTest, ARankSaysWhichTensorsEachVersionChanged) {

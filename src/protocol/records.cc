@@ -28,7 +28,44 @@ std::string Manifest(uint64_t v, std::string_view attempt) {
   return Attempt(v, attempt) + std::string(kManifestFileName);
 }
 std::string Fence(uint64_t v, std::string_view attempt) { return Attempt(v, attempt) + "fence"; }
-std::string FrameObject(uint32_t sender, size_t index) { return fmt::format("frames/s{}-{:04}.bin", sender, index); }
+std::string FrameObject(uint32_t sender, size_t index, std::optional<ChunkId> first) {
+  if (!first) return fmt::format("frames/s{}-{:04}.bin", sender, index);
+  return fmt::format("frames/s{}-{:04}-t{}c{}.bin", sender, index, first->tensor, first->chunk);
+}
+
+namespace {
+// Reads the decimal digits at the start of *s (at most 10) into *out, moving
+// *s past them; false when there are none or they overflow.
+template <typename T>
+bool TakeNumber(std::string_view* s, T* out) {
+  size_t n = 0;
+  while (n < s->size() && n < 11 && std::isdigit(static_cast<unsigned char>((*s)[n]))) ++n;
+  if (n == 0 || n > 10) return false;
+  const auto r = std::from_chars(s->data(), s->data() + n, *out);
+  if (r.ec != std::errc()) return false;
+  s->remove_prefix(n);
+  return true;
+}
+bool Take(std::string_view* s, std::string_view what) {
+  if (!s->starts_with(what)) return false;
+  s->remove_prefix(what.size());
+  return true;
+}
+}  // namespace
+
+std::optional<FrameObjectName> ParseFrameObject(std::string_view name) {
+  FrameObjectName f;
+  if (!Take(&name, "frames/s") || !TakeNumber(&name, &f.sender) || !Take(&name, "-")) return std::nullopt;
+  const size_t before = name.size();
+  if (!TakeNumber(&name, &f.index) || before - name.size() < 4) return std::nullopt;  // NNNN: at least 4 digits
+  if (Take(&name, "-t")) {
+    ChunkId c;
+    if (!TakeNumber(&name, &c.tensor) || !Take(&name, "c") || !TakeNumber(&name, &c.chunk)) return std::nullopt;
+    f.first = c;
+  }
+  if (name != ".bin") return std::nullopt;
+  return f;
+}
 std::string Process(uint64_t v, std::string_view attempt, uint32_t p) {
   return Attempt(v, attempt) + fmt::format("procs/p{}.json", p);
 }

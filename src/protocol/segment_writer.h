@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "dcr/frame.h"
 #include "dcr/protocol.h"
 
 namespace dcr::protocol_internal {
@@ -39,8 +40,9 @@ inline uint64_t SegmentBytes(const PublishOptions& o, uint64_t model_bytes) {
   return o.segment_bytes ? o.segment_bytes : std::clamp<uint64_t>(model_bytes / 4096, 256 << 10, 16 << 20);
 }
 
-// A sender's frame stream cut into objects frames/s<K>-<NNNN>.bin of about
-// `segment_bytes` each, at frame boundaries. Each object is visible (and can
+// A sender's frame stream (frames in (tensor, chunk) order) cut into objects
+// of about `segment_bytes` each, at frame boundaries, named by
+// run_keys::FrameObject. Each object is visible (and can
 // be downloaded) as soon as it is closed, while the next is being written.
 // Closing (the file store's fsyncs and rename, S3's last part and complete)
 // runs on a closer thread, so the encoder keeps streaming into the next
@@ -75,7 +77,13 @@ class SegmentedFrameWriter {
   Status Write(std::string_view frame) {
     if (!writer_ || in_segment_ >= segment_bytes_) {
       DCR_RETURN_IF_ERROR(Rotate());
-      names_.push_back(run_keys::FrameObject(sender_, names_.size()));
+      std::optional<ChunkId> first;  // the first object is named without its chunk
+      if (!names_.empty()) {
+        DCR_ASSIGN_OR_RETURN(FrameHeader h,
+                             ParseFrameHeader({reinterpret_cast<const uint8_t*>(frame.data()), frame.size()}));
+        first = ChunkId{h.tensor, h.chunk};
+      }
+      names_.push_back(run_keys::FrameObject(sender_, names_.size(), first));
       starts_.push_back(written_);
       DCR_ASSIGN_OR_RETURN(writer_, store_.OpenWriter(prefix_ + names_.back(), WriteMode::kOverwrite));
       signing_ = signer_.Begin(prefix_ + names_.back());

@@ -114,6 +114,7 @@ class RankTarget final : public ReceiverTarget {
   Digest AckDigest() const override { return Total(tracked_); }
   EngineRank Engine() const override { return rank_; }
   bool MayStream(const std::string& id, DeltaClass cls) const override { return MayApply(id, cls); }
+  const HeldChunks* Held() const override { return held_ ? &*held_ : nullptr; }
   // Makes attempt `id` the journal's, with a frame log of its own (kept when
   // it is already the journal's and its log is known).
   Status Begin(const std::string& id) override;
@@ -159,6 +160,7 @@ class RankTarget final : public ReceiverTarget {
   std::vector<bool>* changed_;
   const std::function<void(const std::string&)> log_;
   DeltaManifest shape_;  // the run's tensors and chunking
+  std::optional<HeldChunks> held_;  // the chunks of shape_ the map's copies hold elements of
   RankJournal journal_;
   std::optional<RankBufferFiles> files_;
   std::optional<PlacedRank> placed_;  // set while the buffers are open and hold a version (or a join is loading them)
@@ -230,6 +232,7 @@ Result<std::optional<uint64_t>> RankTarget::Resume(Store& store, const RunRecord
   files_.reset();
   shape_ = LayoutOf(run);
   DCR_RETURN_IF_ERROR(CheckMapFitsRun(layout_, run));
+  held_.emplace(shape_, RankHeldChunks(layout_, shape_));
   auto join = [&](std::string why) -> std::optional<uint64_t> {
     *join_why = std::move(why);
     return std::nullopt;
@@ -382,6 +385,14 @@ Status RankTarget::ApplyAttempt(const std::string& id, const DeltaReader& delta,
   std::vector<FrameView> frames;
   Status s;
   for (size_t i = 0; s.ok() && i < m.frames.size(); ++i) {
+    if (delta.Skipped(i)) {  // the walk skips only objects without this rank's chunks
+      if (held_ && held_->Holds({m.frames[i].tensor, m.frames[i].chunk}))
+        s =
+            Internal(fmt::format("attempt {}: the frame object of tensor {} chunk {}, which this rank holds, was "
+                                 "not fetched",
+                                 id, m.frames[i].tensor, m.frames[i].chunk));
+      continue;
+    }
     auto frame = delta.Frame(i);
     if (frame.ok()) frames.push_back(*frame);
     s = frame.status();

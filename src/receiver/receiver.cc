@@ -248,15 +248,52 @@ Status ReceiverWalk::StreamRest(uint64_t v, const AttemptInfo& a) {
   }
 }
 
+Result<DeltaManifest> ReceiverWalk::ManifestFor(uint64_t v, const AttemptInfo& a, AttemptInfo* needed,
+                                                std::vector<bool>* skip) {
+  *needed = a;
+  skip->clear();
+  DCR_ASSIGN_OR_RETURN(DeltaManifest m, ReadAttemptManifest(store_, v, a.id, shape_));
+  const HeldChunks* held = target_.Held();
+  if (!held) return m;
+  *skip = ObjectsWithoutHeldChunks(m, *held);
+  const std::string prefix = run_keys::Attempt(v, a.id);
+  needed->frame_objects.clear();
+  for (size_t o = 0; o < m.objects.size(); ++o)
+    if (!(*skip)[o]) needed->frame_objects.push_back(prefix + m.objects[o]);
+  Log(fmt::format(
+      "version {} attempt {}: {} of {} frame objects hold frames of this rank's chunks; the other {} are "
+      "not downloaded",
+      v, a.id, needed->frame_objects.size(), m.objects.size(), m.objects.size() - needed->frame_objects.size()));
+  return m;
+}
+
+AttemptInfo ReceiverWalk::ToStream(uint64_t v, const AttemptInfo& a) const {
+  const HeldChunks* held = target_.Held();
+  if (!held) return a;
+  AttemptInfo s = a;
+  s.frame_objects.clear();
+  const auto choice = ChooseByNames(a.frame_objects, run_keys::Attempt(v, a.id), *held);
+  for (size_t i = 0; i < a.frame_objects.size(); ++i)
+    if (choice[i] == ObjectChoice::kFetch) s.frame_objects.push_back(a.frame_objects[i]);
+  return s;
+}
+
 // Catches up to committed version v through its committed attempt (a late
 // or retired receiver); when that fails, once from the newest snapshot.
 Status ReceiverWalk::CatchUp(uint64_t v, const CommitRecord& c) {
   DCR_RETURN_IF_ERROR(TakeFromRelay(v, c.attempt));
   DCR_ASSIGN_OR_RETURN(auto attempts, ListAttempts(store_, v));
+  AttemptInfo committed{c.attempt}, needed;
   for (const auto& a : attempts)
-    if (a.id == c.attempt && a.has_manifest) DCR_RETURN_IF_ERROR(StreamRest(v, a));
+    if (a.id == c.attempt) committed = a;
+  std::vector<bool> skip;
+  auto manifest = ManifestFor(v, committed, &needed, &skip);
+  if (Transient(manifest.status())) return manifest.status();
+  if (manifest.ok()) DCR_RETURN_IF_ERROR(StreamRest(v, needed));
   uint64_t loaded = 0;
-  auto delta = LoadAttempt(store_, v, c.attempt, shape_, &prefetched_, &loaded, &released_);
+  auto delta = manifest.ok() ? LoadAttempt(store_, v, c.attempt, std::move(*manifest),
+                                           HeldObjects{&prefetched_, &released_, std::move(skip), &loaded})
+                             : Result<DeltaReader>(manifest.status());
   NoteFramesHeld(loaded);
   Status s = delta.status();
   ApplyCounts counts;
@@ -277,13 +314,19 @@ Status ReceiverWalk::CatchUp(uint64_t v, const CommitRecord& c) {
 
 Status ReceiverWalk::ApplyAndAck(uint64_t v, const AttemptInfo& a) {
   const std::string prefix = run_keys::Attempt(v, a.id);
+  AttemptInfo needed;
+  std::vector<bool> skip;
+  auto manifest = ManifestFor(v, a, &needed, &skip);
+  if (Transient(manifest.status())) return manifest.status();
   // The manifest may be in long before the relay tree delivers the last
   // objects (the store is not the tree's link): apply them as they come.
-  DCR_RETURN_IF_ERROR(AwaitRelay(v, a.id, a.frame_objects, [&] { return StreamApply(v, a); }));
-  DCR_RETURN_IF_ERROR(StreamRest(v, a));
+  DCR_RETURN_IF_ERROR(AwaitRelay(v, a.id, needed.frame_objects, [&] { return StreamApply(v, a); }));
+  DCR_RETURN_IF_ERROR(StreamRest(v, needed));
   const auto [relayed, relayed_bytes] = Relayed(prefix);
   uint64_t loaded = 0;
-  auto delta = LoadAttempt(store_, v, a.id, shape_, &prefetched_, &loaded, &released_);
+  auto delta = manifest.ok() ? LoadAttempt(store_, v, a.id, std::move(*manifest),
+                                           HeldObjects{&prefetched_, &released_, std::move(skip), &loaded})
+                             : Result<DeltaReader>(manifest.status());
   NoteFramesHeld(loaded);
   const auto ready = ClockOf(o_).Now();  // the manifest and every frame object are here
   if (Transient(delta.status())) return delta.status();
@@ -439,7 +482,7 @@ Status ReceiverWalk::Step() {
         DCR_RETURN_IF_ERROR(TakeFromRelay(v, a.id));
         if (prefetched_.size() != before) progressed = true;
         // Downloads finished before a relay attached are kept all the same.
-        DCR_RETURN_IF_ERROR(f.download ? Prefetch(a, &progressed) : TakeFetched(&progressed));
+        DCR_RETURN_IF_ERROR(f.download ? Prefetch(ToStream(v, a), &progressed) : TakeFetched(&progressed));
         NoteFramesHeld();
         if (f.apply_ahead) DCR_RETURN_IF_ERROR(StreamApply(v, a));
         break;

@@ -14,6 +14,7 @@
 
 #include "dcr/receiver.h"
 #include "fetcher.h"
+#include "held_chunks.h"
 #include "protocol/internal.h"
 
 namespace dcr::receiver_internal {
@@ -116,6 +117,11 @@ class ReceiverTarget {
   // Applies attempt `id`'s delta (journaled first). Errors: why the bits are
   // not its target (the attempt is nacked with it), or journal I/O.
   virtual Status ApplyAttempt(const std::string& id, const DeltaReader& delta, ApplyCounts* counts) = 0;
+  // The chunks the target holds elements of when not every chunk of the run
+  // (a rank of a sharded engine), else null: the walk downloads only frame
+  // objects that may hold frames of these, and ApplyAttempt is given the
+  // others as skipped (DeltaReader::Skipped).
+  virtual const HeldChunks* Held() const { return nullptr; }
   // Applies frames of the journaled attempt that arrived before its manifest
   // (each already checked by ForEachStreamedFrame against `shape`: the run's
   // tensors with the attempt's class). Frames it cannot prove
@@ -222,6 +228,14 @@ class ReceiverWalk {
   // reads headers only and the frames held stay O(objects in flight).
   // Where the target cannot apply ahead, the rest is left to LoadAttempt.
   Status StreamRest(uint64_t v, const AttemptInfo& a);
+  // Reads the manifest of attempt `a` of version v (an error: why it cannot
+  // be applied) and narrows `*needed` (a's copy) to the frame objects the
+  // target needs: every one, or (Held) those with a frame of its chunks;
+  // `*skip` flags the others by manifest object.
+  Result<DeltaManifest> ManifestFor(uint64_t v, const AttemptInfo& a, AttemptInfo* needed, std::vector<bool>* skip);
+  // While a streams: its frame objects the target may need, by their names
+  // (Held; those whose range is still open wait for the next listing).
+  AttemptInfo ToStream(uint64_t v, const AttemptInfo& a) const;
   // Drops what the walk holds or downloads of the attempt at `prefix`.
   void Forget(const std::string& prefix);
   // Drops what the walk holds or downloads of every attempt (the relay's

@@ -6,6 +6,7 @@
 
 #include "dcr/frame.h"
 #include "dcr/hash.h"
+#include "dcr/protocol.h"
 #include "dcr/relay.h"
 #include "dcr/text.h"
 
@@ -108,18 +109,11 @@ Result<std::string> FrameObjectPrefix(std::string_view key) {
   const size_t n = AttemptPrefixLength(key);
   const auto bad = [&] {
     return InvalidArgument(fmt::format(
-        "'{}' is not a frame object key (attempts/v<10 digits>/<seq>-<hex>/frames/s<K>-<NNNN>.bin); a relay carries "
-        "nothing else",
+        "'{}' is not a frame object key (attempts/v<10 digits>/<seq>-<hex>/frames/s<K>-<NNNN>[-t<T>c<C>].bin); a "
+        "relay carries nothing else",
         key.substr(0, 200)));
   };
-  if (n == 0 || key.size() > kRelayMaxKeyBytes) return bad();
-  std::string_view rest = key.substr(n);
-  constexpr std::string_view kFrames = "frames/s", kBin = ".bin";
-  if (!rest.starts_with(kFrames) || !rest.ends_with(kBin)) return bad();
-  rest = rest.substr(kFrames.size(), rest.size() - kFrames.size() - kBin.size());
-  const size_t dash = rest.find('-');
-  if (dash == std::string_view::npos || !Digits(rest.substr(0, dash), 1, 10) || !Digits(rest.substr(dash + 1), 4, 10))
-    return bad();
+  if (n == 0 || key.size() > kRelayMaxKeyBytes || !run_keys::ParseFrameObject(key.substr(n))) return bad();
   return std::string(key.substr(0, n));
 }
 

@@ -167,8 +167,10 @@ TEST(RelayWire, RefusesMalformedMessages) {
 
 TEST(RelayWire, FrameObjectKeys) {
   EXPECT_EQ(*FrameObjectPrefix(ObjectKey(3, 12)), AttemptPrefix(3));
+  EXPECT_EQ(*FrameObjectPrefix(AttemptPrefix(3) + "frames/s2-0012-t7c4096.bin"), AttemptPrefix(3));
   for (const std::string bad :
        {"attempts/v3/0000-ab/frames/s0-0000.bin", "attempts/v0000000003/0000-AB/frames/s0-0000.bin",
+        "attempts/v0000000003/0000-ab/frames/s0-0000-t7.bin", "attempts/v0000000003/0000-ab/frames/s0-0000-c7t1.bin",
         "attempts/v0000000003/0000-ab/frames/s0-00.bin", "attempts/v0000000003/0000-ab/manifest.json",
         "attempts/v0000000003/0000-ab/frames/s0-0000.bin/x", "attempts/v0000000003/x-ab/frames/s0-0000.bin", ""})
     EXPECT_FALSE(FrameObjectPrefix(bad).ok()) << bad;

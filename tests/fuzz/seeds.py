@@ -287,7 +287,7 @@ def relay_message_seeds(frame_dir):
     frame = first_frame(frame_dir)
     one = b"\x00\x00\x00"
     hello = (head(1) + bytes([2]) + s16(b"receiver-1") + struct.pack("<I", 2) + s16(key) +
-             s16(key.replace(b"0000.bin", b"0001.bin")))
+             s16(key.replace(b"0000.bin", b"0001-t3c17.bin")))
     # The object's CRC is left 0: mutations that fix it reach the frame checks.
     obj = head(2) + s16(key) + struct.pack("<QI", len(frame), 0)
     return {
