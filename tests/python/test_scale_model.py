@@ -83,3 +83,29 @@ def test_on_s3_waiting_trainer_processes_poll_the_stores_cores_away():
     # 2 s of CPU over 2 - 3 x 0.2 cores; a file store's polls cost the store nothing.
     assert predict(c, p).stages["cpu"] == pytest.approx(2 / 1.4)
     assert predict(Config(**{**c.__dict__, "transport": "relay"}), p).stages["cpu"] == pytest.approx(1.0)
+
+
+def test_rank_fetch_counts_the_objects_and_frames_each_rank_needs():
+    """bench/scale/rank_fetch.py on shapes worked out by hand: 8 column-parallel
+    tensors of 4 chunks each split over 2 ranks (each rank holds 2 chunks of
+    each), one replicated 1-chunk tensor, and 8 trainer processes."""
+    import rank_fetch as rf
+    chunk = rf.CHUNK
+    col = [rf.Tensor(f"t{i}", 4, chunk, "col") for i in range(8)]
+    rep = [rf.Tensor("z.norm", chunk, 1, "rep")]
+    assert rf.held_chunks(col[0], 0, 2, 0) == (0, 2) and rf.held_chunks(col[0], 1, 2, 0) == (2, 4)
+    assert rf.held_chunks(rf.Tensor("r", 2, chunk, "row"), 1, 2, 0) == (0, 2)  # every row: every chunk
+    assert rf.held_chunks(rf.Tensor("e", 1, chunk, "expert", expert=5), 1, 2, 8) == (0, 1)
+    assert rf.held_chunks(rf.Tensor("e", 1, chunk, "expert", expert=3), 1, 2, 8) is None
+    # One frame per object: each rank needs half the column frames and the norm's.
+    one = rf.analyse(col + rep, ranks=2, experts=0, rate=0.03, segment=1)
+    assert one["segments"] == 33
+    frame = int(chunk * 0.03 * rf.BYTES_PER_CHANGED[0.03]) + rf.HEADER
+    assert one["payload_gb"] == pytest.approx(33 * frame / 1e9)
+    for share in one["objects"] + one["frames"]:
+        assert share == pytest.approx(17 / 33)
+    # Objects of a whole process's share (4 chunks: one tensor each, the last also the norm): every rank needs each.
+    whole = rf.analyse(col + rep, ranks=2, experts=0, rate=0.03, segment=1 << 40)
+    assert whole["segments"] == 8
+    assert whole["objects"] == [pytest.approx(1.0)] * 2
+    assert whole["frames"] == [pytest.approx(17 / 33)] * 2
