@@ -413,6 +413,45 @@ void TouchLines(const ChunkRef& c, const std::vector<uint32_t>& lines, uint8_t* 
   }
 }
 
+// What a class-split decoder (issue 24's byte target; not built) must do
+// before it can place a change: read every word of the target chunk and
+// class it by its exponent (3 thresholds, 4 classes, as bench/codec_entropy.py
+// models), here as per-16-element bit masks whose popcounts are summed (what
+// a decoder's select needs), nothing stored. BF16 chunks only (else 0).
+uint64_t ClassPassScalar(const uint8_t* data, uint64_t words) {
+  uint64_t n = 0;
+  for (uint64_t i = 0; i < words; ++i) {
+    uint16_t w;
+    std::memcpy(&w, data + 2 * i, 2);
+    const int e = (w >> 7) & 0xFF;
+    n += (e > 118) + (e > 121) + (e > 124);
+  }
+  return n;
+}
+#if defined(__x86_64__)
+__attribute__((target("avx2,popcnt"))) uint64_t ClassPassAvx2(const uint8_t* data, uint64_t words) {
+  const __m256i mask = _mm256_set1_epi16(0xFF), t0 = _mm256_set1_epi16(118), t1 = _mm256_set1_epi16(121),
+                t2 = _mm256_set1_epi16(124);
+  uint64_t n = 0, i = 0;
+  for (; i + 16 <= words; i += 16) {
+    const __m256i e = _mm256_and_si256(
+        _mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(data + 2 * i)), 7), mask);
+    n += _mm_popcnt_u32(static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpgt_epi16(e, t0)))) +
+         _mm_popcnt_u32(static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpgt_epi16(e, t1)))) +
+         _mm_popcnt_u32(static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpgt_epi16(e, t2))));
+  }
+  return n / 2 + ClassPassScalar(data + 2 * i, words - i);
+}
+#endif
+uint64_t ClassPass(const ChunkRef& c, const uint8_t* work) {
+  if (c.wb != 2) return 0;
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) return ClassPassAvx2(work + c.work_offset, c.words);
+#endif
+  return ClassPassScalar(work + c.work_offset, c.words);
+}
+
 void Compress(ZSTD_CCtx* cctx, const std::vector<uint8_t>& src, size_t len, std::vector<uint8_t>* dst) {
   dst->resize(ZSTD_compressBound(len));
   const size_t z = ZSTD_compressCCtx(cctx, dst->data(), dst->size(), src.data(), len, 1);
@@ -925,6 +964,11 @@ int main(int argc, char** argv) {
           reps, copy_base,
           [&] { pools[k]->ParallelFor(nchunks, [&](size_t i) { DcrApply(*p, p->chunks[i], dcr[i], work.get()); }); },
           [&] { verify("dcr"); });
+    std::vector<uint64_t> classed(nchunks);
+    const Timing t_class = BestOf(
+        reps, copy_base,
+        [&] { pools[0]->ParallelFor(nchunks, [&](size_t i) { classed[i] = ClassPass(p->chunks[i], work.get()); }); },
+        nullptr);
 
     // (a) the paper's codec.
     std::vector<PaperOut> paper(nchunks);
@@ -1027,6 +1071,10 @@ int main(int argc, char** argv) {
     fmt::print(
         "memory reference (1 thread): read base+next, count differing 8-byte words {} GB/s; memcpy next {} GB/s\n",
         Gbps(dense, t_read, 1), Gbps(dense, t_memcpy, 1));
+    fmt::print(
+        "class pass (what a decoder of changes split by the old exponent must add; not built): every target word "
+        "read and classed, {} GB/s (1 thread) = {:.0f}% of decode+apply's time\n",
+        Gbps(dense, t_class, 1), 100.0 * t_class.wall / r_dcr.dec[0].wall);
     // Against the floors (same bytes: rate ratio = time ratio); targets: at least 0.9.
     std::string vs_floor;
     for (int k = 0; k < configs; ++k) {
