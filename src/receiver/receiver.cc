@@ -262,7 +262,7 @@ Result<DeltaManifest> ReceiverWalk::ManifestFor(uint64_t v, const AttemptInfo& a
     if (!(*skip)[o]) needed->frame_objects.push_back(prefix + m.objects[o]);
   Log(fmt::format(
       "version {} attempt {}: {} of {} frame objects hold frames of this rank's chunks; the other {} are "
-      "not downloaded",
+      "not needed",
       v, a.id, needed->frame_objects.size(), m.objects.size(), m.objects.size() - needed->frame_objects.size()));
   return m;
 }
