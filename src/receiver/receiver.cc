@@ -146,11 +146,12 @@ void ReceiverWalk::NoteFramesHeld(uint64_t loaded) {
   frames_held_peak_ = std::max(frames_held_peak_, held);
 }
 
-std::pair<size_t, uint64_t> ReceiverWalk::Relayed(const std::string& prefix) const {
+std::pair<size_t, uint64_t> ReceiverWalk::Relayed(const std::vector<std::string>& keys) const {
   std::pair<size_t, uint64_t> r{0, 0};
-  for (auto it = from_relay_.lower_bound(prefix); it != from_relay_.end() && it->starts_with(prefix); ++it) {
-    const auto held = prefetched_.find(*it);
-    const auto released = released_.find(*it);
+  for (const auto& key : keys) {
+    if (!from_relay_.count(key)) continue;
+    const auto held = prefetched_.find(key);
+    const auto released = released_.find(key);
     if (held == prefetched_.end() && released == released_.end()) continue;  // taken by LoadAttempt: counted there
     ++r.first;
     r.second += held != prefetched_.end() ? held->second.size() : released->second.bytes;
@@ -322,7 +323,7 @@ Status ReceiverWalk::ApplyAndAck(uint64_t v, const AttemptInfo& a) {
   // objects (the store is not the tree's link): apply them as they come.
   DCR_RETURN_IF_ERROR(AwaitRelay(v, a.id, needed.frame_objects, [&] { return StreamApply(v, a); }));
   DCR_RETURN_IF_ERROR(StreamRest(v, needed));
-  const auto [relayed, relayed_bytes] = Relayed(prefix);
+  const auto [relayed, relayed_bytes] = Relayed(needed.frame_objects);
   uint64_t loaded = 0;
   auto delta = manifest.ok() ? LoadAttempt(store_, v, a.id, std::move(*manifest),
                                            HeldObjects{&prefetched_, &released_, std::move(skip), &loaded})
@@ -331,12 +332,14 @@ Status ReceiverWalk::ApplyAndAck(uint64_t v, const AttemptInfo& a) {
   const auto ready = ClockOf(o_).Now();  // the manifest and every frame object are here
   if (Transient(delta.status())) return delta.status();
   if (o_.relay && delta.ok()) {
-    const uint64_t frame_bytes = delta->manifest().frame_bytes;
+    uint64_t frame_bytes = 0;  // of the objects it needed
+    const DeltaManifest& m = delta->manifest();
+    for (size_t i = 0; i < m.frames.size(); ++i) frame_bytes += delta->Skipped(i) ? 0 : m.frames[i].bytes;
+    const size_t total = needed.frame_objects.size();
     Log(
         fmt::format("version {} attempt {}: frame objects {}/{} ({} bytes) from the relay, {} ({} bytes) from the "
                     "store; {} relayed objects refused so far (signatures that do not verify)",
-                    v, a.id, relayed, a.frame_objects.size(), relayed_bytes,
-                    a.frame_objects.size() - std::min(a.frame_objects.size(), relayed),
+                    v, a.id, relayed, total, relayed_bytes, total - std::min(total, relayed),
                     frame_bytes - std::min(frame_bytes, relayed_bytes), refused_objects_));
   }
   SetState("applying").IgnoreError();

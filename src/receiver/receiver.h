@@ -203,8 +203,8 @@ class ReceiverWalk {
   // Waits for the relay to deliver `objects`; `arrived` runs after each take.
   Status AwaitRelay(uint64_t v, const std::string& id, const std::vector<std::string>& objects,
                     const std::function<Status()>& arrived);
-  // The objects (and bytes) under `prefix` in prefetched_ that the relay delivered.
-  std::pair<size_t, uint64_t> Relayed(const std::string& prefix) const;
+  // The objects (and bytes) of `keys` in prefetched_ or released_ that the relay delivered.
+  std::pair<size_t, uint64_t> Relayed(const std::vector<std::string>& keys) const;
   // Counts the frame bytes held now (prefetched_, relayed_, and `loaded`:
   // those a loaded delta holds) towards this version's peak.
   void NoteFramesHeld(uint64_t loaded = 0);
