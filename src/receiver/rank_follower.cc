@@ -150,6 +150,8 @@ class RankTarget final : public ReceiverTarget {
   // frame on a chunk it left in between is refused. `strict` (the manifest's
   // apply): the first error by frame order is returned; otherwise (frames
   // streamed ahead of the manifest) refused frames are logged and left.
+  // Frames of chunks the rank holds no element of are passed over (no
+  // frame-log lines, no decode): they would change nothing.
   Status ApplyFrames(const DeltaManifest& m, std::span<const FrameView> frames, bool strict, ApplyCounts* counts);
 
   const CompiledLayout& layout_;
@@ -318,6 +320,7 @@ Status RankTarget::ApplyFrames(const DeltaManifest& m, std::span<const FrameView
                     fmt::format("a frame names tensor {} chunk {}, which the run does not have", h.tensor, h.chunk)));
       continue;
     }
+    if (held_ && !held_->Holds({h.tensor, h.chunk})) continue;  // none of its elements here: it changes nothing
     const Digest& now = tracked_[h.tensor][h.chunk];
     if (!batch.insert(key).second) {
       refuse(i, InvalidArgument(fmt::format("two frames of tensor {} chunk {}", h.tensor, h.chunk)));
