@@ -46,15 +46,23 @@ class Tensor:
         return self.rows * self.cols
 
 
+def outer_tensors(vocab: int, h: int) -> list[Tensor]:
+    """Embeddings and the LM head (split by vocabulary rows), the final norm."""
+    return [Tensor("model.embed_tokens.weight", vocab, h, "col"), Tensor("lm_head.weight", vocab, h, "col"),
+            Tensor("model.norm.weight", h, 1, "rep")]
+
+
+def layer_norms(p: str, h: int) -> list[Tensor]:
+    return [Tensor(p + "input_layernorm.weight", h, 1, "rep"), Tensor(p + "post_attention_layernorm.weight", h, 1, "rep")]
+
+
 def mistral_large_123b() -> list[Tensor]:
     """Mistral-Large-Instruct-2407 (123B, 247 GB in BF16): the reference's 120B size."""
     h, inter, heads, kv, hd, vocab = 12288, 28672, 96, 8, 128, 32768
-    out = [Tensor("model.embed_tokens.weight", vocab, h, "col"), Tensor("lm_head.weight", vocab, h, "col"),
-           Tensor("model.norm.weight", h, 1, "rep")]
+    out = outer_tensors(vocab, h)
     for i in range(88):
         p = f"model.layers.{i}."
-        out += [Tensor(p + "input_layernorm.weight", h, 1, "rep"),
-                Tensor(p + "post_attention_layernorm.weight", h, 1, "rep"),
+        out += layer_norms(p, h) + [
                 Tensor(p + "self_attn.q_proj.weight", heads * hd, h, "col"),
                 Tensor(p + "self_attn.k_proj.weight", kv * hd, h, "col"),
                 Tensor(p + "self_attn.v_proj.weight", kv * hd, h, "col"),
@@ -70,12 +78,10 @@ def kimi_k2_1t(expert_parallel: bool) -> list[Tensor]:
     h, inter, moe, experts, vocab = 7168, 18432, 2048, 384, 163840
     q_lora, kv_lora, heads, nope, rope, v = 1536, 512, 64, 128, 64, 128
     routed = "expert" if expert_parallel else None
-    out = [Tensor("model.embed_tokens.weight", vocab, h, "col"), Tensor("lm_head.weight", vocab, h, "col"),
-           Tensor("model.norm.weight", h, 1, "rep")]
+    out = outer_tensors(vocab, h)
     for i in range(61):
         p = f"model.layers.{i}."
-        out += [Tensor(p + "input_layernorm.weight", h, 1, "rep"),
-                Tensor(p + "post_attention_layernorm.weight", h, 1, "rep"),
+        out += layer_norms(p, h) + [
                 Tensor(p + "self_attn.q_a_proj.weight", q_lora, h, "rep"),
                 Tensor(p + "self_attn.q_a_layernorm.weight", q_lora, 1, "rep"),
                 Tensor(p + "self_attn.q_b_proj.weight", heads * (nope + rope), q_lora, "col"),
