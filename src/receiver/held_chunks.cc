@@ -13,22 +13,19 @@ HeldChunks::HeldChunks(const DeltaManifest& shape, const ChunkRanges& ranges) {
   for (size_t t = 0; t < shape.tensors.size(); ++t) first_.push_back(first_.back() + shape.ChunkCount(t));
   for (size_t t = 0; t < ranges.size() && t < shape.tensors.size(); ++t)
     for (const auto& [first, end] : ranges[t]) {
-      const uint64_t lo =
-          Global({static_cast<uint32_t>(t), static_cast<uint32_t>(std::min<uint64_t>(first, UINT32_MAX))});
-      const uint64_t hi =
-          Global({static_cast<uint32_t>(t), static_cast<uint32_t>(std::min<uint64_t>(end, UINT32_MAX))});
+      const uint64_t lo = Global(static_cast<uint32_t>(t), first), hi = Global(static_cast<uint32_t>(t), end);
       if (lo < hi) held_.emplace_back(lo, hi);
     }
   std::sort(held_.begin(), held_.end());
 }
 
-uint64_t HeldChunks::Global(ChunkId c) const {
-  if (c.tensor + 1 >= first_.size()) return first_.back();
-  return std::min(first_[c.tensor] + c.chunk, first_[c.tensor + 1]);
+uint64_t HeldChunks::Global(uint32_t tensor, uint64_t chunk) const {
+  if (size_t{tensor} + 1 >= first_.size()) return first_.back();
+  return first_[tensor] + std::min(chunk, first_[tensor + 1] - first_[tensor]);
 }
 
 bool HeldChunks::AnyIn(ChunkId from, std::optional<ChunkId> to) const {
-  const uint64_t lo = Global(from), hi = to ? Global(*to) : first_.back();
+  const uint64_t lo = Global(from.tensor, from.chunk), hi = to ? Global(to->tensor, to->chunk) : first_.back();
   // The first held range ending after lo: does it start before hi?
   auto it = std::upper_bound(held_.begin(), held_.end(), lo,
                              [](uint64_t x, const std::pair<uint64_t, uint64_t>& r) { return x < r.second; });

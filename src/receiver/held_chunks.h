@@ -24,7 +24,9 @@ class HeldChunks {
 
  private:
   static ChunkId Next(ChunkId c) { return {c.tensor, c.chunk + 1}; }
-  uint64_t Global(ChunkId c) const;  // c's index among all chunks of the run
+  // Chunk `chunk` of tensor `tensor`'s index among all chunks of the run
+  // (past a tensor's chunks: its end; past the tensors: the total).
+  uint64_t Global(uint32_t tensor, uint64_t chunk) const;
   std::vector<uint64_t> first_;  // by tensor: the global index of its chunk 0; then the total
   std::vector<std::pair<uint64_t, uint64_t>> held_;  // sorted disjoint [first, end) global indices
 };

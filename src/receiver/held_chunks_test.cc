@@ -34,6 +34,8 @@ TEST(HeldChunksTest, RangesAnswerInTensorChunkOrder) {
   EXPECT_TRUE(h.Holds({2, 5}));
   EXPECT_FALSE(h.Holds({2, 4}));
   EXPECT_FALSE(h.Holds({3, 0}));  // no such tensor
+  EXPECT_FALSE(h.Holds({UINT32_MAX, 0}));  // a name may say anything
+  EXPECT_TRUE(h.AnyIn({0, 0}, ChunkId{UINT32_MAX, UINT32_MAX}));
   EXPECT_FALSE(h.AnyIn({0, 0}, ChunkId{0, 2}));  // [0, 2)
   EXPECT_TRUE(h.AnyIn({0, 0}, ChunkId{0, 3}));
   EXPECT_FALSE(h.AnyIn({0, 4}, ChunkId{0, 8}));
