@@ -148,16 +148,11 @@ Result<std::optional<std::string>> ObjectSignerOf(Store& store, const std::strin
                                                   const StreamedAttempt& st, const std::string& key) {
   if (!st) return std::optional<std::string>("");
   if (!st->object_key.empty() || st->processes == 0) return std::optional<std::string>(st->object_key);
-  // frames/s<P>-<NNNN>.bin: process P's object.
-  const std::string_view name = std::string_view(key).substr(std::min(key.size(), attempt_prefix.size()));
-  const size_t dash = name.find('-');
-  if (!name.starts_with("frames/s") || dash == std::string_view::npos) return std::optional<std::string>("");
-  uint32_t process = 0;
-  const std::string_view digits = name.substr(8, dash - 8);
-  const auto parsed = std::from_chars(digits.data(), digits.data() + digits.size(), process);
-  if (digits.empty() || parsed.ec != std::errc() || parsed.ptr != digits.data() + digits.size())
-    return std::optional<std::string>("");
-  DCR_ASSIGN_OR_RETURN(auto text, GetIfPresent(store, attempt_prefix + run_keys::ProcessSigner(process)));
+  // frames/s<P>-<NNNN>[-t<T>c<C>].bin: process P's object.
+  const auto name =
+      run_keys::ParseFrameObject(std::string_view(key).substr(std::min(key.size(), attempt_prefix.size())));
+  if (!name) return std::optional<std::string>("");
+  DCR_ASSIGN_OR_RETURN(auto text, GetIfPresent(store, attempt_prefix + run_keys::ProcessSigner(name->sender)));
   if (!text) return std::optional<std::string>();
   while (!text->empty() && text->back() == '\n') text->pop_back();
   return std::optional<std::string>(std::move(*text));
