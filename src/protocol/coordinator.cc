@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <map>
+#include <optional>
 #include <random>
 #include <set>
 
@@ -106,6 +108,10 @@ class AckWait {
   // The store's acks not yet counted, then the live receivers (fresh
   // heartbeat, not retired or stopped) that have not acked.
   Status PollStore();
+  // The receiver record a listing names, read only when its etag changed
+  // since the last read (receivers rewrite theirs at every heartbeat; the
+  // wait polls far more often). Null for an unreadable or deleted record.
+  Result<const ReceiverRecord*> ReceiverAt(const ObjectInfo& listed);
   Status ConfirmTreeAck(const AckRecord& tree_ack);
   Status TakeTreeAcks(std::chrono::milliseconds wait);
 
@@ -117,6 +123,11 @@ class AckWait {
   std::set<std::string> retired_;
   std::set<std::string> seen_;  // ack keys read and counted
   std::vector<std::string> waiting_;  // live receivers that have not acked
+  struct ReadRecord {
+    std::string etag;
+    std::optional<ReceiverRecord> record;  // nullopt: did not parse
+  };
+  std::map<std::string, ReadRecord> receivers_;  // by key
   bool committed_ = false;  // commits/v exists (another coordinator, or a lost response)
   uint64_t tree_refused_ = 0;  // acks from the tree the store did not confirm
   bool cancelled_ = false;
@@ -136,13 +147,8 @@ Status AckWait::PollStore() {
   DCR_ASSIGN_OR_RETURN(auto regs, store_.List(run_keys::kReceivers));
   const double now = ClockOf(o_).UnixSeconds(), fresh = std::chrono::duration<double>(o_.heartbeat_timeout).count();
   for (const auto& o : regs) {
-    auto text = store_.Get(o.key);
-    if (!text.ok()) {
-      if (text.status().code() == Code::kNotFound) continue;  // deleted meanwhile
-      return text.status();
-    }
-    auto r = ReceiverRecord::FromJson(*text, StoreContext(store_.url(), o.key));
-    if (!r.ok() || r->state == "stopped" || r->state == "retired" || now - r->heartbeat > fresh) continue;
+    DCR_ASSIGN_OR_RETURN(const ReceiverRecord* r, ReceiverAt(o));
+    if (!r || r->state == "stopped" || r->state == "retired" || now - r->heartbeat > fresh) continue;
     if (!tally_.Acked(r->id)) waiting_.push_back(r->id);
   }
   if (!waiting_.empty()) {
@@ -150,6 +156,25 @@ Status AckWait::PollStore() {
     committed_ = record.has_value();
   }
   return Status::Ok();
+}
+
+Result<const ReceiverRecord*> AckWait::ReceiverAt(const ObjectInfo& listed) {
+  auto cached = receivers_.find(listed.key);
+  if (cached != receivers_.end() && !listed.etag.empty() && cached->second.etag == listed.etag)
+    return cached->second.record ? &*cached->second.record : nullptr;
+  ObjectInfo read;
+  auto text = store_.Get(listed.key, &read);
+  if (!text.ok()) {
+    if (text.status().code() == Code::kNotFound) return nullptr;  // deleted meanwhile
+    return text.status();
+  }
+  auto r = ReceiverRecord::FromJson(*text, StoreContext(store_.url(), listed.key));
+  // Keyed by the etag the listing gave: a record replaced between the
+  // listing and the read is read again at the next poll.
+  auto& entry = receivers_[listed.key];
+  entry.etag = listed.etag;
+  entry.record = r.ok() ? std::optional<ReceiverRecord>(std::move(*r)) : std::nullopt;
+  return entry.record ? &*entry.record : nullptr;
 }
 
 Status AckWait::ConfirmTreeAck(const AckRecord& tree_ack) {

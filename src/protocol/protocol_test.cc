@@ -1588,6 +1588,53 @@ TEST_F(ProtocolTest, AckTimeoutsAndHeartbeatsFollowTheInjectedClock) {
   EXPECT_EQ(c->retired, std::vector<std::string>{"silent"});
 }
 
+// The ack wait polls the store every 20 ms, and receivers rewrite their
+// records at every heartbeat: a record is read again only when the listing
+// shows it replaced (its etag), not at every poll (at scale, a GET per
+// receiver per poll). A rewrite in the middle of the wait is read, so a
+// receiver that stops is no longer waited for.
+TEST_F(ProtocolTest, TheAckWaitReadsAReceiverRecordAgainOnlyWhenItIsReplaced) {
+  ManualClock clock;
+  std::atomic<int> record_reads{0};
+  std::atomic<bool> waited{false};  // then the garbage collection reads it too
+  HookStore counted(*store_, [&](std::string_view op, std::string_view key, bool) {
+    if (op == "read" && key == run_keys::Receiver("silent") && !waited) ++record_reads;
+    return Status::Ok();
+  });
+  int polls = 0;
+  std::function<void(const std::string&)> put_receiver;
+  PublishOptions o = Fast();
+  o.clock = &clock;
+  o.ack_timeout = std::chrono::seconds(60);
+  o.cancel = [&] {  // called at every poll of the wait
+    if (++polls == 100) put_receiver("stopped");
+    return false;
+  };
+  o.fault = [&](std::string_view point) {
+    if (point == "acked") waited = true;
+    return Status::Ok();
+  };
+  Publisher pub(counted, Path("state"), o);
+  ASSERT_TRUE(pub.Publish(0, Version(0)).ok());
+  ASSERT_EQ(polls, 0);
+  put_receiver = [&](const std::string& state) {
+    ReceiverRecord r;
+    r.id = "silent";
+    r.state = state;
+    r.heartbeat = clock.UnixSeconds() + 3600;  // fresh for the whole wait
+    ASSERT_TRUE(store_->Put(run_keys::Receiver("silent"), r.ToJson()).ok());
+  };
+  put_receiver("following");
+  const Clock::Instant start = clock.Now();
+  auto r = pub.Publish(1, Version(1));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(polls, 100) << "the wait ended at the poll that read the stopped record";
+  EXPECT_TRUE(r->retired.empty()) << "a stopped receiver is not retired, only not waited for";
+  EXPECT_LT(clock.Now() - start, std::chrono::seconds(60));
+  EXPECT_EQ(record_reads.load(), 2) << "read once as following, once as stopped; not at each of the " << polls
+                                    << " polls";
+}
+
 // An engine whose ranks loaded a committed version themselves (a serving
 // engine reading the checkpoint from disk) adopts it: with the sum of the
 // ranks' partial digests, each rank records the version in its journal and
