@@ -61,6 +61,11 @@ class FrameObjectSink {
   virtual void Object(const std::string& key, std::string_view bytes) = 0;
   // `attempt_prefix` is run_keys::Attempt(v, attempt).
   virtual void Fence(const std::string& attempt_prefix) = 0;
+  // A record that receivers wait for is in the store: an attempt opened
+  // (its prefix) or a version committed (its commit record's key). The
+  // transport tells its receivers, who then look at the store instead of
+  // polling it often; a transport without notices ignores it.
+  virtual void Notice(const std::string& key) { (void)key; }
   // Acks of the attempt that came back through this transport and were not
   // taken yet, waiting up to `wait` for one when there are none. A
   // transport that carries no acks returns none at once (CarriesAcks false).
@@ -86,6 +91,16 @@ class FrameObjectSource {
   virtual bool Attached() = 0;
   // When the last object arrived (steady clock; epoch when none has).
   virtual std::chrono::steady_clock::time_point LastDelivery() = 0;
+  // How many notices (FrameObjectSink::Notice) arrived so far; 0 for a
+  // transport that carries none. A notice only says where to look.
+  virtual uint64_t Notices() { return 0; }
+  // Waits up to `wait` until more than `seen` arrivals (objects, fences,
+  // notices) are counted, and returns the count (call again with it). A
+  // transport that carries no notices returns `seen` at once.
+  virtual uint64_t AwaitNews(uint64_t seen, std::chrono::milliseconds wait) {
+    (void)wait;
+    return seen;
+  }
   // The follower's ack of an attempt, after it is in the store: a transport
   // may carry it to the coordinator (the relay tree does). Must not block.
   virtual void Ack(const std::string& attempt_prefix, const AckRecord& ack) {

@@ -42,6 +42,12 @@ struct FollowOptions {
   // then downloads from the store only what it still lacks.
   FrameObjectSource* relay = nullptr;
   std::chrono::milliseconds relay_quiet{3000};  // above the relay clients' dead_after (1.5 s)
+  // A relay tree that carries the coordinator's notices (FrameObjectSource::
+  // Notices) tells the follower when an attempt opens and when a version is
+  // committed. While it is attached and nothing is to be applied, the store
+  // is looked at on each notice or arrival, else only every `relay_poll`
+  // (a lost notice costs at most that); `poll` without notices.
+  std::chrono::milliseconds relay_poll{1000};
   // Fault injection for tests, as PublishOptions::fault ("applying", "applied", "acked").
   std::function<Status(std::string_view point)> fault;
   std::function<void(const std::string& line)> log;  // progress lines; default stderr

@@ -102,6 +102,7 @@ enum class RelayMessageType : uint8_t {
   kFence = 4,  // an attempt is obsolete: drop its objects (sender -> root -> down)
   kPing = 5,  // liveness, both ways
   kAck = 6,  // receivers' acks of an attempt (receiver -> relay -> up -> root -> senders)
+  kNotice = 7,  // a record receivers wait for is in the store (sender -> root -> down); a hint, never trusted
 };
 enum class RelayRole : uint8_t { kRelay = 1, kReceiver = 2, kSender = 3 };
 std::string_view RelayRoleName(RelayRole role);
@@ -122,6 +123,8 @@ struct RelayMessage {
   uint64_t credit_bytes = 0;
   uint32_t credit_objects = 0;
   // kFence: key holds the attempt prefix (attempts/v<N>/<attempt>/).
+  // kNotice: key holds what was written: an attempt prefix (the attempt
+  // opened) or a commit record's key (commits/v<N>.json).
   // kAck: key holds the attempt prefix; the acks of receivers below the
   // sending peer (AckRecord: receiver id, ok, digest, error).
   std::vector<AckRecord> acks;
@@ -143,6 +146,8 @@ Result<RelayMessage> DecodeMessage(std::span<const std::string_view> parts);
 Result<std::string> FrameObjectPrefix(std::string_view key);
 // "attempts/v<10 digits>/<4+ digits>-<hex>/", or kInvalidArgument.
 Status ValidateAttemptPrefix(std::string_view prefix);
+// An attempt prefix or "commits/v<10 digits>.json", or kInvalidArgument.
+Status ValidateNoticeKey(std::string_view key);
 
 // What every hop checks before storing, forwarding or handing out an
 // object: the data has the size and CRC32C the message claims, and it is a
@@ -294,6 +299,8 @@ class RelayReceiver final : public FrameObjectSource {
   std::map<std::string, std::string> Take(std::string_view prefix) override;
   bool Attached() override;
   std::chrono::steady_clock::time_point LastDelivery() override;
+  uint64_t Notices() override;
+  uint64_t AwaitNews(uint64_t seen, std::chrono::milliseconds wait) override;
   // Queues the ack for the relay (sent by the thread; the last 16 are sent
   // again after each re-attachment, since a relay that died may have lost them).
   void Ack(const std::string& attempt_prefix, const AckRecord& ack) override;
@@ -315,6 +322,7 @@ class RelaySender final : public FrameObjectSink {
   ~RelaySender() override;  // waits up to 2 s for queued objects to be sent
   void Object(const std::string& key, std::string_view bytes) override;
   void Fence(const std::string& attempt_prefix) override;
+  void Notice(const std::string& key) override;
   // Waits until every queued object was credited by every live root, or `timeout`.
   bool Flush(std::chrono::milliseconds timeout);
   // Acks that the roots passed up (each receiver's once per attempt).
@@ -335,8 +343,9 @@ class RelaySender final : public FrameObjectSink {
 // URL`), so that senders only write to the store and the payload crosses
 // into the cluster once, as the root's reads: every `every`, lists the
 // attempts of the version after the newest committed one and hands each
-// frame object not handed yet to `sink` (the root's own RelaySender) and
-// each attempt's fence once. Store failures are logged and retried next
+// frame object not handed yet to `sink` (the root's own RelaySender), each
+// attempt's fence once, and notices: each attempt once it is listed, and
+// each newest commit it finds. Store failures are logged and retried next
 // round. Returns when `stop` is true.
 Status PullFrameObjects(Store& store, FrameObjectSink& sink, std::chrono::milliseconds every,
                         const std::function<bool()>& stop, const std::function<void(const std::string&)>& log);

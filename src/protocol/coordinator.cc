@@ -323,6 +323,7 @@ Result<AttemptCoordinator::AttemptResult> AttemptCoordinator::AwaitAcksAndCommit
   } else {
     DCR_RETURN_IF_ERROR(s);
   }
+  if (o_.relay) o_.relay->Notice(run_keys::Commit(v));  // receivers in the tree look now
   // Best effort: v is committed whatever the listing meets.
   if (auto attempts = ListAttempts(store_, v); attempts.ok())
     for (const AttemptInfo& a : *attempts)

@@ -2675,6 +2675,117 @@ TEST_F(ProtocolTest, ForgedRelayedObjectsAreRefusedAndTheCommittedBitsApplied) {
   EXPECT_NE(used.find(fmt::format("; {} relayed objects refused", relay.delivered())), std::string::npos) << used;
 }
 
+// A relay tree in one process: what the publisher hands it is delivered to
+// the follower at once. Counts the follower's idle waits for news.
+class LoopbackTree final : public FrameObjectSink, public FrameObjectSource {
+ public:
+  void Object(const std::string& key, std::string_view bytes) override {
+    std::lock_guard lock(mu_);
+    ready_[key] = std::string(bytes);
+    last_ = std::chrono::steady_clock::now();
+    Arrived();
+  }
+  void Fence(const std::string&) override {
+    std::lock_guard lock(mu_);
+    Arrived();
+  }
+  void Notice(const std::string&) override {
+    std::lock_guard lock(mu_);
+    ++notices_;
+    Arrived();
+  }
+  std::map<std::string, std::string> Take(std::string_view prefix) override {
+    std::lock_guard lock(mu_);
+    std::map<std::string, std::string> out;
+    for (auto it = ready_.lower_bound(std::string(prefix)); it != ready_.end() && it->first.starts_with(prefix);)
+      out.insert(ready_.extract(it++));
+    return out;
+  }
+  bool Attached() override { return attached_.load(); }
+  std::chrono::steady_clock::time_point LastDelivery() override {
+    std::lock_guard lock(mu_);
+    return last_;
+  }
+  uint64_t Notices() override {
+    std::lock_guard lock(mu_);
+    return notices_;
+  }
+  uint64_t AwaitNews(uint64_t seen, std::chrono::milliseconds wait) override {
+    std::unique_lock lock(mu_);
+    if (news_ == seen) {
+      ++idle_waits_;
+      cv_.notify_all();
+      cv_.wait_for(lock, wait, [&] { return news_ != seen; });
+    }
+    return news_;
+  }
+  // Blocks until the follower has waited for news `n` more times than now.
+  void AwaitIdleWaits(uint64_t n) {
+    std::unique_lock lock(mu_);
+    const uint64_t target = idle_waits_ + n;
+    ASSERT_TRUE(cv_.wait_for(lock, std::chrono::seconds(60), [&] { return idle_waits_ >= target; }))
+        << "the follower did not wait on the tree (idle waits " << idle_waits_ << ")";
+  }
+  std::atomic<bool> attached_{true};
+
+ private:
+  void Arrived() {
+    ++news_;
+    cv_.notify_all();
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::string, std::string> ready_;
+  std::chrono::steady_clock::time_point last_{};
+  uint64_t news_ = 0, notices_ = 0, idle_waits_ = 0;
+};
+
+// In a relay tree that carries the coordinator's notices, an idle follower
+// does not poll the store: it looks when the tree says an attempt opened or
+// a version was committed, or something arrived. Its backstop poll is an
+// hour here, so each version is reached through the notices alone; while
+// it waits between versions it makes no store request, whatever its `poll`;
+// once the tree is detached, it polls the store again.
+TEST_F(ProtocolTest, AFollowerInATreeLooksAtTheStoreWhenTheTreeSaysSo) {
+  PublishOptions o = Fast();
+  LoopbackTree tree;
+  o.relay = &tree;
+  Publisher pub(*store_, Path("state"), o);
+  ASSERT_TRUE(pub.Publish(0, Version(0)).ok());
+  std::atomic<int> looks{0};  // the follower's listings of attempts and reads of commit records
+  HookStore counted(*store_, [&](std::string_view op, std::string_view key, bool) {
+    if ((op == "list" && key.starts_with("attempts/")) || (op == "read" && key.starts_with("commits/"))) ++looks;
+    return Status::Ok();
+  });
+  FollowOptions fo = Receiver("r");
+  fo.relay = &tree;
+  fo.poll = std::chrono::milliseconds(2);
+  fo.relay_poll = std::chrono::hours(1);
+  Status followed;
+  std::thread t([&] {
+    Follower f(counted, Path("r"), fo);
+    followed = f.Run(4);
+  });
+  WaitForReceivers(1);
+  for (int v = 1; v <= 3; ++v) {
+    auto r = pub.Publish(v, Version(v));
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->acked, std::vector<std::string>{"r"});
+    tree.AwaitIdleWaits(2);  // it has looked after the commit's notice, and is idle
+    const int before = looks.load();
+    tree.AwaitIdleWaits(50);  // at least 100 ms, 50 polls' worth
+    EXPECT_EQ(looks.load(), before) << "version " << v << ": the idle follower looked at the store";
+  }
+  tree.attached_ = false;
+  const int detached = looks.load();
+  auto r = pub.Publish(4, Version(4));  // the ack needs a look: no wait for news any more
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  t.join();
+  ASSERT_TRUE(followed.ok()) << followed.ToString();
+  EXPECT_GT(looks.load(), detached);
+  ExpectIdentical(Path("r"), 4);
+}
+
 // Acks that come up the relay tree count only as the store holds them: a
 // forged nack does not abort the attempt, and a forged ack for a receiver
 // that never acked is not listed in the commit.

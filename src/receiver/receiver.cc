@@ -424,7 +424,17 @@ StepPlan PlanStep(const StepInputs& in) {
   return plan;
 }
 
+bool ReceiverWalk::QuietInTree() {
+  if (!idle_in_tree_) return false;
+  const uint64_t seen = news_seen_;
+  news_seen_ = o_.relay->AwaitNews(seen, o_.poll);
+  if (news_seen_ == seen && RealClock().Now() < next_look_ && o_.relay->Attached()) return true;
+  idle_in_tree_ = false;
+  return false;
+}
+
 Status ReceiverWalk::Step() {
+  if (QuietInTree()) return Status::Ok();
   const uint64_t v = version_ + 1;
   unreadable_.clear();
   StepInputs in;
@@ -492,12 +502,24 @@ Status ReceiverWalk::Step() {
       }
     }
   }
-  if (progressed) return Status::Ok();
+  if (!progressed) Wait(plan);
+  return Status::Ok();
+}
+
+void ReceiverWalk::Wait(const StepPlan& plan) {
+  // Nothing of v to apply: a relay tree that carries the coordinator's
+  // notices says when to look again (an attempt opened, v committed).
+  const bool idle = std::all_of(plan.attempts.begin(), plan.attempts.end(),
+                                [](const auto& f) { return f.what == StepPlan::Attempt::kDrop; });
+  if (idle && !fetcher_.Busy() && o_.relay && o_.relay->Notices() > 0 && o_.relay->Attached()) {
+    idle_in_tree_ = true;
+    next_look_ = RealClock().Now() + o_.relay_poll;
+    return;
+  }
   const auto wait = plan.streaming ? std::min(o_.stream_poll, o_.poll) : o_.poll;
   // A download in flight: its end is the next event (real time, as the store's).
   if (fetcher_.Busy()) fetcher_.WaitDone(wait);
   else ClockOf(o_).Sleep(wait);
-  return Status::Ok();
 }
 
 }  // namespace dcr::receiver_internal

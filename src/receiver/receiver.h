@@ -189,6 +189,13 @@ class ReceiverWalk {
   Status Join(uint64_t at_most, const std::string& why);
   Status Commit(uint64_t v);
   Status Step();
+  // In a relay tree that carries notices, with nothing of version_ + 1 to
+  // apply: whether the store need not be looked at yet (no news from the
+  // tree, the backstop `relay_poll` not passed); waits up to o_.poll for news.
+  bool QuietInTree();
+  // After a Step that changed nothing: until the next event (a download's
+  // end, a poll period), or (idle in a tree) sets up QuietInTree.
+  void Wait(const StepPlan& plan);
   Status CatchUp(uint64_t v, const CommitRecord& c);
   // Applies and acks attempt `a` of version v, whose manifest is in.
   Status ApplyAndAck(uint64_t v, const AttemptInfo& a);
@@ -271,6 +278,11 @@ class ReceiverWalk {
     ApplyCounts counts;
   };
   std::map<std::string, Streamed> streamed_;  // per attempt of version_ + 1
+  // Idle in a tree (QuietInTree): the relay's arrivals counted so far, and
+  // when the store is looked at without news (real time, as the relay's).
+  bool idle_in_tree_ = false;
+  uint64_t news_seen_ = 0;
+  std::chrono::steady_clock::time_point next_look_{};
   Heartbeat heartbeat_;
 };
 

@@ -65,6 +65,9 @@ struct RelayReceiver::State {
   Socket wake_tx, wake_rx;
   RelayClientStats stats;
   Clock::time_point last_delivery{}, heard{};
+  // What arrived (objects kept, fences, notices), for AwaitNews; notices alone, for Notices.
+  uint64_t news = 0, notices = 0;
+  std::condition_variable news_cv;
   bool attached = false;
   bool newly_attached = false;  // heard from the relay since (re)connecting: Loop logs it once
   std::atomic<bool> stop{false};
@@ -129,7 +132,15 @@ void RelayReceiver::State::OnMessage(void* sock, std::vector<std::string> parts)
   heard = Clock::now();
   if (!attached) newly_attached = true;
   attached = true;
+  if (m->type == RelayMessageType::kNotice) {
+    ++notices;
+    ++news;
+    news_cv.notify_all();
+    return;
+  }
   if (m->type == RelayMessageType::kFence) {
+    ++news;
+    news_cv.notify_all();
     fenced.insert(m->key);
     std::erase_if(ready, [&](const auto& kv) {
       if (!kv.first.starts_with(m->key)) return false;
@@ -163,6 +174,8 @@ void RelayReceiver::State::OnMessage(void* sock, std::vector<std::string> parts)
   ++stats.objects;
   stats.bytes += m->size;
   last_delivery = Clock::now();
+  ++news;
+  news_cv.notify_all();
   ready.emplace(m->key, std::string(m->data));
   ready_order.push_back(m->key);
   ready_bytes += m->size;
@@ -305,6 +318,17 @@ void RelayReceiver::Ack(const std::string& attempt_prefix, const AckRecord& ack)
   SendParts(state_->wake_tx.get(), "", {std::string(1, '\0')}).IgnoreError();
 }
 
+uint64_t RelayReceiver::Notices() {
+  std::lock_guard lock(state_->mu);
+  return state_->notices;
+}
+
+uint64_t RelayReceiver::AwaitNews(uint64_t seen, std::chrono::milliseconds wait) {
+  std::unique_lock lock(state_->mu);
+  state_->news_cv.wait_for(lock, wait, [&] { return state_->news != seen || state_->stop.load(); });
+  return state_->news;
+}
+
 RelayClientStats RelayReceiver::Stats() {
   std::lock_guard lock(state_->mu);
   return state_->stats;
@@ -315,7 +339,7 @@ RelayClientStats RelayReceiver::Stats() {
 namespace {
 
 struct Item {
-  bool fence = false;
+  RelayMessageType type = RelayMessageType::kObject;  // or kFence, kNotice (a key, no data)
   std::string key;
   std::shared_ptr<const std::string> data;
   uint32_t crc = 0;
@@ -420,15 +444,15 @@ void RelaySender::State::Loop() {
         if (o.link_bytes_per_second > 0 && Clock::now() < r.next_send) break;  // the link is busy
         Item& it = r.queue.front();
         RelayMessage m;
-        m.type = it.fence ? RelayMessageType::kFence : RelayMessageType::kObject;
+        m.type = it.type;
         m.key = it.key;
-        if (!it.fence) {
+        if (it.data) {
           m.size = it.data->size();
           m.crc = it.crc;
           m.data = *it.data;
         }
         if (!SendParts(r.sock.get(), "", EncodeMessage(m)).ok()) break;  // full: later
-        if (!it.fence) {
+        if (it.data) {
           r.inflight += it.data->size();
           r.queued_bytes -= it.data->size();
           if (o.link_bytes_per_second > 0)
@@ -494,7 +518,7 @@ void RelaySender::Object(const std::string& key, std::string_view bytes) {
   std::lock_guard lock(state_->mu);
   for (Root& r : state_->roots) {
     while (!r.queue.empty() && r.queued_bytes + bytes.size() > state_->o.max_queue_bytes) {
-      if (!r.queue.front().fence) r.queued_bytes -= r.queue.front().data->size();
+      if (r.queue.front().data) r.queued_bytes -= r.queue.front().data->size();
       r.queue.pop_front();
       ++state_->stats.dropped;
       if (!r.warned)
@@ -511,17 +535,25 @@ void RelaySender::Object(const std::string& key, std::string_view bytes) {
 
 void RelaySender::Fence(const std::string& attempt_prefix) {
   Item it;
-  it.fence = true;
+  it.type = RelayMessageType::kFence;
   it.key = attempt_prefix;
   std::lock_guard lock(state_->mu);
   for (Root& r : state_->roots) {
     std::erase_if(r.queue, [&](const Item& q) {
-      if (q.fence || !q.key.starts_with(attempt_prefix)) return false;
+      if (!q.data || !q.key.starts_with(attempt_prefix)) return false;
       r.queued_bytes -= q.data->size();
       return true;
     });
     r.queue.push_back(it);
   }
+}
+
+void RelaySender::Notice(const std::string& key) {
+  Item it;
+  it.type = RelayMessageType::kNotice;
+  it.key = key;
+  std::lock_guard lock(state_->mu);
+  for (Root& r : state_->roots) r.queue.push_back(it);
 }
 
 bool RelaySender::Flush(std::chrono::milliseconds timeout) {

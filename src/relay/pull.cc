@@ -13,7 +13,7 @@ namespace dcr {
 Status PullFrameObjects(Store& store, FrameObjectSink& sink, std::chrono::milliseconds every,
                         const std::function<bool()>& stop, const std::function<void(const std::string&)>& log) {
   std::optional<uint64_t> version;  // the version being pulled: the one after the newest committed
-  std::set<std::string> pulled, fenced;
+  std::set<std::string> pulled, fenced, opened;
   uint64_t errors = 0;
   auto note = [&](const Status& s) {
     if (++errors <= 20 || errors % 1000 == 0) log(fmt::format("pulling from {}: {}", store.url(), s.ToString()));
@@ -28,10 +28,17 @@ Status PullFrameObjects(Store& store, FrameObjectSink& sink, std::chrono::millis
         version = v;
         pulled.clear();  // objects of older versions are never listed again
         fenced.clear();
+        opened.clear();
+        if (state->latest) sink.Notice(run_keys::Commit(*state->latest));
       }
       auto listing = store.List(run_keys::Attempts(v));
       if (!listing.ok()) note(listing.status());
       for (const auto& o : listing.ok() ? *listing : std::vector<ObjectInfo>{}) {
+        if (o.key.ends_with("/attempt.json")) {
+          const std::string prefix = o.key.substr(0, o.key.size() - 12);
+          if (ValidateAttemptPrefix(prefix).ok() && opened.insert(prefix).second) sink.Notice(prefix);
+          continue;
+        }
         if (o.key.ends_with("/fence")) {
           const std::string prefix = o.key.substr(0, o.key.size() - 5);
           if (ValidateAttemptPrefix(prefix).ok() && fenced.insert(prefix).second) sink.Fence(prefix);

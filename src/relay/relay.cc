@@ -101,6 +101,7 @@ class RelayServer {
   void OnMonitor();
   void Accept(RelayMessage m, const std::string& from, Link* link);
   void ApplyFence(const std::string& prefix);
+  void ForwardNotice(const std::string& key);
   void OnAck(RelayMessage m, const Child& from);
   // Sends the acks received since the last flush up (to the upstream, or at
   // a root to every sender), one message per attempt.
@@ -156,7 +157,7 @@ class RelayServer {
   Clock::time_point ack_pending_since_{};
   uint64_t acks_in_ = 0, ack_messages_in_ = 0, acks_out_ = 0, ack_messages_out_ = 0;
   uint64_t received_ = 0, accepted_ = 0, accepted_bytes_ = 0, duplicates_ = 0, corrupt_ = 0, unverified_ = 0,
-           fenced_drops_ = 0, malformed_ = 0, refused_ = 0;
+           fenced_drops_ = 0, malformed_ = 0, refused_ = 0, notices_ = 0;
   std::map<std::string, uint64_t> refusals_;
 };
 
@@ -401,6 +402,10 @@ void RelayServer::OnRouter(std::vector<std::string> parts, const std::string& ke
       if (senders_.count(route)) ApplyFence(m->key);
       else Refused("a peer that is not an attached sender sent a fence: refused");
       return;
+    case RelayMessageType::kNotice:
+      if (senders_.count(route)) ForwardNotice(m->key);
+      else Refused("a peer that is not an attached sender sent a notice: refused");
+      return;
     case RelayMessageType::kPing:
       if (child != children_.end()) child->second.heard = Clock::now();
       else if (senders_.count(route)) senders_[route].heard = Clock::now();
@@ -487,6 +492,8 @@ void RelayServer::OnUpstream(std::vector<std::string> parts) {
     Accept(std::move(*m), "upstream " + address, &links_["upstream:" + address]);
   } else if (m->type == RelayMessageType::kFence) {
     ApplyFence(m->key);
+  } else if (m->type == RelayMessageType::kNotice) {
+    ForwardNotice(m->key);
   }
 }
 
@@ -663,6 +670,18 @@ void RelayServer::ApplyFence(const std::string& prefix) {
   Log(fmt::format("attempt {} fenced: {} cached objects dropped, later ones refused", prefix, dropped));
 }
 
+// Notices go to every child at once, ahead of queued objects, and are not
+// kept: a child that attaches later, or misses one, finds the record by its
+// slower polls of the store.
+void RelayServer::ForwardNotice(const std::string& key) {
+  ++notices_;
+  RelayMessage notice;
+  notice.type = RelayMessageType::kNotice;
+  notice.key = key;
+  const auto parts = EncodeMessage(notice);
+  for (auto& [route, c] : children_) SendParts(router_.get(), route, parts).IgnoreError();
+}
+
 bool RelayServer::Pump(Child& c) {
   while (!c.queue.empty() && c.inflight < o_.window_bytes) {
     if (o_.link_bytes_per_second > 0 && Clock::now() < c.next_send) return true;  // the link is busy
@@ -779,6 +798,7 @@ std::string RelayServer::StatsJson() {
       {"dropped_corrupt", corrupt_},
       {"dropped_unverified", unverified_},
       {"dropped_fenced", fenced_drops_},
+      {"notices", notices_},
       {"malformed", malformed_},
       {"refused_peers", refused_},
       {"cached_objects", cache_.size()},

@@ -116,30 +116,46 @@ bool WaitFor(const std::function<bool()>& cond, std::chrono::milliseconds limit 
   return cond();
 }
 
-TEST(Relay, ADepthTwoTreeDeliversEveryObjectOnceAndDropsDuplicates) {
-  const std::string root_addr = FreeAddress(), mid_addr = FreeAddress();
-  RunningRelay root(Options("root", root_addr));
-  RunningRelay mid(Options("mid", mid_addr, {root_addr}));
+// A root, a relay below it, a receiver attached to each (near: the root;
+// far: the middle relay, then the root), and a sender to the root.
+struct DepthTwoTree {
+  std::string root_addr = FreeAddress(), mid_addr = FreeAddress();
+  RunningRelay root{Options("root", root_addr)};
+  RunningRelay mid{Options("mid", mid_addr, {root_addr})};
   Lines log;
-  auto near = RelayReceiver::Start(Client("near", {root_addr}, &log));
-  auto far = RelayReceiver::Start(Client("far", {mid_addr, root_addr}, &log));
-  ASSERT_TRUE(near.ok() && far.ok());
-  ASSERT_TRUE(WaitFor([&] { return (*near)->Attached() && (*far)->Attached(); }));
-  auto sender = RelaySender::Start(Client("pub", {root_addr}, &log));
-  ASSERT_TRUE(sender.ok());
+  std::unique_ptr<RelayReceiver> near, far;
+  std::unique_ptr<RelaySender> sender;
+  void Start() {
+    auto n = RelayReceiver::Start(Client("near", {root_addr}, &log));
+    auto f = RelayReceiver::Start(Client("far", {mid_addr, root_addr}, &log));
+    ASSERT_TRUE(n.ok() && f.ok());
+    near = std::move(*n);
+    far = std::move(*f);
+    ASSERT_TRUE(WaitFor([&] { return near->Attached() && far->Attached(); }));
+    auto s = RelaySender::Start(Client("pub", {root_addr}, &log));
+    ASSERT_TRUE(s.ok());
+    sender = std::move(*s);
+  }
+};
+
+TEST(Relay, ADepthTwoTreeDeliversEveryObjectOnceAndDropsDuplicates) {
+  DepthTwoTree tree;
+  ASSERT_NO_FATAL_FAILURE(tree.Start());
+  RelayReceiver &near = *tree.near, &far = *tree.far;
+  RelaySender& sender = *tree.sender;
   std::map<std::string, std::string> sent;
   for (uint32_t s = 0; s < 20; ++s) {
     const std::string key = ObjectKey(1, s), data = MakeFrame(s, static_cast<uint8_t>(s)) + MakeFrame(s + 100, 1);
-    (*sender)->Object(key, data);
+    sender.Object(key, data);
     sent[key] = data;
   }
-  (*sender)->Object(ObjectKey(1, 3), sent[ObjectKey(1, 3)]);  // a second sender's copy
-  EXPECT_TRUE((*sender)->Flush(kGuard));
-  EXPECT_EQ(TakeAll(**near, AttemptPrefix(1), 20), sent);
-  EXPECT_EQ(TakeAll(**far, AttemptPrefix(1), 20), sent);
+  sender.Object(ObjectKey(1, 3), sent[ObjectKey(1, 3)]);  // a second sender's copy
+  EXPECT_TRUE(sender.Flush(kGuard));
+  EXPECT_EQ(TakeAll(near, AttemptPrefix(1), 20), sent);
+  EXPECT_EQ(TakeAll(far, AttemptPrefix(1), 20), sent);
   std::this_thread::sleep_for(100ms);
-  EXPECT_TRUE((*far)->Take("").empty()) << "a duplicate was delivered";
-  EXPECT_EQ((*far)->Stats().duplicates, 0u);  // the root dropped it
+  EXPECT_TRUE(far.Take("").empty()) << "a duplicate was delivered";
+  EXPECT_EQ(far.Stats().duplicates, 0u);  // the root dropped it
 }
 
 TEST(Relay, ACorruptObjectIsNeverForwarded) {
@@ -251,6 +267,29 @@ TEST(Relay, AFencedAttemptIsDroppedEverywhere) {
   std::this_thread::sleep_for(100ms);
   EXPECT_TRUE((*r)->Take(AttemptPrefix(1, "0000-aaaa")).empty()) << "objects of the fenced attempt were handed out";
   EXPECT_TRUE(WaitFor([&] { return root.lines.Has("fenced"); }));
+}
+
+// A sender's notices reach every receiver of a depth-two tree, ahead of
+// nothing and kept nowhere, and wake a receiver that waits for news.
+TEST(Relay, NoticesReachEveryReceiverAndWakeItsWait) {
+  DepthTwoTree tree;
+  ASSERT_NO_FATAL_FAILURE(tree.Start());
+  RelayReceiver &near = *tree.near, &far = *tree.far;
+  RelaySender& sender = *tree.sender;
+  // Notices are not kept for children that attach later.
+  ASSERT_TRUE(WaitFor([&] { return tree.root.lines.Has("relay mid attached"); }));
+  EXPECT_EQ(far.Notices(), 0u);
+  const uint64_t seen = far.AwaitNews(0, 0ms);
+  std::atomic<uint64_t> woke{seen};
+  std::thread waiter([&] { woke = far.AwaitNews(seen, kGuard); });
+  sender.Notice(AttemptPrefix(1));
+  sender.Notice("commits/v0000000001.json");
+  EXPECT_TRUE(sender.Flush(kGuard));
+  EXPECT_TRUE(WaitFor([&] { return near.Notices() == 2 && far.Notices() == 2; }))
+      << near.Notices() << " and " << far.Notices() << " notices";
+  waiter.join();
+  EXPECT_GT(woke.load(), seen) << "the wait did not end at the notice";
+  EXPECT_TRUE(far.Take("").empty()) << "a notice is no object";
 }
 
 TEST(Relay, AReceiverWhoseRelayDiesReattachesUpstreamAndGetsOnlyWhatItLacks) {

@@ -105,6 +105,18 @@ Status ValidateAttemptPrefix(std::string_view prefix) {
   return Status::Ok();
 }
 
+Status ValidateNoticeKey(std::string_view key) {
+  constexpr std::string_view kCommits = "commits/v";
+  if (key.starts_with(kCommits) && key.size() == kCommits.size() + 15 &&
+      Digits(key.substr(kCommits.size(), 10), 10, 10) && key.ends_with(".json"))
+    return Status::Ok();
+  if (!key.empty() && AttemptPrefixLength(key) == key.size()) return Status::Ok();
+  return InvalidArgument(
+      fmt::format("'{}' is not an attempt prefix (attempts/v<10 digits>/<seq>-<hex>/) or a commit record (commits/v<10 "
+                  "digits>.json)",
+                  key.substr(0, 200)));
+}
+
 Result<std::string> FrameObjectPrefix(std::string_view key) {
   const size_t n = AttemptPrefixLength(key);
   const auto bad = [&] {
@@ -139,7 +151,8 @@ std::vector<std::string> EncodeMessage(const RelayMessage& m) {
       PutU64(h, m.credit_bytes);
       PutU32(h, m.credit_objects);
       break;
-    case RelayMessageType::kFence: PutStr(h, m.key); break;
+    case RelayMessageType::kFence:
+    case RelayMessageType::kNotice: PutStr(h, m.key); break;
     case RelayMessageType::kPing: break;
     case RelayMessageType::kAck:
       PutStr(h, m.key);
@@ -213,6 +226,10 @@ Result<RelayMessage> DecodeMessage(std::span<const std::string_view> parts) {
     case RelayMessageType::kFence:
       if (!r.GetStr(&m.key, kRelayMaxKeyBytes)) return InvalidArgument("relay FENCE: truncated");
       DCR_RETURN_IF_ERROR(ValidateAttemptPrefix(m.key).WithContext("relay FENCE"));
+      break;
+    case RelayMessageType::kNotice:
+      if (!r.GetStr(&m.key, kRelayMaxKeyBytes)) return InvalidArgument("relay NOTICE: truncated");
+      DCR_RETURN_IF_ERROR(ValidateNoticeKey(m.key).WithContext("relay NOTICE"));
       break;
     case RelayMessageType::kPing: break;
     case RelayMessageType::kAck: {

@@ -58,6 +58,16 @@ TEST(RelayWire, EveryMessageRoundTrips) {
   ASSERT_TRUE(f.ok());
   EXPECT_EQ(f->key, fence.key);
 
+  for (const std::string& key : {AttemptPrefix(2), std::string("commits/v0000000002.json")}) {
+    RelayMessage notice;
+    notice.type = RelayMessageType::kNotice;
+    notice.key = key;
+    auto n = RoundTrip(notice, &storage);
+    ASSERT_TRUE(n.ok()) << n.status().ToString();
+    EXPECT_EQ(n->type, RelayMessageType::kNotice);
+    EXPECT_EQ(n->key, key);
+  }
+
   RelayMessage ack;
   ack.type = RelayMessageType::kAck;
   ack.key = AttemptPrefix(2);
@@ -157,6 +167,14 @@ TEST(RelayWire, RefusesMalformedMessages) {
   cases.push_back({"ack with ok byte 2", {bad_ok}, Code::kInvalidArgument});
   ack.key = ObjectKey(2, 0);
   cases.push_back({"ack of no attempt prefix", EncodeMessage(ack), Code::kInvalidArgument});
+  RelayMessage notice;
+  notice.type = RelayMessageType::kNotice;
+  for (const char* key : {"", "commits/v0000000002.jso", "commits/v000000002.json", "commits/v00000000x2.json",
+                          "commits/v0000000002.json/", "attempts/v0000000002/0000-0123abcd", "receivers/r.json",
+                          "attempts/v0000000002/0000-0123abcd/frames/s0-0000.bin", "commits/../receivers/x.json"}) {
+    notice.key = key;
+    cases.push_back({fmt::format("notice of '{}'", key), EncodeMessage(notice), Code::kInvalidArgument});
+  }
   for (const auto& c : cases) {
     std::vector<std::string_view> views(c.parts.begin(), c.parts.end());
     auto m = DecodeMessage(views);

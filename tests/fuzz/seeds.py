@@ -294,6 +294,8 @@ def relay_message_seeds(frame_dir):
         "ping": one + head(5),
         "credit": one + head(3) + struct.pack("<QI", 1 << 20, 1),
         "fence": one + head(4) + s16(b"attempts/v0000000001/0000-0123abcd/"),
+        "notice_attempt": one + head(7) + s16(b"attempts/v0000000001/0000-0123abcd/"),
+        "notice_commit": one + head(7) + s16(b"commits/v0000000001.json"),
         "hello": one + hello,
         "object": b"\x01" + struct.pack("<H", len(obj)) + obj + frame,
         "ack": one + head(6) + s16(b"attempts/v0000000001/0000-0123abcd/") + struct.pack("<I", 2) +
@@ -330,6 +332,7 @@ def relay_daemon_seeds(frame_dir):
 
     ack = [head(6) + s16(prefix) + struct.pack("<I", 1) + s16(b"e0") + bytes([1]) + struct.pack("<QQ", 7, 9) + s16(b"")]
     fence = [head(4) + s16(prefix)]
+    notice = [head(7) + s16(b"commits/v0000000001.json")]
     ping = [head(5)]
     S, R, C, A, X = 1, 2, 3, 4, 5  # key indices
 
@@ -356,6 +359,9 @@ def relay_daemon_seeds(frame_dir):
                                 peer(2, R, hello(2, b"e0")), peer(3, A, hello(1, b"relay-2")), peer(2, C, hello(2, b"e0")), turn),
         "upstream_verify": script(1 | 2 | 4, peer(1, C, hello(2, b"e0", [prefix + b"frames/s0-0002.bin"])), up(obj(b"s0-0000.bin")),
                                   up(obj(b"s0-0001.bin")), turn, peer(1, C, ack), turn, up(fence), turn),
+        # Notices go down from senders and the upstream; a receiver's is refused.
+        "notices": script(1 | 2 | 4, peer(1, C, hello(2, b"e0")), peer(0, S, hello(3, b"pub")), peer(0, S, notice),
+                          up(notice), peer(1, C, notice), turn),
         # A peer that says HELLO again under new ids: each old id's link counters must be let go.
         "sender_new_ids": script(8, *[peer(0, 0, hello(3, b"s%d" % n)) for n in range(12)]),
         "child_new_ids": script(8, *[peer(0, 0, hello(2, b"e%d" % n)) for n in range(12)], turn),

@@ -342,7 +342,7 @@ int RunPublish(const PublishArgs& a) {
 struct FollowArgs {
   std::string store, target, id;
   int64_t until = -1;
-  double poll = 0.1, stream_poll = 0.02, heartbeat = 1, relay_quiet = 3, relay_dead_after = 1.5;
+  double poll = 0.1, stream_poll = 0.02, heartbeat = 1, relay_quiet = 3, relay_dead_after = 1.5, relay_poll = 1;
   std::vector<std::string> relays;  // its relay, then ancestors
   std::string relay_key, relay_pub;
   bool relay_insecure = false;
@@ -397,6 +397,7 @@ int RunFollow(const FollowArgs& a) {
     relay = std::move(*started);
     o.relay = relay.get();
     o.relay_quiet = std::chrono::milliseconds(static_cast<int64_t>(a.relay_quiet * 1000));
+    o.relay_poll = std::chrono::milliseconds(static_cast<int64_t>(a.relay_poll * 1000));
   }
   std::string holds;
   Status s = Follow(a, **store, o, &holds);
@@ -614,6 +615,10 @@ void AddRefitCommands(CLI::App& app) {
                   "(keep it above --relay-dead-after)");
   fol->add_option("--relay-dead-after", fa->relay_dead_after,
                   "Seconds of silence after which the relay is left for the next --relay address");
+  fol->add_option("--relay-poll", fa->relay_poll,
+                  "Seconds between store polls while idle in a relay tree that carries the publisher's notices "
+                  "(attempt opened, version committed): a lost notice costs at most this")
+      ->check(CLI::Range(0.001, 3600.0));
   fol->callback([fa] { ExitCode() = RunFollow(*fa); });
 
   auto* st = app.add_subcommand("status", "Versions, attempts, acknowledgements, fences and receivers of a run");
