@@ -61,8 +61,9 @@ class FrameObjectSink {
   virtual void Object(const std::string& key, std::string_view bytes) = 0;
   // `attempt_prefix` is run_keys::Attempt(v, attempt).
   virtual void Fence(const std::string& attempt_prefix) = 0;
-  // A record that receivers wait for is in the store: an attempt opened
-  // (its prefix) or a version committed (its commit record's key). The
+  // A record that receivers wait for is in the store: an attempt opened or
+  // its manifest written (its prefix), or a version committed (its commit
+  // record's key). The
   // transport tells its receivers, who then look at the store instead of
   // polling it often; a transport without notices ignores it.
   virtual void Notice(const std::string& key) { (void)key; }
@@ -91,8 +92,9 @@ class FrameObjectSource {
   virtual bool Attached() = 0;
   // When the last object arrived (steady clock; epoch when none has).
   virtual std::chrono::steady_clock::time_point LastDelivery() = 0;
-  // How many notices (FrameObjectSink::Notice) arrived so far; 0 for a
-  // transport that carries none. A notice only says where to look.
+  // How many notices (FrameObjectSink::Notice) and fences arrived so far; 0
+  // for a transport that carries none. Either only says when to look at the
+  // store.
   virtual uint64_t Notices() { return 0; }
   // Waits up to `wait` until more than `seen` arrivals (objects, fences,
   // notices) are counted, and returns the count (call again with it). A

@@ -43,10 +43,11 @@ struct FollowOptions {
   FrameObjectSource* relay = nullptr;
   std::chrono::milliseconds relay_quiet{3000};  // above the relay clients' dead_after (1.5 s)
   // A relay tree that carries the coordinator's notices (FrameObjectSource::
-  // Notices) tells the follower when an attempt opens and when a version is
-  // committed. While it is attached and nothing is to be applied, the store
-  // is looked at on each notice or arrival, else only every `relay_poll`
-  // (a lost notice costs at most that); `poll` without notices.
+  // Notices) tells the follower when an attempt opens, when its manifest is
+  // written and when a version is committed. While it is attached, the
+  // store is looked at on each notice or fence, else only every
+  // `relay_poll` (a lost notice costs at most that), and what the tree
+  // delivers in between is applied; `poll` and `stream_poll` without notices.
   std::chrono::milliseconds relay_poll{1000};
   // Fault injection for tests, as PublishOptions::fault ("applying", "applied", "acked").
   std::function<Status(std::string_view point)> fault;

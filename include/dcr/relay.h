@@ -124,7 +124,7 @@ struct RelayMessage {
   uint32_t credit_objects = 0;
   // kFence: key holds the attempt prefix (attempts/v<N>/<attempt>/).
   // kNotice: key holds what was written: an attempt prefix (the attempt
-  // opened) or a commit record's key (commits/v<N>.json).
+  // opened, or its manifest written) or a commit record's key (commits/v<N>.json).
   // kAck: key holds the attempt prefix; the acks of receivers below the
   // sending peer (AckRecord: receiver id, ok, digest, error).
   std::vector<AckRecord> acks;
@@ -344,8 +344,8 @@ class RelaySender final : public FrameObjectSink {
 // into the cluster once, as the root's reads: every `every`, lists the
 // attempts of the version after the newest committed one and hands each
 // frame object not handed yet to `sink` (the root's own RelaySender), each
-// attempt's fence once, and notices: each attempt once it is listed, and
-// each newest commit it finds. Store failures are logged and retried next
+// attempt's fence once, and notices: each attempt once it is listed and once
+// its manifest is, and each newest commit it finds. Store failures are logged and retried next
 // round. Returns when `stop` is true.
 Status PullFrameObjects(Store& store, FrameObjectSink& sink, std::chrono::milliseconds every,
                         const std::function<bool()>& stop, const std::function<void(const std::string&)>& log);

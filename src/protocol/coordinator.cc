@@ -273,6 +273,7 @@ Result<AttemptCoordinator::AttemptResult> AttemptCoordinator::PublishManifest(ui
   report->changed_words = m.changed_words;
   DCR_RETURN_IF_ERROR(Fault(o_, "frames-written"));
   DCR_RETURN_IF_ERROR(store_.Put(run_keys::Manifest(v, id), m.Encode(), WriteMode::kCreateIfAbsent));
+  if (o_.relay) o_.relay->Notice(run_keys::Attempt(v, id));  // its manifest: receivers in the tree look now
   DCR_RETURN_IF_ERROR(Fault(o_, "manifest-written"));
   return AwaitAcksAndCommit(v, id, std::move(m), report, manifest_out);
 }

@@ -2748,13 +2748,16 @@ class LoopbackTree final : public FrameObjectSink, public FrameObjectSource {
 // once the tree is detached, it polls the store again.
 TEST_F(ProtocolTest, AFollowerInATreeLooksAtTheStoreWhenTheTreeSaysSo) {
   PublishOptions o = Fast();
+  o.segment_bytes = 1024;  // dozens of frame objects per version, none of which may cost a request
   LoopbackTree tree;
   o.relay = &tree;
   Publisher pub(*store_, Path("state"), o);
   ASSERT_TRUE(pub.Publish(0, Version(0)).ok());
   std::atomic<int> looks{0};  // the follower's listings of attempts and reads of commit records
+  std::atomic<int> requests{0};  // every read and listing of the follower's
   HookStore counted(*store_, [&](std::string_view op, std::string_view key, bool) {
     if ((op == "list" && key.starts_with("attempts/")) || (op == "read" && key.starts_with("commits/"))) ++looks;
+    if (op == "list" || op == "read") ++requests;
     return Status::Ok();
   });
   FollowOptions fo = Receiver("r");
@@ -2768,10 +2771,23 @@ TEST_F(ProtocolTest, AFollowerInATreeLooksAtTheStoreWhenTheTreeSaysSo) {
   });
   WaitForReceivers(1);
   for (int v = 1; v <= 3; ++v) {
+    const int requests_before = requests.load();
     auto r = pub.Publish(v, Version(v));
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     EXPECT_EQ(r->acked, std::vector<std::string>{"r"});
     tree.AwaitIdleWaits(2);  // it has looked after the commit's notice, and is idle
+    auto objects = store_->List(run_keys::Attempt(v, r->attempt) + "frames/");
+    ASSERT_TRUE(objects.ok());
+    EXPECT_GE(objects->size(), 20u);
+    // From v2 on (v1's first notice is what puts it in the tree's hands):
+    // three notices (opened, manifest, committed), at most a look of two
+    // requests at each and one at the next version; attempt.json and the
+    // manifest; none per frame object.
+    if (v >= 2) {
+      EXPECT_LE(requests.load() - requests_before, 10)
+          << "version " << v << ", " << objects->size() << " frame objects: the follower made "
+          << requests.load() - requests_before << " store requests";
+    }
     const int before = looks.load();
     tree.AwaitIdleWaits(50);  // at least 100 ms, 50 polls' worth
     EXPECT_EQ(looks.load(), before) << "version " << v << ": the idle follower looked at the store";

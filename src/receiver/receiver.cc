@@ -77,6 +77,16 @@ Result<const StreamedAttempt*> ReceiverWalk::AttemptDoc(uint64_t v, const std::s
   return &attempt_docs_.emplace(id, std::move(*attempt)).first->second;
 }
 
+Result<std::optional<std::string>> ReceiverWalk::SignerOf(const std::string& prefix, const StreamedAttempt& attempt,
+                                                          const std::string& key) {
+  const auto name = run_keys::ParseFrameObject(std::string_view(key).substr(prefix.size()));
+  const std::string cached = name ? prefix + std::to_string(name->sender) : std::string();
+  if (auto it = signers_.find(cached); name && it != signers_.end()) return std::optional<std::string>(it->second);
+  DCR_ASSIGN_OR_RETURN(auto signer, ObjectSignerOf(store_, prefix, attempt, key));
+  if (name && signer) signers_.emplace(cached, *signer);
+  return signer;
+}
+
 Status ReceiverWalk::TakeFromRelay(uint64_t v, const std::string& id) {
   if (!o_.relay) return Status::Ok();
   const std::string prefix = run_keys::Attempt(v, id);
@@ -89,7 +99,7 @@ Status ReceiverWalk::TakeFromRelay(uint64_t v, const std::string& id) {
     }
     DCR_ASSIGN_OR_RETURN(const StreamedAttempt* attempt, AttemptDoc(v, id));
     if (!attempt) return Status::Ok();  // attempt.json is not visible yet
-    DCR_ASSIGN_OR_RETURN(auto signer, ObjectSignerOf(store_, prefix, *attempt, it->first));
+    DCR_ASSIGN_OR_RETURN(auto signer, SignerOf(prefix, *attempt, it->first));
     if (!signer) {  // its process's key is not visible yet
       ++it;
       continue;
@@ -166,7 +176,9 @@ std::pair<size_t, uint64_t> ReceiverWalk::Relayed(const std::vector<std::string>
 // only what it can prove safe and leaves the rest to the manifest. The
 // journal names the attempt before the first write, so a restarted receiver
 // knows its bits may be between versions. Nothing is applied once the
-// attempt is fenced.
+// follower knows the attempt is fenced; a frame applied before (in a tree,
+// the FENCE may come after it) changes its chunk only from the version's
+// base to its target, as the retry's overwrite frames do.
 Status ReceiverWalk::StreamApply(uint64_t v, const AttemptInfo& a) {
   Streamed& st = streamed_[a.id];
   if (!st.attempt) {
@@ -177,7 +189,12 @@ Status ReceiverWalk::StreamApply(uint64_t v, const AttemptInfo& a) {
     st.shape.delta_class = st.attempt->cls;
   }
   if (!target_.MayStream(a.id, st.attempt->cls)) return Status::Ok();
-  DCR_ASSIGN_OR_RETURN(auto todo, StreamedObjectsToApply(store_, v, a, prefetched_, &st.objects));
+  // In a tree, the relay's objects of the attempt (their signatures verified)
+  // are applied before a listing shows them, and the tree's FENCE (then the
+  // next look) says when the attempt is fenced: no store request per object.
+  const bool in_tree = InTree(v);
+  DCR_ASSIGN_OR_RETURN(auto todo, StreamedObjectsToApply(store_, v, a, prefetched_, in_tree ? &from_relay_ : nullptr,
+                                                         /*check_fence=*/!in_tree, &st.objects));
   if (todo.empty()) return Status::Ok();
   DCR_RETURN_IF_ERROR(target_.Begin(a.id));
   SetState("applying").IgnoreError();
@@ -379,6 +396,7 @@ void ReceiverWalk::ForgetAttempts() {
   relayed_.clear();
   streamed_.clear();  // points into attempt_docs_
   attempt_docs_.clear();
+  signers_.clear();
 }
 
 void ReceiverWalk::Forget(const std::string& prefix) {
@@ -424,18 +442,27 @@ StepPlan PlanStep(const StepInputs& in) {
   return plan;
 }
 
-bool ReceiverWalk::QuietInTree() {
-  if (!idle_in_tree_) return false;
-  const uint64_t seen = news_seen_;
-  news_seen_ = o_.relay->AwaitNews(seen, o_.poll);
-  if (news_seen_ == seen && RealClock().Now() < next_look_ && o_.relay->Attached()) return true;
-  idle_in_tree_ = false;
+// In a relay tree that carries notices, between looks at the store: the
+// tree's arrivals are taken and applied against what the last look found.
+bool ReceiverWalk::InTree(uint64_t v) const { return tree_view_.valid && tree_view_.v == v && o_.relay->Attached(); }
+
+bool ReceiverWalk::LookDue() const {
+  if (o_.relay->Notices() != tree_view_.notices) return true;  // a notice or fence since the last look
+  if (RealClock().Now() >= tree_view_.at + o_.relay_poll) return true;  // the backstop
+  for (size_t i = 0; i < tree_view_.attempts.size(); ++i)  // an apply that failed (a store error): again
+    if (tree_view_.plan.attempts[i].what == StepPlan::Attempt::kApplyAndAck &&
+        !handled_.count(tree_view_.attempts[i].id))
+      return true;
   return false;
 }
 
 Status ReceiverWalk::Step() {
-  if (QuietInTree()) return Status::Ok();
   const uint64_t v = version_ + 1;
+  if (InTree(v) && !LookDue()) return StepInTree(v);
+  tree_view_.valid = false;
+  // Read before the look: a notice that arrives during it makes the next one.
+  const uint64_t notices = o_.relay ? o_.relay->Notices() : 0;
+  const auto look_at = RealClock().Now();
   unreadable_.clear();
   StepInputs in;
   in.target_open = target_.Open();
@@ -479,41 +506,48 @@ Status ReceiverWalk::Step() {
     }
     case StepPlan::Kind::kAttempts: break;
   }
+  if (in.relay_attached && notices > 0) tree_view_ = TreeView{true, v, attempts, plan, notices, look_at};
   bool progressed = false;
   for (size_t i = 0; i < attempts.size(); ++i) {
     const AttemptInfo& a = attempts[i];
     const StepPlan::ForAttempt& f = plan.attempts[i];
-    const std::string prefix = run_keys::Attempt(v, a.id);
     switch (f.what) {
-      case StepPlan::Attempt::kDrop: Forget(prefix); break;
+      case StepPlan::Attempt::kDrop: Forget(run_keys::Attempt(v, a.id)); break;
       case StepPlan::Attempt::kApplyAndAck:
         DCR_RETURN_IF_ERROR(ApplyAndAck(v, a));
         progressed = true;
         break;
-      case StepPlan::Attempt::kStream: {
-        const size_t before = prefetched_.size();
-        DCR_RETURN_IF_ERROR(TakeFromRelay(v, a.id));
-        if (prefetched_.size() != before) progressed = true;
-        // Downloads finished before a relay attached are kept all the same.
-        DCR_RETURN_IF_ERROR(f.download ? Prefetch(ToStream(v, a), &progressed) : TakeFetched(&progressed));
-        NoteFramesHeld();
-        if (f.apply_ahead) DCR_RETURN_IF_ERROR(StreamApply(v, a));
-        break;
-      }
+      case StepPlan::Attempt::kStream: DCR_RETURN_IF_ERROR(StreamStep(v, a, f, &progressed)); break;
     }
   }
   if (!progressed) Wait(plan);
   return Status::Ok();
 }
 
+Status ReceiverWalk::StreamStep(uint64_t v, const AttemptInfo& a, const StepPlan::ForAttempt& f, bool* progressed) {
+  const size_t before = prefetched_.size();
+  DCR_RETURN_IF_ERROR(TakeFromRelay(v, a.id));
+  if (prefetched_.size() != before) *progressed = true;
+  // Downloads finished before a relay attached are kept all the same.
+  DCR_RETURN_IF_ERROR(f.download ? Prefetch(ToStream(v, a), progressed) : TakeFetched(progressed));
+  NoteFramesHeld();
+  if (f.apply_ahead) DCR_RETURN_IF_ERROR(StreamApply(v, a));
+  return Status::Ok();
+}
+
+Status ReceiverWalk::StepInTree(uint64_t v) {
+  bool progressed = false;
+  for (size_t i = 0; i < tree_view_.attempts.size(); ++i)
+    if (tree_view_.plan.attempts[i].what == StepPlan::Attempt::kStream)
+      DCR_RETURN_IF_ERROR(StreamStep(v, tree_view_.attempts[i], tree_view_.plan.attempts[i], &progressed));
+  if (!progressed) Wait(tree_view_.plan);
+  return Status::Ok();
+}
+
 void ReceiverWalk::Wait(const StepPlan& plan) {
-  // Nothing of v to apply: a relay tree that carries the coordinator's
-  // notices says when to look again (an attempt opened, v committed).
-  const bool idle = std::all_of(plan.attempts.begin(), plan.attempts.end(),
-                                [](const auto& f) { return f.what == StepPlan::Attempt::kDrop; });
-  if (idle && !fetcher_.Busy() && o_.relay && o_.relay->Notices() > 0 && o_.relay->Attached()) {
-    idle_in_tree_ = true;
-    next_look_ = RealClock().Now() + o_.relay_poll;
+  // In a tree: until something arrives (an object, a fence, a notice).
+  if (tree_view_.valid && !fetcher_.Busy()) {
+    news_seen_ = o_.relay->AwaitNews(news_seen_, o_.poll);
     return;
   }
   const auto wait = plan.streaming ? std::min(o_.stream_poll, o_.poll) : o_.poll;

@@ -25,9 +25,12 @@ using namespace protocol_internal;  // the protocol's store reads, attempts, sna
 inline Clock& ClockOf(const FollowOptions& o) { return o.clock ? *o.clock : RealClock(); }
 
 // The frame objects of `a` in `prefetched` not yet in `*seen`, now added to
-// it; none once the attempt is fenced (re-read: the listing may be older).
+// it: those listed, and (given `relayed`) those under a's prefix that the
+// relay delivered. None once the attempt is fenced, re-read when
+// `check_fence` (the listing may be older).
 Result<std::vector<std::string>> StreamedObjectsToApply(Store& store, uint64_t v, const AttemptInfo& a,
                                                         const std::map<std::string, std::string>& prefetched,
+                                                        const std::set<std::string>* relayed, bool check_fence,
                                                         std::set<std::string>* seen);
 // Calls fn on each frame of frame object `key` in order, each checked: it
 // parses (its checksum), has a mode of `attempt`'s class, and names a chunk
@@ -189,12 +192,18 @@ class ReceiverWalk {
   Status Join(uint64_t at_most, const std::string& why);
   Status Commit(uint64_t v);
   Status Step();
-  // In a relay tree that carries notices, with nothing of version_ + 1 to
-  // apply: whether the store need not be looked at yet (no news from the
-  // tree, the backstop `relay_poll` not passed); waits up to o_.poll for news.
-  bool QuietInTree();
-  // After a Step that changed nothing: until the next event (a download's
-  // end, a poll period), or (idle in a tree) sets up QuietInTree.
+  // In a relay tree that carries notices (docs/relay.md, "Notices"), the
+  // store is looked at only when the tree sends a notice or fence, every
+  // o_.relay_poll, or to retry an apply; in between, StepInTree takes what
+  // the tree delivers for the attempts the last look found (tree_view_).
+  bool InTree(uint64_t v) const;
+  bool LookDue() const;
+  Status StepInTree(uint64_t v);
+  // Takes a streaming attempt's objects from the relay (and the store's
+  // downloads), and applies them ahead when `f` says so.
+  Status StreamStep(uint64_t v, const AttemptInfo& a, const StepPlan::ForAttempt& f, bool* progressed);
+  // After a Step that changed nothing: until the next event (in a tree: an
+  // arrival; a download's end; else a poll period).
   void Wait(const StepPlan& plan);
   Status CatchUp(uint64_t v, const CommitRecord& c);
   // Applies and acks attempt `a` of version v, whose manifest is in.
@@ -204,6 +213,10 @@ class ReceiverWalk {
   // store records (relayed_ holds them until those are visible); drops
   // (logged) those that do not verify: the store has the publisher's copy.
   Status TakeFromRelay(uint64_t v, const std::string& id);
+  // The key that signs frame object `key` of the attempt at `prefix`
+  // (ObjectSignerOf), read once per trainer process and attempt.
+  Result<std::optional<std::string>> SignerOf(const std::string& prefix, const StreamedAttempt& attempt,
+                                              const std::string& key);
   // What attempt.json of attempt `id` of version v says (cached); nullptr
   // while it is not visible.
   Result<const StreamedAttempt*> AttemptDoc(uint64_t v, const std::string& id);
@@ -269,6 +282,7 @@ class ReceiverWalk {
   std::set<std::string> from_relay_;  // keys in prefetched_ or released_ that the relay delivered
   std::map<std::string, std::string> relayed_;  // delivered, waiting for the key that signs them
   std::map<std::string, StreamedAttempt> attempt_docs_;  // by attempt id, of version_ + 1
+  std::map<std::string, std::string> signers_;  // attempt prefix + process -> its signing key (SignerOf)
   uint64_t refused_objects_ = 0;  // relayed objects whose signature did not verify
   uint64_t frames_held_peak_ = 0;  // towards version_ + 1: the heartbeat's frames_held_bytes at its commit
   struct Streamed {
@@ -278,11 +292,18 @@ class ReceiverWalk {
     ApplyCounts counts;
   };
   std::map<std::string, Streamed> streamed_;  // per attempt of version_ + 1
-  // Idle in a tree (QuietInTree): the relay's arrivals counted so far, and
-  // when the store is looked at without news (real time, as the relay's).
-  bool idle_in_tree_ = false;
-  uint64_t news_seen_ = 0;
-  std::chrono::steady_clock::time_point next_look_{};
+  // The last look at the store, kept while the follower is in a relay tree
+  // that carries notices (InTree), with the tree's notice count then.
+  struct TreeView {
+    bool valid = false;
+    uint64_t v = 0;
+    std::vector<AttemptInfo> attempts;
+    StepPlan plan;
+    uint64_t notices = 0;
+    std::chrono::steady_clock::time_point at{};
+  };
+  TreeView tree_view_;
+  uint64_t news_seen_ = 0;  // the relay's arrivals counted so far (AwaitNews)
   Heartbeat heartbeat_;
 };
 

@@ -11,14 +11,23 @@ namespace dcr::receiver_internal {
 
 Result<std::vector<std::string>> StreamedObjectsToApply(Store& store, uint64_t v, const AttemptInfo& a,
                                                         const std::map<std::string, std::string>& prefetched,
+                                                        const std::set<std::string>* relayed, bool check_fence,
                                                         std::set<std::string>* seen) {
   std::vector<std::string> todo;
   for (const auto& key : a.frame_objects)
     if (prefetched.count(key) && !seen->count(key)) todo.push_back(key);
+  if (relayed) {
+    const std::string prefix = run_keys::Attempt(v, a.id);
+    for (auto it = prefetched.lower_bound(prefix); it != prefetched.end() && it->first.starts_with(prefix); ++it)
+      if (relayed->count(it->first) && !seen->count(it->first) &&
+          std::find(todo.begin(), todo.end(), it->first) == todo.end())
+        todo.push_back(it->first);
+  }
   if (todo.empty()) return todo;
-  // The listing may be older than a fence written since.
-  DCR_ASSIGN_OR_RETURN(auto fence, GetIfPresent(store, run_keys::Fence(v, a.id)));
-  if (fence) return std::vector<std::string>();
+  if (check_fence) {  // the listing may be older than a fence written since
+    DCR_ASSIGN_OR_RETURN(auto fence, GetIfPresent(store, run_keys::Fence(v, a.id)));
+    if (fence) return std::vector<std::string>();
+  }
   seen->insert(todo.begin(), todo.end());
   return todo;
 }

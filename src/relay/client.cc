@@ -65,7 +65,7 @@ struct RelayReceiver::State {
   Socket wake_tx, wake_rx;
   RelayClientStats stats;
   Clock::time_point last_delivery{}, heard{};
-  // What arrived (objects kept, fences, notices), for AwaitNews; notices alone, for Notices.
+  // What arrived (objects kept, fences, notices), for AwaitNews; notices and fences, for Notices.
   uint64_t news = 0, notices = 0;
   std::condition_variable news_cv;
   bool attached = false;
@@ -139,6 +139,7 @@ void RelayReceiver::State::OnMessage(void* sock, std::vector<std::string> parts)
     return;
   }
   if (m->type == RelayMessageType::kFence) {
+    ++notices;  // as a notice: the follower looks at the store
     ++news;
     news_cv.notify_all();
     fenced.insert(m->key);

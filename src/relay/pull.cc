@@ -13,7 +13,7 @@ namespace dcr {
 Status PullFrameObjects(Store& store, FrameObjectSink& sink, std::chrono::milliseconds every,
                         const std::function<bool()>& stop, const std::function<void(const std::string&)>& log) {
   std::optional<uint64_t> version;  // the version being pulled: the one after the newest committed
-  std::set<std::string> pulled, fenced, opened;
+  std::set<std::string> pulled, fenced, opened, manifested;
   uint64_t errors = 0;
   auto note = [&](const Status& s) {
     if (++errors <= 20 || errors % 1000 == 0) log(fmt::format("pulling from {}: {}", store.url(), s.ToString()));
@@ -29,15 +29,17 @@ Status PullFrameObjects(Store& store, FrameObjectSink& sink, std::chrono::millis
         pulled.clear();  // objects of older versions are never listed again
         fenced.clear();
         opened.clear();
+        manifested.clear();
         if (state->latest) sink.Notice(run_keys::Commit(*state->latest));
       }
       auto listing = store.List(run_keys::Attempts(v));
       if (!listing.ok()) note(listing.status());
       for (const auto& o : listing.ok() ? *listing : std::vector<ObjectInfo>{}) {
-        if (o.key.ends_with("/attempt.json")) {
-          const std::string prefix = o.key.substr(0, o.key.size() - 12);
-          if (ValidateAttemptPrefix(prefix).ok() && opened.insert(prefix).second) sink.Notice(prefix);
-          continue;
+        for (auto [leaf, seen] :
+             {std::pair{std::string_view("attempt.json"), &opened}, std::pair{kManifestFileName, &manifested}}) {
+          if (!o.key.ends_with(leaf) || o.key.size() <= leaf.size()) continue;
+          const std::string prefix = o.key.substr(0, o.key.size() - leaf.size());
+          if (ValidateAttemptPrefix(prefix).ok() && seen->insert(prefix).second) sink.Notice(prefix);
         }
         if (o.key.ends_with("/fence")) {
           const std::string prefix = o.key.substr(0, o.key.size() - 5);

@@ -464,6 +464,10 @@ def test_depth_two_tree_commits_and_the_payload_crosses_once(tree):
         assert stats[rid]["acks_in"] == 2 * n, (rid, stats[rid])
         assert stats[rid]["acks_out"] == 2 * n if rid != "r0" else stats[rid]["acks_out"] >= 2 * n, (rid, stats[rid])
         assert stats[rid]["ack_messages_out"] <= stats[rid]["ack_messages_in"] or rid == "r0", (rid, stats[rid])
+    # Notices (attempt opened, manifest written, version committed: three per version) reach the root from the
+    # publisher, and every relay below passes on at least v2's (the tree carried v1's frames: it was attached).
+    assert stats["r0"]["notices"] == 6, stats["r0"]
+    assert all(stats[rid]["notices"] >= 3 for rid in RELAYS[1:]), {rid: stats[rid]["notices"] for rid in RELAYS}
     shown = run_dcr("relay", "status", *[t.stats_path(rid) for rid in RELAYS])
     assert shown.returncode == 0, str(shown)
     assert f"relay r3 at {t.relays['r3']['address']}, upstream r1 {t.relays['r1']['address']}" in shown.stdout, shown
