@@ -28,12 +28,33 @@ ReceiverRecord Heartbeat::Record() {
   return r;
 }
 
+namespace {
+// What a record says, its time aside.
+std::string Says(const ReceiverRecord& r) {
+  ReceiverRecord timeless = r;
+  timeless.heartbeat = 0;
+  return timeless.ToJson();
+}
+}  // namespace
+
+Status Heartbeat::Write(const ReceiverRecord& r) {
+  DCR_RETURN_IF_ERROR(store_.Put(run_keys::Receiver(id_), r.ToJson()));
+  std::lock_guard lock(mu_);
+  written_ = Says(r);
+  return Status::Ok();
+}
+
 Status Heartbeat::Set(const std::string& state) {
   {
     std::lock_guard lock(mu_);
     state_ = state;
   }
-  return store_.Put(run_keys::Receiver(id_), Record().ToJson());
+  const ReceiverRecord r = Record();
+  {
+    std::lock_guard lock(mu_);
+    if (written_ == Says(r)) return Status::Ok();
+  }
+  return Write(r);
 }
 
 void Heartbeat::SetVersion(uint64_t v) {
@@ -53,8 +74,7 @@ void Heartbeat::Start() {
     auto next = std::chrono::steady_clock::now();
     while (!stop_.load()) {
       if (std::chrono::steady_clock::now() >= next) {
-        if (Status s = store_.Put(run_keys::Receiver(id_), Record().ToJson()); !s.ok())
-          log_("heartbeat: " + s.ToString());
+        if (Status s = Write(Record()); !s.ok()) log_("heartbeat: " + s.ToString());
         next = std::chrono::steady_clock::now() + every_;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));

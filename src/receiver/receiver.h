@@ -49,7 +49,9 @@ class Heartbeat {
   Heartbeat(Store& store, std::string id, EngineRank engine, std::chrono::milliseconds every, Clock& clock,
             std::function<void(const std::string&)> log);
   ~Heartbeat() { Stop(); }
-  Status Set(const std::string& state);  // records the state now
+  // Records the state now, unless the last record written says the same
+  // (state, version, frames held): the thread keeps its time fresh.
+  Status Set(const std::string& state);
   void SetVersion(uint64_t v);  // the next record's version
   void SetFramesHeld(uint64_t bytes);  // the next record's frames_held_bytes
   void Start();
@@ -57,6 +59,8 @@ class Heartbeat {
 
  private:
   ReceiverRecord Record();
+  // Writes `r`; on success remembers what it said, for Set.
+  Status Write(const ReceiverRecord& r);
   Store& store_;
   const std::string id_;
   const EngineRank engine_;
@@ -66,6 +70,7 @@ class Heartbeat {
   std::mutex mu_;
   std::string state_ = "joining";
   uint64_t version_ = 0, frames_held_ = 0;
+  std::string written_;  // what the last record written says, its time aside
   std::atomic<bool> stop_{false};
   std::thread thread_;
 };

@@ -7,6 +7,8 @@
 
 #include <string>
 
+#include "testing/hook_store.h"
+
 namespace dcr::receiver_internal {
 namespace {
 
@@ -85,6 +87,36 @@ TEST(PlanStepTest, DecidesEachStepFromWhatTheWalkHoldsAndTheStoreShows) {
     EXPECT_EQ(Show(plan), row.plan) << row.name;
     EXPECT_EQ(plan.streaming, row.streaming) << row.name;
   }
+}
+
+// A receiver sets its state at every step that applies (each streamed
+// batch): the record is written only when what it says changes (state,
+// version, frames held); the heartbeat thread keeps its time fresh.
+TEST(HeartbeatTest, SetWritesTheRecordOnlyWhenWhatItSaysChanges) {
+  ResetMemStore("heartbeat-test");
+  auto mem = OpenMemStore("heartbeat-test");
+  int writes = 0;
+  testing::HookStore counted(*mem, [&](std::string_view op, std::string_view key, bool after) {
+    if (op == "write" && after && key == run_keys::Receiver("r")) ++writes;
+    return Status::Ok();
+  });
+  ManualClock clock;
+  Heartbeat hb(counted, "r", EngineRank{}, std::chrono::hours(1), clock, [](const std::string&) {});
+  ASSERT_TRUE(hb.Set("following").ok());
+  EXPECT_EQ(writes, 1);
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE(hb.Set("applying").ok());
+  EXPECT_EQ(writes, 2) << "the same state five times";
+  hb.SetVersion(3);
+  ASSERT_TRUE(hb.Set("applying").ok());
+  EXPECT_EQ(writes, 3) << "a new version is written";
+  ASSERT_TRUE(hb.Set("following").ok());
+  EXPECT_EQ(writes, 4);
+  auto text = mem->Get(run_keys::Receiver("r"));
+  ASSERT_TRUE(text.ok());
+  auto r = ReceiverRecord::FromJson(*text, "record");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->state, "following");
+  EXPECT_EQ(r->version, 3u);
 }
 
 }  // namespace
