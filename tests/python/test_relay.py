@@ -846,6 +846,8 @@ def test_a_root_pulls_from_the_store(tree):
     assert pulled[0]["bytes_in"] >= payload and stats["r0"]["duplicates"] == 0, (pulled, payload)
     for rid in ("r0", "r1"):
         assert " fenced: " in (t.logs / f"relay-{rid}.log").read_text(), rid
+        # The puller's notices (at least each commit it read: v0 at its start, v1, v2) pass down the chain.
+        assert stats[rid]["notices"] >= 3, (rid, stats[rid]["notices"])
 
 
 def test_unauthenticated_clients_are_refused(tree):
