@@ -264,6 +264,12 @@ Status AttemptCoordinator::RunAttempts(uint64_t v, PublishReport* report, const 
                              last_failure.ToString()));
 }
 
+Status AttemptCoordinator::OpenAttempt(uint64_t v, const std::string& id, const AttemptRecord& record) {
+  DCR_RETURN_IF_ERROR(store_.Put(run_keys::AttemptRecord(v, id), record.ToJson(), WriteMode::kCreateIfAbsent));
+  if (o_.relay) o_.relay->Notice(run_keys::Attempt(v, id));
+  return Status::Ok();
+}
+
 Result<AttemptCoordinator::AttemptResult> AttemptCoordinator::PublishManifest(uint64_t v, const std::string& id,
                                                                               DeltaManifest m, PublishReport* report,
                                                                               DeltaManifest* manifest_out) {

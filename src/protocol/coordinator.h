@@ -39,6 +39,9 @@ class AttemptCoordinator {
   using Attempt = std::function<Result<AttemptResult>(const std::string& id, DeltaClass cls)>;
   Status RunAttempts(uint64_t v, PublishReport* report, const Attempt& attempt,
                      const std::function<Status()>& after_fenced = nullptr);
+  // Writes attempt `id`'s attempt.json (create-if-absent) and tells the
+  // relay tree, whose receivers then look at the store.
+  Status OpenAttempt(uint64_t v, const std::string& id, const AttemptRecord& record);
   // Attempt `id`'s frames are written: reports the manifest's sizes, writes
   // it (fault points "frames-written" before, "manifest-written" after) and
   // commits as AwaitAcksAndCommit.

@@ -323,8 +323,7 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
   attempt.object_key = signer.public_hex();
   attempt.coordinator = o_.coordinator_id;
   attempt.time = ClockOf(o_).UnixSeconds();
-  DCR_RETURN_IF_ERROR(store_.Put(run_keys::AttemptRecord(v, id), attempt.ToJson(), WriteMode::kCreateIfAbsent));
-  if (o_.relay) o_.relay->Notice(run_keys::Attempt(v, id));  // receivers in the tree look now
+  DCR_RETURN_IF_ERROR(coordinator_.OpenAttempt(v, id, attempt));
   DCR_RETURN_IF_ERROR(Fault(o_, "attempt-opened"));
 
   // Senders: each encodes the chunks it owns, streaming frames into its object.

@@ -707,8 +707,7 @@ Result<AttemptCoordinator::AttemptResult> ShardRun::CoordinateAttempt(uint64_t v
   doc.processes = P();
   doc.senders = maps_.size();
   doc.time = ClockOf(o_).UnixSeconds();
-  DCR_RETURN_IF_ERROR(store_.Put(run_keys::AttemptRecord(v, id), doc.ToJson(), WriteMode::kCreateIfAbsent));
-  if (o_.relay) o_.relay->Notice(run_keys::Attempt(v, id));  // receivers in the tree look now
+  DCR_RETURN_IF_ERROR(coordinator_.OpenAttempt(v, id, doc));
   DCR_ASSIGN_OR_RETURN(Participation own, Participate(v, id, doc, ClockOf(o_).Now() + o_.peer_timeout));
   if (own.outcome != Outcome::kRecorded)
     return AttemptCoordinator::AttemptResult{false, Aborted("the attempt was fenced or superseded while it ran")};

@@ -14,14 +14,16 @@ Result<std::vector<std::string>> StreamedObjectsToApply(Store& store, uint64_t v
                                                         const std::set<std::string>* relayed, bool check_fence,
                                                         std::set<std::string>* seen) {
   std::vector<std::string> todo;
+  std::set<std::string_view> chosen;
+  auto take = [&](const std::string& key) {
+    if (!seen->count(key) && chosen.insert(key).second) todo.push_back(key);
+  };
   for (const auto& key : a.frame_objects)
-    if (prefetched.count(key) && !seen->count(key)) todo.push_back(key);
+    if (prefetched.count(key)) take(key);
   if (relayed) {
     const std::string prefix = run_keys::Attempt(v, a.id);
     for (auto it = prefetched.lower_bound(prefix); it != prefetched.end() && it->first.starts_with(prefix); ++it)
-      if (relayed->count(it->first) && !seen->count(it->first) &&
-          std::find(todo.begin(), todo.end(), it->first) == todo.end())
-        todo.push_back(it->first);
+      if (relayed->count(it->first)) take(it->first);
   }
   if (todo.empty()) return todo;
   if (check_fence) {  // the listing may be older than a fence written since

@@ -10,6 +10,14 @@
 
 namespace dcr {
 
+namespace {
+struct Announced {
+  std::string_view leaf;  // the record's name in its attempt
+  std::set<std::string>* seen;  // attempt prefixes handed on
+  bool fence;  // Fence, else Notice
+};
+}  // namespace
+
 Status PullFrameObjects(Store& store, FrameObjectSink& sink, std::chrono::milliseconds every,
                         const std::function<bool()>& stop, const std::function<void(const std::string&)>& log) {
   std::optional<uint64_t> version;  // the version being pulled: the one after the newest committed
@@ -35,16 +43,16 @@ Status PullFrameObjects(Store& store, FrameObjectSink& sink, std::chrono::millis
       auto listing = store.List(run_keys::Attempts(v));
       if (!listing.ok()) note(listing.status());
       for (const auto& o : listing.ok() ? *listing : std::vector<ObjectInfo>{}) {
-        for (auto [leaf, seen] :
-             {std::pair{std::string_view("attempt.json"), &opened}, std::pair{kManifestFileName, &manifested}}) {
-          if (!o.key.ends_with(leaf) || o.key.size() <= leaf.size()) continue;
-          const std::string prefix = o.key.substr(0, o.key.size() - leaf.size());
-          if (ValidateAttemptPrefix(prefix).ok() && seen->insert(prefix).second) sink.Notice(prefix);
-        }
-        if (o.key.ends_with("/fence")) {
-          const std::string prefix = o.key.substr(0, o.key.size() - 5);
-          if (ValidateAttemptPrefix(prefix).ok() && fenced.insert(prefix).second) sink.Fence(prefix);
-          continue;
+        // An attempt's records, each handed on once: a notice when it opens
+        // and when its manifest is in, a fence when it is fenced.
+        for (const Announced& r :
+             {Announced{"attempt.json", &opened, false}, Announced{kManifestFileName, &manifested, false},
+              Announced{"fence", &fenced, true}}) {
+          if (o.key.size() <= r.leaf.size() || !o.key.ends_with(r.leaf)) continue;
+          const std::string prefix = o.key.substr(0, o.key.size() - r.leaf.size());
+          if (!ValidateAttemptPrefix(prefix).ok() || !r.seen->insert(prefix).second) continue;
+          if (r.fence) sink.Fence(prefix);
+          else sink.Notice(prefix);
         }
         auto prefix = FrameObjectPrefix(o.key);
         if (!prefix.ok() || fenced.count(*prefix) || pulled.count(o.key)) continue;

@@ -110,7 +110,7 @@ Status ValidateNoticeKey(std::string_view key) {
   if (key.starts_with(kCommits) && key.size() == kCommits.size() + 15 &&
       Digits(key.substr(kCommits.size(), 10), 10, 10) && key.ends_with(".json"))
     return Status::Ok();
-  if (!key.empty() && AttemptPrefixLength(key) == key.size()) return Status::Ok();
+  if (ValidateAttemptPrefix(key).ok()) return Status::Ok();
   return InvalidArgument(
       fmt::format("'{}' is not an attempt prefix (attempts/v<10 digits>/<seq>-<hex>/) or a commit record (commits/v<10 "
                   "digits>.json)",
