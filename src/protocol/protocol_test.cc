@@ -2802,6 +2802,54 @@ TEST_F(ProtocolTest, AFollowerInATreeLooksAtTheStoreWhenTheTreeSaysSo) {
   ExpectIdentical(Path("r"), 4);
 }
 
+// Notices are hints that anyone who can send into the tree can repeat: a
+// flood of them makes the follower look at the store no more often than
+// its polls without a tree would (once per min(stream_poll, poll)), and
+// still makes it look.
+TEST_F(ProtocolTest, AFloodOfNoticesCostsTheStoreNoMoreThanPolling) {
+  PublishOptions o = Fast();
+  LoopbackTree tree;
+  o.relay = &tree;
+  Publisher pub(*store_, Path("state"), o);
+  ASSERT_TRUE(pub.Publish(0, Version(0)).ok());
+  std::atomic<int> lists{0};
+  HookStore counted(*store_, [&](std::string_view op, std::string_view key, bool) {
+    if (op == "list" && key.starts_with("attempts/")) ++lists;
+    return Status::Ok();
+  });
+  FollowOptions fo = Receiver("r");
+  fo.relay = &tree;
+  fo.poll = fo.stream_poll = std::chrono::milliseconds(50);
+  fo.relay_poll = std::chrono::hours(1);
+  Status followed;
+  std::thread t([&] {
+    Follower f(counted, Path("r"), fo);
+    followed = f.Run(2);
+  });
+  WaitForReceivers(1);
+  auto r = pub.Publish(1, Version(1));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  tree.AwaitIdleWaits(2);  // in the tree's hands, idle
+  const int before = lists.load();
+  const auto start = std::chrono::steady_clock::now();
+  int sent = 0;
+  while (std::chrono::steady_clock::now() - start < std::chrono::milliseconds(500)) {
+    tree.Notice(run_keys::Commit(2));
+    ++sent;
+    std::this_thread::yield();
+  }
+  const auto elapsed = std::chrono::steady_clock::now() - start;
+  tree.AwaitIdleWaits(1);  // the looks the flood made are done
+  const int looked = lists.load() - before;
+  EXPECT_GE(looked, 1) << "the notices made no look";
+  EXPECT_LE(looked, elapsed / std::chrono::milliseconds(50) + 2)
+      << sent << " notices in " << std::chrono::duration<double>(elapsed).count() << " s";
+  ASSERT_TRUE(pub.Publish(2, Version(2)).ok());
+  t.join();
+  ASSERT_TRUE(followed.ok()) << followed.ToString();
+  ExpectIdentical(Path("r"), 2);
+}
+
 // Acks that come up the relay tree count only as the store holds them: a
 // forged nack does not abort the attempt, and a forged ack for a receiver
 // that never acked is not listed in the commit.

@@ -446,8 +446,15 @@ StepPlan PlanStep(const StepInputs& in) {
 // tree's arrivals are taken and applied against what the last look found.
 bool ReceiverWalk::InTree(uint64_t v) const { return tree_view_.valid && tree_view_.v == v && o_.relay->Attached(); }
 
+// A notice makes a look due, but no sooner after the last look than the
+// polls without a tree would have made one: a peer that floods the tree with
+// notices costs the store no more than polling does.
+std::chrono::steady_clock::time_point ReceiverWalk::NoticedLookAt() const {
+  return tree_view_.at + std::min(o_.stream_poll, o_.poll);
+}
+
 bool ReceiverWalk::LookDue() const {
-  if (o_.relay->Notices() != tree_view_.notices) return true;  // a notice or fence since the last look
+  if (o_.relay->Notices() != tree_view_.notices) return RealClock().Now() >= NoticedLookAt();
   if (RealClock().Now() >= tree_view_.at + o_.relay_poll) return true;  // the backstop
   for (size_t i = 0; i < tree_view_.attempts.size(); ++i)  // an apply that failed (a store error): again
     if (tree_view_.plan.attempts[i].what == StepPlan::Attempt::kApplyAndAck &&
@@ -545,9 +552,11 @@ Status ReceiverWalk::StepInTree(uint64_t v) {
 }
 
 void ReceiverWalk::Wait(const StepPlan& plan) {
-  // In a tree: until something arrives (an object, a fence, a notice).
+  // In a tree: until something arrives (an object, a fence, a notice), or
+  // the look a notice asked for is allowed.
   if (tree_view_.valid && !fetcher_.Busy()) {
-    news_seen_ = o_.relay->AwaitNews(news_seen_, o_.poll);
+    if (o_.relay->Notices() != tree_view_.notices) std::this_thread::sleep_until(NoticedLookAt());
+    else news_seen_ = o_.relay->AwaitNews(news_seen_, o_.poll);
     return;
   }
   const auto wait = plan.streaming ? std::min(o_.stream_poll, o_.poll) : o_.poll;

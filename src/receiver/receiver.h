@@ -203,6 +203,7 @@ class ReceiverWalk {
   // the tree delivers for the attempts the last look found (tree_view_).
   bool InTree(uint64_t v) const;
   bool LookDue() const;
+  std::chrono::steady_clock::time_point NoticedLookAt() const;  // the earliest look a notice makes due
   Status StepInTree(uint64_t v);
   // Takes a streaming attempt's objects from the relay (and the store's
   // downloads), and applies them ahead when `f` says so.
