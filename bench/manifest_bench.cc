@@ -20,6 +20,7 @@
 
 #include "dcr/delta.h"
 #include "dcr/hash.h"
+#include "dcr/text.h"
 
 namespace {
 
@@ -77,7 +78,7 @@ int main(int argc, char** argv) {
     m.total_elements += per_tensor * chunk_elements;
   }
   std::sort(m.tensors.begin(), m.tensors.end(),
-            [](const DeltaTensor& a, const DeltaTensor& b) { return a.name < b.name; });
+            [](const DeltaTensor& a, const DeltaTensor& b) { return TensorNameLess(a.name, b.name); });
   m.total_bytes = 2 * m.total_elements;
   m.objects = {"frames/s0-0000.bin"};
   const uint64_t total_chunks = per_tensor * tensors;

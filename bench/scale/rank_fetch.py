@@ -7,8 +7,8 @@ would give) and the whole payload (what every rank downloaded before).
 
   bench/scale/rank_fetch.py [--rate 0.03] [--segments 16M,1M]
 
-A computation over model shapes, not a run: the run's tensors in name order
-(the checkpoint's), chunks of 2^20 elements, every chunk framed (at 1-5% of
+A computation over model shapes, not a run: the run's tensors in dcr's name
+order (numbers by value, `name_key`), chunks of 2^20 elements, every chunk framed (at 1-5% of
 2^20 elements no chunk is unchanged) with frame bytes in proportion to its
 elements (`BYTES_PER_CHANGED` of project.py), 8 trainer processes owning
 contiguous byte shares (PlanOwnership), each cutting its stream into
@@ -21,6 +21,7 @@ with expert parallelism or split like the dense MLP without it.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,8 +125,14 @@ def held_chunks(t: Tensor, rank: int, ranks: int, experts: int) -> tuple[int, in
     return (first // CHUNK, last // CHUNK + 1)
 
 
+def name_key(name: str) -> tuple[str, str]:
+    """dcr's tensor name order (TensorNameLess, include/dcr/text.h): digit runs
+    by value (padded to one width), then the bytes."""
+    return re.sub(r"[0-9]+", lambda m: m.group().lstrip("0").rjust(24, "0"), name), name
+
+
 def analyse(tensors: list[Tensor], ranks: int, experts: int, rate: float, segment: int) -> dict:
-    tensors = sorted(tensors, key=lambda t: t.name)
+    tensors = sorted(tensors, key=lambda t: name_key(t.name))
     per_changed = BYTES_PER_CHANGED[rate]
     # Every chunk in run order: (tensor index, chunk, elements, frame bytes).
     chunks = []

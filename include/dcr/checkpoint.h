@@ -55,7 +55,7 @@ class Checkpoint {
   const std::string& path() const { return path_; }
   OpenMode mode() const { return mode_; }
 
-  // Tensors sorted by name; a tensor's position here is its index.
+  // Tensors in name order (TensorNameLess); a tensor's position here is its index.
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
   size_t size() const { return tensors_.size(); }
   // Index of `name`, or -1.

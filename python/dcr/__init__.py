@@ -75,7 +75,7 @@ class Checkpoint:
         return self._c.files
 
     def tensors(self) -> list:
-        """Every tensor (sorted by name) as :class:`TensorInfo`."""
+        """Every tensor, in dcr's name order (numbers by value), as :class:`TensorInfo`."""
         return list(self._infos.values())
 
     def names(self) -> list:

@@ -32,4 +32,37 @@ bool IsValidUtf8(std::string_view s) {
   return true;
 }
 
+namespace {
+
+bool IsDigit(char c) { return c >= '0' && c <= '9'; }
+
+// <0, 0, >0 as `a` sorts before, with, after `b` by numeric value of digit runs.
+int CompareByNumbers(std::string_view a, std::string_view b) {
+  size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    if (!IsDigit(a[i]) || !IsDigit(b[j])) {
+      // A digit against a non-digit compares as bytes: no non-digit lies between '0' and '9'.
+      if (a[i] != b[j]) return static_cast<unsigned char>(a[i]) < static_cast<unsigned char>(b[j]) ? -1 : 1;
+      ++i, ++j;
+      continue;
+    }
+    while (i + 1 < a.size() && a[i] == '0' && IsDigit(a[i + 1])) ++i;  // leading zeros
+    while (j + 1 < b.size() && b[j] == '0' && IsDigit(b[j + 1])) ++j;
+    size_t ei = i, ej = j;
+    while (ei < a.size() && IsDigit(a[ei])) ++ei;
+    while (ej < b.size() && IsDigit(b[ej])) ++ej;
+    if (ei - i != ej - j) return ei - i < ej - j ? -1 : 1;  // fewer digits: smaller
+    if (const int c = a.substr(i, ei - i).compare(b.substr(j, ej - j)); c != 0) return c;
+    i = ei, j = ej;
+  }
+  return (i < a.size()) - (j < b.size());
+}
+
+}  // namespace
+
+bool TensorNameLess(std::string_view a, std::string_view b) {
+  const int c = CompareByNumbers(a, b);
+  return c != 0 ? c < 0 : a < b;
+}
+
 }  // namespace dcr

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace dcr {
@@ -61,6 +62,61 @@ TEST(TextTest, AgreesWithAReferenceOnEveryTwoByteInput) {
       EXPECT_EQ(IsValidUtf8(two), reference(two)) << a << " " << b;
     }
   }
+}
+
+TEST(TextTest, TensorNamesOrderNumbersByValue) {
+  const std::vector<std::string> ordered = {"embed",
+                                            "layers.1.mlp",
+                                            "layers.2.mlp",
+                                            "layers.10.mlp",
+                                            "layers.10.mlp.experts.2",
+                                            "layers.10.mlp.experts.10",
+                                            "layers.10.mlp.experts.100",
+                                            "layers.10.mlpx",
+                                            "layers.010x",
+                                            "layers.10x",
+                                            "layers.a",
+                                            "lm_head"};
+  for (size_t i = 0; i < ordered.size(); ++i)
+    for (size_t j = 0; j < ordered.size(); ++j)
+      EXPECT_EQ(TensorNameLess(ordered[i], ordered[j]), i < j) << ordered[i] << " vs " << ordered[j];
+  EXPECT_TRUE(TensorNameLess("a01", "a1"));  // numerically equal: byte order
+  EXPECT_FALSE(TensorNameLess("a1", "a01"));
+  EXPECT_TRUE(TensorNameLess("x99999999999999999999999", "x100000000000000000000000"));  // past 64 bits
+}
+
+// Against an independent definition: every digit run padded to one width,
+// then byte order, ties broken by the names' bytes. Every name of up to four
+// characters over digits, a letter and a dot.
+TEST(TextTest, TensorNameOrderAgreesWithPaddedNumbersOnEveryShortName) {
+  const std::string alphabet = "019a.";
+  std::vector<std::string> names = {""};
+  for (size_t begin = 0, len = 0; len < 4; ++len) {
+    const size_t end = names.size();
+    for (size_t i = begin; i < end; ++i)
+      for (char c : alphabet) names.push_back(names[i] + c);
+    begin = end;
+  }
+  const auto padded = [](const std::string& s) {
+    std::string out;
+    for (size_t i = 0; i < s.size();) {
+      if (s[i] < '0' || s[i] > '9') {
+        out += s[i++];
+        continue;
+      }
+      size_t e = i;
+      while (e < s.size() && s[e] >= '0' && s[e] <= '9') ++e;
+      out += std::string(8 - (e - i), '0') + s.substr(i, e - i);
+      i = e;
+    }
+    return out;
+  };
+  ASSERT_EQ(names.size(), 781u);
+  for (const std::string& a : names)
+    for (const std::string& b : names) {
+      const bool expected = std::pair(padded(a), a) < std::pair(padded(b), b);
+      ASSERT_EQ(TensorNameLess(a, b), expected) << "'" << a << "' vs '" << b << "'";
+    }
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 // directories.
 #include "dcr/delta.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
@@ -824,6 +825,24 @@ TEST_F(ManifestTest, FromJsonRejectsMalformedManifests) {
   ExpectBad([](json& d) { d["frames"][0]["changed"] = 1ull << 32; }, "changed beyond 32 bits");
   ExpectBad([](json& d) { d["frames"][0].erase("offset"); }, "frame without offset");
   ExpectBad([](json& d) { d["frames"][0] = 3; }, "frame not an object");
+}
+
+// Tables list tensors with numbers in names ordered by value; a table in byte
+// order (as older dcr wrote them) is refused with the reason.
+TEST_F(ManifestTest, TensorTablesOrderNumbersByValue) {
+  const size_t n = manifest_.tensors.size();
+  ASSERT_GE(n, 11u);
+  std::vector<std::string> names;
+  for (size_t i = 0; i < n; ++i) names.push_back(fmt::format("t.{}", i));  // t.9 before t.10
+  json doc = doc_;
+  for (size_t i = 0; i < n; ++i) doc["tensors"][i]["name"] = names[i];
+  EXPECT_TRUE(Parse(doc).ok()) << Parse(doc).ToString();
+  std::sort(names.begin(), names.end());  // byte order: t.10 before t.9
+  for (size_t i = 0; i < n; ++i) doc["tensors"][i]["name"] = names[i];
+  const Status s = Parse(doc);
+  EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.ToString();
+  EXPECT_THAT(s.message(), ::testing::HasSubstr("byte order"));
+  EXPECT_THAT(s.message(), ::testing::HasSubstr("remake the delta, or start a new run"));
 }
 
 // manifest.bin: every field round-trips; mode, codec and changed are the

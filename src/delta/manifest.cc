@@ -7,6 +7,7 @@
 #include "dcr/delta.h"
 #include "dcr/hash.h"
 #include "dcr/json.h"
+#include "dcr/text.h"
 
 namespace dcr {
 namespace {
@@ -74,6 +75,16 @@ json TensorsJson(const DeltaManifest& m) {
   return ts;
 }
 
+// Why `next` may not follow `prev` in a tensor table.
+std::string TableOrderError(const std::string& prev, const std::string& next) {
+  if (prev < next)  // byte order, as dcr wrote tables before numbers were ordered by value
+    return fmt::format(
+        "tensors are in byte order ('{}' before '{}'), as an older dcr wrote them; this dcr orders numbers in "
+        "names by value (layers.2 before layers.10): remake the delta, or start a new run",
+        prev, next);
+  return fmt::format("tensors must be sorted by name, numbers by value, and unique ('{}' after '{}')", next, prev);
+}
+
 Status RefuseOldVersion(const std::string& where, uint64_t version) {
   return Unimplemented(fmt::format(
       "{}: delta format version {} (this dcr reads {}{})", where, version, kDeltaFormatVersion,
@@ -116,8 +127,8 @@ Status ParseTable(const json& doc, const std::string& where, DeltaManifest* m) {
     if (!info.ok()) return info.status().WithContext(where);
     if (info->numel >= (1ull << 60) / 8) return Bad(where, fmt::format("tensor '{}' is too large", dt.name));
     dt.elements = info->numel;
-    if (!m->tensors.empty() && !(m->tensors.back().name < dt.name))
-      return Bad(where, fmt::format("tensors must be sorted by name and unique ('{}')", dt.name));
+    if (!m->tensors.empty() && !TensorNameLess(m->tensors.back().name, dt.name))
+      return Bad(where, TableOrderError(m->tensors.back().name, dt.name));
     m->tensors.push_back(std::move(dt));
     m->total_elements += info->numel;
     m->total_bytes += info->nbytes;

@@ -11,6 +11,7 @@
 
 #include "dcr/json.h"
 #include "dcr/mapped_file.h"
+#include "dcr/text.h"
 
 namespace dcr {
 
@@ -93,7 +94,8 @@ void Checkpoint::Finalize() {
     const auto& h = shards_[s]->header;
     for (const auto& e : h.entries) items.push_back({&e.info, {s, 8 + h.header_bytes + e.offset}});
   }
-  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.info->name < b.info->name; });
+  std::sort(items.begin(), items.end(),
+            [](const Item& a, const Item& b) { return TensorNameLess(a.info->name, b.info->name); });
   tensors_.clear();
   locations_.clear();
   total_bytes_ = total_elements_ = 0;
@@ -242,7 +244,7 @@ Result<Checkpoint> Checkpoint::Create(const std::string& path, const std::vector
 
 int64_t Checkpoint::Find(std::string_view name) const {
   auto it = std::lower_bound(tensors_.begin(), tensors_.end(), name,
-                             [](const TensorInfo& t, std::string_view n) { return t.name < n; });
+                             [](const TensorInfo& t, std::string_view n) { return TensorNameLess(t.name, n); });
   if (it == tensors_.end() || it->name != name) return -1;
   return it - tensors_.begin();
 }

@@ -243,6 +243,26 @@ TEST_F(CheckpointTest, Find) {
   EXPECT_EQ(c->Find("m"), -1);
 }
 
+// Numbers in names order by value, across shards too, and Find agrees.
+TEST_F(CheckpointTest, TensorsOrderNumbersInNamesByValue) {
+  CreateOptions opt;
+  opt.max_shard_bytes = 16;
+  std::vector<TensorInfo> tensors;
+  for (const char* name : {"experts.10.w", "experts.9.w", "experts.100.w", "experts.2.w", "layers.11", "layers.1"})
+    tensors.push_back(T(name, DType::kU8, {16}));
+  ASSERT_TRUE(Checkpoint::Create(Path("n"), tensors, opt).ok());
+  auto c = Checkpoint::Open(Path("n"));
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  ASSERT_EQ(c->files().size(), 6u);
+  std::vector<std::string> names;
+  for (const TensorInfo& t : c->tensors()) names.push_back(t.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"experts.2.w", "experts.9.w", "experts.10.w", "experts.100.w", "layers.1",
+                                             "layers.11"}));
+  for (size_t i = 0; i < c->size(); ++i) EXPECT_EQ(c->Find(c->tensors()[i].name), static_cast<int64_t>(i));
+  EXPECT_EQ(c->Find("experts.09.w"), -1);
+  EXPECT_EQ(c->Find("experts.3.w"), -1);
+}
+
 TEST_F(CheckpointTest, ReadWriteOpenWritesThrough) {
   const std::string path = Path("rw");
   CreateOptions opt;

@@ -10,6 +10,7 @@
 #include <random>
 
 #include "dcr/layout_apply.h"
+#include "dcr/text.h"
 #include "dcr/thread_pool.h"
 
 namespace dcr {
@@ -384,7 +385,8 @@ DeltaManifest StartLayoutDelta(std::span<const TensorInfo> tensors, const DeltaO
   m.delta_class = options.encode.delta_class;
   m.chunk_elements = options.chunk_elements;
   std::vector<TensorInfo> sorted(tensors.begin(), tensors.end());
-  std::sort(sorted.begin(), sorted.end(), [](const TensorInfo& a, const TensorInfo& b) { return a.name < b.name; });
+  std::sort(sorted.begin(), sorted.end(),
+            [](const TensorInfo& a, const TensorInfo& b) { return TensorNameLess(a.name, b.name); });
   for (const TensorInfo& t : sorted) {
     m.tensors.push_back({t.name, t.dtype, t.shape, t.numel});
     m.total_elements += t.numel;

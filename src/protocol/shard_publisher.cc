@@ -17,6 +17,7 @@
 #include "coordinator.h"
 #include "dcr/contribution.h"
 #include "dcr/layout_apply.h"
+#include "dcr/text.h"
 #include "dcr/thread_pool.h"
 #include "internal.h"
 #include "segment_writer.h"
@@ -78,7 +79,7 @@ namespace {
 // The copy thread of a publish from staged senders (ShardSource::stage):
 // stages every local sender's buffers in the order the encode reads them
 // (by the first canonical tensor name each holds: manifests sort tensors by
-// name), and lets readers wait for one. Senders without `stage` are ready.
+// name, TensorNameLess), and lets readers wait for one. Senders without `stage` are ready.
 class ShardStaging {
  public:
   // Times the copy thread with the real clock (a measurement, on another thread).
@@ -130,12 +131,18 @@ class ShardStaging {
     for (size_t i = 0; i < local_.size(); ++i) {
       if (!staged_[i]) continue;
       const CompiledLayout& l = *local_[i].layout;
-      std::vector<std::string> first(l.map().buffers.size(), std::string(1, '\xff'));  // unmapped: last
-      for (size_t c = 0; c < l.map().copies.size(); ++c)
-        first[l.BufferOf(c)] = std::min(first[l.BufferOf(c)], l.map().copies[c].tensor);
+      std::vector<std::string> first(l.map().buffers.size());  // empty: unmapped, staged last
+      for (size_t c = 0; c < l.map().copies.size(); ++c) {
+        std::string& f = first[l.BufferOf(c)];
+        if (f.empty() || TensorNameLess(l.map().copies[c].tensor, f)) f = l.map().copies[c].tensor;
+      }
       for (size_t b = 0; b < local_[i].current.size(); ++b) order.emplace_back(first[b], i, b);
     }
-    std::sort(order.begin(), order.end());
+    std::sort(order.begin(), order.end(), [](const auto& x, const auto& y) {
+      const std::string &nx = std::get<0>(x), &ny = std::get<0>(y);
+      if (nx != ny) return !nx.empty() && (ny.empty() || TensorNameLess(nx, ny));
+      return x < y;
+    });
     for (const auto& [name, i, b] : order) {
       Status staged = stop_ ? Aborted("the publish ended before staging did") : local_[i].stage(b);
       std::lock_guard lock(mu_);

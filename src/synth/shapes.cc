@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "dcr/synth.h"
+#include "dcr/text.h"
 
 namespace dcr {
 namespace {
@@ -91,7 +92,7 @@ std::vector<SynthTensor> ModelTensors(const ModelShape& s) {
     if (s.num_shared_experts > 0) b.Mlp(p + ".mlp.shared_experts", h, s.moe_intermediate_size * s.num_shared_experts);
   }
   std::sort(b.out.begin(), b.out.end(),
-            [](const SynthTensor& x, const SynthTensor& y) { return x.info.name < y.info.name; });
+            [](const SynthTensor& x, const SynthTensor& y) { return TensorNameLess(x.info.name, y.info.name); });
   return b.out;
 }
 

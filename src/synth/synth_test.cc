@@ -25,6 +25,7 @@
 
 #include "dcr/checkpoint.h"
 #include "dcr/compare.h"
+#include "dcr/text.h"
 
 namespace dcr {
 namespace {
@@ -73,7 +74,9 @@ void ExpectTensor(const TensorMap& m, const std::string& name, std::vector<uint6
 }
 
 void ExpectSortedAndConsistent(const std::vector<SynthTensor>& tensors) {
-  for (size_t i = 1; i < tensors.size(); ++i) EXPECT_LT(tensors[i - 1].info.name, tensors[i].info.name);
+  for (size_t i = 1; i < tensors.size(); ++i)
+    EXPECT_TRUE(TensorNameLess(tensors[i - 1].info.name, tensors[i].info.name))
+        << tensors[i - 1].info.name << " before " << tensors[i].info.name;
   for (const auto& t : tensors) {
     uint64_t numel = 1;
     for (uint64_t d : t.info.shape) {

@@ -109,3 +109,6 @@ def test_rank_fetch_counts_the_objects_and_frames_each_rank_needs():
     assert whole["segments"] == 8
     assert whole["objects"] == [pytest.approx(1.0)] * 2
     assert whole["frames"] == [pytest.approx(17 / 33)] * 2
+    # Tensors in dcr's name order: numbers by value, leading zeros aside, then bytes.
+    names = ["e.10.w", "e.9.w", "e.100.w", "e.2.w", "e.02.w", "e.2", "e.a", "d"]
+    assert sorted(names, key=rf.name_key) == ["d", "e.2", "e.02.w", "e.2.w", "e.9.w", "e.10.w", "e.100.w", "e.a"]
