@@ -193,14 +193,16 @@ class Follower:
     ``relay_pub``: CURVE key files (``dcr relay keygen``), as ``dcr follow``'s
     ``--relay-key`` and ``--relay-pub``; required with ``relay`` unless
     ``relay_insecure`` (plain TCP to relays run with ``--insecure``, trusted
-    networks only; ``--relay-insecure``)."""
+    networks only; ``--relay-insecure``). ``relay_poll_s``: in a tree that carries
+    the publisher's notices, the store is looked at on a notice and otherwise
+    only this often (a lost notice costs at most this; ``--relay-poll``)."""
 
     def __init__(self, store: Store, target: PathLike, id: str = "", poll_s: float = 0.1, quiet: bool = True,
                  relay: Sequence[str] = (), relay_key: PathLike = "", relay_pub: PathLike = "",
-                 relay_insecure: bool = False):
+                 relay_insecure: bool = False, relay_poll_s: float = 1.0):
         self.store = store
         self._f = _dcr.Follower(store, os.fspath(target), id, poll_s, quiet, list(relay), os.fspath(relay_key),
-                                os.fspath(relay_pub), relay_insecure)
+                                os.fspath(relay_pub), relay_insecure, relay_poll_s)
 
     def run(self, until: Optional[int] = None, timeout_s: Optional[float] = None,
             on_version: Optional[Callable[[int], Any]] = None) -> int:
@@ -437,14 +439,14 @@ class Receiver:
         (and, for an engine of one rank, it is this rank's);
         :class:`NotFoundError` when the version is not committed."""
         f = _dcr.RankFollower(store, self.layout_json, self._buffers, os.fspath(state_dir), engine, rank, ranks, id,
-                              0.1, True, [], "", "", False)
+                              0.1, True, [], "", "", False, 1.0)
         f.adopt(version, engine_digest)
         self._follower = None  # follow starts from the journal
 
     def follow(self, store: Store, state_dir: PathLike, *, engine: str, rank: int = 0, ranks: int = 1,
                until: Optional[int] = None, timeout_s: Optional[float] = None, id: str = "", poll_s: float = 0.1,
                quiet: bool = True, relay: Sequence[str] = (), relay_key: PathLike = "",
-               relay_pub: PathLike = "", relay_insecure: bool = False) -> int:
+               relay_pub: PathLike = "", relay_insecure: bool = False, relay_poll_s: float = 1.0) -> int:
         """Follows the run in ``store`` into these live tensors, in place, as
         rank ``rank`` of ``ranks`` of engine ``engine`` (C++ dcr::RankFollower
         over in-memory buffers): every attempt's frames are applied through
@@ -466,7 +468,7 @@ class Receiver:
         that changed are copied back to the device, then ``post_update`` gets
         ``{"version": v, "residuals_loaded": names, "tensors_changed": names}``
         (the canonical tensors changed since the previous call). ``relay``,
-        ``relay_key``, ``relay_pub``, ``relay_insecure``: frame objects from a relay tree, as for
+        ``relay_key``, ``relay_pub``, ``relay_insecure``, ``relay_poll_s``: frame objects from a relay tree, as for
         :class:`Follower` (acks go through the store). Calling it
         again with the same arguments continues where the last call stopped
         (after one that raised, from the journal and a digest pass). Residuals without a
@@ -477,7 +479,7 @@ class Receiver:
         # The same run followed again (the next version) continues where the
         # last call stopped, without a digest pass over the tensors.
         args = (store, os.fspath(state_dir), engine, rank, ranks, id, poll_s, quiet, list(relay), os.fspath(relay_key),
-                os.fspath(relay_pub), relay_insecure)
+                os.fspath(relay_pub), relay_insecure, relay_poll_s)
         if self._follower is None or self._follow_args[0] is not store or self._follow_args[1:] != args[1:]:
             self._follower = _dcr.RankFollower(store, self.layout_json, self._buffers, *args[1:])
             self._follow_args = args

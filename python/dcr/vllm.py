@@ -38,7 +38,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterable, Mapping, Optional
+from typing import Any, ClassVar, Iterable, Mapping, Optional
 
 import torch
 
@@ -125,6 +125,8 @@ class DcrInitInfo(WeightTransferInitInfo):
     relay_key, relay_pub: CURVE key files for the relays (``dcr relay keygen``);
         required with ``relay`` unless ``relay_insecure`` is true (plain TCP
         to relays run with ``--insecure``: trusted networks only).
+    relay_poll_s: with ``relay``, in a tree that carries the publisher's
+        notices, how often the store is looked at between notices.
     adopt_loaded: when the checkpoint the engine loaded (its model
         directory's safetensors) is a committed version of the run (its
         digest, summed over the ranks, is the version's), join from it: no
@@ -142,6 +144,7 @@ class DcrInitInfo(WeightTransferInitInfo):
     relay_key: Optional[str] = None
     relay_pub: Optional[str] = None
     relay_insecure: bool = False
+    relay_poll_s: float = 1.0
     adopt_loaded: bool = True
 
     def __post_init__(self) -> None:
@@ -151,6 +154,8 @@ class DcrInitInfo(WeightTransferInitInfo):
             raise ValueError(f"dcr: init_info 'engine' must be a name without '/', not {self.engine!r}")
         if not (isinstance(self.poll_s, (int, float)) and 0 < self.poll_s <= 60):
             raise ValueError(f"dcr: init_info 'poll_s' must be in (0, 60], not {self.poll_s!r}")
+        if not (isinstance(self.relay_poll_s, (int, float)) and 0.001 <= self.relay_poll_s <= 3600):
+            raise ValueError(f"dcr: init_info 'relay_poll_s' must be in [0.001, 3600], not {self.relay_poll_s!r}")
         if self.relay is not None and (not isinstance(self.relay, (list, tuple)) or not self.relay or
                                        not all(isinstance(a, str) and a for a in self.relay)):
             raise ValueError(f"dcr: init_info 'relay' must be a list of relay addresses, not {self.relay!r}")
@@ -433,7 +438,8 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
             self._buffers_of.setdefault(c["tensor"], set()).add(c["buffer"])
         self._follow = dict(engine=engine, rank=rank, ranks=ranks, poll_s=init_info.poll_s,
                             relay=list(init_info.relay or ()), relay_key=init_info.relay_key or "",
-                            relay_pub=init_info.relay_pub or "", relay_insecure=init_info.relay_insecure)
+                            relay_pub=init_info.relay_pub or "", relay_insecure=init_info.relay_insecure,
+                            relay_poll_s=init_info.relay_poll_s)
         self._state_dir = state_dir
         try:
             self.adopted = None

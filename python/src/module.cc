@@ -564,10 +564,13 @@ std::function<dcr::Status(std::string_view)> InjectedFailures(const std::vector<
   };
 }
 
-dcr::FollowOptions MakeFollowOptions(const std::string& id, double poll_s, bool quiet) {
+dcr::FollowOptions MakeFollowOptions(const std::string& id, double poll_s, double relay_poll_s, bool quiet) {
+  if (!(relay_poll_s >= 0.001 && relay_poll_s <= 3600))
+    Raise(dcr::InvalidArgument("relay_poll_s must be in [0.001, 3600] seconds, not " + std::to_string(relay_poll_s)));
   dcr::FollowOptions o;
   o.id = id;
   o.poll = std::chrono::milliseconds(static_cast<int64_t>(poll_s * 1000));
+  o.relay_poll = std::chrono::milliseconds(static_cast<int64_t>(relay_poll_s * 1000));
   if (quiet) o.log = [](const std::string&) {};
   return o;
 }
@@ -937,15 +940,16 @@ NB_MODULE(_dcr, m) {
           "__init__",
           [](PyFollower* self, PyStore& store, const std::string& target, const std::string& id, double poll_s,
              bool quiet, const std::vector<std::string>& relay, const std::string& relay_key,
-             const std::string& relay_pub, bool relay_insecure) {
-            dcr::FollowOptions o = MakeFollowOptions(id.empty() ? dcr::DefaultReceiverId() : id, poll_s, quiet);
+             const std::string& relay_pub, bool relay_insecure, double relay_poll_s) {
+            dcr::FollowOptions o =
+                MakeFollowOptions(id.empty() ? dcr::DefaultReceiverId() : id, poll_s, relay_poll_s, quiet);
             auto relayed = StartRelay(o.id, relay, relay_key, relay_pub, relay_insecure, quiet);
             o.relay = relayed.get();
             auto follower = std::make_unique<dcr::Follower>(*store.store, target, std::move(o));
             new (self) PyFollower{std::move(relayed), std::move(follower)};
           },
           "store"_a, "target"_a, "id"_a, "poll_s"_a, "quiet"_a, "relay"_a, "relay_key"_a, "relay_pub"_a,
-          "relay_insecure"_a, nb::keep_alive<1, 2>())
+          "relay_insecure"_a, "relay_poll_s"_a, nb::keep_alive<1, 2>())
       .def(
           "run",
           [](PyFollower& f, std::optional<uint64_t> until, std::optional<double> timeout_s, nb::object on_version) {
@@ -960,12 +964,12 @@ NB_MODULE(_dcr, m) {
           [](PyRankFollower* self, PyStore& store, const std::string& layout_json, std::vector<nb::ndarray<>> buffers,
              const std::string& state_dir, const std::string& engine, uint32_t rank, uint32_t ranks,
              const std::string& id, double poll_s, bool quiet, const std::vector<std::string>& relay,
-             const std::string& relay_key, const std::string& relay_pub, bool relay_insecure) {
+             const std::string& relay_key, const std::string& relay_pub, bool relay_insecure, double relay_poll_s) {
             auto layout = std::make_unique<dcr::CompiledLayout>(CompileJson(layout_json, "receiver layout"));
             std::vector<std::span<uint8_t>> spans = RankBuffers(*layout, buffers, "Receiver.follow");
             const dcr::PlacedRank placed{layout.get(), spans};
             dcr::FollowOptions o =
-                MakeFollowOptions(id.empty() ? engine + "-r" + std::to_string(rank) : id, poll_s, quiet);
+                MakeFollowOptions(id.empty() ? engine + "-r" + std::to_string(rank) : id, poll_s, relay_poll_s, quiet);
             auto relayed = StartRelay(o.id, relay, relay_key, relay_pub, relay_insecure, quiet);
             o.relay = relayed.get();
             auto follower = std::make_unique<dcr::RankFollower>(*store.store, placed, state_dir,
@@ -973,7 +977,8 @@ NB_MODULE(_dcr, m) {
             new (self) PyRankFollower{std::move(layout), std::move(buffers), std::move(relayed), std::move(follower)};
           },
           "store"_a, "layout"_a, "buffers"_a, "state_dir"_a, "engine"_a, "rank"_a, "ranks"_a, "id"_a, "poll_s"_a,
-          "quiet"_a, "relay"_a, "relay_key"_a, "relay_pub"_a, "relay_insecure"_a, nb::keep_alive<1, 2>())
+          "quiet"_a, "relay"_a, "relay_key"_a, "relay_pub"_a, "relay_insecure"_a, "relay_poll_s"_a,
+          nb::keep_alive<1, 2>())
       .def(
           "run",
           [](PyRankFollower& f, std::optional<uint64_t> until, std::optional<double> timeout_s, nb::object on_version) {

@@ -285,6 +285,9 @@ def test_publish_and_follow_through_a_file_store(tmp_path):
         pub.publish(5, tmp_path / "v3")  # v4 is not committed
     with pytest.raises(dcr.DeadlineExceededError):
         dcr.Follower(store, tmp_path / "engine", id="rx-1").run(until=9, timeout_s=0.3)
+    for bad in (0, -1, 3601, float("nan")):
+        with pytest.raises(dcr.InvalidArgumentError, match="relay_poll_s"):
+            dcr.Follower(store, tmp_path / "engine", id="rx-1", relay_poll_s=bad)
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")

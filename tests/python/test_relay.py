@@ -779,7 +779,8 @@ def test_python_followers_take_their_frames_from_the_relay(tree):
     t.publish_ok(0, relay=False)
     t.start_relay("r0")
     addr = t.relays["r0"]["address"]
-    keys = dict(relay=[addr], relay_key=t.client_key, relay_pub=t.relay_pub)
+    # A backstop of an hour: between looks the publisher's notices decide when to look.
+    keys = dict(relay=[addr], relay_key=t.client_key, relay_pub=t.relay_pub, relay_poll_s=3600)
     store = dcr.open_store(t.url)
     follower = dcr.Follower(store, t.root / "py-follower", id="py-follower", poll_s=0.05, **keys)
     def tensors(v: int) -> dict:
