@@ -156,10 +156,12 @@ class ProtocolTest : public testing::TempDirTest {
     return r;
   }
 
-  // The maps of the ranks of a vLLM-style tensor-parallel engine of `tp` ranks.
-  std::vector<std::unique_ptr<CompiledLayout>> TpLayouts(uint32_t tp) {
+  // The maps of the ranks of a vLLM-style tensor-parallel engine of `tp` ranks
+  // (experts spread over them with `expert_parallel`).
+  std::vector<std::unique_ptr<CompiledLayout>> TpLayouts(uint32_t tp, bool expert_parallel = false) {
     ServingParallel par;
     par.tp = tp;
+    par.expert_parallel = expert_parallel;
     std::vector<std::unique_ptr<CompiledLayout>> layouts;
     for (uint32_t r = 0; r < tp; ++r) {
       auto m = VllmLayout(shape_, par, r);
@@ -194,6 +196,8 @@ class ProtocolTest : public testing::TempDirTest {
       if (framed.count(t.name)) out.push_back(t.name);
     return out;
   }
+
+  void CheckRanksReadOnlyTheirObjects(bool expert_parallel);
 
   ModelShape shape_ = ShapeForSize(Family::kQwen3Moe, 1 << 20);
   std::string store_url_;
@@ -1375,13 +1379,16 @@ namespace {
 // map's runs, chunk by chunk), not every object, and at most each sender's
 // first and last object besides (their names bound their chunks from the
 // start and to the end).
-TEST_F(ProtocolTest, RanksDownloadOnlyTheFrameObjectsOfTheirChunks) {
+// Two ranks of an engine catch up two versions through commits and follow one
+// while it streams; each must end equal to a dense load, read every object
+// holding a frame of its chunks and nothing whose name's range holds none.
+void ProtocolTest::CheckRanksReadOnlyTheirObjects(bool expert_parallel) {
   PublishOptions o = Fast();
   o.delta.chunk_elements = 1024;  // tensors of several chunks, so that a rank's rows hold some of them
   o.segment_bytes = 1024;  // many frame objects per sender
   Publisher pub(*store_, Path("state"), o);
   for (int v = 0; v <= 2; ++v) ASSERT_TRUE(pub.Publish(v, Version(v)).ok());
-  auto layouts = TpLayouts(2);
+  auto layouts = TpLayouts(2, expert_parallel);
   std::mutex mu;
   std::set<std::string> reads[2];
   std::vector<std::unique_ptr<HookStore>> stores;
@@ -1464,6 +1471,20 @@ TEST_F(ProtocolTest, RanksDownloadOnlyTheFrameObjectsOfTheirChunks) {
       // What it reads is within `allowed` whatever the timing; that must leave some out.
       EXPECT_LT(allowed.size(), m->objects.size()) << "rank " << r << " version " << v << ": meaningless";
       if (v != 3) continue;
+      // Experts a rank holds whole lie in one run of each layer's experts in
+      // table order (numbers by value), so their frames are adjacent.
+      std::map<std::string, std::vector<bool>> held_experts;  // layer -> held, in table order
+      for (uint32_t t = 0; t < m->tensors.size() && expert_parallel; ++t) {
+        const std::string& name = m->tensors[t].name;
+        if (const size_t at = name.find(".mlp.experts."); at != std::string::npos)
+          held_experts[name.substr(0, at)].push_back(holds(l, *m, {t, 0}));
+      }
+      EXPECT_EQ(held_experts.empty(), !expert_parallel);
+      for (const auto& [layer, held] : held_experts) {
+        size_t blocks = 0;
+        for (size_t i = 0; i < held.size(); ++i) blocks += held[i] && (i == 0 || !held[i - 1]);
+        EXPECT_EQ(blocks, 1u) << "rank " << r << ", " << layer << ": its experts are not adjacent";
+      }
       // The frame log of the last attempt names only chunks the rank holds
       // (frames of the others, in objects it read, are passed over).
       std::ifstream log(Path(fmt::format("rank{}/.dcr-rank-frames", r)));
@@ -1476,6 +1497,13 @@ TEST_F(ProtocolTest, RanksDownloadOnlyTheFrameObjectsOfTheirChunks) {
     }
   }
 }
+
+TEST_F(ProtocolTest, RanksDownloadOnlyTheFrameObjectsOfTheirChunks) { CheckRanksReadOnlyTheirObjects(false); }
+
+// With expert parallelism each rank holds half the experts (16 here, so
+// `experts.10`..`experts.15` order by number, not between `experts.1` and
+// `experts.2`), whole: their frames are adjacent in the stream.
+TEST_F(ProtocolTest, ExpertParallelRanksDownloadTheObjectsOfTheirExperts) { CheckRanksReadOnlyTheirObjects(true); }
 
 // RankFollower::TakeChangedTensors: every map tensor after the join, then
 // exactly the tensors the committed version's frames wrote, then nothing.
