@@ -156,6 +156,20 @@ class ProtocolTest : public testing::TempDirTest {
     return r;
   }
 
+  // Starts receiver `fo` (its target Path(fo.id)) on a thread, following to
+  // `until` through `store` in relay tree `tree` with a backstop of an hour;
+  // returns once it has registered. `*followed` is what its Run returned.
+  std::thread FollowInTree(Store& store, FrameObjectSource& tree, FollowOptions fo, int until, Status* followed) {
+    fo.relay = &tree;
+    fo.relay_poll = std::chrono::hours(1);
+    std::thread t([this, &store, fo, until, followed] {
+      Follower f(store, Path(fo.id), fo);
+      *followed = f.Run(until);
+    });
+    WaitForReceivers(1);
+    return t;
+  }
+
   // The maps of the ranks of a vLLM-style tensor-parallel engine of `tp` ranks
   // (experts spread over them with `expert_parallel`).
   std::vector<std::unique_ptr<CompiledLayout>> TpLayouts(uint32_t tp, bool expert_parallel = false) {
@@ -2789,15 +2803,9 @@ TEST_F(ProtocolTest, AFollowerInATreeLooksAtTheStoreWhenTheTreeSaysSo) {
     return Status::Ok();
   });
   FollowOptions fo = Receiver("r");
-  fo.relay = &tree;
   fo.poll = std::chrono::milliseconds(2);
-  fo.relay_poll = std::chrono::hours(1);
   Status followed;
-  std::thread t([&] {
-    Follower f(counted, Path("r"), fo);
-    followed = f.Run(4);
-  });
-  WaitForReceivers(1);
+  std::thread t = FollowInTree(counted, tree, fo, 4, &followed);
   for (int v = 1; v <= 3; ++v) {
     const int requests_before = requests.load();
     auto r = pub.Publish(v, Version(v));
@@ -2846,15 +2854,9 @@ TEST_F(ProtocolTest, AFloodOfNoticesCostsTheStoreNoMoreThanPolling) {
     return Status::Ok();
   });
   FollowOptions fo = Receiver("r");
-  fo.relay = &tree;
   fo.poll = fo.stream_poll = std::chrono::milliseconds(50);
-  fo.relay_poll = std::chrono::hours(1);
   Status followed;
-  std::thread t([&] {
-    Follower f(counted, Path("r"), fo);
-    followed = f.Run(2);
-  });
-  WaitForReceivers(1);
+  std::thread t = FollowInTree(counted, tree, fo, 2, &followed);
   auto r = pub.Publish(1, Version(1));
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   tree.AwaitIdleWaits(2);  // in the tree's hands, idle
