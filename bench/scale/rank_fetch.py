@@ -8,14 +8,14 @@ would give) and the whole payload (what every rank downloaded before).
   bench/scale/rank_fetch.py [--rate 0.03] [--segments 16M,1M]
 
 A computation over model shapes, not a run: the run's tensors in dcr's name
-order (numbers by value, `name_key`), chunks of 2^20 elements, every chunk framed (at 1-5% of
-2^20 elements no chunk is unchanged) with frame bytes in proportion to its
-elements (`BYTES_PER_CHANGED` of project.py), 8 trainer processes owning
-contiguous byte shares (PlanOwnership), each cutting its stream into
-segments as SegmentedFrameWriter does, and vLLM's sharding: column-parallel
-weights split by rows, row-parallel by columns, embeddings by vocabulary
-rows, norms and small projections replicated, routed experts whole per rank
-with expert parallelism or split like the dense MLP without it.
+order (numbers by value, `name_key`), chunks of 2^20 elements, every chunk
+framed (at 1-5% of 2^20 elements no chunk is unchanged) with frame bytes in
+proportion to its elements (`BYTES_PER_CHANGED` of project.py), 8 trainer
+processes owning contiguous byte shares (PlanOwnership), each cutting its
+stream into segments as SegmentedFrameWriter does, and vLLM's sharding:
+column-parallel weights split by rows, row-parallel by columns, embeddings by
+vocabulary rows, norms and small projections replicated, routed experts whole
+per rank with expert parallelism or split like the dense MLP without it.
 """
 
 from __future__ import annotations
