@@ -28,6 +28,7 @@ OWNER = {
     "text.h": "base", "clock.h": "base",
     "dtype.h": "format", "safetensors.h": "format", "checkpoint.h": "format", "json.h": "format",
     "digest.h": "delta", "frame.h": "delta", "chunk_codec.h": "delta", "compare.h": "delta", "delta.h": "delta",
+    "apply.h": "delta",
     "store.h": "store", "http.h": "store", "s3.h": "store",
     "layout.h": "layout", "layout_apply.h": "layout", "layout_residual.h": "layout", "contribution.h": "layout",
     "protocol.h": "protocol",

@@ -74,6 +74,38 @@ class ChunkEncoder {
   std::vector<uint8_t> scratch_;  // a dense layout, for zstd
 };
 
+// A changed word of a chunk: its position (word index within the chunk)
+// and its bits before and after. The unit the apply loop moves between the
+// decoder, a target's gather and scatter, and the digest.
+template <typename U>
+struct WordChange {
+  uint32_t position;
+  U old_word, new_word;
+};
+
+// Decoded changes of one chunk: `count` WordChange<U> records at `records`,
+// U the unsigned type of `word_bytes` bytes, positions increasing. Not owned.
+struct ChunkChanges {
+  uint32_t word_bytes = 0;
+  uint32_t count = 0;
+  void* records = nullptr;
+  // Calls f(WordChange<U>* records) with U the word type.
+  template <typename F>
+  void Visit(F&& f) const {
+    switch (word_bytes) {
+      case 1: f(static_cast<WordChange<uint8_t>*>(records)); break;
+      case 2: f(static_cast<WordChange<uint16_t>*>(records)); break;
+      case 4: f(static_cast<WordChange<uint32_t>*>(records)); break;
+      default: f(static_cast<WordChange<uint64_t>*>(records)); break;
+    }
+  }
+};
+
+// The digest change of `changes` of the chunk starting at word `first_word`
+// of the tensor keyed `key`: each word going from its old to its new bits
+// (docs/format.md section 2: computed from the changed words alone).
+Digest ChangesDigest(const DigestKey& key, uint64_t first_word, const ChunkChanges& changes);
+
 enum class ApplyOutcome {
   kApplied,  // the chunk was the base and is now the target
   kAlreadyApplied,  // the chunk already held the target (duplicate frame); untouched
@@ -89,27 +121,41 @@ class ChunkApplier {
   // computed from the chunk's own old and new words, must be the frame's
   // target digest, which it is only when the chunk was the frame's base
   // (or, for an overwrite frame, differs from it only where the frame
-  // writes). On success `*after` holds the chunk's new digest.
+  // writes). On success `*after` holds the chunk's new digest. With `write`
+  // false nothing is written whatever the outcome (a dry run).
   // Errors: kFailedPrecondition (the chunk is neither the frame's base nor
   // its target), kDataLoss (the payload does not decode), kInvalidArgument
   // (frame and target disagree).
   Result<ApplyOutcome> Apply(const FrameView& frame, const DigestKey& key, uint64_t first_word,
-                             std::span<uint8_t> target, const Digest& current, Digest* after);
+                             std::span<uint8_t> target, const Digest& current, Digest* after, bool write = true);
 
-  // Applies `frame`'s changes to `target` without the digest checks, for a
-  // rank that holds only some words of the chunk (the others may hold
-  // anything; what lands there is meaningless and the caller ignores it).
-  // The payload is decoded and checked in full (positions, codes, counts)
-  // before a byte is written: on any error the target is unchanged. The
-  // caller verifies the result by digests (see ApplyRankFrame). Returns the
-  // number of words written. Errors: kDataLoss (the payload does not
-  // decode), kInvalidArgument (frame and target disagree).
-  Result<uint32_t> ApplyUnverified(const FrameView& frame, std::span<uint8_t> target);
+  // For a chunk the caller holds elsewhere than one span of host memory (a
+  // rank's share of it, a device): decodes `frame`'s changes to a chunk of
+  // `words` words without reading it. Each record gets its position and, in
+  // new_word, the frame's value there; the caller fills in old_word (its
+  // gather) and calls Resolve. Sparse frames list their changes; dense ones
+  // every word their value changes (xor, add: a nonzero value) or, for
+  // overwrite, every word. The payload is decoded and checked in full.
+  // The records live in this applier until its next call.
+  // Errors: kDataLoss (the payload does not decode, or lists more changes
+  // than the chunk has words), kFailedPrecondition (its payload was dropped).
+  // With `storage` (DecodedBytes(frame.header, words) bytes, 8-aligned) the
+  // records go there instead, owned by the caller.
+  Result<ChunkChanges> DecodeValues(const FrameView& frame, uint32_t words, uint8_t* storage = nullptr);
+  // The most bytes DecodeValues' records of such a frame take.
+  static uint64_t DecodedBytes(const FrameHeader& header, uint32_t words);
+  // Turns the values of `changes` (decoded by DecodeValues from a frame with
+  // `header`, old words filled in) into their new words.
+  static void Resolve(const FrameHeader& header, const ChunkChanges& changes);
 
  private:
-  // Decodes the frame's changes (position, old word from `target`, new
-  // word) into changes_; `*count` gets their number. Writes nothing.
-  Status Decode(const FrameView& frame, std::span<const uint8_t> target, const std::string& where, uint32_t* count);
+  // Decodes the frame's changes to a chunk of `words` words into `records`
+  // (DecodedBytes of room; null: changes_); `*count` gets their number.
+  // With a `target` (the chunk's bytes) each change gets its old word from
+  // it and its new word; without (null), its value in new_word, as
+  // DecodeValues says. Writes nothing.
+  Status Decode(const FrameView& frame, const uint8_t* target, uint32_t words, const std::string& where,
+                uint8_t* records, uint32_t* count);
   // Stores the new words of the first n decoded changes into `target`.
   void WriteChanges(uint32_t word_bytes, uint32_t n, std::span<uint8_t> target) const;
 

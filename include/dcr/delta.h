@@ -222,6 +222,7 @@ struct ApplyReport {
   uint64_t frames_already_applied = 0;  // found done (a resumed or repeated apply)
   uint64_t payload_bytes = 0;  // of the frames applied
   uint64_t changed_words = 0;
+  uint64_t scratch_peak_bytes = 0;  // decoded changes held at once (engines whose buffers are on a device)
 };
 
 // Applies the delta to `target` (opened kReadWrite) in place. First checks,

@@ -1,29 +1,31 @@
 // Moving deltas through layout maps (DESIGN sections 3 and 6).
 //
 // Receiver side (placement): an engine is a set of ranks, each a compiled
-// map plus its local buffers. Frames (xor, add, overwrite) are applied
-// through the maps in place: for one chunk, the elements the engine holds
-// are gathered from their primary copies into a chunk-sized scratch, the
-// frame is applied there by ChunkApplier (with all its checks: the chunk is
-// the frame's base, the decode reaches the frame's target digest), and only
-// the runs whose bytes changed are written back, to every copy (primary and
-// replicas). No canonical tensor is ever materialised.
+// map plus its local buffers (host memory, or a device's behind
+// BufferMemory). Frames (xor, add, overwrite) are applied in place by the
+// apply loop (include/dcr/apply.h) with ranks as its target (PlacedTarget):
+// a frame's changes are decoded, their positions placed through the maps,
+// the old words gathered from the copies that count, the new words checked
+// and scattered to every copy (primary and replicas). Work is O(changed
+// words); no canonical tensor, and no chunk, is ever materialised.
 //
 // The partial-chunk rule: a frame's digests cover its whole chunk, and a
-// rank that holds only part of a chunk cannot check them alone (an xor or
-// add value needs the old bits of every changed element to be verified).
-// Every mode is elementwise, though, so a rank can *apply* its own elements
-// of a chunk alone: ApplyRankFrame does, and returns the rank's partial base
-// and target digests of the chunk (over the canonical elements its primary
-// copies hold). The engine-level rule is that the partials of all ranks of
-// one engine add up to the frame's base and target digests; that is checked
+// rank that holds only part of a chunk cannot check them alone. Every mode
+// is elementwise, though, so a rank can *apply* its own elements of a chunk
+// alone: ApplyRankFrames does, and returns the rank's partial digest of the
+// chunk after it (its tracked partial plus the change of the elements its
+// primary copies hold). The engine-level rule is that the partials of all
+// ranks of one engine add up to the frame's target digest; that is checked
 // where the partials meet (the coordinator's ack wait, docs/protocol.md).
-// In one process, ApplyEngineFrame gets every rank and checks the chunk's
-// digests before writing anything.
+// In one process, ApplyEngineDelta gets every rank and checks each chunk's
+// digests before writing it.
 // Digests are per rank over the canonical elements its primary copies hold
 // (RankDigest, RankChunkDigests); the ranks' digests of one engine add up to
 // the checkpoint's (ValidateEngine guarantees each element is counted once),
-// which is how an engine proves it holds the version's bits.
+// which is how an engine proves it holds the version's bits. Tracked
+// digests see only what the loop writes: bits changed behind a receiver's
+// back are found by a pass over them (RankChunkDigests: at join, and when
+// an attempt is retried).
 //
 // Sender side (projection): each sender keeps its shard buffers as its
 // baseline (not canonical copies). ProjectSender diffs its current shards
@@ -46,6 +48,7 @@
 #include <string>
 #include <vector>
 
+#include "dcr/apply.h"
 #include "dcr/checkpoint.h"
 #include "dcr/chunk_codec.h"
 #include "dcr/delta.h"
@@ -57,11 +60,35 @@
 
 namespace dcr {
 
-// One receiver rank: a compiled map and its buffers (buffers[i] holds
-// map().buffers[i], BufferBytes(i) bytes). Not owned.
+// Where a rank's buffers live when the process does not address them
+// directly (a device's memory): reached only by batched copies of words
+// and of byte ranges. Calls come from one thread at a time.
+struct WordRequest {
+  uint32_t buffer = 0;  // index into the map's buffers
+  uint32_t word_bytes = 0;
+  std::span<const uint64_t> offsets;  // word offsets within the buffer
+  std::span<uint8_t> words;  // offsets.size() * word_bytes bytes: read into (Gather) or written from (Scatter)
+};
+class BufferMemory {
+ public:
+  virtual ~BufferMemory() = default;
+  // The buffer's size in bytes.
+  virtual uint64_t Bytes(size_t buffer) const = 0;
+  // Every request's words, from / into the buffers.
+  virtual Status Gather(std::span<const WordRequest> requests) = 0;
+  virtual Status Scatter(std::span<const WordRequest> requests) = 0;
+  // Bytes [offset, offset + size) of a buffer (dense loads, digest passes).
+  virtual Status Read(size_t buffer, uint64_t offset, std::span<uint8_t> out) = 0;
+  virtual Status Write(size_t buffer, uint64_t offset, std::span<const uint8_t> bytes) = 0;
+};
+
+// One receiver rank: a compiled map and its buffers: in host memory
+// (buffers[i] holds map().buffers[i], BufferBytes(i) bytes), or, with
+// `memory`, elsewhere (buffers empty). Not owned.
 struct PlacedRank {
   const CompiledLayout* layout = nullptr;
   std::vector<std::span<uint8_t>> buffers;
+  BufferMemory* memory = nullptr;
 };
 
 // One rank's buffers as files in a directory: one file per buffer of the
@@ -86,8 +113,9 @@ class RankBufferFiles {
   std::vector<MappedFile> files_;
 };
 
-// Checks that `rank`'s buffers have the sizes its map declares.
-Status CheckRankBuffers(const CompiledLayout& layout, std::span<const std::span<uint8_t>> buffers);
+// Checks that `rank`'s buffers (host spans, or its memory's) have the sizes
+// its map declares.
+Status CheckRankBuffers(const PlacedRank& rank);
 
 // Source of canonical tensor bytes by name (for dense loads); null when the
 // tensor is unknown.
@@ -95,86 +123,99 @@ using TensorBytes = std::function<const uint8_t*(const std::string& name, uint64
 TensorBytes CheckpointBytes(const Checkpoint& ckpt);
 
 // A dense load: every copy of the rank's map, from `source`. Buffer bytes no
-// copy writes (padding) are left as they are. Errors: kNotFound (a mapped
-// tensor missing from the source), kInvalidArgument (its size differs).
+// copy writes (padding) are left as they are. A rank in BufferMemory is
+// loaded a piece of a buffer at a time (at most 64 MiB of host memory).
+// Errors: kNotFound (a mapped tensor missing from the source),
+// kInvalidArgument (its size differs), the memory's.
 Status LoadDense(const TensorBytes& source, PlacedRank& rank);
 
 // The digest of the canonical elements rank's primary copies hold, over all
 // its tensors (each with its own DigestKey), or over the tensors named in
 // `only` when it is not empty. Parallel on the default pool (not to be called
-// from inside a ParallelFor).
-Digest RankDigest(const PlacedRank& rank, std::span<const std::string> only = {});
+// from inside a ParallelFor); a rank in BufferMemory is read a piece at a
+// time (kDataLoss-free: a memory read error is returned).
+Result<Digest> RankDigest(const PlacedRank& rank, std::span<const std::string> only = {});
 
 // The rank's partial digest of every chunk of the manifest's tensors (those
 // it does not map, or holds none of: zero), over its primary copies; indexed
 // [tensor][chunk] like ChunkDigests. One pass over the rank's elements (at
-// start or join; afterwards ApplyRankFrame's results keep it current).
-ChunkDigestTable RankChunkDigests(const PlacedRank& rank, const DeltaManifest& manifest);
+// start, join or an audit; afterwards the apply loop's results keep it
+// current), in pieces as RankDigest.
+Result<ChunkDigestTable> RankChunkDigests(const PlacedRank& rank, const DeltaManifest& manifest);
 
 // The chunks of the manifest's tensors that any copy of the rank's map
 // (primary or replica) holds an element of: by tensor, sorted disjoint
 // [first, end) chunk ranges. A frame of any other chunk leaves the rank's
-// buffers and partial digests as they are (ApplyRankFrame), so the rank
-// needs only these chunks' frames.
+// buffers and partial digests as they are, so the rank needs only these
+// chunks' frames.
 using ChunkRanges = std::vector<std::vector<std::pair<uint64_t, uint64_t>>>;
 ChunkRanges RankHeldChunks(const CompiledLayout& layout, const DeltaManifest& manifest);
 
-// What ApplyRankFrame did to one rank's elements of a chunk.
-struct RankFrameResult {
-  Digest base, target;  // the rank's partial digests of the chunk, before and after
-  uint64_t held = 0;  // chunk elements its primary copies hold
-  uint64_t written = 0;  // elements written, over all copies (primaries and replicas)
+// Ranks as a target of the apply loop (include/dcr/apply.h): frames are
+// placed through their maps, old words gathered from the copies that count
+// (primary; a replica where no copy of the ranks is primary), new words
+// scattered to every copy. A chunk whose elements the ranks hold all as
+// primaries is kWhole (checked against the frame's digests); one they hold
+// some of is kPartial when `partial` (one rank of an engine whose other
+// ranks apply elsewhere: its partial digests add up where they meet), and
+// refused otherwise (an engine's ranks applying together must hold each
+// chunk whole; kFailedPrecondition). A chunk one host rank holds whole in
+// one run is applied in place directly. Ranks in BufferMemory are gathered
+// and scattered in windows (Batched). Sub-byte dtypes cannot be placed
+// (kUnimplemented). The ranks must outlive the target.
+namespace placement {
+struct Segment;  // one frame's words in one buffer of a rank in BufferMemory (placed_target.cc)
+}
+class PlacedTarget final : public ApplyTarget {
+ public:
+  PlacedTarget(std::span<PlacedRank* const> ranks, const DeltaManifest& manifest, bool partial);
+  Result<Holding> Holds(uint32_t tensor, uint32_t chunk) const override;
+  std::span<uint8_t> Direct(uint32_t tensor, uint32_t chunk) const override;
+  Status Gather(std::span<ApplyItem* const> items) override;
+  Status Scatter(std::span<ApplyItem* const> items) override;
+  bool Batched() const override { return batched_; }
+  // Ranks in host memory audit every chunk a frame touches (as dcr always
+  // has there); ranks in BufferMemory do not (a pass over a device's chunk
+  // costs its transfer: they are audited at join and before a retry).
+  bool Audits() const override { return !batched_; }
+  Result<Digest> ChunkDigest(uint32_t tensor, uint32_t chunk) const override;
+
+ private:
+  struct Run;  // a copy's run of a chunk, in words
+  std::vector<Run> Runs(uint32_t tensor, uint32_t chunk) const;
+  void Place(ApplyItem& item, bool gather, std::vector<placement::Segment>* segs, std::vector<uint8_t>* held) const;
+  void ForItems(size_t n, const std::function<void(size_t)>& fn) const;
+
+  std::vector<PlacedRank*> ranks_;
+  const DeltaManifest& manifest_;
+  const bool partial_;
+  bool batched_ = false;
+  std::vector<std::vector<int64_t>> local_;  // [rank][manifest tensor]: the map's tensor index, or -1
 };
 
-// Applies one frame of `manifest` to the elements of its chunk that `rank`
-// holds (primary copies and replicas), without the other ranks. Checks
-// before writing anything: the frame fits the manifest (tensor, chunk,
-// element and word counts, dtype, delta id) and the rank's map (shape), its
-// payload decodes in full (ChunkApplier::ApplyUnverified; the checksum was
-// checked by ParseFrame), and, for xor/add frames when `expected_base` is
-// given (the rank's tracked partial of the chunk), that the rank's elements
-// are at that digest. Replica-only elements are updated from their own old
-// bits. A rank that maps the tensor but none of the chunk gets held == 0 and
-// nothing written. The partial digests cannot be checked here: the caller
-// adds them up over the engine's ranks (the sum must be the frame's target
-// digest). Cost: O(changes + elements the rank holds of the chunk); scratch
-// grows to one chunk. Errors: kInvalidArgument (the frame does not fit),
-// kDataLoss (corrupt payload), kFailedPrecondition (xor/add frame on
-// elements that are not at `expected_base`; they need an overwrite).
-Result<RankFrameResult> ApplyRankFrame(PlacedRank& rank, const DeltaManifest& manifest, const FrameView& frame,
-                                       std::vector<uint8_t>* scratch, const Digest* expected_base = nullptr);
+// Applies `frames` (of distinct chunks) to one rank of an engine (the
+// partial PlacedTarget); `current[i]` is the rank's tracked partial digest
+// of frame i's chunk. Result i is frame i's (its `after`: the partial to
+// track next). The partials of all ranks of an engine add up to the frames'
+// target digests where the rank held the chunks' bases: the coordinator
+// checks that at the ack.
+std::vector<FrameApplied> ApplyRankFrames(PlacedRank& rank, const DeltaManifest& manifest,
+                                          std::span<const FrameView> frames, std::span<const Digest> current);
 
-// ApplyRankFrame over `frames`, which must be of distinct chunks (so they
-// write disjoint elements), chunk-parallel on the default pool (not to be
-// called from inside a ParallelFor); expected_bases is empty (no checks) or
-// has one entry per frame (null: none). Result i is frame i's, and the
-// buffers end byte-identical to applying the frames one by one in order.
-std::vector<Result<RankFrameResult>> ApplyRankFrames(PlacedRank& rank, const DeltaManifest& manifest,
-                                                     std::span<const FrameView> frames,
-                                                     std::span<const Digest* const> expected_bases = {});
-
-// Applies one frame of `manifest` to the engine formed by `ranks`; `scratch`
-// is reused between calls (one per thread; it grows to twice a chunk's
-// bytes). On error nothing was written.
-// Errors: those of ChunkApplier::Apply (kFailedPrecondition when the engine's
-// chunk is neither base nor target, kDataLoss for a corrupt payload), and
-// kFailedPrecondition when `ranks` hold only part of the chunk (apply it with
-// all ranks of the engine), or none of it.
-Result<ApplyOutcome> ApplyEngineFrame(std::span<PlacedRank* const> ranks, const DeltaManifest& manifest,
-                                      const FrameView& frame, std::vector<uint8_t>* scratch);
-
-// Every frame of `delta` through ApplyEngineFrame, in parallel on the
-// default pool (one frame per chunk, so frames write disjoint elements; not
-// to be called from inside a ParallelFor); then checks that the ranks'
-// digests add up to the manifest's target digest over its tensors
-// (kDataLoss otherwise). Frames already applied are counted, not re-applied.
-// Frames of `residuals` (tensors this engine converts on load, see
-// layout_residual.h) are skipped, and those tensors left out of the digest
-// check. A chunk is checked before it is written, so an error (the first by
-// frame order is returned) leaves other chunks applied: an overwrite attempt
-// repairs them (DESIGN section 5).
+// Every frame of `delta` applied to the engine formed by `ranks` (the whole
+// PlacedTarget), each chunk checked against its frame before it is written;
+// frames already applied are counted, not re-applied. Then the ranks'
+// digests are checked against the manifest's target over its tensors
+// (kDataLoss otherwise): from `tracked` (the engine's chunk digests,
+// [tensor][chunk] of the manifest, kept current here), O(changed) in all;
+// without it (null or empty) they are computed first (RankChunkDigests) and
+// `*tracked` (when given) gets them. Frames of `residuals` (tensors this
+// engine converts on load, see layout_residual.h) are skipped, and those
+// tensors left out of the digest check. A chunk is checked before it is
+// written, so an error (the first by frame order is returned) leaves other
+// chunks applied: an overwrite attempt repairs them (DESIGN section 5).
 Result<ApplyReport> ApplyEngineDelta(std::span<PlacedRank* const> ranks, const DeltaReader& delta,
-                                     std::span<const std::string> residuals = {});
+                                     std::span<const std::string> residuals = {}, ChunkDigestTable* tracked = nullptr);
 
 // --- Sender side -----------------------------------------------------------
 

@@ -13,6 +13,7 @@
 #include <string_view>
 #include <vector>
 
+#include "dcr/layout_apply.h"
 #include "dcr/protocol.h"
 
 namespace dcr {
@@ -103,8 +104,8 @@ class RankFollower {
   RankFollower(Store& store, const CompiledLayout& layout, std::string buffers_dir, EngineRank rank,
                FollowOptions options);
   // The same over buffers the caller holds in memory (a serving process's
-  // live weights): `buffers` (its layout and buffer spans, not owned, both
-  // outliving Run) is applied in place; `state_dir` holds only the journal
+  // live weights): `buffers` (its layout and buffer spans or BufferMemory,
+  // not owned, outliving Run) is applied in place; `state_dir` holds only the journal
   // (and a joining snapshot, briefly). A restarted process whose buffers do
   // not hold the journal's version (their partial digest differs) rejoins
   // from the newest snapshot, loaded into the buffers through the map.
@@ -144,7 +145,7 @@ class RankFollower {
   EngineRank rank_;
   FollowOptions options_;
   bool in_memory_ = false;
-  std::vector<std::span<uint8_t>> given_;  // in memory: the caller's buffers
+  PlacedRank given_;  // in memory: the caller's buffers (host, or a BufferMemory)
   std::vector<bool> changed_;  // by map tensor index, since TakeChangedTensors
   std::unique_ptr<receiver_internal::ReceiverTarget> target_;
   std::unique_ptr<receiver_internal::ReceiverWalk> walk_;

@@ -34,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "buffer_memory.h"
 #include "dcr/checkpoint.h"
 #include "dcr/delta.h"
 #include "dcr/digest.h"
@@ -119,6 +120,7 @@ nb::dict ApplyReportDict(const dcr::ApplyReport& r) {
   d["frames_already_applied"] = r.frames_already_applied;
   d["payload_bytes"] = r.payload_bytes;
   d["changed_words"] = r.changed_words;
+  d["scratch_peak_bytes"] = r.scratch_peak_bytes;
   return d;
 }
 
@@ -262,7 +264,7 @@ std::vector<std::span<uint8_t>> RankBuffers(const dcr::CompiledLayout& layout, c
   std::vector<std::span<uint8_t>> spans;
   for (size_t b = 0; b < arrays.size(); ++b)
     spans.push_back(BytesOf(arrays[b], who + ": buffer '" + buffers[b].id + "'"));
-  Check(dcr::CheckRankBuffers(layout, spans));
+  Check(dcr::CheckRankBuffers(dcr::PlacedRank{&layout, spans}));
   return spans;
 }
 
@@ -326,39 +328,70 @@ struct PySender {
   std::string BaselineDigest() const {
     dcr::PlacedRank placed{&layout, {}};
     for (const auto& b : baseline) placed.buffers.emplace_back(const_cast<uint8_t*>(b.data()), b.size());
-    return dcr::RankDigest(placed).ToHex();
+    return Take(dcr::RankDigest(placed)).ToHex();
+  }
+};
+
+// A rank's buffers as Python gave them: host arrays (applied in place), or
+// an object reaching them wherever they live (PyBufferMemory). The arrays
+// and the memory are kept, so the buffers outlive what uses them.
+struct PyBuffers {
+  std::vector<nb::ndarray<>> arrays;
+  std::unique_ptr<dcr_python::PyBufferMemory> memory;
+  dcr::PlacedRank placed;
+
+  PyBuffers(const dcr::CompiledLayout& layout, std::vector<nb::ndarray<>> a, nb::object mem, const std::string& who)
+      : arrays(std::move(a)) {
+    placed.layout = &layout;
+    if (mem.is_none()) {
+      placed.buffers = RankBuffers(layout, arrays, who);
+      return;
+    }
+    if (!arrays.empty()) Raise(dcr::InvalidArgument(who + ": buffers given as arrays and as a memory both"));
+    memory = std::make_unique<dcr_python::PyBufferMemory>(mem, nb::cast<std::vector<uint64_t>>(mem.attr("sizes")()));
+    placed.memory = memory.get();
+    Check(dcr::CheckRankBuffers(placed).WithContext(who));
   }
 };
 
 // The receiver side: one rank (or a whole engine in one process) over live
-// buffers, applied in place. The arrays are kept, so the buffers outlive it.
+// buffers, applied in place. It tracks the engine's chunk digests (computed
+// at the first apply, then updated from the changed words alone).
 struct PyReceiver {
   dcr::CompiledLayout layout;
-  std::vector<nb::ndarray<>> arrays;
-  std::vector<std::span<uint8_t>> spans;
+  PyBuffers buffers;
   std::vector<std::string> residuals;
+  dcr::ChunkDigestTable tracked;  // of the manifest shape below; empty: computed at the next apply
+  std::vector<std::string> tracked_names;
+  uint64_t tracked_chunk = 0;
 
-  PyReceiver(dcr::CompiledLayout l, std::vector<nb::ndarray<>> a, std::vector<std::string> r)
-      : layout(std::move(l)), arrays(std::move(a)), residuals(std::move(r)) {
-    spans = RankBuffers(layout, arrays, "Receiver");
-  }
+  PyReceiver(dcr::CompiledLayout l, std::vector<nb::ndarray<>> a, std::vector<std::string> r, nb::object mem)
+      : layout(std::move(l)), buffers(layout, std::move(a), std::move(mem), "Receiver"), residuals(std::move(r)) {}
 
   nb::dict Apply(const PyDelta& delta) {
     dcr::DeltaReader reader = delta.Reader();
     dcr::Result<dcr::ApplyReport> r = dcr::Internal("not run");
     {
       nb::gil_scoped_release release;
-      dcr::PlacedRank placed{&layout, spans};
-      dcr::PlacedRank* ranks[] = {&placed};
-      r = dcr::ApplyEngineDelta(ranks, reader, residuals);
+      const dcr::DeltaManifest& m = reader.manifest();
+      std::vector<std::string> names;
+      for (const auto& t : m.tensors) names.push_back(t.name);
+      if (names != tracked_names || m.chunk_elements != tracked_chunk) tracked.clear();
+      dcr::PlacedRank* ranks[] = {&buffers.placed};
+      r = dcr::ApplyEngineDelta(ranks, reader, residuals, &tracked);
+      tracked_names = std::move(names);
+      tracked_chunk = m.chunk_elements;
+      if (!r.ok()) tracked.clear();  // after a failure the next apply starts from the bits
     }
     return ApplyReportDict(Take(std::move(r)));
   }
 
+  // The tensors changed outside dcr: the next apply digests them again.
+  void Forget() { tracked.clear(); }
+
   std::string Digest() {
     nb::gil_scoped_release release;
-    dcr::PlacedRank placed{&layout, spans};
-    return dcr::RankDigest(placed).ToHex();
+    return Take(dcr::RankDigest(buffers.placed)).ToHex();
   }
 };
 
@@ -449,7 +482,7 @@ struct PyFollower {
 // kept, and the compiled map has a fixed address, so both outlive the follower).
 struct PyRankFollower {
   std::unique_ptr<dcr::CompiledLayout> layout;
-  std::vector<nb::ndarray<>> arrays;
+  std::unique_ptr<PyBuffers> buffers;
   std::unique_ptr<dcr::RelayReceiver> relay;
   std::unique_ptr<dcr::RankFollower> follower;
 };
@@ -825,12 +858,13 @@ NB_MODULE(_dcr, m) {
       .def(
           "__init__",
           [](PyReceiver* self, const std::string& layout_json, std::vector<nb::ndarray<>> buffers,
-             std::vector<std::string> residuals) {
-            new (self)
-                PyReceiver(CompileJson(layout_json, "receiver layout"), std::move(buffers), std::move(residuals));
+             std::vector<std::string> residuals, nb::object memory) {
+            new (self) PyReceiver(CompileJson(layout_json, "receiver layout"), std::move(buffers), std::move(residuals),
+                                  std::move(memory));
           },
-          "layout_json"_a, "buffers"_a, "residuals"_a)
+          "layout_json"_a, "buffers"_a, "residuals"_a, "memory"_a = nb::none())
       .def("apply", &PyReceiver::Apply, "delta"_a)
+      .def("forget_digests", &PyReceiver::Forget)
       .def("digest", &PyReceiver::Digest);
 
   // Stores
@@ -964,21 +998,22 @@ NB_MODULE(_dcr, m) {
           [](PyRankFollower* self, PyStore& store, const std::string& layout_json, std::vector<nb::ndarray<>> buffers,
              const std::string& state_dir, const std::string& engine, uint32_t rank, uint32_t ranks,
              const std::string& id, double poll_s, bool quiet, const std::vector<std::string>& relay,
-             const std::string& relay_key, const std::string& relay_pub, bool relay_insecure, double relay_poll_s) {
+             const std::string& relay_key, const std::string& relay_pub, bool relay_insecure, double relay_poll_s,
+             nb::object memory) {
             auto layout = std::make_unique<dcr::CompiledLayout>(CompileJson(layout_json, "receiver layout"));
-            std::vector<std::span<uint8_t>> spans = RankBuffers(*layout, buffers, "Receiver.follow");
-            const dcr::PlacedRank placed{layout.get(), spans};
+            auto held = std::make_unique<PyBuffers>(*layout, std::move(buffers), std::move(memory), "Receiver.follow");
+            const dcr::PlacedRank placed = held->placed;
             dcr::FollowOptions o =
                 MakeFollowOptions(id.empty() ? engine + "-r" + std::to_string(rank) : id, poll_s, relay_poll_s, quiet);
             auto relayed = StartRelay(o.id, relay, relay_key, relay_pub, relay_insecure, quiet);
             o.relay = relayed.get();
             auto follower = std::make_unique<dcr::RankFollower>(*store.store, placed, state_dir,
                                                                 dcr::EngineRank{engine, rank, ranks}, std::move(o));
-            new (self) PyRankFollower{std::move(layout), std::move(buffers), std::move(relayed), std::move(follower)};
+            new (self) PyRankFollower{std::move(layout), std::move(held), std::move(relayed), std::move(follower)};
           },
           "store"_a, "layout"_a, "buffers"_a, "state_dir"_a, "engine"_a, "rank"_a, "ranks"_a, "id"_a, "poll_s"_a,
           "quiet"_a, "relay"_a, "relay_key"_a, "relay_pub"_a, "relay_insecure"_a, "relay_poll_s"_a,
-          nb::keep_alive<1, 2>())
+          "memory"_a = nb::none(), nb::keep_alive<1, 2>())
       .def(
           "run",
           [](PyRankFollower& f, std::optional<uint64_t> until, std::optional<double> timeout_s, nb::object on_version) {

@@ -554,7 +554,8 @@ void BuildAddDecodeTable(uint32_t word_bits, uint32_t gap_k, uint32_t value_k, u
 }
 
 // Decodes a sparse payload's changes into `changes`, with the target's old
-// words and the new words they give; writes nothing to the target. Add-mode
+// words and the new words they give; writes nothing to the target. Without a
+// target (null) each change keeps the frame's value in new_word. Add-mode
 // changes that fit the decode table (`table`, or null) are decoded from it,
 // up to four per window; otherwise the common case, a gap and a value
 // within one 56-bit window, is parsed from one Peek() with no branch but
@@ -655,7 +656,7 @@ template <typename U, ValueCoding coding, WordImage image>
     // The line will be read and written once the digest checks out: start
     // fetching it now, while this loop computes (10-20% faster apply on a
     // target in DRAM).
-    __builtin_prefetch(target + pos * sizeof(U), 1);
+    if (target != nullptr) __builtin_prefetch(target + pos * sizeof(U), 1);
     changes[i] = {static_cast<uint32_t>(pos), 0, v};  // the value, for now
     return true;
   };
@@ -668,7 +669,9 @@ template <typename U, ValueCoding coding, WordImage image>
   uint32_t i = 0;
   [[maybe_unused]] uint32_t applied = 0;  // changes whose old and new words are filled in
   [[maybe_unused]] const auto add_apply16 =
-      std::is_same_v<U, uint16_t> && coding == ValueCoding::kSignExpGolomb ? kernels::Kernels().add_apply16 : nullptr;
+      std::is_same_v<U, uint16_t> && coding == ValueCoding::kSignExpGolomb && target != nullptr
+          ? kernels::Kernels().add_apply16
+          : nullptr;
   if constexpr (coding == ValueCoding::kSignExpGolomb) {
     if (table != nullptr) {
       constexpr uint64_t kTableMask = kDecodeTableSize - 1;
@@ -698,7 +701,7 @@ template <typename U, ValueCoding coding, WordImage image>
           used += e & 15;
           pos = next + ((e >> 4) & 0xFFF);
           next = pos + 1;
-          __builtin_prefetch(target + pos * sizeof(U), 1);
+          if (target != nullptr) __builtin_prefetch(target + pos * sizeof(U), 1);
           if constexpr (std::is_same_v<U, uint16_t>) {
             // One store: the position, and the value in the new word's place
             // (the top 16 bits of the entry); the old word's place gets the
@@ -742,6 +745,7 @@ template <typename U, ValueCoding coding, WordImage image>
       return Status::Ok();
     }
   }
+  if (target == nullptr) return Status::Ok();  // values only: the caller gathers and resolves
   constexpr uint32_t kAhead = 16;  // changes ahead, for lines the prefetch above missed
   for (uint32_t i2 = 0; i2 < changed; ++i2) {
     if (i2 + kAhead < changed) __builtin_prefetch(target + size_t{changes[i2 + kAhead].position} * sizeof(U));
@@ -956,8 +960,8 @@ Result<bool> ChunkEncoder::Encode(const ChunkInput& in, const EncodeOptions& opt
 
 // ============================================================================
 
-Status ChunkApplier::Decode(const FrameView& frame, std::span<const uint8_t> target, const std::string& where,
-                            uint32_t* count) {
+Status ChunkApplier::Decode(const FrameView& frame, const uint8_t* target, uint32_t words, const std::string& where,
+                            uint8_t* records, uint32_t* count) {
   const FrameHeader& h = frame.header;
   if (!frame.PayloadHeld())
     return FailedPrecondition(
@@ -965,13 +969,11 @@ Status ChunkApplier::Decode(const FrameView& frame, std::span<const uint8_t> tar
                     "applied again",
                     where));
   const uint32_t wb = WordBytes(h.dtype);
-  const uint32_t words = static_cast<uint32_t>(target.size() / wb);  // the caller checked the size
   if (h.changed > words) return DataLoss(fmt::format("{}: {} changed words in a chunk of {}", where, h.changed, words));
   const WordImage image = ImageKind(h.dtype);
   // The changes, decoded with the old and new words and checked against the
   // frame's digest before the target is written.
-  const uint32_t most = h.codec == Codec::kSparse ? h.changed : words;  // changes the frame may hold
-  uint8_t* changes = Reserve(changes_, changes_capacity_, size_t{most} * ChangeBytes(wb));
+  uint8_t* changes = records != nullptr ? records : Reserve(changes_, changes_capacity_, DecodedBytes(h, words));
   uint32_t n = 0;
   Status error;
   if (h.codec == Codec::kSparse) {
@@ -1008,7 +1010,7 @@ Status ChunkApplier::Decode(const FrameView& frame, std::span<const uint8_t> tar
         constexpr ValueCoding kCoding = decltype(coding_constant)::value;
         auto run = [&](auto image_constant) {
           error = Run<&DecodeSparseLoop<U, kCoding, decltype(image_constant)::value>>(
-              gap_k, value_k, h, words, where, target.data(), &r, reinterpret_cast<Change<U>*>(changes), table);
+              gap_k, value_k, h, words, where, target, &r, reinterpret_cast<Change<U>*>(changes), table);
         };
         if constexpr (kCoding == ValueCoding::kSignExpGolomb) WithImage(image, run);
         else run(std::integral_constant<WordImage, WordImage::kPlain>{});
@@ -1045,7 +1047,11 @@ Status ChunkApplier::Decode(const FrameView& frame, std::span<const uint8_t> tar
         constexpr WordImage kImage = decltype(image_constant)::value;
         for (uint32_t p = 0; p < words; ++p) {
           const U v = Load<U>(dense.data() + size_t{p} * sizeof(U));
-          const U old = Load<U>(target.data() + size_t{p} * sizeof(U));
+          if (target == nullptr) {  // values only: every word the value changes
+            if (v != 0 || h.mode == Mode::kOverwrite) c[n++] = {p, 0, v};
+            continue;
+          }
+          const U old = Load<U>(target + size_t{p} * sizeof(U));
           U nw;
           switch (h.mode) {
             case Mode::kXor: nw = NewWord<Mode::kXor, kImage>(old, v); break;
@@ -1057,6 +1063,7 @@ Status ChunkApplier::Decode(const FrameView& frame, std::span<const uint8_t> tar
         }
       });
     });
+    // A nonzero xor or add value changes its word (add: a bijection).
     if (h.mode != Mode::kOverwrite && n != h.changed)
       return DataLoss(fmt::format("{}: dense payload holds {} changes, the header says {}", where, n, h.changed));
   }
@@ -1096,18 +1103,44 @@ Status CheckTargetSize(const FrameHeader& h, std::span<const uint8_t> target, co
 
 }  // namespace
 
-Result<uint32_t> ChunkApplier::ApplyUnverified(const FrameView& frame, std::span<uint8_t> target) {
+uint64_t ChunkApplier::DecodedBytes(const FrameHeader& h, uint32_t words) {
+  const uint32_t most = h.codec == Codec::kSparse ? std::min(h.changed, words) : words;  // changes the frame may hold
+  return uint64_t{most} * ChangeBytes(WordBytes(h.dtype));
+}
+
+Result<ChunkChanges> ChunkApplier::DecodeValues(const FrameView& frame, uint32_t words, uint8_t* storage) {
   const FrameHeader& h = frame.header;
   const std::string where = fmt::format("frame (tensor {}, chunk {})", h.tensor, h.chunk);
-  DCR_RETURN_IF_ERROR(CheckTargetSize(h, target, where));
   uint32_t n = 0;
-  DCR_RETURN_IF_ERROR(Decode(frame, target, where, &n));
-  WriteChanges(WordBytes(h.dtype), n, target);
-  return n;
+  DCR_RETURN_IF_ERROR(Decode(frame, nullptr, words, where, storage, &n));
+  return ChunkChanges{WordBytes(h.dtype), n, storage != nullptr ? storage : changes_.get()};
+}
+
+void ChunkApplier::Resolve(const FrameHeader& h, const ChunkChanges& changes) {
+  if (h.mode == Mode::kOverwrite) return;  // the value is the new word
+  const WordImage image = ImageKind(h.dtype);
+  changes.Visit([&](auto* c) {
+    using U = decltype(c->old_word);
+    WithImage(image, [&](auto image_constant) {
+      constexpr WordImage kImage = decltype(image_constant)::value;
+      if (h.mode == Mode::kXor)
+        for (uint32_t i = 0; i < changes.count; ++i)
+          c[i].new_word = NewWord<Mode::kXor, kImage, U>(c[i].old_word, c[i].new_word);
+      else
+        for (uint32_t i = 0; i < changes.count; ++i)
+          c[i].new_word = NewWord<Mode::kAdd, kImage, U>(c[i].old_word, c[i].new_word);
+    });
+  });
+}
+
+Digest ChangesDigest(const DigestKey& key, uint64_t first_word, const ChunkChanges& changes) {
+  Digest d;
+  kernels::Kernels().digest_changes(changes.word_bytes, key.seed, first_word, changes.records, changes.count, d.lane);
+  return d;
 }
 
 Result<ApplyOutcome> ChunkApplier::Apply(const FrameView& frame, const DigestKey& key, uint64_t first_word,
-                                         std::span<uint8_t> target, const Digest& current, Digest* after) {
+                                         std::span<uint8_t> target, const Digest& current, Digest* after, bool write) {
   const FrameHeader& h = frame.header;
   const std::string where = fmt::format("frame (tensor {}, chunk {})", h.tensor, h.chunk);
   const uint32_t wb = WordBytes(h.dtype);
@@ -1118,7 +1151,7 @@ Result<ApplyOutcome> ChunkApplier::Apply(const FrameView& frame, const DigestKey
   }
 
   uint32_t n = 0;
-  DCR_RETURN_IF_ERROR(Decode(frame, target, where, &n));
+  DCR_RETURN_IF_ERROR(Decode(frame, target.data(), static_cast<uint32_t>(target.size() / wb), where, nullptr, &n));
   const uint8_t* changes = changes_.get();
   Digest d = current;
   WithWordType(wb, [&](auto word) {
@@ -1134,7 +1167,7 @@ Result<ApplyOutcome> ChunkApplier::Apply(const FrameView& frame, const DigestKey
         "{}); it needs {} or a resync from a snapshot",
         where, d.ToHex(), h.target_digest.ToHex(),
         h.mode == Mode::kOverwrite ? "a dense overwrite" : "an overwrite frame"));
-  WriteChanges(wb, n, target);
+  if (write) WriteChanges(wb, n, target);
   *after = d;
   return ApplyOutcome::kApplied;
 }

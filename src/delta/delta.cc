@@ -13,6 +13,7 @@
 #include <random>
 #include <unordered_set>
 
+#include "dcr/apply.h"
 #include "dcr/progress.h"
 #include "dcr/thread_pool.h"
 
@@ -366,30 +367,6 @@ Result<FrameView> DeltaReader::Frame(size_t i) const {
   return view;
 }
 
-namespace {
-
-// What the pre-write checks of ApplyDelta found for each frame.
-enum class FrameState : uint8_t { kPending, kDone };
-
-// A dry run of `frame` on a copy of its chunk: does it turn the chunk's
-// current bits into the frame's target? (A chunk not at the frame's base
-// does not, whatever its mode: the digest after the change is computed from
-// the chunk's own words.)
-bool ReachesTarget(const Checkpoint& target, size_t index, const DeltaManifest& m, const DeltaFrameEntry& e,
-                   const FrameView& frame, const DigestKey& key, const Digest& now, std::vector<uint8_t>* scratch) {
-  const auto [offset, bytes] = ChunkByteRange(m, e.tensor, e.chunk);
-  const auto data = target.Data(index).subspan(offset, bytes);
-  scratch->assign(data.begin(), data.end());
-  uint64_t first_word, words;
-  uint32_t elements;
-  m.ChunkWords(e.tensor, e.chunk, &first_word, &words, &elements);
-  thread_local ChunkApplier dry_run;
-  Digest after;
-  return dry_run.Apply(frame, key, first_word, *scratch, now, &after).ok();
-}
-
-}  // namespace
-
 Result<ApplyReport> ApplyDelta(Checkpoint& target, const DeltaReader& delta, Progress* progress, ThreadPool* pool,
                                ChunkDigestTable* tracked, bool sync) {
   const DeltaManifest& m = delta.manifest();
@@ -405,13 +382,9 @@ Result<ApplyReport> ApplyDelta(Checkpoint& target, const DeltaReader& delta, Pro
     if (!shaped) return InvalidArgument("ApplyDelta: tracked chunk digests do not match the delta's chunking");
   }
   ChunkDigestTable& digests = computed.empty() ? *tracked : computed;
-
   std::vector<size_t> target_index(m.tensors.size());
-  std::vector<DigestKey> keys(m.tensors.size());
-  for (size_t t = 0; t < m.tensors.size(); ++t) {
-    target_index[t] = static_cast<size_t>(target.Find(m.tensors[t].name));
-    keys[t] = MakeDigestKey(m.tensors[t].name);
-  }
+  for (size_t t = 0; t < m.tensors.size(); ++t) target_index[t] = static_cast<size_t>(target.Find(m.tensors[t].name));
+  CheckpointApplyTarget placed(target, m, std::move(target_index));
   auto not_base = [&](const DeltaFrameEntry& e, std::string_view why) {
     return FailedPrecondition(fmt::format(
         "{} is not the base of delta {}: tensor '{}' chunk {} holds other bits (digest {}){}; apply the delta to its "
@@ -425,8 +398,10 @@ Result<ApplyReport> ApplyDelta(Checkpoint& target, const DeltaReader& delta, Pro
   // no chunk is done, the framed chunks' sum against the manifest's base
   // digest shows that at once; otherwise (a resumed apply, a chunk in
   // another state, an overwrite delta repairing a half-written chunk) a dry
-  // run of each pending frame on a copy decides, naming the chunk.
-  std::vector<FrameState> state(m.frames.size(), FrameState::kPending);
+  // run of the pending frames decides, naming the chunk.
+  std::vector<FrameView> pending;
+  std::vector<size_t> entry;  // pending frame -> manifest frame
+  std::vector<Digest> current;
   Digest framed_now, framed_target, all_now;
   size_t done = 0;
   for (const auto& chunks : digests)
@@ -437,9 +412,15 @@ Result<ApplyReport> ApplyDelta(Checkpoint& target, const DeltaReader& delta, Pro
     const Digest& now = digests[e.tensor][e.chunk];
     framed_now += now;
     framed_target += frame.header.target_digest;
-    if (now == frame.header.target_digest) state[i] = FrameState::kDone, ++done;
-    else if (!frame.PayloadHeld())
+    if (now == frame.header.target_digest) {
+      ++done;
+      continue;
+    }
+    if (!frame.PayloadHeld())
       return not_base(e, " but its frame's payload was dropped once applied (the chunk changed since)");
+    pending.push_back(frame);
+    entry.push_back(i);
+    current.push_back(now);
   }
   const Digest rest = m.target_digest - framed_target;  // the chunks no frame changes
   if (all_now - framed_now != rest)
@@ -448,47 +429,31 @@ Result<ApplyReport> ApplyDelta(Checkpoint& target, const DeltaReader& delta, Pro
         "{}), or the manifest does not belong to these frames; nothing was written",
         target.path(), delta.dir(), (all_now - framed_now).ToHex(), rest.ToHex()));
   if (done > 0 || framed_now != m.base_digest - rest) {
-    std::vector<uint8_t> scratch;
-    for (size_t i = 0; i < m.frames.size(); ++i) {
-      if (state[i] == FrameState::kDone) continue;
-      const auto& e = m.frames[i];
-      DCR_ASSIGN_OR_RETURN(FrameView frame, delta.Frame(i));
-      if (!ReachesTarget(target, target_index[e.tensor], m, e, frame, keys[e.tensor], digests[e.tensor][e.chunk],
-                         &scratch))
-        return not_base(e, frame.header.mode == Mode::kOverwrite ? " that this overwrite frame cannot repair" : "");
+    const auto dry = ApplyFrames(placed, m, pending, current, {.write = false, .pool = pool});
+    for (size_t k = 0; k < dry.size(); ++k) {
+      if (dry[k].status.ok()) continue;
+      if (dry[k].status.code() != Code::kFailedPrecondition) return dry[k].status;
+      return not_base(m.frames[entry[k]],
+                      pending[k].header.mode == Mode::kOverwrite ? " that this overwrite frame cannot repair" : "");
     }
   }
 
-  std::vector<Status> errors(m.frames.size());
-  std::atomic<uint64_t> applied{0}, payload{0}, changed{0};
-  PoolOr(pool).ParallelFor(m.frames.size(), [&](size_t i) {
-    if (state[i] == FrameState::kDone) return;
-    thread_local ChunkApplier applier;
-    const auto& e = m.frames[i];
-    auto frame = delta.Frame(i);
-    if (!frame.ok()) {
-      errors[i] = frame.status();
-      return;
+  const auto applied = ApplyFrames(placed, m, pending, current, {.pool = pool, .progress = progress});
+  ApplyReport report;
+  report.frames_already_applied = done;
+  Status first;  // by frame order; the other frames' chunks are applied (and tracked) all the same
+  for (size_t k = 0; k < applied.size(); ++k) {
+    if (!applied[k].status.ok()) {
+      if (first.ok()) first = applied[k].status;
+      continue;
     }
-    const auto [offset, bytes] = ChunkByteRange(m, e.tensor, e.chunk);
-    uint64_t first_word, words;
-    uint32_t elements;
-    m.ChunkWords(e.tensor, e.chunk, &first_word, &words, &elements);
-    Digest after;
-    auto outcome = applier.Apply(*frame, keys[e.tensor], first_word,
-                                 target.MutableData(target_index[e.tensor]).subspan(offset, bytes),
-                                 digests[e.tensor][e.chunk], &after);
-    if (!outcome.ok()) {
-      errors[i] = outcome.status().WithContext(fmt::format("tensor '{}'", m.tensors[e.tensor].name));
-      return;
-    }
-    digests[e.tensor][e.chunk] = after;  // chunks are distinct: no two frames share a slot
-    applied.fetch_add(1);
-    payload.fetch_add(frame->header.payload_bytes);
-    changed.fetch_add(frame->header.changed);
-    if (progress) progress->Add(bytes);
-  });
-  for (const auto& s : errors) DCR_RETURN_IF_ERROR(s);
+    const DeltaFrameEntry& e = m.frames[entry[k]];
+    digests[e.tensor][e.chunk] = applied[k].after;
+    ++report.frames_applied;
+    report.payload_bytes += pending[k].header.payload_bytes;
+    report.changed_words += pending[k].header.changed;
+  }
+  DCR_RETURN_IF_ERROR(first);
   if (sync) DCR_RETURN_IF_ERROR(target.Sync());
   // The digests of what was applied, against the manifest once more.
   Digest made;
@@ -500,11 +465,6 @@ Result<ApplyReport> ApplyDelta(Checkpoint& target, const DeltaReader& delta, Pro
         fmt::format("delta {}: the manifest's target digest is {}, but {} holds {}; apply an overwrite "
                     "delta of this version to it, or restore it",
                     delta.dir(), m.target_digest.ToHex(), target.path(), made.ToHex()));
-  ApplyReport report;
-  report.frames_applied = applied.load();
-  report.frames_already_applied = done;
-  report.payload_bytes = payload.load();
-  report.changed_words = changed.load();
   return report;
 }
 

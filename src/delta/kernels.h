@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "bitstream.h"
+#include "dcr/chunk_codec.h"
 #include "dcr/compare.h"
 
 namespace dcr::kernels {
@@ -65,10 +66,7 @@ using DigestLimbsFn = void (*)(const uint64_t seed[2], uint64_t first, const uin
 
 // A changed word of a chunk: its index, and its bits before and after.
 template <typename U>
-struct Change {
-  uint32_t position;
-  U old_word, new_word;
-};
+using Change = WordChange<U>;
 
 // Finds the words of `word_bytes` bytes that differ between a and b (n
 // words each) and writes them, in increasing order, to `changes`, an array

@@ -1,4 +1,4 @@
-// Per-rank apply (ApplyRankFrame): each rank of an engine applies its own
+// Per-rank apply (ApplyRankFrames): each rank of an engine applies its own
 // elements of a frame alone; the ranks' partial digests of every chunk add
 // up to the frame's base and target digests, and every rank's buffers end
 // equal to a dense load of the new tensors. Property tests over random
@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <random>
 #include <set>
 
@@ -204,9 +205,22 @@ TEST(RankApplyTest, HeldChunksAreThoseAnyCopyTouches) {
   EXPECT_EQ(RankHeldChunks(*r0, d.manifest)[0], (std::vector<std::pair<uint64_t, uint64_t>>{{0, 4}}));
 }
 
+// One frame through ApplyRankFrames, from the rank's tracked partial `current`.
+FrameApplied ApplyOne(PlacedRank& rank, const DeltaManifest& m, const FrameView& frame, const Digest& current) {
+  const FrameView frames[] = {frame};
+  const Digest now[] = {current};
+  return ApplyRankFrames(rank, m, frames, now)[0];
+}
+
+ChunkDigestTable Partials(Rank& r, const DeltaManifest& m) {
+  auto table = RankChunkDigests(r.placed(), m);
+  EXPECT_TRUE(table.ok()) << table.status().ToString();
+  return *table;
+}
+
 TEST(RankApplyTest, PartialsAddUpAndRanksEndAtADenseLoad) {
   std::mt19937_64 rng(7);
-  int frames_seen = 0;
+  int frames_seen = 0, whole_seen = 0;
   for (int round = 0; round < 60; ++round) {
     const DType dtype = round % 2 ? DType::kF32 : DType::kBF16;
     const uint32_t wb = BitsPerElement(dtype) / 8;
@@ -220,23 +234,22 @@ TEST(RankApplyTest, PartialsAddUpAndRanksEndAtADenseLoad) {
     const Delta d = Encode(base, next, dtype, options);
     // Tracked partials, as a rank follower keeps them.
     std::vector<ChunkDigestTable> tracked;
-    for (Rank& r : engine) tracked.push_back(RankChunkDigests(r.placed(), d.manifest));
-    // Every (rank, frame) pair, in random order, some twice.
+    for (Rank& r : engine) tracked.push_back(Partials(r, d.manifest));
+    // Every (rank, frame) pair, in random order.
     std::vector<std::pair<size_t, size_t>> order;
     for (size_t r = 0; r < engine.size(); ++r)
       for (size_t f = 0; f < d.frames.size(); ++f) order.emplace_back(r, f);
     std::shuffle(order.begin(), order.end(), rng);
     std::map<size_t, Digest> target_sum;
-    std::vector<uint8_t> scratch;
     for (auto [r, f] : order) {
       const FrameView frame = Parse(d.frames[f]);
       PlacedRank p = engine[r].placed();
       Digest& t = tracked[r][frame.header.tensor][frame.header.chunk];
-      auto res = ApplyRankFrame(p, d.manifest, frame, &scratch, &t);
-      ASSERT_TRUE(res.ok()) << res.status().ToString();
-      EXPECT_EQ(res->base, t);
-      t = res->target;
-      target_sum[f] += res->target;
+      const FrameApplied res = ApplyOne(p, d.manifest, frame, t);
+      ASSERT_TRUE(res.status.ok()) << res.status.ToString();
+      whole_seen += res.holding == Holding::kWhole;
+      t = res.after;
+      target_sum[f] += res.after;
       ++frames_seen;
     }
     for (size_t f = 0; f < d.frames.size(); ++f) {
@@ -244,10 +257,11 @@ TEST(RankApplyTest, PartialsAddUpAndRanksEndAtADenseLoad) {
       EXPECT_EQ(target_sum[f], frame.header.target_digest) << "round " << round << " frame " << f;
     }
     ExpectEqualsDenseLoad(engine, next, dtype, "round " + std::to_string(round));
-    // The tracked tables are what a fresh pass computes, and add up to the target.
+    // The partials updated from the changed words alone are what a fresh
+    // pass over the buffers computes, and add up to the target.
     Digest total;
     for (size_t r = 0; r < engine.size(); ++r) {
-      EXPECT_EQ(tracked[r], RankChunkDigests(engine[r].placed(), d.manifest)) << "rank " << r;
+      EXPECT_EQ(tracked[r], Partials(engine[r], d.manifest)) << "rank " << r;
       for (const auto& row : tracked[r])
         for (const Digest& x : row) total += x;
     }
@@ -257,58 +271,180 @@ TEST(RankApplyTest, PartialsAddUpAndRanksEndAtADenseLoad) {
     EXPECT_EQ(total, want);
   }
   EXPECT_GT(frames_seen, 500);
+  EXPECT_GT(whole_seen, 50);  // chunks 0 and 1 of "a" lie whole in rank 0's rows
 }
 
-TEST(RankApplyTest, CorruptionIsRefusedByXorAndRepairedByOverwrite) {
+// Buffers reached only through BufferMemory (what a GPU's are): host
+// vectors behind the interface, counting calls; `fail_scatter` makes the
+// n-th scatter write its first request and then fail (a device error).
+class FakeMemory final : public BufferMemory {
+ public:
+  explicit FakeMemory(std::vector<std::vector<uint8_t>> bytes) : bytes_(std::move(bytes)) {}
+  uint64_t Bytes(size_t b) const override { return bytes_[b].size(); }
+  Status Gather(std::span<const WordRequest> requests) override {
+    ++gathers;
+    for (const WordRequest& r : requests)
+      for (size_t i = 0; i < r.offsets.size(); ++i)
+        std::memcpy(r.words.data() + i * r.word_bytes, bytes_[r.buffer].data() + r.offsets[i] * r.word_bytes,
+                    r.word_bytes);
+    return Status::Ok();
+  }
+  Status Scatter(std::span<const WordRequest> requests) override {
+    ++scatters;
+    for (const WordRequest& r : requests) {
+      for (size_t i = 0; i < r.offsets.size(); ++i)
+        std::memcpy(bytes_[r.buffer].data() + r.offsets[i] * r.word_bytes, r.words.data() + i * r.word_bytes,
+                    r.word_bytes);
+      if (scatters == fail_scatter) return Unavailable("the device is gone");
+    }
+    return Status::Ok();
+  }
+  Status Read(size_t b, uint64_t offset, std::span<uint8_t> out) override {
+    std::memcpy(out.data(), bytes_[b].data() + offset, out.size());
+    return Status::Ok();
+  }
+  Status Write(size_t b, uint64_t offset, std::span<const uint8_t> in) override {
+    std::memcpy(bytes_[b].data() + offset, in.data(), in.size());
+    return Status::Ok();
+  }
+  const std::vector<std::vector<uint8_t>>& bytes() const { return bytes_; }
+  int gathers = 0, scatters = 0, fail_scatter = -1;
+
+ private:
+  std::vector<std::vector<uint8_t>> bytes_;
+};
+
+// The same engine as MakeEngine, its buffers in FakeMemory.
+struct MemoryEngine {
+  std::vector<CompiledLayout> layouts;
+  std::vector<std::unique_ptr<FakeMemory>> memory;
+  std::vector<PlacedRank> placed;
+  explicit MemoryEngine(std::vector<Rank>& like) {
+    for (Rank& r : like) {
+      layouts.push_back(r.layout);
+      memory.push_back(std::make_unique<FakeMemory>(r.bytes));
+    }
+    for (size_t k = 0; k < like.size(); ++k) placed.push_back({&layouts[k], {}, memory[k].get()});
+  }
+};
+
+// Base and next of "a" differing at element 45 (row 4: rank 1's primary,
+// rank 0's replica; chunk 2, which rank 1 holds half of) and element 3
+// (chunk 0, whole in rank 0); and the same two elements flipped in the
+// ranks' buffers behind their backs.
+std::pair<Tensors, Tensors> TwoChanges() {
   std::mt19937_64 rng(11);
-  const DType dtype = DType::kBF16;
   const Tensors base = RandomTensors(rng, 2);
   Tensors next = base;
-  // Element 45 of "a" (row 4: rank 1's primary, rank 0's replica) changes.
   next["a"][90] ^= 0x55;
+  next["a"][6] ^= 0x21;
+  return {base, next};
+}
+void CorruptTheChangedElements(std::vector<Rank>& engine) {
+  engine[1].bytes[0][(45 - 40) * 2] ^= 0x01;
+  engine[0].bytes[0][3 * 2] ^= 0x01;
+}
+
+// Ranks in host memory audit each chunk a frame touches: an element
+// corrupted behind a rank's back is caught at the next frame of its chunk,
+// nothing written, and the overwrite retry repairs it.
+TEST(RankApplyTest, HostRanksAuditTheChunksTheyApplyTo) {
+  const DType dtype = DType::kBF16;
+  const auto [base, next] = TwoChanges();
   std::vector<Rank> engine = MakeEngine(dtype);
   Load(engine, base);
-  EncodeOptions xo;
-  const Delta x = Encode(base, next, dtype, xo);
-  ASSERT_EQ(x.frames.size(), 1u);
+  const Delta x = Encode(base, next, dtype, EncodeOptions{});
+  ASSERT_EQ(x.frames.size(), 2u);
   std::vector<ChunkDigestTable> tracked;
-  for (Rank& r : engine) tracked.push_back(RankChunkDigests(r.placed(), x.manifest));
-  // Corrupt rank 1's copy of element 45 behind its back.
-  engine[1].bytes[0][(45 - 40) * 2] ^= 0x01;
-  const std::vector<std::vector<uint8_t>> before = engine[1].bytes;
-  const FrameView xf = Parse(x.frames[0]);
-  std::vector<uint8_t> scratch;
-  PlacedRank p1 = engine[1].placed();
-  auto refused = ApplyRankFrame(p1, x.manifest, xf, &scratch, &tracked[1][0][2]);
-  ASSERT_FALSE(refused.ok());
-  EXPECT_EQ(refused.status().code(), Code::kFailedPrecondition);
-  EXPECT_THAT(refused.status().message(), HasSubstr("tensor 'a' chunk 2"));
-  EXPECT_TRUE(engine[1].bytes == before) << "nothing written";
-  // Without the tracked digest the rank applies, and the engine's partials do
-  // not add up to the target: the coordinator's check catches it.
-  Digest sum;
-  for (Rank& r : engine) {
-    PlacedRank p = r.placed();
-    auto res = ApplyRankFrame(p, x.manifest, xf, &scratch);
-    ASSERT_TRUE(res.ok());
-    sum += res->target;
-  }
-  EXPECT_NE(sum, xf.header.target_digest);
-  // The overwrite retry repairs it.
+  for (Rank& r : engine) tracked.push_back(Partials(r, x.manifest));
+  CorruptTheChangedElements(engine);
+  const FrameView chunk0 = Parse(x.frames[0]), chunk2 = Parse(x.frames[1]);
+  ASSERT_EQ(chunk0.header.chunk, 0u);
+  ASSERT_EQ(chunk2.header.chunk, 2u);
+  const auto before0 = engine[0].bytes, before1 = engine[1].bytes;
+  PlacedRank p0 = engine[0].placed(), p1 = engine[1].placed();
+  // Whole in rank 0: checked from its bits, not its base.
+  const FrameApplied whole = ApplyOne(p0, x.manifest, chunk0, tracked[0][0][0]);
+  EXPECT_EQ(whole.status.code(), Code::kFailedPrecondition) << whole.status.ToString();
+  EXPECT_THAT(whole.status.message(), HasSubstr("tensor 'a' chunk 0"));
+  EXPECT_TRUE(engine[0].bytes == before0) << "nothing written";
+  // Half in rank 1: its elements are not at its tracked partial.
+  const FrameApplied half = ApplyOne(p1, x.manifest, chunk2, tracked[1][0][2]);
+  EXPECT_EQ(half.status.code(), Code::kFailedPrecondition) << half.status.ToString();
+  EXPECT_THAT(half.status.message(), HasSubstr("changed behind its back"));
+  EXPECT_TRUE(engine[1].bytes == before1) << "nothing written";
+  // The overwrite retry repairs both, from the bits.
   EncodeOptions oo;
   oo.delta_class = DeltaClass::kOverwrite;
   const Delta o = Encode(base, next, dtype, oo);
-  ASSERT_EQ(o.frames.size(), 1u);
-  const FrameView of = Parse(o.frames[0]);
-  sum = Digest{};
+  ASSERT_EQ(o.frames.size(), 2u);
+  Digest sum;
   for (size_t r = 0; r < engine.size(); ++r) {
     PlacedRank p = engine[r].placed();
-    auto res = ApplyRankFrame(p, o.manifest, of, &scratch, &tracked[r][0][2]);
-    ASSERT_TRUE(res.ok()) << res.status().ToString();
-    sum += res->target;
+    for (const std::string& f : o.frames) {
+      const FrameView of = Parse(f);
+      const FrameApplied res = ApplyOne(p, o.manifest, of, tracked[r][of.header.tensor][of.header.chunk]);
+      ASSERT_TRUE(res.status.ok()) << res.status.ToString();
+      if (of.header.chunk == 2) sum += res.after;
+    }
   }
-  EXPECT_EQ(sum, of.header.target_digest);
+  EXPECT_EQ(sum, Parse(o.frames[1]).header.target_digest);
   ExpectEqualsDenseLoad(engine, next, dtype, "after the overwrite");
+  // An element no frame changes, corrupted in a chunk rank 0 holds whole:
+  // an overwrite cannot reach the chunk's target and is refused, naming the
+  // chunk, with nothing written (the rank rejoins from a snapshot).
+  engine[0].bytes[0][10 * 2] ^= 0x04;
+  const auto before = engine[0].bytes;
+  const FrameApplied stuck = ApplyOne(p0, o.manifest, Parse(o.frames[0]), Partials(engine[0], o.manifest)[0][0]);
+  EXPECT_EQ(stuck.status.code(), Code::kFailedPrecondition) << stuck.status.ToString();
+  EXPECT_THAT(stuck.status.message(), HasSubstr("tensor 'a' chunk 0"));
+  EXPECT_TRUE(engine[0].bytes == before);
+}
+
+// Ranks in BufferMemory (a device's) do not audit: their tracked partials
+// follow what the loop writes, O(changed), and bits changed behind a rank's
+// back show only in a pass over its buffers (an audit), which a rank
+// follower runs at join and before an overwrite retry; the retry from the
+// audited partials repairs them.
+TEST(RankApplyTest, DeviceRanksTrackWhatTheyWriteAndAreRepairedAfterAnAudit) {
+  const DType dtype = DType::kBF16;
+  const auto [base, next] = TwoChanges();
+  std::vector<Rank> host = MakeEngine(dtype);
+  Load(host, base);
+  CorruptTheChangedElements(host);
+  const Delta x = Encode(base, next, dtype, EncodeOptions{});
+  std::vector<ChunkDigestTable> tracked;
+  std::vector<Rank> clean = MakeEngine(dtype);
+  Load(clean, base);
+  for (Rank& r : clean) tracked.push_back(Partials(r, x.manifest));  // what they tracked before
+  MemoryEngine device(host);
+  for (size_t r = 0; r < host.size(); ++r)
+    for (const std::string& f : x.frames) {
+      const FrameView frame = Parse(f);
+      Digest& t = tracked[r][frame.header.tensor][frame.header.chunk];
+      const FrameApplied res = ApplyOne(device.placed[r], x.manifest, frame, t);
+      if (res.status.ok()) t = res.after;
+    }
+  for (size_t r = 0; r < 2; ++r) {
+    auto audited = RankChunkDigests(device.placed[r], x.manifest);
+    ASSERT_TRUE(audited.ok());
+    EXPECT_NE(*audited, tracked[r]) << "rank " << r << ": the audit sees what tracking does not";
+  }
+  EncodeOptions oo;
+  oo.delta_class = DeltaClass::kOverwrite;
+  const Delta o = Encode(base, next, dtype, oo);
+  for (size_t r = 0; r < host.size(); ++r) {
+    auto audited = RankChunkDigests(device.placed[r], o.manifest);
+    ASSERT_TRUE(audited.ok());
+    for (const std::string& f : o.frames) {
+      const FrameView of = Parse(f);
+      const FrameApplied res =
+          ApplyOne(device.placed[r], o.manifest, of, (*audited)[of.header.tensor][of.header.chunk]);
+      ASSERT_TRUE(res.status.ok()) << res.status.ToString();
+    }
+  }
+  Load(clean, next);
+  for (size_t r = 0; r < host.size(); ++r) EXPECT_TRUE(device.memory[r]->bytes() == clean[r].bytes) << "rank " << r;
 }
 
 TEST(RankApplyTest, BadFramesWriteNothing) {
@@ -327,17 +463,18 @@ TEST(RankApplyTest, BadFramesWriteNothing) {
   }
   ASSERT_LT(pick, d.frames.size());
   const std::vector<std::vector<uint8_t>> before = engine[0].bytes;
-  std::vector<uint8_t> scratch;
   PlacedRank p = engine[0].placed();
+  const ChunkDigestTable tracked = Partials(engine[0], d.manifest);
   FrameView f = Parse(d.frames[pick]);
+  const Digest& now = tracked[f.header.tensor][f.header.chunk];
   // A frame of another dtype than its tensor's.
   FrameView other = f;
   other.header.dtype = other.header.dtype == DType::kBF16 ? DType::kF16 : DType::kBF16;
-  EXPECT_EQ(ApplyRankFrame(p, d.manifest, other, &scratch).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(ApplyOne(p, d.manifest, other, now).status.code(), Code::kInvalidArgument);
   // A chunk the tensor does not have.
   FrameView g = f;
   g.header.chunk = 100;
-  EXPECT_EQ(ApplyRankFrame(p, d.manifest, g, &scratch).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(ApplyOne(p, d.manifest, g, now).status.code(), Code::kInvalidArgument);
   // A payload that does not decode (its checksum recomputed, as a buggy
   // sender would): the decode is checked before a byte is written.
   FrameHeader h = f.header;
@@ -346,9 +483,149 @@ TEST(RankApplyTest, BadFramesWriteNothing) {
   const std::string bad = EncodeFrame(h, payload);
   auto parsed = ParseFrame({reinterpret_cast<const uint8_t*>(bad.data()), bad.size()});
   ASSERT_TRUE(parsed.ok());
-  auto r = ApplyRankFrame(p, d.manifest, *parsed, &scratch);
-  EXPECT_EQ(r.status().code(), Code::kDataLoss) << r.status().ToString();
+  const FrameApplied r = ApplyOne(p, d.manifest, *parsed, now);
+  EXPECT_EQ(r.status.code(), Code::kDataLoss) << r.status.ToString();
   EXPECT_TRUE(engine[0].bytes == before);
+  // Two frames of one chunk in one apply: the second is refused.
+  const FrameView twice[] = {f, f};
+  const Digest nows[] = {now, now};
+  const auto both = ApplyRankFrames(p, d.manifest, twice, nows);
+  EXPECT_EQ(both[1].status.code(), Code::kInvalidArgument);
+  EXPECT_THAT(both[1].status.message(), HasSubstr("two frames of tensor 0"));
+  EXPECT_TRUE(both[0].status.ok()) << both[0].status.ToString();
+}
+
+// Every mode, chunk edges, replicas and partial chunks: ranks whose buffers
+// are reached only through BufferMemory end with the bits, partial digests
+// and results of ranks in host memory, rank by rank and as one engine.
+TEST(RankApplyTest, RanksInBufferMemoryMatchRanksInHostMemory) {
+  std::mt19937_64 rng(19);
+  for (int round = 0; round < 30; ++round) {
+    const DType dtype = round % 2 ? DType::kF32 : DType::kBF16;
+    const uint32_t wb = BitsPerElement(dtype) / 8;
+    EncodeOptions options;
+    options.delta_class = round % 3 == 2 ? DeltaClass::kOverwrite : DeltaClass::kXorClass;
+    options.allow_add = round % 3 != 1;
+    const Tensors base = RandomTensors(rng, wb);
+    const Tensors next = Change(rng, base, wb, round % 5 == 0 ? 0.9 : 0.2);
+    std::vector<Rank> host = MakeEngine(dtype);
+    Load(host, base);
+    MemoryEngine device(host);
+    const Delta d = Encode(base, next, dtype, options);
+    std::vector<FrameView> frames;
+    for (const std::string& f : d.frames) frames.push_back(Parse(f));
+    for (size_t r = 0; r < host.size(); ++r) {
+      const ChunkDigestTable tracked = Partials(host[r], d.manifest);
+      auto on_device = RankChunkDigests(device.placed[r], d.manifest);
+      ASSERT_TRUE(on_device.ok());
+      EXPECT_EQ(*on_device, tracked) << "digests read through the memory";
+      std::vector<Digest> current;
+      for (const FrameView& f : frames) current.push_back(tracked[f.header.tensor][f.header.chunk]);
+      PlacedRank p = host[r].placed();
+      const auto want = ApplyRankFrames(p, d.manifest, frames, current);
+      const auto got = ApplyRankFrames(device.placed[r], d.manifest, frames, current);
+      for (size_t i = 0; i < frames.size(); ++i) {
+        EXPECT_EQ(got[i].status.code(), want[i].status.code()) << got[i].status.ToString();
+        EXPECT_EQ(got[i].after, want[i].after) << "round " << round << " rank " << r << " frame " << i;
+        EXPECT_EQ(got[i].holding, want[i].holding);
+        EXPECT_EQ(got[i].written, want[i].written);
+      }
+      EXPECT_TRUE(device.memory[r]->bytes() == host[r].bytes) << "round " << round << " rank " << r;
+      // Gathers and scatters by window, never by change.
+      EXPECT_LE(device.memory[r]->gathers, static_cast<int>(frames.size()));
+    }
+    ExpectEqualsDenseLoad(host, next, dtype, "host round " + std::to_string(round));
+  }
+}
+
+TEST(RankApplyTest, AnEngineInBufferMemoryIsCheckedChunkByChunkAndLoadsDense) {
+  std::mt19937_64 rng(23);
+  const DType dtype = DType::kBF16;
+  const Tensors base = RandomTensors(rng, 2);
+  const Tensors next = Change(rng, base, 2, 0.3);
+  std::vector<Rank> host = MakeEngine(dtype);
+  MemoryEngine device(host);
+  // A dense load through the memory, then the delta applied to the whole
+  // engine: every chunk whole across the ranks, checked before written.
+  for (PlacedRank& p : device.placed)
+    ASSERT_TRUE(LoadDense(
+                    [&](const std::string& name, uint64_t* bytes) -> const uint8_t* {
+                      *bytes = base.at(name).size();
+                      return base.at(name).data();
+                    },
+                    p)
+                    .ok());
+  Load(host, base);
+  for (size_t r = 0; r < host.size(); ++r) EXPECT_TRUE(device.memory[r]->bytes() == host[r].bytes) << "rank " << r;
+  const Delta d = Encode(base, next, dtype, EncodeOptions{});
+  std::vector<PlacedRank*> ranks;
+  for (PlacedRank& p : device.placed) ranks.push_back(&p);
+  ChunkDigestTable engine(d.manifest.tensors.size());
+  for (size_t t = 0; t < engine.size(); ++t) engine[t].assign(d.manifest.ChunkCount(t), Digest{});
+  for (PlacedRank* p : ranks) {
+    auto mine = RankChunkDigests(*p, d.manifest);
+    ASSERT_TRUE(mine.ok());
+    for (size_t t = 0; t < engine.size(); ++t)
+      for (size_t c = 0; c < engine[t].size(); ++c) engine[t][c] += (*mine)[t][c];
+  }
+  std::vector<FrameView> frames;
+  std::vector<Digest> current;
+  for (const std::string& f : d.frames) {
+    frames.push_back(Parse(f));
+    current.push_back(engine[frames.back().header.tensor][frames.back().header.chunk]);
+  }
+  PlacedTarget target(ranks, d.manifest, /*partial=*/false);
+  EXPECT_TRUE(target.Batched());
+  const auto applied = ApplyFrames(target, d.manifest, frames, current);
+  for (size_t i = 0; i < frames.size(); ++i) {
+    ASSERT_TRUE(applied[i].status.ok()) << applied[i].status.ToString();
+    EXPECT_EQ(applied[i].holding, Holding::kWhole);
+    EXPECT_EQ(applied[i].after, frames[i].header.target_digest);
+  }
+  Load(host, next);
+  for (size_t r = 0; r < host.size(); ++r) EXPECT_TRUE(device.memory[r]->bytes() == host[r].bytes) << "rank " << r;
+  Digest sum;
+  for (PlacedRank* p : ranks) {
+    auto digest = RankDigest(*p);
+    ASSERT_TRUE(digest.ok());
+    sum += *digest;
+  }
+  Digest want;
+  for (const char* name : {"a", "b"})
+    want += DigestBytes(MakeDigestKey(name), 0, {next.at(name).data(), next.at(name).size()});
+  EXPECT_EQ(sum, want);
+}
+
+// A scatter that fails part way marks its frames torn: their chunks may hold
+// some new words, which the caller must not take for the base (a rank
+// follower keeps them in its frame log; an overwrite repairs them).
+TEST(RankApplyTest, AScatterThatFailsPartWayIsReportedTorn) {
+  std::mt19937_64 rng(29);
+  const DType dtype = DType::kBF16;
+  const Tensors base = RandomTensors(rng, 2);
+  const Tensors next = Change(rng, base, 2, 0.5);
+  std::vector<Rank> host = MakeEngine(dtype);
+  Load(host, base);
+  MemoryEngine device(host);
+  const Delta d = Encode(base, next, dtype, EncodeOptions{});
+  std::vector<FrameView> frames;
+  for (const std::string& f : d.frames) frames.push_back(Parse(f));
+  const ChunkDigestTable tracked = Partials(host[0], d.manifest);
+  std::vector<Digest> current;
+  for (const FrameView& f : frames) current.push_back(tracked[f.header.tensor][f.header.chunk]);
+  device.memory[0]->fail_scatter = 1;
+  const auto got = ApplyRankFrames(device.placed[0], d.manifest, frames, current);
+  int torn = 0;
+  for (const FrameApplied& r : got) {
+    if (!r.torn) {
+      EXPECT_TRUE(r.status.ok()) << r.status.ToString();
+      continue;
+    }
+    EXPECT_EQ(r.status.code(), Code::kUnavailable) << r.status.ToString();
+    EXPECT_EQ(r.written, 0u);
+    ++torn;
+  }
+  EXPECT_GT(torn, 0);
 }
 
 }  // namespace

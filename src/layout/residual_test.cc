@@ -419,7 +419,7 @@ TEST_F(ResidualTest, SenderConversionsTravelAsOverwrites) {
   EXPECT_EQ(b->frames_applied, res_reader->manifest().frames.size());
   for (size_t r = 0; r < engine.size(); ++r) EXPECT_TRUE(got[r].bytes == want[r].bytes) << "rank " << r;
   Digest sum;
-  for (auto* p : ptrs) sum += RankDigest(*p);
+  for (auto* p : ptrs) sum += *RankDigest(*p);
   EXPECT_EQ(sum, version);
   // A residual overwrite applied again is harmless.
   auto again = ApplyEngineDelta(ptrs, *res_reader);

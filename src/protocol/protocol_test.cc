@@ -1697,7 +1697,7 @@ TEST_F(ProtocolTest, AnEngineThatLoadedACommittedVersionAdoptsItWithoutASnapshot
     memory[r] = DenseRank(*layouts[r], 1);
     placed[r] = PlacedRank{layouts[r].get(), {}};
     for (auto& b : memory[r]) placed[r].buffers.emplace_back(b);
-    engine += RankDigest(placed[r]);
+    engine += *RankDigest(placed[r]);
   }
   auto follower = [&](uint32_t r) {
     return RankFollower(*store_, placed[r], Path(fmt::format("rank{}", r)), EngineRank{"e", r, 2},
@@ -1920,7 +1920,7 @@ TEST_F(ShardProcessTest, FourSendersInThreeProcessesPublishEveryVersionBitExactl
       if (kPlacement[k] != p) continue;
       auto f = RankBufferFiles::Open(*maps_[k], Path(fmt::format("trainer-p{}/shards/s{}", p, k)));
       ASSERT_TRUE(f.ok()) << f.status().ToString();
-      files += RankDigest(f->placed());
+      files += *RankDigest(f->placed());
     }
     EXPECT_EQ(files, recorded) << "process " << p;
   }

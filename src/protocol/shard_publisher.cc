@@ -43,7 +43,7 @@ std::vector<TensorInfo> RunTensorInfos(const RunRecord& run) {
 
 Digest SendersDigest(std::vector<RankBufferFiles>& files) {
   Digest d;
-  for (RankBufferFiles& f : files) d += RankDigest(f.placed());
+  for (RankBufferFiles& f : files) d += *RankDigest(f.placed());  // host memory: no read can fail
   return d;
 }
 
@@ -336,15 +336,28 @@ Status ShardRun::WriteShardsRecord(uint64_t version, const Digest& digest) {
 }
 
 Status ShardRun::ApplyCommitted(uint64_t from, uint64_t to) {
-  std::vector<uint8_t> scratch;
+  if (from >= to) return Status::Ok();
+  // The senders' baseline shards are the ranks of the trainer's "engine",
+  // each with its partial chunk digests (SendersDigest checks the whole).
+  const DeltaManifest shape = LayoutOf(record_);
+  std::vector<ChunkDigestTable> tracked;
+  for (RankBufferFiles& f : baseline_) tracked.push_back(*RankChunkDigests(f.placed(), shape));  // host: cannot fail
   for (uint64_t v = from + 1; v <= to; ++v) {
     DCR_ASSIGN_OR_RETURN(CommitRecord c, ReadCommit(store_, v));
-    DCR_ASSIGN_OR_RETURN(DeltaReader delta, LoadAttempt(store_, v, c.attempt, LayoutOf(record_)));
+    DCR_ASSIGN_OR_RETURN(DeltaReader delta, LoadAttempt(store_, v, c.attempt, shape));
+    std::vector<FrameView> frames;
     for (size_t i = 0; i < delta.manifest().frames.size(); ++i) {
       DCR_ASSIGN_OR_RETURN(FrameView frame, delta.Frame(i));
-      for (RankBufferFiles& f : baseline_) {
-        PlacedRank placed = f.placed();
-        DCR_RETURN_IF_ERROR(ApplyRankFrame(placed, delta.manifest(), frame, &scratch).status());
+      frames.push_back(frame);
+    }
+    for (size_t k = 0; k < baseline_.size(); ++k) {
+      PlacedRank placed = baseline_[k].placed();
+      std::vector<Digest> current;
+      for (const FrameView& f : frames) current.push_back(tracked[k][f.header.tensor][f.header.chunk]);
+      const auto applied = ApplyRankFrames(placed, delta.manifest(), frames, current);
+      for (size_t i = 0; i < frames.size(); ++i) {
+        DCR_RETURN_IF_ERROR(applied[i].status);
+        tracked[k][frames[i].header.tensor][frames[i].header.chunk] = applied[i].after;
       }
     }
   }
@@ -467,7 +480,7 @@ Status ShardRun::AdoptCurrent(const CommitRecord& c) {
   for (const ShardSource& src : local_) {
     PlacedRank current{src.layout, {}};
     for (auto b : src.current) current.buffers.emplace_back(const_cast<uint8_t*>(b.data()), b.size());  // read only
-    digest += RankDigest(current);
+    digest += *RankDigest(current);  // host memory: no read can fail
   }
   if (digest != c.target_digest)
     return FailedPrecondition(

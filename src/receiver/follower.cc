@@ -12,6 +12,7 @@
 #include <set>
 #include <thread>
 
+#include "dcr/apply.h"
 #include "journals.h"
 #include "receiver.h"
 
@@ -89,9 +90,7 @@ class CheckpointTarget final : public ReceiverTarget {
   std::optional<Checkpoint> ckpt_;
   DeltaManifest layout_;  // the run's tensors and chunking
   ChunkDigestTable digests_;  // of every chunk, as the checkpoint holds it
-  std::vector<DigestKey> keys_;  // per run tensor
   std::vector<size_t> target_index_;  // per run tensor: its index in ckpt_
-  ChunkApplier applier_;
 };
 
 Status CheckpointTarget::OpenTarget(const RunRecord& run) {
@@ -100,12 +99,8 @@ Status CheckpointTarget::OpenTarget(const RunRecord& run) {
   DCR_RETURN_IF_ERROR(CheckRunTensors(c, run));
   ckpt_.emplace(std::move(c));
   layout_ = LayoutOf(run);
-  keys_.clear();
   target_index_.clear();
-  for (const auto& t : layout_.tensors) {
-    keys_.push_back(MakeDigestKey(t.name));
-    target_index_.push_back(static_cast<size_t>(ckpt_->Find(t.name)));
-  }
+  for (const auto& t : layout_.tensors) target_index_.push_back(static_cast<size_t>(ckpt_->Find(t.name)));
   digests_ = ChunkDigests(*ckpt_, layout_);
   return Status::Ok();
 }
@@ -187,34 +182,35 @@ Status CheckpointTarget::ApplyAttempt(const std::string& id, const DeltaReader& 
 }
 
 // A frame is applied only to a chunk it turns into its target (its base:
-// the applier checks the digest after the change, computed from the chunk's
-// own words, before writing); one at its target is done, one in any other
-// state is left to the manifest (ApplyDelta repairs it with an overwrite
-// frame, or the attempt is nacked). Which chunks are done is in their
-// digests, so no xor frame is ever applied twice.
+// the apply loop checks the digest after the change, computed from the
+// chunk's own words, before writing); one at its target is done, one in any
+// other state is left to the manifest (ApplyDelta repairs it with an
+// overwrite frame, or the attempt is nacked). Which chunks are done is in
+// their digests, so no xor frame is ever applied twice.
 Status CheckpointTarget::ApplyStreamed(const DeltaManifest&, std::span<const FrameView> frames, ApplyCounts* counts) {
+  std::vector<FrameView> todo;
+  std::vector<Digest> current;
   for (const FrameView& frame : frames) {
     const FrameHeader& h = frame.header;
-    Digest& now = digests_[h.tensor][h.chunk];
-    if (now == h.target_digest) {
+    if (digests_[h.tensor][h.chunk] == h.target_digest) {
       ++counts->already;
       continue;
     }
-    uint64_t first_word = 0, words = 0;
-    uint32_t elements = 0;
-    layout_.ChunkWords(h.tensor, h.chunk, &first_word, &words, &elements);
-    const uint64_t wb = WordBytes(h.dtype);
-    auto chunk = ckpt_->MutableData(target_index_[h.tensor]).subspan(first_word * wb, words * wb);
-    Digest after;
-    auto outcome = applier_.Apply(frame, keys_[h.tensor], first_word, chunk, now, &after);
-    if (!outcome.ok()) {
+    todo.push_back(frame);
+    current.push_back(digests_[h.tensor][h.chunk]);
+  }
+  CheckpointApplyTarget target(*ckpt_, layout_, target_index_);
+  const auto applied = ApplyFrames(target, layout_, todo, current);
+  for (size_t i = 0; i < todo.size(); ++i) {
+    const FrameHeader& h = todo[i].header;
+    if (!applied[i].status.ok()) {
       log_(fmt::format("tensor {} chunk {}: a streamed frame not applied before the manifest: {}", h.tensor, h.chunk,
-                       outcome.status().ToString()));
+                       applied[i].status.ToString()));
       ++counts->left;
       continue;
     }
-    now = after;
-    ++counts->applied;
+    digests_[h.tensor][h.chunk] = applied[i].after;
+    ++(applied[i].outcome == ApplyOutcome::kApplied ? counts->applied : counts->already);
   }
   return Status::Ok();
 }

@@ -151,8 +151,12 @@ class RankTarget final : public ReceiverTarget {
   // apply): the first error by frame order is returned; otherwise (frames
   // streamed ahead of the manifest) refused frames are logged and left.
   // Frames of chunks the rank holds no element of are passed over (no
-  // frame-log lines, no decode): they would change nothing.
+  // frame-log lines, no decode): they would change nothing. An overwrite
+  // attempt first audits the buffers (Audit).
   Status ApplyFrames(const DeltaManifest& m, std::span<const FrameView> frames, bool strict, ApplyCounts* counts);
+  // tracked_ from the buffers themselves (a pass over them); on a read
+  // error the buffers are closed (the walk joins again).
+  Status Audit();
 
   const CompiledLayout& layout_;
   const std::string dir_;
@@ -171,6 +175,7 @@ class RankTarget final : public ReceiverTarget {
   // logged target) or not (interrupted); logged_: its frame log is known.
   FrameLog touched_;
   bool logged_ = false;
+  std::string audited_;  // the journal's attempt when tracked_ was last computed from the buffers
 };
 
 Status RankTarget::OpenBuffers(bool create) {
@@ -224,8 +229,7 @@ Status RankTarget::Join(Store& store, const RunRecord& run, const SnapshotRecord
     }
   }
   fs::remove_all(tmp, ec);
-  tracked_ = RankChunkDigests(*placed_, shape_);
-  return Status::Ok();
+  return Audit();
 }
 
 Result<std::optional<uint64_t>> RankTarget::Resume(Store& store, const RunRecord& run, uint64_t /*latest*/,
@@ -257,7 +261,7 @@ Result<std::optional<uint64_t>> RankTarget::Resume(Store& store, const RunRecord
   logged_ = false;
   if (journal_.attempt == kJoining) return join("restarted while joining");
   if (Status s = OpenBuffers(/*create=*/false); !s.ok()) return join("cannot open the buffers: " + s.ToString());
-  tracked_ = RankChunkDigests(*placed_, shape_);
+  if (Status s = Audit(); !s.ok()) return join("cannot read the buffers: " + s.ToString());
   MarkChanged(std::nullopt);  // reopened: the caller has not seen these bits through Run
   const Digest d = Total(tracked_);
   if (journal_.attempt.empty() && d != journal_.digest) {
@@ -298,8 +302,23 @@ Status RankTarget::Begin(const std::string& id) {
   return WriteRankJournal(dir_, journal_);
 }
 
+Status RankTarget::Audit() {
+  auto digests = RankChunkDigests(*placed_, shape_);
+  if (!digests.ok()) {
+    placed_.reset();
+    return digests.status();
+  }
+  tracked_ = std::move(*digests);
+  audited_ = journal_.attempt;
+  return Status::Ok();
+}
+
 Status RankTarget::ApplyFrames(const DeltaManifest& m, std::span<const FrameView> frames, bool strict,
                                ApplyCounts* counts) {
+  // A retry (an overwrite attempt) starts from the bits themselves: tracked
+  // partials see only what this rank wrote, and the failure may have been
+  // bits changed behind its back.
+  if (m.delta_class == DeltaClass::kOverwrite && audited_ != journal_.attempt) DCR_RETURN_IF_ERROR(Audit());
   std::vector<size_t> todo;
   std::set<ChunkKey> batch;
   std::string before, after;
@@ -341,35 +360,33 @@ Status RankTarget::ApplyFrames(const DeltaManifest& m, std::span<const FrameView
     todo.push_back(i);
     before += FrameLogLine('b', {h.tensor, h.chunk}, now);
   }
-  if (!todo.empty()) {
-    DCR_RETURN_IF_ERROR(AppendFrameLog(dir_, before));
-    for (size_t i : todo) {
-      const FrameHeader& h = frames[i].header;
-      touched_[{h.tensor, h.chunk}] = LoggedChunk{tracked_[h.tensor][h.chunk], std::nullopt};
-    }
-    std::vector<FrameView> batch_frames;
-    std::vector<const Digest*> bases;
-    for (size_t i : todo) {
-      batch_frames.push_back(frames[i]);
-      bases.push_back(&tracked_[frames[i].header.tensor][frames[i].header.chunk]);
-    }
-    auto results = ApplyRankFrames(*placed_, m, batch_frames, bases);
-    for (size_t j = 0; j < todo.size(); ++j) {
-      const FrameHeader& h = frames[todo[j]].header;
-      if (!results[j].ok()) {
-        // Refused before a byte was written: the chunk is still at its base.
-        touched_.erase({h.tensor, h.chunk});
-        refuse(todo[j], results[j].status());
-        continue;
-      }
-      tracked_[h.tensor][h.chunk] = results[j]->target;
-      touched_[{h.tensor, h.chunk}].target = results[j]->target;
-      MarkChanged(h.tensor);
-      after += FrameLogLine('t', {h.tensor, h.chunk}, results[j]->target);
-      ++counts->applied;
-    }
-    if (!after.empty()) DCR_RETURN_IF_ERROR(AppendFrameLog(dir_, after));
+  if (todo.empty()) return first;
+  DCR_RETURN_IF_ERROR(AppendFrameLog(dir_, before));
+  std::vector<FrameView> batch_frames;
+  std::vector<Digest> current;
+  for (size_t i : todo) {
+    const FrameHeader& h = frames[i].header;
+    touched_[{h.tensor, h.chunk}] = LoggedChunk{tracked_[h.tensor][h.chunk], std::nullopt};
+    batch_frames.push_back(frames[i]);
+    current.push_back(tracked_[h.tensor][h.chunk]);
   }
+  const auto results = ApplyRankFrames(*placed_, m, batch_frames, current);
+  for (size_t j = 0; j < todo.size(); ++j) {
+    const FrameHeader& h = frames[todo[j]].header;
+    if (!results[j].status.ok()) {
+      // Refused before a byte was written, the chunk is still at its base;
+      // torn (the memory failed part way), it is in between.
+      if (!results[j].torn) touched_.erase({h.tensor, h.chunk});
+      refuse(todo[j], results[j].status);
+      continue;
+    }
+    tracked_[h.tensor][h.chunk] = results[j].after;
+    touched_[{h.tensor, h.chunk}].target = results[j].after;
+    MarkChanged(h.tensor);
+    after += FrameLogLine('t', {h.tensor, h.chunk}, results[j].after);
+    ++(results[j].outcome == ApplyOutcome::kApplied ? counts->applied : counts->already);
+  }
+  if (!after.empty()) DCR_RETURN_IF_ERROR(AppendFrameLog(dir_, after));
   return first;
 }
 
@@ -423,7 +440,7 @@ RankFollower::RankFollower(Store& store, const PlacedRank& buffers, std::string 
                            FollowOptions options)
     : RankFollower(store, *buffers.layout, std::move(state_dir), std::move(rank), std::move(options)) {
   in_memory_ = true;
-  given_ = buffers.buffers;
+  given_ = buffers;
 }
 
 Status RankFollower::Run(std::optional<uint64_t> until, const std::function<bool()>& stop) {
@@ -433,11 +450,10 @@ Status RankFollower::Run(std::optional<uint64_t> until, const std::function<bool
   if (Status s = ValidateKey(run_keys::Receiver(options_.id)); !s.ok())
     return InvalidArgument("receiver id '" + options_.id + "' cannot name an object: " + s.message());
   if (!walk_) {
-    if (in_memory_) DCR_RETURN_IF_ERROR(CheckRankBuffers(layout_, given_).WithContext("the rank's buffers"));
+    if (in_memory_) DCR_RETURN_IF_ERROR(CheckRankBuffers(given_).WithContext("the rank's buffers"));
     const FollowOptions& o = options_;
-    target_ = std::make_unique<RankTarget>(
-        layout_, dir_, in_memory_ ? std::optional<PlacedRank>(PlacedRank{&layout_, given_}) : std::nullopt, rank_, o.id,
-        &changed_, [o](const std::string& l) { FollowLog(o, l); });
+    target_ = std::make_unique<RankTarget>(layout_, dir_, in_memory_ ? std::optional<PlacedRank>(given_) : std::nullopt,
+                                           rank_, o.id, &changed_, [o](const std::string& l) { FollowLog(o, l); });
     walk_ = std::make_unique<ReceiverWalk>(store_, *target_, options_);
   }
   return walk_->Run(until, stop);
@@ -458,12 +474,12 @@ Status RankFollower::Adopt(uint64_t version, const Digest& engine_digest) {
         "the engine's buffers (digest {}) do not hold version {} (digest {}); it joins from a snapshot instead",
         engine_digest.ToHex(), version, commit.target_digest.ToHex()));
   std::optional<RankBufferFiles> files;
-  PlacedRank placed{&layout_, given_};
+  PlacedRank placed = given_;
   if (!in_memory_) {
     DCR_ASSIGN_OR_RETURN(files, RankBufferFiles::Open(layout_, dir_));
     placed = files->placed();
   }
-  const Digest mine = RankDigest(placed);
+  DCR_ASSIGN_OR_RETURN(const Digest mine, RankDigest(placed));
   if (rank_.ranks == 1 && mine != engine_digest)
     return FailedPrecondition(fmt::format("rank 0 of 1 holds digest {}, not the engine digest {} it was given",
                                           mine.ToHex(), engine_digest.ToHex()));
