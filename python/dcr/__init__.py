@@ -16,7 +16,7 @@ import shutil
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Sequence, Union
 
 from . import _dcr, errors
-from ._tensors import Staging, as_torch, byte_view, copy_into, dtype_name, torch_dtype
+from ._tensors import Staging, TensorMemory, _off_host, as_torch, byte_view, copy_into, dtype_name, torch_dtype
 from .errors import (AbortedError, AlreadyExistsError, CorruptFrameError, DataLossError, DcrError,
                      DeadlineExceededError, FailedPreconditionError, FencedAttemptError, InternalError,
                      InvalidArgumentError, NotFoundError, OutOfRangeError, PermissionDeniedError,
@@ -241,11 +241,12 @@ def identity_layout(tensors: Mapping[str, Any]) -> str:
     return json.dumps({"format": "dcr-layout", "format_version": 1, "tensors": ts, "buffers": bufs, "copies": copies})
 
 
-def _buffers_for(layout_json: str, tensors: Mapping[str, Any], who: str) -> list:
-    """The byte views of ``tensors`` in the layout's buffer order, each checked
-    against its declared dtype and shape."""
+def _buffers_for(layout_json: str, tensors: Mapping[str, Any], who: str, views: bool = True) -> list:
+    """The byte views of ``tensors`` in the layout's buffer order (the tensors
+    themselves with ``views=False``), each checked against its declared
+    dtype and shape."""
     doc = json.loads(layout_json)
-    views = []
+    out = []
     for b in doc.get("buffers", []):
         bid = b["id"]
         if bid not in tensors:
@@ -256,8 +257,8 @@ def _buffers_for(layout_json: str, tensors: Mapping[str, Any], who: str) -> list
             raise InvalidArgumentError(f"{who}: buffer '{bid}' is {got}, the layout declares {b['dtype']}")
         if [int(d) for d in t.shape] != [int(d) for d in b["shape"]]:
             raise InvalidArgumentError(f"{who}: buffer '{bid}' has shape {list(t.shape)}, the layout declares {b['shape']}")
-        views.append(byte_view(t, f"{who}: buffer '{bid}'"))
-    return views
+        out.append(byte_view(t, f"{who}: buffer '{bid}'") if views else t)
+    return out
 
 
 def _buffers_of_tensors(layout_json: str) -> dict:
@@ -331,10 +332,21 @@ class Receiver:
     ``post_update(report)``, if given, is called after each applied delta
     (after the loader), e.g. to re-derive absorbed weights or FP8 scales.
 
-    ``stage``: tensors not on the CPU (CUDA) are applied into host mirrors
-    (copied from the tensors once, here) and the buffers a delta or version
-    changed are copied back host -> device after it; ``True`` mirrors every
-    tensor, ``False`` none (non-CPU tensors are refused)."""
+    ``stage``: how the tensors are reached. Tensors not on the CPU (CUDA)
+    are written where they live (:class:`dcr._tensors.TensorMemory`): frames
+    are decoded on the host, the old words at the changed positions are
+    gathered from the device and the new ones scattered into it in place, so
+    the work, host memory and host <-> device traffic of a delta follow its
+    changes, not the model, and no host mirror is kept. ``True`` takes that
+    path for every tensor (CPU ones too, through torch's index copies);
+    ``False`` none (non-CPU tensors are refused); None (default): when any
+    tensor is off the CPU. Otherwise CPU tensors are read and written in
+    place, directly.
+
+    The receiver tracks the digest of every chunk it holds (computed at the
+    first :meth:`apply` or :meth:`follow`, then updated from the changed words
+    alone). Bits changed outside dcr are not seen by those digests: call
+    :meth:`forget_digests` after changing the tensors yourself."""
 
     _SHADOW = "dcr.residual:"
 
@@ -346,7 +358,6 @@ class Receiver:
         self.layout_json = identity_layout(tensors) if layout is None else _layout_json(layout)
         self._residuals_primary = residuals_primary
         self._tensors = dict(tensors)
-        self._staging = Staging(self._tensors, stage, "Receiver")
         self._loader, self._post_update = loader, post_update
         self._shadow: dict = {}
         skipped = list(residuals)
@@ -356,12 +367,15 @@ class Receiver:
                                            "to its current canonical tensor")
             self.layout_json = self._with_shadows(self.layout_json, residuals)
             skipped = []
-        bufs = self._staging.host()
+        bufs = dict(self._tensors)
         bufs.update({self._SHADOW + n: t for n, t in self._shadow.items()})
         self._skipped, self._follower = skipped, None
-        self._buffers_of = _buffers_of_tensors(self.layout_json)
-        self._buffers = _buffers_for(self.layout_json, bufs, "Receiver")
-        self._r = _dcr.Receiver(self.layout_json, self._buffers, skipped)
+        if stage or (stage is None and any(_off_host(t) for t in bufs.values())):
+            checked = _buffers_for(self.layout_json, bufs, "Receiver", views=False)
+            self._buffers, self._memory = [], TensorMemory(checked, "Receiver")
+        else:
+            self._buffers, self._memory = _buffers_for(self.layout_json, bufs, "Receiver"), None
+        self._r = _dcr.Receiver(self.layout_json, self._buffers, skipped, self._memory)
 
     def _with_shadows(self, layout_json: str, residuals: Mapping[str, Any]) -> str:
         """The layout plus one canonical copy per residual tensor (a buffer of its own)."""
@@ -389,18 +403,15 @@ class Receiver:
         return json.dumps(doc)
 
     def apply(self, delta: Delta) -> dict:
-        """Applies every frame in place (verified before writing); then checks
-        the digest against the delta's target (:class:`CorruptFrameError`);
-        then hands changed residual tensors to the loader and calls the
-        post-update hook. The report gains ``residuals_loaded`` (names).
-        Staged tensors: the buffers the delta's frames write are copied back
-        to the device (also when it fails part way: they hold what the host
-        mirrors hold)."""
+        """Applies every frame in place (each chunk verified before it is
+        written); then checks the tracked digests against the delta's target
+        (:class:`CorruptFrameError`); then hands changed residual tensors to
+        the loader and calls the post-update hook. The report gains
+        ``residuals_loaded`` (names); ``scratch_peak_bytes`` is the most
+        decoded changes held at once (tensors reached through
+        :class:`dcr._tensors.TensorMemory`)."""
         touched = _touched(delta)
-        try:
-            report = self._r.apply(delta)
-        finally:
-            self._unstage(touched)
+        report = self._r.apply(delta)
         loaded = [n for n in self._shadow if n in touched]
         if loaded:
             self._loader([(n, self._shadow[n]) for n in loaded])
@@ -410,10 +421,10 @@ class Receiver:
             self._post_update(report)
         return report
 
-    def _unstage(self, tensors: Iterable[str]) -> None:
-        """Copies the staged buffers of these canonical tensors back to the device."""
-        if self._staging.mirrors:
-            self._staging.to_device({b for n in tensors for b in self._buffers_of.get(n, ())})
+    def forget_digests(self) -> None:
+        """The tensors were changed outside dcr: the next :meth:`apply`
+        computes their digests again from the bits (a pass over them)."""
+        self._r.forget_digests()
 
     @property
     def residuals(self) -> dict:
@@ -439,7 +450,7 @@ class Receiver:
         (and, for an engine of one rank, it is this rank's);
         :class:`NotFoundError` when the version is not committed."""
         f = _dcr.RankFollower(store, self.layout_json, self._buffers, os.fspath(state_dir), engine, rank, ranks, id,
-                              0.1, True, [], "", "", False, 1.0)
+                              0.1, True, [], "", "", False, 1.0, self._memory)
         f.adopt(version, engine_digest)
         self._follower = None  # follow starts from the journal
 
@@ -481,23 +492,19 @@ class Receiver:
         args = (store, os.fspath(state_dir), engine, rank, ranks, id, poll_s, quiet, list(relay), os.fspath(relay_key),
                 os.fspath(relay_pub), relay_insecure, relay_poll_s)
         if self._follower is None or self._follow_args[0] is not store or self._follow_args[1:] != args[1:]:
-            self._follower = _dcr.RankFollower(store, self.layout_json, self._buffers, *args[1:])
+            self._follower = _dcr.RankFollower(store, self.layout_json, self._buffers, *args[1:], self._memory)
             self._follow_args = args
 
         def on_version(v: int) -> None:
             changed = self._follower.take_changed()
-            self._unstage(changed)
             loaded = [n for n in self._shadow if n in set(changed)]
             if loaded:
                 self._loader([(n, self._shadow[n]) for n in loaded])
             if self._post_update is not None:
                 self._post_update({"version": v, "residuals_loaded": loaded, "tensors_changed": changed})
 
-        hook = on_version if (self._shadow or self._post_update is not None or self._staging.mirrors) else None
-        try:
-            return self._follower.run(until, timeout_s, hook)
-        finally:  # stopped between versions: the device gets what the mirrors hold
-            self._unstage(self._follower.take_changed())
+        hook = on_version if (self._shadow or self._post_update is not None) else None
+        return self._follower.run(until, timeout_s, hook)
 
     @property
     def version(self) -> Optional[int]:

@@ -142,6 +142,117 @@ class Staging:
                 copy_into(self.live[n], self.mirrors[n])
 
 
+# Word width in bytes -> the torch dtype whose elements are such words.
+_WORDS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+class TensorMemory:
+    """Live torch tensors on any device (a GPU's, or the CPU's with
+    ``stage=True``) as dcr's buffer memory: dcr never addresses them. The
+    apply loop decodes frames on the host and reaches the tensors only
+    through torch: a gather of the old words at the changed positions (one
+    device -> host copy of those words per window of frames) and a scatter
+    of the new ones (``index_copy_``, in place: the tensors keep their
+    storage and addresses, strided views included). Joins and audits read
+    and write byte ranges of at most 64 MiB. ``tensors`` are in the
+    layout's buffer order."""
+
+    def __init__(self, tensors: list, who: str):
+        self.tensors = []
+        for i, t in enumerate(tensors):
+            if torch is None or not isinstance(t, torch.Tensor):
+                raise InvalidArgumentError(f"{who}: buffer {i} is a {type(t).__name__}, not a torch tensor")
+            if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
+                raise InvalidArgumentError(f"{who}: buffer {i} overlaps itself (strides {tuple(t.stride())}); give "
+                                           "dcr tensors whose elements have storage of their own")
+            self.tensors.append(t.detach())
+
+    def sizes(self) -> list:
+        return [t.numel() * t.element_size() for t in self.tensors]
+
+    def _words(self, b: int, word_bytes: int):
+        """Buffer b's storage from its first element, as words (contiguous
+        tensors: exactly the tensor's)."""
+        t = self.tensors[b]
+        flat = t.reshape(-1) if t.is_contiguous() else t.as_strided((_span(t),), (1,), t.storage_offset())
+        return flat.view(torch.uint8).view(getattr(torch, _WORDS[word_bytes]))
+
+    def _index(self, b: int, word_bytes: int, words):
+        """Word offsets in row-major order -> offsets into _words(b) (the same
+        for a contiguous tensor; through the strides otherwise)."""
+        t = self.tensors[b]
+        if t.is_contiguous():
+            return words
+        per = t.element_size() // word_bytes
+        element, within = words // per, words % per
+        out = torch.zeros_like(element)
+        for size, stride in reversed(list(zip(t.shape, t.stride()))):
+            out += (element % size) * stride
+            element = element // size
+        return out * per + within
+
+    def _groups(self, requests: list) -> dict:
+        """Requests by (device, word width): each group moves its offsets and
+        words in one copy each way."""
+        groups: dict = {}
+        for r in requests:
+            groups.setdefault((self.tensors[r[0]].device, r[1]), []).append(r)
+        return groups
+
+    def gather(self, requests: list) -> None:
+        """Each request (buffer, word_bytes, offsets, out): out <- the words at offsets."""
+        for (device, wb), group in self._groups(requests).items():
+            index = torch.from_numpy(np.concatenate([r[2] for r in group]).view(np.int64)).to(device)
+            parts, at = [], 0
+            for b, _, offsets, _ in group:
+                parts.append(self._words(b, wb).index_select(0, self._index(b, wb, index[at:at + len(offsets)])))
+                at += len(offsets)
+            got = torch.cat(parts).view(torch.uint8).cpu().numpy()
+            at = 0
+            for _, _, _, out in group:
+                out[:] = got[at:at + len(out)]
+                at += len(out)
+
+    def scatter(self, requests: list) -> None:
+        """Each request (buffer, word_bytes, offsets, words): the words at offsets <- words."""
+        for (device, wb), group in self._groups(requests).items():
+            index = torch.from_numpy(np.concatenate([r[2] for r in group]).view(np.int64)).to(device)
+            words = torch.from_numpy(np.concatenate([r[3] for r in group])).to(device)
+            word_dtype = getattr(torch, _WORDS[wb])
+            at = 0
+            for b, _, offsets, _ in group:
+                n = len(offsets)
+                self._words(b, wb).index_copy_(0, self._index(b, wb, index[at:at + n]),
+                                               words[at * wb:(at + n) * wb].view(word_dtype))
+                at += n
+
+    def read(self, b: int, offset: int, out) -> None:
+        """Bytes [offset, offset + len(out)) of buffer b in row-major order."""
+        out[:] = self._bytes(b, offset, len(out)).cpu().numpy()
+
+    def write(self, b: int, offset: int, data) -> None:
+        t = self.tensors[b]
+        src = torch.from_numpy(data.copy()).to(t.device)
+        if t.is_contiguous():
+            t.reshape(-1).view(torch.uint8)[offset:offset + len(data)].copy_(src)
+        else:
+            self._words(b, 1).index_copy_(0, self._byte_index(b, offset, len(data)), src)
+
+    def _bytes(self, b: int, offset: int, n: int):
+        t = self.tensors[b]
+        if t.is_contiguous():
+            return t.reshape(-1).view(torch.uint8)[offset:offset + n]
+        return self._words(b, 1).index_select(0, self._byte_index(b, offset, n))
+
+    def _byte_index(self, b: int, offset: int, n: int):
+        return self._index(b, 1, torch.arange(offset, offset + n, device=self.tensors[b].device))
+
+
+def _span(t) -> int:
+    """Elements of t's storage from its first element to its last, inclusive."""
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0) if t.numel() else 0
+
+
 def copy_into(dst: Any, src: Any) -> None:
     """dst[...] = src, across devices (torch) or in numpy."""
     if isinstance(dst, np.ndarray):
