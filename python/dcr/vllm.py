@@ -15,14 +15,19 @@ the ``vllm.general_plugins`` entry point (:func:`register`), on both sides:
   ``VLLMWeightSyncClient``.
 
 Placement comes from the model's own ``load_weights``, traced once at
-``init_info`` time (:func:`dcr.trace.record_layout`) into host tensors in
-the parameters' *load form* (the shapes ``load_weights`` writes, recorded
-by vLLM before loading). dcr applies every frame to those host tensors;
-once a version is whole, the parameters that changed are copied into the
-live parameters and each changed layer's post-load processing is run again
-(CPU GEMM packing, for instance, replaces a linear layer's weight by a
-packed copy). So the engine's parameters only ever move from one whole
-version to the next, inside the ``update_weights`` call, when vLLM runs no
+``init_info`` time (:func:`dcr.trace.record_layout`) in the parameters'
+*load form* (the shapes ``load_weights`` writes, recorded by vLLM before
+loading). Where a layer's live parameters are still their load form after
+vLLM's post-load processing (on a GPU every unquantized linear, embedding,
+norm and expert tensor; on CPU the norms and embeddings), dcr applies the
+frames to them in place, on their device, keeping their addresses (CUDA
+graphs captured them), and reruns the layer's processing if it has one.
+Only layers that vLLM transformed after loading (CPU GEMM packing replaces
+a linear layer's weight by a packed copy) keep a host copy in load form:
+dcr applies the frames there, and once a version is whole those layers are
+rebuilt from it. Which layers are which, and the host bytes they hold, is
+in :func:`join_report`. The engine's parameters only move from one whole
+version to the next inside the ``update_weights`` call, when vLLM runs no
 forward pass.
 """
 
@@ -61,7 +66,7 @@ ADOPT_CANDIDATES = 64  # DcrInitInfo.adopt_loaded: how many of the newest commit
 __all__ = [
     "BACKEND", "register", "DcrInitInfo", "DcrUpdateInfo", "DcrWeightTransferEngine", "DcrTrainerInitInfo",
     "DcrTrainerWeightTransferEngine", "DcrSenders", "LLMClient", "load_form_digests", "join_report",
-    "fresh_load_form_digests",
+    "param_addresses", "fresh_load_form_digests",
 ]
 
 
@@ -189,14 +194,35 @@ _IDEMPOTENT_PROCESSING = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod
 
 class _Slot:
     """One live parameter: its module, attribute, load-form metadata (a meta
-    tensor carrying the loader's attributes, or None) and dcr's host copy
-    of it in load form."""
+    tensor carrying the loader's attributes, or None) and dcr's target for
+    it in load form: a host copy, or (``in_place``) the live parameter's
+    own data."""
 
     def __init__(self, module: torch.nn.Module, attr: str, meta: Optional[torch.Tensor], live: torch.Tensor):
         self.module, self.attr, self.meta = module, attr, meta
         self.aliases: list = []  # other (module, attr) holding the same Parameter (tied embeddings)
         spec = meta if meta is not None else live
         self.host = torch.zeros(tuple(spec.shape), dtype=spec.dtype, device="cpu")
+        self.in_place = False
+
+    def why_not_in_place(self, compare: bool) -> Optional[str]:
+        """None when the live parameter is a tensor in load form that dcr can
+        write in place (same shape, dtype, contiguous), holding, when
+        ``compare``, the host copy's bits (loaded from the engine's own
+        checkpoint: vLLM's processing left them as they were loaded); else
+        why not."""
+        live = self.module._parameters[self.attr]
+        if live is None or live.device.type == "meta":
+            return f"'{self.attr}' is gone after loading"
+        if not _same_form(live, self.host):
+            return (f"repacked: live '{self.attr}' is {live.dtype} {list(live.shape)}, its load form "
+                    f"{self.host.dtype} {list(self.host.shape)}")
+        if not live.is_contiguous():
+            return f"live '{self.attr}' is not contiguous (strides {list(live.stride())})"
+        if compare and not torch.equal(live.detach().view(-1).view(torch.uint8),
+                                       self.host.to(live.device).view(-1).view(torch.uint8)):
+            return f"processed: live '{self.attr}' holds other bits than its load form"
+        return None
 
     def materialize(self, device: torch.device) -> torch.Tensor:
         """A fresh parameter in load form (with the loader's attributes) on ``device``."""
@@ -217,6 +243,7 @@ class _LoadForm:
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
         self.model = model
+        self.why_host: dict = {}  # layer name -> why it keeps host copies (place_live)
         self.slots: dict = {}
         self.of_module: dict = {}  # id(module) -> the names of its slots
         for name, live in model.named_parameters():
@@ -241,6 +268,46 @@ class _LoadForm:
     def tensors(self) -> dict:
         return {n: s.host for n, s in self.slots.items()}
 
+    def place_live(self, compared: bool) -> None:
+        """Makes the live parameters themselves dcr's target, layer by layer,
+        where every parameter of the layer is still in load form (compared
+        bit for bit with the host copies when the engine's checkpoint was
+        loaded into them, ``compared``; otherwise only layers without
+        post-load processing, whose live parameters are what was loaded).
+        Their host copies are dropped; the other layers keep theirs."""
+        self.why_host = {}
+        for names in self.of_module.values():
+            slots = [self.slots[n] for n in names]
+            layer = names[0].rpartition(".")[0]
+            qm = getattr(slots[0].module, "quant_method", None)
+            why = next((w for w in (s.why_not_in_place(compared) for s in slots) if w), None)
+            if why is None and qm is not None and not compared:
+                why = f"processed by {type(qm).__name__}, and the engine's checkpoint could not be compared"
+            if why is not None:
+                self.why_host[layer] = why
+                continue
+            for s in slots:
+                s.host = s.module._parameters[s.attr].data
+                s.in_place = True
+
+    def report(self) -> dict:
+        """Where dcr applies each layer's frames, and the host bytes it holds."""
+        host = {n: s for n, s in self.slots.items() if not s.in_place}
+        return {"host_bytes": sum(s.host.numel() * s.host.element_size() for s in host.values()),
+                "host_layers": dict(sorted(self.why_host.items())),
+                "in_place": sorted(n for n, s in self.slots.items() if s.in_place),
+                "in_place_bytes": sum(s.host.numel() * s.host.element_size()
+                                      for s in self.slots.values() if s.in_place)}
+
+    def check_in_place(self) -> None:
+        """Every in-place target is still its live parameter's data (a
+        post-load processing that rebinds a parameter would leave dcr
+        writing a tensor the model no longer reads)."""
+        for name, s in self.slots.items():
+            live = s.module._parameters[s.attr]
+            if s.in_place and (live is None or live.data_ptr() != s.host.data_ptr()):
+                raise RuntimeError(f"dcr: the post-load processing of '{name}' replaced the parameter dcr applies "
+                                   "versions to in place; this engine cannot follow the run")
     @contextlib.contextmanager
     def loading_into(self, tensors: Mapping[str, torch.Tensor]):
         """Within: the model's parameters are ``tensors`` (load form, host,
@@ -249,6 +316,8 @@ class _LoadForm:
         saved = []
         try:
             for name, s in self.slots.items():
+                if s.in_place and tensors[name] is s.host:
+                    continue  # the live parameter, in load form: written where it is
                 saved.append((s.module, s.attr, s.module._parameters[s.attr]))
                 p = s.materialize(torch.device("cpu"))
                 p.data = tensors[name]
@@ -295,6 +364,11 @@ class _LoadForm:
             for module, changed in layers.values():
                 qm = getattr(module, "quant_method", None)
                 own = self.of_module[id(module)]
+                if self.slots[own[0]].in_place:  # applied where it lives (place_live decides by layer)
+                    tied = [m for n in changed for m, _ in self.slots[n].aliases]
+                    for m in [module] + tied:
+                        _process(m, False)
+                    continue
                 rebuild = qm is not None and (current_platform.is_cpu() or any(
                     not _same_form(getattr(module, self.slots[n].attr), self.slots[n].host) for n in own))
                 tied = []
@@ -313,6 +387,7 @@ class _LoadForm:
                     tied += [m for m, _ in s.aliases]
                 for m in [module] + tied:  # tied modules derive their own state (the lm_head's GEMM)
                     _process(m, rebuild)
+        self.check_in_place()
 
     def digests(self) -> dict:
         return {n: _sha256(s.host) for n, s in self.slots.items()}
@@ -424,14 +499,18 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         layout, residuals = form.trace(run["tensors"])
         if ranks > 1:
             _count_replicas_once(layout, rank, ps.get_tp_group().cpu_group)
+        hosts = {n: torch.zeros(t["shape"], dtype=torch_dtype(t["dtype"]))
+                 for t in run["tensors"] for n in [t["name"]] if n in residuals}
+        loaded, adoptable = self._load_own_checkpoint(form, hosts)
+        form.place_live(compared=loaded)
+        # Live parameters on a device are reached through torch (stage=None);
+        # on CPU, in place directly, as are the host copies.
         if residuals:
-            hosts = {n: torch.zeros(t["shape"], dtype=torch_dtype(t["dtype"]))
-                     for t in run["tensors"] for n in [t["name"]] if n in residuals}
             # Each rank keeps the residual tensors whole; rank 0's count.
             receiver = dcr.Receiver(form.tensors, layout, residuals=hosts, loader=form.load,
-                                    post_update=self._on_version, stage=False, residuals_primary=rank == 0)
+                                    post_update=self._on_version, residuals_primary=rank == 0)
         else:
-            receiver = dcr.Receiver(form.tensors, layout, post_update=self._on_version, stage=False)
+            receiver = dcr.Receiver(form.tensors, layout, post_update=self._on_version)
         self._store, self._form, self._receiver = store, form, receiver
         self._buffers_of: dict = {}  # canonical tensor -> the parameters it is placed in
         for c in layout.get("copies", []):
@@ -444,7 +523,7 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         try:
             self.adopted = None
             if init_info.adopt_loaded:
-                self.adopted = self._adopt_loaded(store, latest, engine, rank, ranks)
+                self.adopted = self._adopt_loaded(store, latest, engine, rank, ranks, adoptable)
             self._reach(latest, init_info.join_timeout_s)
         except BaseException:
             self._store = self._form = self._receiver = None
@@ -495,47 +574,53 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         self._form.refresh(sorted(changed), self.vllm_config)
         self.version = report["version"]
 
-    def _adopt_loaded(self, store: "dcr.Store", latest: int, engine: str, rank: int, ranks: int) -> Optional[int]:
-        """Loads the engine's own checkpoint (its model directory) into the
-        host tensors; when the ranks' digests add up to a committed version's,
-        records that version in the rank's journal (``Receiver.adopt``) and
-        returns it. None (nothing recorded; the join downloads a snapshot)
-        when the model is not a local safetensors directory or holds no
-        committed version. Every rank takes part (an all-gather over the
-        tensor-parallel group)."""
-        import vllm.distributed.parallel_state as ps
+    def _load_own_checkpoint(self, form: _LoadForm, residual_hosts: dict) -> tuple:
+        """Loads the engine's own checkpoint (its model directory, what vLLM
+        loaded the live parameters from) into the host copies in load form,
+        and the residual tensors' canonical bits into ``residual_hosts``.
+        Returns (loaded, adoptable): nothing is loaded when the model is not
+        a local safetensors directory; it can be adopted only when it holds
+        every residual tensor under its run name (its canonical bits are
+        what the digest counts; transformers saves a Qwen3-MoE's fused
+        experts per expert, so such an engine joins from a snapshot)."""
         from safetensors import safe_open
 
         path = self.vllm_config.model_config.model
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors")) if os.path.isdir(path) else []
-        partial = None
-        residual_hosts = self._receiver.residuals
+        if not files:
+            return False, False
         keys = set()
         for f in files:
             with safe_open(os.path.join(path, f), framework="pt") as st:
                 keys.update(st.keys())
-        # A residual (a run tensor the loader's trace could not place) must be
-        # in the checkpoint under its run name: its canonical bits are what the
-        # digest counts. (transformers saves a Qwen3-MoE's fused experts per
-        # expert, so such an engine joins from a snapshot.)
-        if files and not set(residual_hosts) <= keys:
-            files = []
-        if files:
-            def weights():
-                for f in files:
-                    with safe_open(os.path.join(path, f), framework="pt") as st:
-                        for k in st.keys():
-                            t = st.get_tensor(k)
-                            if k in residual_hosts:
-                                residual_hosts[k].copy_(t)
-                            yield k, t
 
-            self._form.load(weights())
-            partial = self._receiver.digest()
-        partials = [partial]
+        def weights():
+            for f in files:
+                with safe_open(os.path.join(path, f), framework="pt") as st:
+                    for k in st.keys():
+                        t = st.get_tensor(k)
+                        if k in residual_hosts:
+                            residual_hosts[k].copy_(t)
+                        yield k, t
+
+        form.load(weights())
+        return True, set(residual_hosts) <= keys
+
+    def _adopt_loaded(self, store: "dcr.Store", latest: int, engine: str, rank: int, ranks: int,
+                      loaded: bool) -> Optional[int]:
+        """When the engine's own checkpoint was ``loaded`` on every rank and
+        the ranks' digests add up to a committed version's, records that
+        version in the rank's journal (``Receiver.adopt``) and returns it.
+        None (nothing recorded; the join downloads a snapshot) otherwise.
+        Every rank takes part (an all-gather over the tensor-parallel group)."""
+        import vllm.distributed.parallel_state as ps
+
+        path = self.vllm_config.model_config.model
+        partials = [self._receiver.digest() if loaded else None]
         if ranks > 1:
             partials = [None] * ranks
-            torch.distributed.all_gather_object(partials, partial, group=ps.get_tp_group().cpu_group)
+            torch.distributed.all_gather_object(partials, self._receiver.digest() if loaded else None,
+                                                group=ps.get_tp_group().cpu_group)
         if any(p is None for p in partials):
             logger.info("dcr: the engine's checkpoint at %s cannot be compared with the run (not a local "
                         "safetensors directory holding every unplaced run tensor); joining from a snapshot", path)
@@ -569,10 +654,18 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         return self._form.digests()
 
     def join_report(self) -> dict:
-        """How this rank joined: ``adopted`` is the committed version its
-        loaded checkpoint held (None: it joined from a snapshot)."""
+        """How this rank joined and where it applies versions: ``adopted`` is
+        the committed version its loaded checkpoint held (None: it joined
+        from a snapshot); ``in_place``: the parameters dcr writes where they
+        live (``in_place_bytes``); ``host_layers``: the layers vLLM
+        transformed after loading, whose load form dcr keeps in host memory
+        (``host_bytes``, with the residual tensors' canonical copies), each
+        with why it could not be written in place."""
         self._check_init()
-        return {"adopted": self.adopted}
+        report = {"adopted": self.adopted, **self._form.report()}
+        report["host_bytes"] += sum(t.numel() * t.element_size() for t in self._receiver.residuals.values())
+        report["residuals"] = sorted(self._receiver.residuals)
+        return report
 
 
 # ---- Checks the tests (and users) run through collective_rpc ----------------------
@@ -584,8 +677,17 @@ def load_form_digests(worker: Any) -> dict:
 
 
 def join_report(worker: Any) -> dict:
-    """``llm.collective_rpc(join_report)``: per rank, how it joined the run."""
+    """``llm.collective_rpc(join_report)``: per rank, how it joined the run
+    and where it applies versions (in place, or host copies of which layers)."""
     return worker.weight_transfer_engine.join_report()
+
+
+def param_addresses(worker: Any) -> dict:
+    """``llm.collective_rpc(param_addresses)``: per rank, each live
+    parameter's data address and element count (those dcr writes in place
+    keep their address from version to version)."""
+    model = worker.weight_transfer_engine.model
+    return {n: [p.data_ptr(), p.numel()] for n, p in model.named_parameters()}
 
 
 def fresh_load_form_digests(worker: Any, checkpoint_dir: str) -> dict:

@@ -48,9 +48,30 @@ def run_job(tmp_path, name: str, *args, tp: int = 1, timeout: int = 900) -> dict
     return json.loads(out.read_text())
 
 
+def check_in_place(result: dict) -> None:
+    """Parameters still in load form after vLLM's processing (the norms and
+    embeddings; on CPUs where vLLM's GEMM dispatch falls back to torch's
+    linear, which keeps the weights, every layer) are written in place,
+    keeping their addresses from version to version; host copies are only
+    of layers vLLM transformed after loading (its CPU GEMM packing)."""
+    for rank, report in enumerate(result["join"]):
+        in_place, host = report["in_place"], report["host_layers"]
+        assert any(n.endswith("norm.weight") for n in in_place), in_place
+        assert any("embed_tokens" in n for n in in_place), in_place
+        assert all(why.startswith(("repacked", "processed")) for why in host.values()), host
+        every = result["versions"][0]["addresses"][rank]
+        assert all((n in in_place) != (n.rpartition(".")[0] in host) for n in every), (in_place, host)
+        assert report["in_place_bytes"] > 0, report
+        first = result["versions"][0]["addresses"][rank]
+        for v in result["versions"][1:]:
+            moved = [n for n in in_place if v["addresses"][rank][n][0] != first[n][0]]
+            assert not moved, (v["version"], moved)
+
+
 def check_versions(result: dict, steps: int, adopted: int | None = 0) -> None:
     # The engine loaded version 0 from disk: every rank joined from it, downloading no snapshot.
     assert result["join"] and all(r["adopted"] == adopted for r in result["join"]), result["join"]
+    check_in_place(result)
     versions = result["versions"]
     assert [v["version"] for v in versions] == list(range(steps + 1))
     for v in versions:

@@ -236,6 +236,7 @@ def refit_versions(a, model, optimizer, llm, trainer, out: dict, peer=None) -> d
         "engine": per_rank(llm.collective_rpc(dv.load_form_digests)),
         "fresh": per_rank(llm.collective_rpc(dv.fresh_load_form_digests, args=(os.path.join(a.work, f"v{v}"),))),
         "tokens": greedy(llm),
+        "addresses": per_rank(llm.collective_rpc(dv.param_addresses)),
     }
     out["versions"].append(check(0))
     for step in range(1, a.steps + 1):
