@@ -112,10 +112,17 @@ DEAD_AFTER = "2"
 TIMEOUT_S = 60
 
 
+_GIVEN: set = set()  # ports handed out: a closed socket's port can come back at the next bind
+
+
 def free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return f"tcp://127.0.0.1:{port}"
 
 
 def read_json(path: Path):
