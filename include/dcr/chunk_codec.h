@@ -156,6 +156,12 @@ class ChunkApplier {
   // DecodeValues says. Writes nothing.
   Status Decode(const FrameView& frame, const uint8_t* target, uint32_t words, const std::string& where,
                 uint8_t* records, uint32_t* count);
+  // Decode's two codec families: the sparse bit stream (frame.header.changed
+  // records), and the dense layouts (raw, zstd; `*count` records).
+  Status DecodeSparse(const FrameView& frame, const uint8_t* target, uint32_t words, const std::string& where,
+                      uint8_t* changes);
+  Status DecodeDense(const FrameView& frame, const uint8_t* target, uint32_t words, const std::string& where,
+                     uint8_t* changes, uint32_t* count);
   // Stores the new words of the first n decoded changes into `target`.
   void WriteChanges(uint32_t word_bytes, uint32_t n, std::span<uint8_t> target) const;
 

@@ -968,106 +968,116 @@ Status ChunkApplier::Decode(const FrameView& frame, const uint8_t* target, uint3
         fmt::format("{}: its payload was dropped once the frame was applied, so it cannot be "
                     "applied again",
                     where));
-  const uint32_t wb = WordBytes(h.dtype);
   if (h.changed > words) return DataLoss(fmt::format("{}: {} changed words in a chunk of {}", where, h.changed, words));
-  const WordImage image = ImageKind(h.dtype);
   // The changes, decoded with the old and new words and checked against the
   // frame's digest before the target is written.
   uint8_t* changes = records != nullptr ? records : Reserve(changes_, changes_capacity_, DecodedBytes(h, words));
-  uint32_t n = 0;
-  Status error;
-  if (h.codec == Codec::kSparse) {
-    if (frame.payload.size() < kSparsePrefix) return DataLoss(where + ": sparse payload shorter than its prefix");
-    const auto coding = static_cast<ValueCoding>(frame.payload[0]);
-    const uint32_t gap_k = frame.payload[1], value_k = frame.payload[2];
-    if (frame.payload[0] > 2 || frame.payload[3] != 0 || gap_k > 31 || value_k > kMaxValueK)
-      return DataLoss(fmt::format("{}: bad sparse prefix {:02x} {:02x} {:02x} {:02x}", where, frame.payload[0],
-                                  frame.payload[1], frame.payload[2], frame.payload[3]));
-    if (ModeOf(coding) != h.mode)
-      return DataLoss(
-          fmt::format("{}: value coding {} does not fit mode {}", where, frame.payload[0], ModeName(h.mode)));
-    // The bit stream, copied with the zero padding BitReader reads into.
-    const size_t stream_bytes = frame.payload.size() - kSparsePrefix;
-    payload_.resize(stream_bytes + BitReader::kPadding);
-    std::memcpy(payload_.data(), frame.payload.data() + kSparsePrefix, stream_bytes);
-    std::memset(payload_.data() + stream_bytes, 0, BitReader::kPadding);
-    BitReader r(payload_.data(), stream_bytes);
-    // The decode table for these parameters (add frames; kept while they
-    // repeat, which they do across the chunks of a tensor).
-    const uint32_t* table = nullptr;
-    if (coding == ValueCoding::kSignExpGolomb && gap_k + 3 <= kDecodeTableBits) {
-      const uint32_t table_key = (wb << 16) | (gap_k << 8) | value_k;
-      if (!decode_table_) decode_table_ = std::make_unique_for_overwrite<uint32_t[]>(kDecodeTableSize);
-      if (decode_table_key_ != table_key) {
-        BuildAddDecodeTable(8 * wb, gap_k, value_k, decode_table_.get());
-        decode_table_key_ = table_key;
-      }
-      table = decode_table_.get();
-    }
-    WithWordType(wb, [&](auto word) {
-      using U = decltype(word);
-      WithCoding(coding, [&](auto coding_constant) {
-        constexpr ValueCoding kCoding = decltype(coding_constant)::value;
-        auto run = [&](auto image_constant) {
-          error = Run<&DecodeSparseLoop<U, kCoding, decltype(image_constant)::value>>(
-              gap_k, value_k, h, words, where, target, &r, reinterpret_cast<Change<U>*>(changes), table);
-        };
-        if constexpr (kCoding == ValueCoding::kSignExpGolomb) WithImage(image, run);
-        else run(std::integral_constant<WordImage, WordImage::kPlain>{});
-      });
-    });
-    DCR_RETURN_IF_ERROR(error);
-    if (r.overrun()) return DataLoss(where + ": sparse payload ends early");
-    if (!r.AtPaddedEnd()) return DataLoss(where + ": sparse payload has bytes after its last change");
-    n = h.changed;
-  } else {
-    const uint64_t dense_bytes = uint64_t{words} * wb;
-    std::span<const uint8_t> dense;
-    if (h.codec == Codec::kRaw) {
-      if (frame.payload.size() != dense_bytes)
-        return DataLoss(
-            fmt::format("{}: raw payload of {} bytes, the chunk needs {}", where, frame.payload.size(), dense_bytes));
-      dense = frame.payload;
-    } else {
-      const unsigned long long size = ZSTD_getFrameContentSize(frame.payload.data(), frame.payload.size());
-      if (size != dense_bytes)
-        return DataLoss(fmt::format("{}: zstd payload declares {} bytes, the chunk needs {}", where,
-                                    size == ZSTD_CONTENTSIZE_UNKNOWN ? 0ull : size, dense_bytes));
-      dense_.resize(dense_bytes);
-      const size_t got = ZSTD_decompress(dense_.data(), dense_.size(), frame.payload.data(), frame.payload.size());
-      if (ZSTD_isError(got) || got != dense_bytes)
-        return DataLoss(fmt::format("{}: zstd payload does not decode: {}", where,
-                                    ZSTD_isError(got) ? ZSTD_getErrorName(got) : "short output"));
-      dense = dense_;
-    }
-    WithWordType(wb, [&](auto word) {
-      using U = decltype(word);
-      auto* c = reinterpret_cast<Change<U>*>(changes);
-      WithImage(image, [&](auto image_constant) {
-        constexpr WordImage kImage = decltype(image_constant)::value;
-        for (uint32_t p = 0; p < words; ++p) {
-          const U v = Load<U>(dense.data() + size_t{p} * sizeof(U));
-          if (target == nullptr) {  // values only: every word the value changes
-            if (v != 0 || h.mode == Mode::kOverwrite) c[n++] = {p, 0, v};
-            continue;
-          }
-          const U old = Load<U>(target + size_t{p} * sizeof(U));
-          U nw;
-          switch (h.mode) {
-            case Mode::kXor: nw = NewWord<Mode::kXor, kImage>(old, v); break;
-            case Mode::kAdd: nw = NewWord<Mode::kAdd, kImage>(old, v); break;
-            default: nw = v; break;
-          }
-          if (nw == old) continue;
-          c[n++] = {p, old, nw};
-        }
-      });
-    });
-    // A nonzero xor or add value changes its word (add: a bijection).
-    if (h.mode != Mode::kOverwrite && n != h.changed)
-      return DataLoss(fmt::format("{}: dense payload holds {} changes, the header says {}", where, n, h.changed));
-  }
+  if (h.codec != Codec::kSparse) return DecodeDense(frame, target, words, where, changes, count);
+  DCR_RETURN_IF_ERROR(DecodeSparse(frame, target, words, where, changes));
+  *count = h.changed;
+  return Status::Ok();
+}
 
+Status ChunkApplier::DecodeSparse(const FrameView& frame, const uint8_t* target, uint32_t words,
+                                  const std::string& where, uint8_t* changes) {
+  const FrameHeader& h = frame.header;
+  const uint32_t wb = WordBytes(h.dtype);
+  if (frame.payload.size() < kSparsePrefix) return DataLoss(where + ": sparse payload shorter than its prefix");
+  const auto coding = static_cast<ValueCoding>(frame.payload[0]);
+  const uint32_t gap_k = frame.payload[1], value_k = frame.payload[2];
+  if (frame.payload[0] > 2 || frame.payload[3] != 0 || gap_k > 31 || value_k > kMaxValueK)
+    return DataLoss(fmt::format("{}: bad sparse prefix {:02x} {:02x} {:02x} {:02x}", where, frame.payload[0],
+                                frame.payload[1], frame.payload[2], frame.payload[3]));
+  if (ModeOf(coding) != h.mode)
+    return DataLoss(fmt::format("{}: value coding {} does not fit mode {}", where, frame.payload[0], ModeName(h.mode)));
+  // The bit stream, copied with the zero padding BitReader reads into.
+  const size_t stream_bytes = frame.payload.size() - kSparsePrefix;
+  payload_.resize(stream_bytes + BitReader::kPadding);
+  std::memcpy(payload_.data(), frame.payload.data() + kSparsePrefix, stream_bytes);
+  std::memset(payload_.data() + stream_bytes, 0, BitReader::kPadding);
+  BitReader r(payload_.data(), stream_bytes);
+  // The decode table for these parameters (add frames; kept while they
+  // repeat, which they do across the chunks of a tensor).
+  const uint32_t* table = nullptr;
+  if (coding == ValueCoding::kSignExpGolomb && gap_k + 3 <= kDecodeTableBits) {
+    const uint32_t table_key = (wb << 16) | (gap_k << 8) | value_k;
+    if (!decode_table_) decode_table_ = std::make_unique_for_overwrite<uint32_t[]>(kDecodeTableSize);
+    if (decode_table_key_ != table_key) {
+      BuildAddDecodeTable(8 * wb, gap_k, value_k, decode_table_.get());
+      decode_table_key_ = table_key;
+    }
+    table = decode_table_.get();
+  }
+  Status error;
+  const WordImage image = ImageKind(h.dtype);
+  WithWordType(wb, [&](auto word) {
+    using U = decltype(word);
+    WithCoding(coding, [&](auto coding_constant) {
+      constexpr ValueCoding kCoding = decltype(coding_constant)::value;
+      auto run = [&](auto image_constant) {
+        error = Run<&DecodeSparseLoop<U, kCoding, decltype(image_constant)::value>>(
+            gap_k, value_k, h, words, where, target, &r, reinterpret_cast<Change<U>*>(changes), table);
+      };
+      if constexpr (kCoding == ValueCoding::kSignExpGolomb) WithImage(image, run);
+      else run(std::integral_constant<WordImage, WordImage::kPlain>{});
+    });
+  });
+  DCR_RETURN_IF_ERROR(error);
+  if (r.overrun()) return DataLoss(where + ": sparse payload ends early");
+  if (!r.AtPaddedEnd()) return DataLoss(where + ": sparse payload has bytes after its last change");
+  return Status::Ok();
+}
+
+Status ChunkApplier::DecodeDense(const FrameView& frame, const uint8_t* target, uint32_t words,
+                                 const std::string& where, uint8_t* changes, uint32_t* count) {
+  const FrameHeader& h = frame.header;
+  const uint32_t wb = WordBytes(h.dtype);
+  const uint64_t dense_bytes = uint64_t{words} * wb;
+  std::span<const uint8_t> dense;
+  if (h.codec == Codec::kRaw) {
+    if (frame.payload.size() != dense_bytes)
+      return DataLoss(
+          fmt::format("{}: raw payload of {} bytes, the chunk needs {}", where, frame.payload.size(), dense_bytes));
+    dense = frame.payload;
+  } else {
+    const unsigned long long size = ZSTD_getFrameContentSize(frame.payload.data(), frame.payload.size());
+    if (size != dense_bytes)
+      return DataLoss(fmt::format("{}: zstd payload declares {} bytes, the chunk needs {}", where,
+                                  size == ZSTD_CONTENTSIZE_UNKNOWN ? 0ull : size, dense_bytes));
+    dense_.resize(dense_bytes);
+    const size_t got = ZSTD_decompress(dense_.data(), dense_.size(), frame.payload.data(), frame.payload.size());
+    if (ZSTD_isError(got) || got != dense_bytes)
+      return DataLoss(fmt::format("{}: zstd payload does not decode: {}", where,
+                                  ZSTD_isError(got) ? ZSTD_getErrorName(got) : "short output"));
+    dense = dense_;
+  }
+  uint32_t n = 0;
+  WithWordType(wb, [&](auto word) {
+    using U = decltype(word);
+    auto* c = reinterpret_cast<Change<U>*>(changes);
+    WithImage(ImageKind(h.dtype), [&](auto image_constant) {
+      constexpr WordImage kImage = decltype(image_constant)::value;
+      for (uint32_t p = 0; p < words; ++p) {
+        const U v = Load<U>(dense.data() + size_t{p} * sizeof(U));
+        if (target == nullptr) {  // values only: every word the value changes
+          if (v != 0 || h.mode == Mode::kOverwrite) c[n++] = {p, 0, v};
+          continue;
+        }
+        const U old = Load<U>(target + size_t{p} * sizeof(U));
+        U nw;
+        switch (h.mode) {
+          case Mode::kXor: nw = NewWord<Mode::kXor, kImage>(old, v); break;
+          case Mode::kAdd: nw = NewWord<Mode::kAdd, kImage>(old, v); break;
+          default: nw = v; break;
+        }
+        if (nw == old) continue;
+        c[n++] = {p, old, nw};
+      }
+    });
+  });
+  // A nonzero xor or add value changes its word (add: a bijection).
+  if (h.mode != Mode::kOverwrite && n != h.changed)
+    return DataLoss(fmt::format("{}: dense payload holds {} changes, the header says {}", where, n, h.changed));
   *count = n;
   return Status::Ok();
 }

@@ -367,6 +367,71 @@ Result<FrameView> DeltaReader::Frame(size_t i) const {
   return view;
 }
 
+namespace {
+
+// The frames of `delta` still to apply to `target`, whose chunk digests are
+// `digests`, with their chunks' digests, after the checks ApplyDelta makes
+// before a byte is written: the chunks without frames must hold what the
+// manifest's target says they hold (its digest less its frames' targets);
+// each framed chunk is done (at its frame's target) or must reach it. When
+// no chunk is done, the framed chunks' sum against the manifest's base
+// digest shows that at once; otherwise (a resumed apply, a chunk in another
+// state, an overwrite delta repairing a half-written chunk) a dry run of
+// the pending frames decides, naming the chunk.
+struct Pending {
+  std::vector<FrameView> frames;
+  std::vector<size_t> entry;  // pending frame -> manifest frame
+  std::vector<Digest> current;
+  size_t done = 0;  // frames found applied
+};
+Result<Pending> PendingFrames(const Checkpoint& target, const DeltaReader& delta, const ChunkDigestTable& digests,
+                              ApplyTarget& placed, ThreadPool* pool) {
+  const DeltaManifest& m = delta.manifest();
+  auto not_base = [&](const DeltaFrameEntry& e, std::string_view why) {
+    return FailedPrecondition(fmt::format(
+        "{} is not the base of delta {}: tensor '{}' chunk {} holds other bits (digest {}){}; apply the delta to its "
+        "base version, or use an overwrite delta",
+        target.path(), delta.dir(), m.tensors[e.tensor].name, e.chunk, digests[e.tensor][e.chunk].ToHex(), why));
+  };
+  Pending p;
+  Digest framed_now, framed_target, all_now;
+  for (const auto& chunks : digests)
+    for (const Digest& d : chunks) all_now += d;
+  for (size_t i = 0; i < m.frames.size(); ++i) {
+    const auto& e = m.frames[i];
+    DCR_ASSIGN_OR_RETURN(FrameView frame, delta.Frame(i));
+    const Digest& now = digests[e.tensor][e.chunk];
+    framed_now += now;
+    framed_target += frame.header.target_digest;
+    if (now == frame.header.target_digest) {
+      ++p.done;
+      continue;
+    }
+    if (!frame.PayloadHeld())
+      return not_base(e, " but its frame's payload was dropped once applied (the chunk changed since)");
+    p.frames.push_back(frame);
+    p.entry.push_back(i);
+    p.current.push_back(now);
+  }
+  const Digest rest = m.target_digest - framed_target;  // the chunks no frame changes
+  if (all_now - framed_now != rest)
+    return FailedPrecondition(fmt::format(
+        "{} is not the base of delta {}: it differs outside the chunks the delta changes (digest {}, the delta's is "
+        "{}), or the manifest does not belong to these frames; nothing was written",
+        target.path(), delta.dir(), (all_now - framed_now).ToHex(), rest.ToHex()));
+  if (p.done == 0 && framed_now == m.base_digest - rest) return p;
+  const auto dry = ApplyFrames(placed, m, p.frames, p.current, {.write = false, .pool = pool});
+  for (size_t k = 0; k < dry.size(); ++k) {
+    if (dry[k].status.ok()) continue;
+    if (dry[k].status.code() != Code::kFailedPrecondition) return dry[k].status;
+    return not_base(m.frames[p.entry[k]],
+                    p.frames[k].header.mode == Mode::kOverwrite ? " that this overwrite frame cannot repair" : "");
+  }
+  return p;
+}
+
+}  // namespace
+
 Result<ApplyReport> ApplyDelta(Checkpoint& target, const DeltaReader& delta, Progress* progress, ThreadPool* pool,
                                ChunkDigestTable* tracked, bool sync) {
   const DeltaManifest& m = delta.manifest();
@@ -385,73 +450,22 @@ Result<ApplyReport> ApplyDelta(Checkpoint& target, const DeltaReader& delta, Pro
   std::vector<size_t> target_index(m.tensors.size());
   for (size_t t = 0; t < m.tensors.size(); ++t) target_index[t] = static_cast<size_t>(target.Find(m.tensors[t].name));
   CheckpointApplyTarget placed(target, m, std::move(target_index));
-  auto not_base = [&](const DeltaFrameEntry& e, std::string_view why) {
-    return FailedPrecondition(fmt::format(
-        "{} is not the base of delta {}: tensor '{}' chunk {} holds other bits (digest {}){}; apply the delta to its "
-        "base version, or use an overwrite delta",
-        target.path(), delta.dir(), m.tensors[e.tensor].name, e.chunk, digests[e.tensor][e.chunk].ToHex(), why));
-  };
+  DCR_ASSIGN_OR_RETURN(const Pending pending, PendingFrames(target, delta, digests, placed, pool));
 
-  // Before a byte is written: the chunks without frames must hold what the
-  // manifest's target says they hold (its digest less its frames' targets);
-  // each framed chunk is done (at its frame's target) or must reach it. When
-  // no chunk is done, the framed chunks' sum against the manifest's base
-  // digest shows that at once; otherwise (a resumed apply, a chunk in
-  // another state, an overwrite delta repairing a half-written chunk) a dry
-  // run of the pending frames decides, naming the chunk.
-  std::vector<FrameView> pending;
-  std::vector<size_t> entry;  // pending frame -> manifest frame
-  std::vector<Digest> current;
-  Digest framed_now, framed_target, all_now;
-  size_t done = 0;
-  for (const auto& chunks : digests)
-    for (const Digest& d : chunks) all_now += d;
-  for (size_t i = 0; i < m.frames.size(); ++i) {
-    const auto& e = m.frames[i];
-    DCR_ASSIGN_OR_RETURN(FrameView frame, delta.Frame(i));
-    const Digest& now = digests[e.tensor][e.chunk];
-    framed_now += now;
-    framed_target += frame.header.target_digest;
-    if (now == frame.header.target_digest) {
-      ++done;
-      continue;
-    }
-    if (!frame.PayloadHeld())
-      return not_base(e, " but its frame's payload was dropped once applied (the chunk changed since)");
-    pending.push_back(frame);
-    entry.push_back(i);
-    current.push_back(now);
-  }
-  const Digest rest = m.target_digest - framed_target;  // the chunks no frame changes
-  if (all_now - framed_now != rest)
-    return FailedPrecondition(fmt::format(
-        "{} is not the base of delta {}: it differs outside the chunks the delta changes (digest {}, the delta's is "
-        "{}), or the manifest does not belong to these frames; nothing was written",
-        target.path(), delta.dir(), (all_now - framed_now).ToHex(), rest.ToHex()));
-  if (done > 0 || framed_now != m.base_digest - rest) {
-    const auto dry = ApplyFrames(placed, m, pending, current, {.write = false, .pool = pool});
-    for (size_t k = 0; k < dry.size(); ++k) {
-      if (dry[k].status.ok()) continue;
-      if (dry[k].status.code() != Code::kFailedPrecondition) return dry[k].status;
-      return not_base(m.frames[entry[k]],
-                      pending[k].header.mode == Mode::kOverwrite ? " that this overwrite frame cannot repair" : "");
-    }
-  }
-
-  const auto applied = ApplyFrames(placed, m, pending, current, {.pool = pool, .progress = progress});
+  const auto applied = ApplyFrames(placed, m, pending.frames, pending.current, {.pool = pool, .progress = progress});
   ApplyReport report;
-  report.frames_already_applied = done;
+  report.frames_already_applied = pending.done;
   Status first;  // by frame order; the other frames' chunks are applied (and tracked) all the same
   for (size_t k = 0; k < applied.size(); ++k) {
     if (!applied[k].status.ok()) {
       if (first.ok()) first = applied[k].status;
       continue;
     }
-    const DeltaFrameEntry& e = m.frames[entry[k]];
+    const DeltaFrameEntry& e = m.frames[pending.entry[k]];
     digests[e.tensor][e.chunk] = applied[k].after;
     ++report.frames_applied;
-    report.payload_bytes += pending[k].header.payload_bytes;
-    report.changed_words += pending[k].header.changed;
+    report.payload_bytes += pending.frames[k].header.payload_bytes;
+    report.changed_words += pending.frames[k].header.changed;
   }
   DCR_RETURN_IF_ERROR(first);
   if (sync) DCR_RETURN_IF_ERROR(target.Sync());
