@@ -1,0 +1,146 @@
+// dcr._dcr: layout maps, and senders and receivers over live buffers.
+#include "bindings.h"
+
+namespace dcr_python {
+namespace {
+
+// The trainer side: one sender holding every canonical element its map
+// names, its baseline (the committed version) as owned copies of its buffers.
+struct PySender {
+  dcr::CompiledLayout layout;
+  std::vector<dcr::TensorInfo> tensors;
+  std::vector<std::vector<uint8_t>> baseline;
+
+  PySender(dcr::CompiledLayout l, const std::vector<nb::ndarray<>>& initial) : layout(std::move(l)) {
+    for (const dcr::LayoutTensor& t : layout.map().tensors)
+      tensors.push_back(Take(dcr::MakeTensorInfo(t.name, t.dtype, t.shape)));
+    std::vector<std::span<uint8_t>> spans = RankBuffers(layout, initial, "Sender");
+    for (auto s : spans) baseline.emplace_back(s.begin(), s.end());
+  }
+
+  PyDelta MakeDelta(const std::vector<nb::ndarray<>>& current, const std::string& mode, uint64_t chunk_elements,
+                    uint64_t delta_id) {
+    const dcr::DeltaOptions opt = MakeDeltaOptions(mode, chunk_elements, delta_id);
+    std::vector<std::span<uint8_t>> spans = RankBuffers(layout, current, "Sender.make_delta");
+    PyDelta out;
+    dcr::Status s;
+    {
+      nb::gil_scoped_release release;
+      s = Encode(spans, opt, &out);
+    }
+    Check(s);
+    return out;
+  }
+
+  dcr::Status Encode(const std::vector<std::span<uint8_t>>& current, const dcr::DeltaOptions& opt, PyDelta* out) const {
+    dcr::SenderRank rank{&layout, {}, {}};
+    for (const auto& b : baseline) rank.baseline.emplace_back(b);
+    for (const auto& c : current) rank.current.emplace_back(c);
+    out->manifest = dcr::StartLayoutDelta(tensors, opt);
+    DCR_ASSIGN_OR_RETURN(std::vector<dcr::ChunkContribution> contributions, dcr::ProjectSender(rank, 0, out->manifest));
+    DCR_ASSIGN_OR_RETURN(dcr::OwnedFrames owned, dcr::EncodeOwnedChunks(out->manifest, contributions, opt.encode));
+    std::vector<dcr::OwnedFrames> owners;
+    owners.push_back(std::move(owned));
+    DCR_ASSIGN_OR_RETURN(std::string bytes, dcr::AssembleLayoutDelta(out->manifest, owners));
+    out->frames = std::make_shared<std::string>(std::move(bytes));
+    return dcr::Status::Ok();
+  }
+
+  // The delta was committed: the baseline moves to its target, by applying
+  // it to the baseline shards (only changed chunks are touched, each verified).
+  nb::dict Commit(const PyDelta& delta) {
+    dcr::DeltaReader reader = delta.Reader();
+    dcr::Result<dcr::ApplyReport> r = dcr::Internal("not run");
+    {
+      nb::gil_scoped_release release;
+      dcr::PlacedRank placed{&layout, {}};
+      for (auto& b : baseline) placed.buffers.emplace_back(b);
+      dcr::PlacedRank* ranks[] = {&placed};
+      r = dcr::ApplyEngineDelta(ranks, reader);
+    }
+    return ApplyReportDict(Take(std::move(r)));
+  }
+
+  std::string BaselineDigest() const {
+    dcr::PlacedRank placed{&layout, {}};
+    for (const auto& b : baseline) placed.buffers.emplace_back(const_cast<uint8_t*>(b.data()), b.size());
+    return Take(dcr::RankDigest(placed)).ToHex();
+  }
+};
+
+// The receiver side: one rank (or a whole engine in one process) over live
+// buffers, applied in place. It tracks the engine's chunk digests (computed
+// at the first apply, then updated from the changed words alone).
+struct PyReceiver {
+  dcr::CompiledLayout layout;
+  PyBuffers buffers;
+  std::vector<std::string> residuals;
+  dcr::ChunkDigestTable tracked;  // of the manifest shape below; empty: computed at the next apply
+  std::vector<std::string> tracked_names;
+  uint64_t tracked_chunk = 0;
+
+  PyReceiver(dcr::CompiledLayout l, std::vector<nb::ndarray<>> a, std::vector<std::string> r, nb::object mem)
+      : layout(std::move(l)), buffers(layout, std::move(a), std::move(mem), "Receiver"), residuals(std::move(r)) {}
+
+  nb::dict Apply(const PyDelta& delta) {
+    dcr::DeltaReader reader = delta.Reader();
+    dcr::Result<dcr::ApplyReport> r = dcr::Internal("not run");
+    {
+      nb::gil_scoped_release release;
+      const dcr::DeltaManifest& m = reader.manifest();
+      std::vector<std::string> names;
+      for (const auto& t : m.tensors) names.push_back(t.name);
+      if (names != tracked_names || m.chunk_elements != tracked_chunk) tracked.clear();
+      dcr::PlacedRank* ranks[] = {&buffers.placed};
+      r = dcr::ApplyEngineDelta(ranks, reader, residuals, &tracked);
+      tracked_names = std::move(names);
+      tracked_chunk = m.chunk_elements;
+      if (!r.ok()) tracked.clear();  // after a failure the next apply starts from the bits
+    }
+    return ApplyReportDict(Take(std::move(r)));
+  }
+
+  // The tensors changed outside dcr: the next apply digests them again.
+  void Forget() { tracked.clear(); }
+
+  std::string Digest() {
+    nb::gil_scoped_release release;
+    return Take(dcr::RankDigest(buffers.placed)).ToHex();
+  }
+};
+
+}  // namespace
+
+// Layout maps, Sender and Receiver.
+void BindLayouts(nb::module_& m) {
+  m.def(
+      "validate_layout",
+      [](const std::string& json) { return dcr::LayoutMapToJson(Take(dcr::LayoutMapFromJson(json, "layout"))); },
+      "json"_a, "Validates a layout map; returns its canonical JSON.");
+
+  nb::class_<PySender>(m, "Sender")
+      .def(
+          "__init__",
+          [](PySender* self, const std::string& layout_json, const std::vector<nb::ndarray<>>& buffers) {
+            new (self) PySender(CompileJson(layout_json, "sender layout"), buffers);
+          },
+          "layout_json"_a, "buffers"_a)
+      .def("make_delta", &PySender::MakeDelta, "buffers"_a, "mode"_a, "chunk_elements"_a, "delta_id"_a)
+      .def("commit", &PySender::Commit, "delta"_a)
+      .def("baseline_digest", &PySender::BaselineDigest);
+
+  nb::class_<PyReceiver>(m, "Receiver")
+      .def(
+          "__init__",
+          [](PyReceiver* self, const std::string& layout_json, std::vector<nb::ndarray<>> buffers,
+             std::vector<std::string> residuals, nb::object memory) {
+            new (self) PyReceiver(CompileJson(layout_json, "receiver layout"), std::move(buffers), std::move(residuals),
+                                  std::move(memory));
+          },
+          "layout_json"_a, "buffers"_a, "residuals"_a, "memory"_a = nb::none())
+      .def("apply", &PyReceiver::Apply, "delta"_a)
+      .def("forget_digests", &PyReceiver::Forget)
+      .def("digest", &PyReceiver::Digest);
+}
+
+}  // namespace dcr_python
