@@ -112,6 +112,145 @@ void StageLayers(uint64_t layers, uint32_t pp, uint32_t stage, uint64_t* first, 
   *count = r.count;
 }
 
+// A trainer layer's attention (Megatron names), TP-split by rank r of tp.
+void MegatronAttention(Builder& b, const ModelShape& s, const std::string& c, const std::string& m, uint64_t tp,
+                       uint64_t r, bool dense_primary, bool replica_primary) {
+  const uint64_t h = s.hidden_size;
+  if (s.family == Family::kDeepseekV3) {
+    const uint64_t qk = s.qk_nope_head_dim + s.qk_rope_head_dim, heads = s.num_heads / tp;
+    const std::string a = c + ".self_attn", ma = m + ".self_attention";
+    b.Whole(a + ".q_a_proj.weight", ma + ".linear_q_down_proj.weight", replica_primary);
+    b.Whole(a + ".q_a_layernorm.weight", ma + ".linear_q_up_proj.layer_norm_weight", replica_primary);
+    b.BufferLike(ma + ".linear_q_up_proj.weight", a + ".q_b_proj.weight", {heads * qk, s.q_lora_rank});
+    b.Rows(a + ".q_b_proj.weight", r * heads * qk, heads * qk, ma + ".linear_q_up_proj.weight", 0, dense_primary);
+    b.Whole(a + ".kv_a_proj_with_mqa.weight", ma + ".linear_kv_down_proj.weight", replica_primary);
+    b.Whole(a + ".kv_a_layernorm.weight", ma + ".linear_kv_up_proj.layer_norm_weight", replica_primary);
+    const uint64_t kvr = heads * (s.qk_nope_head_dim + s.v_head_dim);
+    b.BufferLike(ma + ".linear_kv_up_proj.weight", a + ".kv_b_proj.weight", {kvr, s.kv_lora_rank});
+    b.Rows(a + ".kv_b_proj.weight", r * kvr, kvr, ma + ".linear_kv_up_proj.weight", 0, dense_primary);
+    const uint64_t cols = heads * s.v_head_dim;
+    b.BufferLike(ma + ".linear_proj.weight", a + ".o_proj.weight", {h, cols});
+    b.Cols(a + ".o_proj.weight", r * cols, cols, ma + ".linear_proj.weight", dense_primary);
+  } else {
+    const uint64_t hd = s.head_dim, groups = s.num_kv_heads / tp, qpg = s.num_heads / s.num_kv_heads;
+    const std::string a = c + ".self_attn", qkv = m + ".self_attention.linear_qkv.weight";
+    b.BufferLike(qkv, a + ".q_proj.weight", {groups * (qpg + 2) * hd, h});
+    for (uint64_t j = 0; j < groups; ++j) {
+      const uint64_t g = r * groups + j, row = j * (qpg + 2) * hd;
+      b.Rows(a + ".q_proj.weight", g * qpg * hd, qpg * hd, qkv, row, dense_primary);
+      b.Rows(a + ".k_proj.weight", g * hd, hd, qkv, row + qpg * hd, dense_primary);
+      b.Rows(a + ".v_proj.weight", g * hd, hd, qkv, row + (qpg + 1) * hd, dense_primary);
+    }
+    const uint64_t cols = s.num_heads * hd / tp;
+    b.BufferLike(m + ".self_attention.linear_proj.weight", a + ".o_proj.weight", {h, cols});
+    b.Cols(a + ".o_proj.weight", r * cols, cols, m + ".self_attention.linear_proj.weight", dense_primary);
+    if (s.family == Family::kQwen3Moe) {
+      b.Whole(a + ".q_norm.weight", m + ".self_attention.q_layernorm.weight", replica_primary);
+      b.Whole(a + ".k_norm.weight", m + ".self_attention.k_layernorm.weight", replica_primary);
+    }
+  }
+}
+
+// A trainer MoE layer's router and its expert-parallel rank's experts.
+void MegatronMoe(Builder& b, const ModelShape& s, const TrainerParallel& p, const TrainerRank& rank,
+                 const std::string& c, const std::string& m, bool dense_primary, bool replica_primary) {
+  const uint64_t h = s.hidden_size, tp = p.tp, r = rank.tp;
+  b.Whole(c + ".mlp.gate.weight", m + ".mlp.router.weight", replica_primary);
+  if (s.family == Family::kDeepseekV3)
+    b.Whole(c + ".mlp.gate.e_score_correction_bias", m + ".mlp.router.expert_bias", replica_primary);
+  const ExpertRange er = ExpertsOfRank(s.num_experts, p.ep, rank.ep);
+  for (uint64_t i = 0; i < er.count; ++i) {
+    const std::string ce = fmt::format("{}.mlp.experts.{}", c, er.first + i);
+    const std::string fc1 = fmt::format("{}.mlp.experts.linear_fc1.weight{}", m, i);
+    const std::string fc2 = fmt::format("{}.mlp.experts.linear_fc2.weight{}", m, i);
+    if (p.expert_tp) FusedMlp(b, ce, fc1, fc2, s.moe_intermediate_size, h, tp, r, true);
+    else FusedMlp(b, ce, fc1, fc2, s.moe_intermediate_size, h, 1, 0, r == 0);
+  }
+  if (s.num_shared_experts > 0)
+    FusedMlp(b, c + ".mlp.shared_experts", m + ".mlp.shared_experts.linear_fc1.weight",
+             m + ".mlp.shared_experts.linear_fc2.weight", s.moe_intermediate_size * s.num_shared_experts, h, tp, r,
+             dense_primary);
+}
+
+// A serving layer's attention (vLLM names: fused qkv, MLA's fused q_a/kv_a),
+// TP-split by rank r of tp; KV heads replicated when tp exceeds them.
+Status VllmAttention(Builder& b, const ModelShape& s, const std::string& a, uint64_t tp, uint64_t r, bool rep) {
+  const uint64_t h = s.hidden_size;
+  if (s.family == Family::kDeepseekV3) {
+    const uint64_t qk = s.qk_nope_head_dim + s.qk_rope_head_dim, heads = s.num_heads / tp;
+    const std::string fused = a + ".fused_qkv_a_proj.weight";
+    const uint64_t qa = s.q_lora_rank, kva = s.kv_lora_rank + s.qk_rope_head_dim;
+    b.BufferLike(fused, a + ".q_a_proj.weight", {qa + kva, h});
+    b.Rows(a + ".q_a_proj.weight", 0, qa, fused, 0, rep);
+    b.Rows(a + ".kv_a_proj_with_mqa.weight", 0, kva, fused, qa, rep);
+    b.Whole(a + ".q_a_layernorm.weight", a + ".q_a_layernorm.weight", rep);
+    b.Whole(a + ".kv_a_layernorm.weight", a + ".kv_a_layernorm.weight", rep);
+    b.BufferLike(a + ".q_b_proj.weight", a + ".q_b_proj.weight", {heads * qk, s.q_lora_rank});
+    b.Rows(a + ".q_b_proj.weight", r * heads * qk, heads * qk, a + ".q_b_proj.weight", 0, true);
+    const uint64_t kvr = heads * (s.qk_nope_head_dim + s.v_head_dim);
+    b.BufferLike(a + ".kv_b_proj.weight", a + ".kv_b_proj.weight", {kvr, s.kv_lora_rank});
+    b.Rows(a + ".kv_b_proj.weight", r * kvr, kvr, a + ".kv_b_proj.weight", 0, true);
+    const uint64_t cols = heads * s.v_head_dim;
+    b.BufferLike(a + ".o_proj.weight", a + ".o_proj.weight", {h, cols});
+    b.Cols(a + ".o_proj.weight", r * cols, cols, a + ".o_proj.weight", true);
+  } else {
+    const uint64_t hd = s.head_dim, qh = s.num_heads / tp, nkv = s.num_kv_heads;
+    uint64_t kvh, kv_first;
+    bool kv_primary = true;
+    if (tp >= nkv) {
+      DCR_RETURN_IF_ERROR(NeedDivisible(tp, nkv, "tensor-parallel size", "num_kv_heads"));
+      const uint64_t replicas = tp / nkv;
+      kvh = 1;
+      kv_first = r / replicas;
+      kv_primary = r % replicas == 0;
+    } else {
+      DCR_RETURN_IF_ERROR(NeedDivisible(nkv, tp, "num_kv_heads", "tensor-parallel size"));
+      kvh = nkv / tp;
+      kv_first = r * kvh;
+    }
+    const std::string qkv = a + ".qkv_proj.weight";
+    b.BufferLike(qkv, a + ".q_proj.weight", {(qh + 2 * kvh) * hd, h});
+    b.Rows(a + ".q_proj.weight", r * qh * hd, qh * hd, qkv, 0, true);
+    b.Rows(a + ".k_proj.weight", kv_first * hd, kvh * hd, qkv, qh * hd, kv_primary);
+    b.Rows(a + ".v_proj.weight", kv_first * hd, kvh * hd, qkv, (qh + kvh) * hd, kv_primary);
+    const uint64_t cols = qh * hd;
+    b.BufferLike(a + ".o_proj.weight", a + ".o_proj.weight", {h, cols});
+    b.Cols(a + ".o_proj.weight", r * cols, cols, a + ".o_proj.weight", true);
+    if (s.family == Family::kQwen3Moe) {
+      b.Whole(a + ".q_norm.weight", a + ".q_norm.weight", rep);
+      b.Whole(a + ".k_norm.weight", a + ".k_norm.weight", rep);
+    }
+  }
+  return Status::Ok();
+}
+
+// A serving MoE layer's router and experts (stacked w13 and w2: split by TP,
+// or whole experts by expert parallelism).
+void VllmMoe(Builder& b, const ModelShape& s, const ServingParallel& p, uint32_t rank, const std::string& c) {
+  const uint64_t h = s.hidden_size, tp = p.tp, r = rank;
+  const bool rep = r == 0;
+  b.Whole(c + ".mlp.gate.weight", c + ".mlp.gate.weight", rep);
+  if (s.family == Family::kDeepseekV3)
+    b.Whole(c + ".mlp.gate.e_score_correction_bias", c + ".mlp.gate.e_score_correction_bias", rep);
+  const ExpertRange er = p.expert_parallel ? ExpertsOfRank(s.num_experts, p.tp, rank) : ExpertRange{0, s.num_experts};
+  const uint64_t parts = p.expert_parallel ? 1 : tp, part = p.expert_parallel ? 0 : r;
+  const uint64_t w = s.moe_intermediate_size / parts;
+  const std::string w13 = c + ".mlp.experts.w13_weight", w2 = c + ".mlp.experts.w2_weight";
+  const std::string e0 = c + ".mlp.experts.0";
+  b.BufferLike(w13, e0 + ".gate_proj.weight", {er.count, 2 * w, h});
+  b.BufferLike(w2, e0 + ".down_proj.weight", {er.count, h, w});
+  for (uint64_t i = 0; i < er.count; ++i) {
+    const std::string ce = fmt::format("{}.mlp.experts.{}", c, er.first + i);
+    b.Copy(ce + ".gate_proj.weight", {part * w, 0}, {w, h}, w13, {i, 0, 0}, true);
+    b.Copy(ce + ".up_proj.weight", {part * w, 0}, {w, h}, w13, {i, w, 0}, true);
+    b.Copy(ce + ".down_proj.weight", {0, part * w}, {h, w}, w2, {i, 0, 0}, true);
+  }
+  if (s.num_shared_experts > 0)
+    FusedMlp(b, c + ".mlp.shared_experts", c + ".mlp.shared_experts.gate_up_proj.weight",
+             c + ".mlp.shared_experts.down_proj.weight", s.moe_intermediate_size * s.num_shared_experts, h, tp, r,
+             true);
+}
+
 Result<LayoutMap> MegatronLayout(const ModelShape& s, const TrainerParallel& p, const TrainerRank& rank) {
   if (p.pp == 0 || p.ep == 0) return InvalidArgument("pipeline and expert-parallel sizes must be 1 or more");
   if (rank.pp >= p.pp || rank.ep >= p.ep || rank.tp >= p.tp)
@@ -148,60 +287,14 @@ Result<LayoutMap> MegatronLayout(const ModelShape& s, const TrainerParallel& p, 
     const std::string c = fmt::format("model.layers.{}", l);
     const std::string m = fmt::format("decoder.layers.{}", local);
     b.Whole(c + ".input_layernorm.weight", m + ".input_layernorm.weight", replica_primary);
-    if (s.family == Family::kDeepseekV3) {
-      const uint64_t qk = s.qk_nope_head_dim + s.qk_rope_head_dim, heads = s.num_heads / tp;
-      const std::string a = c + ".self_attn", ma = m + ".self_attention";
-      b.Whole(a + ".q_a_proj.weight", ma + ".linear_q_down_proj.weight", replica_primary);
-      b.Whole(a + ".q_a_layernorm.weight", ma + ".linear_q_up_proj.layer_norm_weight", replica_primary);
-      b.BufferLike(ma + ".linear_q_up_proj.weight", a + ".q_b_proj.weight", {heads * qk, s.q_lora_rank});
-      b.Rows(a + ".q_b_proj.weight", r * heads * qk, heads * qk, ma + ".linear_q_up_proj.weight", 0, dense_primary);
-      b.Whole(a + ".kv_a_proj_with_mqa.weight", ma + ".linear_kv_down_proj.weight", replica_primary);
-      b.Whole(a + ".kv_a_layernorm.weight", ma + ".linear_kv_up_proj.layer_norm_weight", replica_primary);
-      const uint64_t kvr = heads * (s.qk_nope_head_dim + s.v_head_dim);
-      b.BufferLike(ma + ".linear_kv_up_proj.weight", a + ".kv_b_proj.weight", {kvr, s.kv_lora_rank});
-      b.Rows(a + ".kv_b_proj.weight", r * kvr, kvr, ma + ".linear_kv_up_proj.weight", 0, dense_primary);
-      const uint64_t cols = heads * s.v_head_dim;
-      b.BufferLike(ma + ".linear_proj.weight", a + ".o_proj.weight", {h, cols});
-      b.Cols(a + ".o_proj.weight", r * cols, cols, ma + ".linear_proj.weight", dense_primary);
-    } else {
-      const uint64_t hd = s.head_dim, groups = s.num_kv_heads / tp, qpg = s.num_heads / s.num_kv_heads;
-      const std::string a = c + ".self_attn", qkv = m + ".self_attention.linear_qkv.weight";
-      b.BufferLike(qkv, a + ".q_proj.weight", {groups * (qpg + 2) * hd, h});
-      for (uint64_t j = 0; j < groups; ++j) {
-        const uint64_t g = r * groups + j, row = j * (qpg + 2) * hd;
-        b.Rows(a + ".q_proj.weight", g * qpg * hd, qpg * hd, qkv, row, dense_primary);
-        b.Rows(a + ".k_proj.weight", g * hd, hd, qkv, row + qpg * hd, dense_primary);
-        b.Rows(a + ".v_proj.weight", g * hd, hd, qkv, row + (qpg + 1) * hd, dense_primary);
-      }
-      const uint64_t cols = s.num_heads * hd / tp;
-      b.BufferLike(m + ".self_attention.linear_proj.weight", a + ".o_proj.weight", {h, cols});
-      b.Cols(a + ".o_proj.weight", r * cols, cols, m + ".self_attention.linear_proj.weight", dense_primary);
-      if (s.family == Family::kQwen3Moe) {
-        b.Whole(a + ".q_norm.weight", m + ".self_attention.q_layernorm.weight", replica_primary);
-        b.Whole(a + ".k_norm.weight", m + ".self_attention.k_layernorm.weight", replica_primary);
-      }
-    }
+    MegatronAttention(b, s, c, m, tp, r, dense_primary, replica_primary);
     b.Whole(c + ".post_attention_layernorm.weight", m + ".pre_mlp_layernorm.weight", replica_primary);
     if (!IsMoeLayer(s, l)) {
       FusedMlp(b, c + ".mlp", m + ".mlp.linear_fc1.weight", m + ".mlp.linear_fc2.weight", s.intermediate_size, h, tp, r,
                dense_primary);
       continue;
     }
-    b.Whole(c + ".mlp.gate.weight", m + ".mlp.router.weight", replica_primary);
-    if (s.family == Family::kDeepseekV3)
-      b.Whole(c + ".mlp.gate.e_score_correction_bias", m + ".mlp.router.expert_bias", replica_primary);
-    const ExpertRange er = ExpertsOfRank(s.num_experts, p.ep, rank.ep);
-    for (uint64_t i = 0; i < er.count; ++i) {
-      const std::string ce = fmt::format("{}.mlp.experts.{}", c, er.first + i);
-      const std::string fc1 = fmt::format("{}.mlp.experts.linear_fc1.weight{}", m, i);
-      const std::string fc2 = fmt::format("{}.mlp.experts.linear_fc2.weight{}", m, i);
-      if (p.expert_tp) FusedMlp(b, ce, fc1, fc2, s.moe_intermediate_size, h, tp, r, true);
-      else FusedMlp(b, ce, fc1, fc2, s.moe_intermediate_size, h, 1, 0, r == 0);
-    }
-    if (s.num_shared_experts > 0)
-      FusedMlp(b, c + ".mlp.shared_experts", m + ".mlp.shared_experts.linear_fc1.weight",
-               m + ".mlp.shared_experts.linear_fc2.weight", s.moe_intermediate_size * s.num_shared_experts, h, tp, r,
-               dense_primary);
+    MegatronMoe(b, s, p, rank, c, m, dense_primary, replica_primary);
   }
   LayoutMap map = b.Take();
   DCR_RETURN_IF_ERROR(ValidateLayoutMap(map));
@@ -232,76 +325,13 @@ Result<LayoutMap> VllmLayout(const ModelShape& s, const ServingParallel& p, uint
     const std::string c = fmt::format("model.layers.{}", l), a = c + ".self_attn";
     b.Whole(c + ".input_layernorm.weight", c + ".input_layernorm.weight", rep);
     b.Whole(c + ".post_attention_layernorm.weight", c + ".post_attention_layernorm.weight", rep);
-    if (s.family == Family::kDeepseekV3) {
-      const uint64_t qk = s.qk_nope_head_dim + s.qk_rope_head_dim, heads = s.num_heads / tp;
-      const std::string fused = a + ".fused_qkv_a_proj.weight";
-      const uint64_t qa = s.q_lora_rank, kva = s.kv_lora_rank + s.qk_rope_head_dim;
-      b.BufferLike(fused, a + ".q_a_proj.weight", {qa + kva, h});
-      b.Rows(a + ".q_a_proj.weight", 0, qa, fused, 0, rep);
-      b.Rows(a + ".kv_a_proj_with_mqa.weight", 0, kva, fused, qa, rep);
-      b.Whole(a + ".q_a_layernorm.weight", a + ".q_a_layernorm.weight", rep);
-      b.Whole(a + ".kv_a_layernorm.weight", a + ".kv_a_layernorm.weight", rep);
-      b.BufferLike(a + ".q_b_proj.weight", a + ".q_b_proj.weight", {heads * qk, s.q_lora_rank});
-      b.Rows(a + ".q_b_proj.weight", r * heads * qk, heads * qk, a + ".q_b_proj.weight", 0, true);
-      const uint64_t kvr = heads * (s.qk_nope_head_dim + s.v_head_dim);
-      b.BufferLike(a + ".kv_b_proj.weight", a + ".kv_b_proj.weight", {kvr, s.kv_lora_rank});
-      b.Rows(a + ".kv_b_proj.weight", r * kvr, kvr, a + ".kv_b_proj.weight", 0, true);
-      const uint64_t cols = heads * s.v_head_dim;
-      b.BufferLike(a + ".o_proj.weight", a + ".o_proj.weight", {h, cols});
-      b.Cols(a + ".o_proj.weight", r * cols, cols, a + ".o_proj.weight", true);
-    } else {
-      const uint64_t hd = s.head_dim, qh = s.num_heads / tp, nkv = s.num_kv_heads;
-      uint64_t kvh, kv_first;
-      bool kv_primary = true;
-      if (tp >= nkv) {
-        DCR_RETURN_IF_ERROR(NeedDivisible(tp, nkv, "tensor-parallel size", "num_kv_heads"));
-        const uint64_t replicas = tp / nkv;
-        kvh = 1;
-        kv_first = r / replicas;
-        kv_primary = r % replicas == 0;
-      } else {
-        DCR_RETURN_IF_ERROR(NeedDivisible(nkv, tp, "num_kv_heads", "tensor-parallel size"));
-        kvh = nkv / tp;
-        kv_first = r * kvh;
-      }
-      const std::string qkv = a + ".qkv_proj.weight";
-      b.BufferLike(qkv, a + ".q_proj.weight", {(qh + 2 * kvh) * hd, h});
-      b.Rows(a + ".q_proj.weight", r * qh * hd, qh * hd, qkv, 0, true);
-      b.Rows(a + ".k_proj.weight", kv_first * hd, kvh * hd, qkv, qh * hd, kv_primary);
-      b.Rows(a + ".v_proj.weight", kv_first * hd, kvh * hd, qkv, (qh + kvh) * hd, kv_primary);
-      const uint64_t cols = qh * hd;
-      b.BufferLike(a + ".o_proj.weight", a + ".o_proj.weight", {h, cols});
-      b.Cols(a + ".o_proj.weight", r * cols, cols, a + ".o_proj.weight", true);
-      if (s.family == Family::kQwen3Moe) {
-        b.Whole(a + ".q_norm.weight", a + ".q_norm.weight", rep);
-        b.Whole(a + ".k_norm.weight", a + ".k_norm.weight", rep);
-      }
-    }
+    DCR_RETURN_IF_ERROR(VllmAttention(b, s, a, tp, r, rep));
     if (!IsMoeLayer(s, l)) {
       FusedMlp(b, c + ".mlp", c + ".mlp.gate_up_proj.weight", c + ".mlp.down_proj.weight", s.intermediate_size, h, tp,
                r, true);
       continue;
     }
-    b.Whole(c + ".mlp.gate.weight", c + ".mlp.gate.weight", rep);
-    if (s.family == Family::kDeepseekV3)
-      b.Whole(c + ".mlp.gate.e_score_correction_bias", c + ".mlp.gate.e_score_correction_bias", rep);
-    const ExpertRange er = p.expert_parallel ? ExpertsOfRank(s.num_experts, p.tp, rank) : ExpertRange{0, s.num_experts};
-    const uint64_t parts = p.expert_parallel ? 1 : tp, part = p.expert_parallel ? 0 : r;
-    const uint64_t w = s.moe_intermediate_size / parts;
-    const std::string w13 = c + ".mlp.experts.w13_weight", w2 = c + ".mlp.experts.w2_weight";
-    const std::string e0 = c + ".mlp.experts.0";
-    b.BufferLike(w13, e0 + ".gate_proj.weight", {er.count, 2 * w, h});
-    b.BufferLike(w2, e0 + ".down_proj.weight", {er.count, h, w});
-    for (uint64_t i = 0; i < er.count; ++i) {
-      const std::string ce = fmt::format("{}.mlp.experts.{}", c, er.first + i);
-      b.Copy(ce + ".gate_proj.weight", {part * w, 0}, {w, h}, w13, {i, 0, 0}, true);
-      b.Copy(ce + ".up_proj.weight", {part * w, 0}, {w, h}, w13, {i, w, 0}, true);
-      b.Copy(ce + ".down_proj.weight", {0, part * w}, {h, w}, w2, {i, 0, 0}, true);
-    }
-    if (s.num_shared_experts > 0)
-      FusedMlp(b, c + ".mlp.shared_experts", c + ".mlp.shared_experts.gate_up_proj.weight",
-               c + ".mlp.shared_experts.down_proj.weight", s.moe_intermediate_size * s.num_shared_experts, h, tp, r,
-               true);
+    VllmMoe(b, s, p, rank, c);
   }
   LayoutMap map = b.Take();
   DCR_RETURN_IF_ERROR(ValidateLayoutMap(map));

@@ -379,12 +379,74 @@ struct RelaySender::State {
     else DefaultLog(o.id, line);
   }
   void Loop();
+  // Loop's steps, under mu: one root's messages taken (credits, acks), and
+  // its queue sent within the window.
+  void Take(Root& r, bool readable, Clock::time_point now);
+  void Send(Root& r);
   bool Empty() {
     for (const auto& r : roots)
       if (!r.queue.empty() || r.inflight) return false;
     return true;
   }
 };
+
+void RelaySender::State::Take(Root& r, bool readable, Clock::time_point now) {
+  for (int n = 0; n < 256 && readable; ++n) {
+    auto parts = RecvParts(r.sock.get(), kRelayMaxParts);
+    if (!parts.ok() || parts->empty()) break;
+    std::vector<std::string_view> views(parts->begin(), parts->end());
+    auto m = DecodeMessage(views);
+    if (!m.ok()) continue;
+    r.heard = now;
+    if (m->type == RelayMessageType::kCredit) {
+      r.inflight -= std::min(r.inflight, m->credit_bytes);
+      ++stats.objects;
+      stats.bytes += m->credit_bytes;
+    } else if (m->type == RelayMessageType::kAck) {
+      if (!acks_taken.count(m->key)) {
+        ack_order.push_back(m->key);
+        acks_taken[m->key];
+        if (ack_order.size() > 64) {
+          acks.erase(ack_order.front());
+          acks_taken.erase(ack_order.front());
+          ack_order.pop_front();
+        }
+      }
+      const auto& taken = acks_taken[m->key];
+      for (auto& a : m->acks) {
+        if (taken.count(a.receiver)) continue;
+        ++stats.acks;
+        acks[m->key].insert_or_assign(a.receiver, std::move(a));
+      }
+      acked.notify_all();
+    }
+  }
+}
+
+void RelaySender::State::Send(Root& r) {
+  while (!r.queue.empty() && r.inflight < o.window_bytes) {
+    if (o.link_bytes_per_second > 0 && Clock::now() < r.next_send) break;  // the link is busy
+    Item& it = r.queue.front();
+    RelayMessage m;
+    m.type = it.type;
+    m.key = it.key;
+    if (it.data) {
+      m.size = it.data->size();
+      m.crc = it.crc;
+      m.data = *it.data;
+    }
+    if (!SendParts(r.sock.get(), "", EncodeMessage(m)).ok()) break;  // full: later
+    if (it.data) {
+      r.inflight += it.data->size();
+      r.queued_bytes -= it.data->size();
+      if (o.link_bytes_per_second > 0)
+        r.next_send = std::max(Clock::now(), r.next_send) +
+                      std::chrono::duration_cast<Clock::duration>(
+                          std::chrono::duration<double>(it.data->size() / o.link_bytes_per_second));
+    }
+    r.queue.pop_front();
+  }
+}
 
 void RelaySender::State::Loop() {
   auto last_ping = Clock::now();
@@ -396,36 +458,7 @@ void RelaySender::State::Loop() {
     const auto now = Clock::now();
     for (size_t i = 0; i < roots.size(); ++i) {
       Root& r = roots[i];
-      for (int n = 0; n < 256 && (items[i].revents & ZMQ_POLLIN); ++n) {
-        auto parts = RecvParts(r.sock.get(), kRelayMaxParts);
-        if (!parts.ok() || parts->empty()) break;
-        std::vector<std::string_view> views(parts->begin(), parts->end());
-        auto m = DecodeMessage(views);
-        if (!m.ok()) continue;
-        r.heard = now;
-        if (m->type == RelayMessageType::kCredit) {
-          r.inflight -= std::min(r.inflight, m->credit_bytes);
-          ++stats.objects;
-          stats.bytes += m->credit_bytes;
-        } else if (m->type == RelayMessageType::kAck) {
-          if (!acks_taken.count(m->key)) {
-            ack_order.push_back(m->key);
-            acks_taken[m->key];
-            if (ack_order.size() > 64) {
-              acks.erase(ack_order.front());
-              acks_taken.erase(ack_order.front());
-              ack_order.pop_front();
-            }
-          }
-          const auto& taken = acks_taken[m->key];
-          for (auto& a : m->acks) {
-            if (taken.count(a.receiver)) continue;
-            ++stats.acks;
-            acks[m->key].insert_or_assign(a.receiver, std::move(a));
-          }
-          acked.notify_all();
-        }
-      }
+      Take(r, items[i].revents & ZMQ_POLLIN, now);
       if (r.inflight && now - r.heard > o.dead_after) {
         Log(fmt::format("root {} silent for {} ms: {} bytes written off (its receivers fetch them from the store)",
                         r.address, o.dead_after.count(), r.inflight));
@@ -441,28 +474,7 @@ void RelaySender::State::Loop() {
         if (!r.hello_sent) continue;  // not connected yet
         r.heard = now;
       }
-      while (!r.queue.empty() && r.inflight < o.window_bytes) {
-        if (o.link_bytes_per_second > 0 && Clock::now() < r.next_send) break;  // the link is busy
-        Item& it = r.queue.front();
-        RelayMessage m;
-        m.type = it.type;
-        m.key = it.key;
-        if (it.data) {
-          m.size = it.data->size();
-          m.crc = it.crc;
-          m.data = *it.data;
-        }
-        if (!SendParts(r.sock.get(), "", EncodeMessage(m)).ok()) break;  // full: later
-        if (it.data) {
-          r.inflight += it.data->size();
-          r.queued_bytes -= it.data->size();
-          if (o.link_bytes_per_second > 0)
-            r.next_send = std::max(Clock::now(), r.next_send) +
-                          std::chrono::duration_cast<Clock::duration>(
-                              std::chrono::duration<double>(it.data->size() / o.link_bytes_per_second));
-        }
-        r.queue.pop_front();
-      }
+      Send(r);
       if (now - last_ping >= o.ping_every) {
         // A sender's ping is its HELLO again: a root that restarted takes
         // objects and fences only from peers that said HELLO as senders.

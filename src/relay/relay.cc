@@ -97,6 +97,11 @@ class RelayServer {
   Status Attach(size_t index);
   // A message from a peer below (a child or a sender); `key`: its CURVE key.
   void OnRouter(std::vector<std::string> parts, const std::string& key);
+  // OnRouter's steps: a HELLO (from a sender, or a child), and an object.
+  bool Admitted(const RelayMessage& m, const std::string& key);
+  void OnSenderHello(const std::string& route, const std::string& key, const RelayMessage& m);
+  void OnChildHello(const std::string& route, const std::string& key, const RelayMessage& m);
+  void OnObject(const std::string& route, RelayMessage m);
   void OnUpstream(std::vector<std::string> parts);
   void OnMonitor();
   void Accept(RelayMessage m, const std::string& from, Link* link);
@@ -283,6 +288,105 @@ void RelayServer::OnMonitor() {
       (*ev)[1], event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH ? "authentication" : "no or another security mechanism"));
 }
 
+// Whether the allow list admits `key` in the role the HELLO claims.
+bool RelayServer::Admitted(const RelayMessage& m, const std::string& key) {
+  if (!o_.security.enabled()) return true;
+  auto admitted = o_.security.allowed.find(key);
+  const RelayRoles roles = admitted == o_.security.allowed.end() ? 0 : admitted->second;
+  if (roles & RoleBit(m.role)) return true;
+  Refused(fmt::format("refused HELLO as {} {} (CURVE key {}): the allow list admits that key as {}",
+                      RelayRoleName(m.role), m.id, key, RelayRolesName(roles)));
+  return false;
+}
+
+void RelayServer::OnSenderHello(const std::string& route, const std::string& key, const RelayMessage& m) {
+  if (!o_.upstream.empty()) {  // objects enter the tree at its roots, where they can be verified
+    Refused(
+        fmt::format("refused HELLO as sender {}: this relay has an upstream; senders push to the tree's roots", m.id));
+    return;
+  }
+  auto known = senders_.find(route);
+  if (known != senders_.end() && known->second.id == m.id) {  // its ping
+    known->second.heard = Clock::now();
+    return;
+  }
+  if (known != senders_.end()) LinkGone("sender:" + known->second.id);  // the route's new id
+  if (known == senders_.end() && senders_.size() >= o_.max_senders) {
+    Refused(fmt::format("refused sender {}: {} senders are attached already (the limit)", m.id, senders_.size()));
+    return;
+  }
+  senders_[route] = Sender{m.id, key, Clock::now()};
+  LinkOf("sender:" + m.id).role = "sender";
+  LinkOf("sender:" + m.id).attached = true;
+  Log(fmt::format("sender {} attached", m.id));
+  if (o_.upstream.empty())  // a root: the acks it holds, for a coordinator that restarted
+    for (const auto& [prefix, by_receiver] : acks_) {
+      std::vector<AckRecord> all;
+      for (const auto& [id, ack] : by_receiver) all.push_back(ack);
+      SendAcks(router_.get(), route, prefix, std::move(all));
+    }
+}
+
+void RelayServer::OnChildHello(const std::string& route, const std::string& key, const RelayMessage& m) {
+  // Ids are unique among children. The same id on a new connection is the
+  // child re-attaching, unless another key says it: an id stays with the
+  // key that attached it.
+  if (auto same =
+          std::find_if(children_.begin(), children_.end(), [&](const auto& kv) { return kv.second.id == m.id; });
+      same != children_.end()) {
+    if (same->second.key != key) {
+      Refused(fmt::format("refused HELLO as {} {} (CURVE key {}): a child of that id is attached with another key",
+                          RelayRoleName(m.role), m.id, key));
+      return;
+    }
+    if (same->first != route) children_.erase(same);
+  }
+  if (!children_.count(route) && children_.size() >= o_.max_children) {
+    Refused(fmt::format("refused {} {}: {} children are attached already (the limit)", RelayRoleName(m.role), m.id,
+                        children_.size()));
+    return;
+  }
+  Child& c = children_[route];
+  if (!c.id.empty() && c.id != m.id) LinkGone("child:" + c.id);  // the route's new id
+  c = Child{};
+  c.route = route;
+  c.id = m.id;
+  c.key = key;
+  c.role = m.role;
+  c.have.insert(m.have.begin(), m.have.end());
+  c.heard = Clock::now();
+  for (const auto& obj : cache_)
+    if (!c.have.count(obj->key)) c.queue.push_back(obj);
+  Link& l = LinkOf("child:" + m.id);
+  l.role = std::string(RelayRoleName(m.role));
+  l.attached = true;
+  Log(fmt::format("{} {} attached: {} held objects sent now, {} it already holds", RelayRoleName(m.role), m.id,
+                  c.queue.size(), m.have.size()));
+}
+
+void RelayServer::OnObject(const std::string& route, RelayMessage m) {
+  if (auto child = children_.find(route); child != children_.end()) {
+    Log(fmt::format("{} {} sent an object; only senders and the upstream may: ignored",
+                    RelayRoleName(child->second.role), child->second.id));
+    return;
+  }
+  auto known = senders_.find(route);
+  if (known == senders_.end()) {
+    Refused("a peer that did not say HELLO as a sender sent an object: refused");
+    return;
+  }
+  Sender& sender = known->second;
+  sender.heard = Clock::now();
+  RelayMessage credit;
+  credit.type = RelayMessageType::kCredit;
+  credit.credit_bytes = m.size;
+  credit.credit_objects = 1;
+  SendParts(router_.get(), route, EncodeMessage(credit)).IgnoreError();
+  Link* link = &LinkOf("sender:" + sender.id);
+  link->role = "sender";
+  Accept(std::move(m), "sender " + sender.id, link);
+}
+
 void RelayServer::OnRouter(std::vector<std::string> parts, const std::string& key) {
   if (parts.size() < 2) return;
   const std::string route = parts[0];
@@ -294,104 +398,12 @@ void RelayServer::OnRouter(std::vector<std::string> parts, const std::string& ke
   }
   auto child = children_.find(route);
   switch (m->type) {
-    case RelayMessageType::kHello: {
-      if (o_.security.enabled()) {
-        auto admitted = o_.security.allowed.find(key);
-        const RelayRoles roles = admitted == o_.security.allowed.end() ? 0 : admitted->second;
-        if (!(roles & RoleBit(m->role))) {
-          Refused(fmt::format("refused HELLO as {} {} (CURVE key {}): the allow list admits that key as {}",
-                              RelayRoleName(m->role), m->id, key, RelayRolesName(roles)));
-          return;
-        }
-      }
-      if (m->role == RelayRole::kSender) {
-        if (!o_.upstream.empty()) {  // objects enter the tree at its roots, where they can be verified
-          Refused(fmt::format(
-              "refused HELLO as sender {}: this relay has an upstream; senders push to the tree's roots", m->id));
-          return;
-        }
-        auto known = senders_.find(route);
-        if (known != senders_.end() && known->second.id == m->id) {  // its ping
-          known->second.heard = Clock::now();
-          return;
-        }
-        if (known != senders_.end()) LinkGone("sender:" + known->second.id);  // the route's new id
-        if (known == senders_.end() && senders_.size() >= o_.max_senders) {
-          Refused(
-              fmt::format("refused sender {}: {} senders are attached already (the limit)", m->id, senders_.size()));
-          return;
-        }
-        senders_[route] = Sender{m->id, key, Clock::now()};
-        LinkOf("sender:" + m->id).role = "sender";
-        LinkOf("sender:" + m->id).attached = true;
-        Log(fmt::format("sender {} attached", m->id));
-        if (o_.upstream.empty())  // a root: the acks it holds, for a coordinator that restarted
-          for (const auto& [prefix, by_receiver] : acks_) {
-            std::vector<AckRecord> all;
-            for (const auto& [id, ack] : by_receiver) all.push_back(ack);
-            SendAcks(router_.get(), route, prefix, std::move(all));
-          }
-        return;
-      }
-      // Ids are unique among children. The same id on a new connection is
-      // the child re-attaching, unless another key says it: an id stays with
-      // the key that attached it.
-      if (auto same =
-              std::find_if(children_.begin(), children_.end(), [&](const auto& kv) { return kv.second.id == m->id; });
-          same != children_.end()) {
-        if (same->second.key != key) {
-          Refused(fmt::format("refused HELLO as {} {} (CURVE key {}): a child of that id is attached with another key",
-                              RelayRoleName(m->role), m->id, key));
-          return;
-        }
-        if (same->first != route) children_.erase(same);
-      }
-      if (!children_.count(route) && children_.size() >= o_.max_children) {
-        Refused(fmt::format("refused {} {}: {} children are attached already (the limit)", RelayRoleName(m->role),
-                            m->id, children_.size()));
-        return;
-      }
-      Child& c = children_[route];
-      if (!c.id.empty() && c.id != m->id) LinkGone("child:" + c.id);  // the route's new id
-      c = Child{};
-      c.route = route;
-      c.id = m->id;
-      c.key = key;
-      c.role = m->role;
-      c.have.insert(m->have.begin(), m->have.end());
-      c.heard = Clock::now();
-      for (const auto& obj : cache_)
-        if (!c.have.count(obj->key)) c.queue.push_back(obj);
-      Link& l = LinkOf("child:" + m->id);
-      l.role = std::string(RelayRoleName(m->role));
-      l.attached = true;
-      Log(fmt::format("{} {} attached: {} held objects sent now, {} it already holds", RelayRoleName(m->role), m->id,
-                      c.queue.size(), m->have.size()));
+    case RelayMessageType::kHello:
+      if (!Admitted(*m, key)) return;
+      if (m->role == RelayRole::kSender) OnSenderHello(route, key, *m);
+      else OnChildHello(route, key, *m);
       return;
-    }
-    case RelayMessageType::kObject: {
-      if (child != children_.end()) {
-        Log(fmt::format("{} {} sent an object; only senders and the upstream may: ignored",
-                        RelayRoleName(child->second.role), child->second.id));
-        return;
-      }
-      auto known = senders_.find(route);
-      if (known == senders_.end()) {
-        Refused("a peer that did not say HELLO as a sender sent an object: refused");
-        return;
-      }
-      Sender& sender = known->second;
-      sender.heard = Clock::now();
-      RelayMessage credit;
-      credit.type = RelayMessageType::kCredit;
-      credit.credit_bytes = m->size;
-      credit.credit_objects = 1;
-      SendParts(router_.get(), route, EncodeMessage(credit)).IgnoreError();
-      Link* link = &LinkOf("sender:" + sender.id);
-      link->role = "sender";
-      Accept(std::move(*m), "sender " + sender.id, link);
-      return;
-    }
+    case RelayMessageType::kObject: OnObject(route, std::move(*m)); return;
     case RelayMessageType::kCredit:
       if (child != children_.end()) {
         child->second.inflight -= std::min(child->second.inflight, m->credit_bytes);

@@ -169,6 +169,53 @@ std::vector<std::string> EncodeMessage(const RelayMessage& m) {
   return {std::move(h)};
 }
 
+namespace {
+
+// A HELLO's body: role, id, the objects the peer holds.
+Status DecodeHello(Reader& r, RelayMessage& m) {
+  uint8_t role = 0;
+  uint32_t count = 0;
+  if (!r.Get(&role) || role < 1 || role > 3) return InvalidArgument("relay HELLO: bad role");
+  m.role = static_cast<RelayRole>(role);
+  if (!r.GetStr(&m.id, kRelayMaxIdBytes) || !IsPeerId(m.id))
+    return InvalidArgument("relay HELLO: bad id (it must be UTF-8 without control bytes)");
+  if (!r.Get(&count) || count > kRelayMaxHave) return InvalidArgument("relay HELLO: bad have count");
+  m.have.reserve(std::min<uint32_t>(count, 1024));
+  for (uint32_t i = 0; i < count; ++i) {
+    std::string k;
+    if (!r.GetStr(&k, kRelayMaxKeyBytes)) return InvalidArgument(fmt::format("relay HELLO: truncated key {}", i));
+    DCR_RETURN_IF_ERROR(FrameObjectPrefix(k).status().WithContext("relay HELLO from " + m.id));
+    m.have.push_back(std::move(k));
+  }
+  return Status::Ok();
+}
+
+// An ACK's body: the attempt and its receivers' acks, each once.
+Status DecodeAcks(Reader& r, RelayMessage& m) {
+  uint32_t count = 0;
+  if (!r.GetStr(&m.key, kRelayMaxKeyBytes)) return InvalidArgument("relay ACK: truncated attempt prefix");
+  DCR_RETURN_IF_ERROR(ValidateAttemptPrefix(m.key).WithContext("relay ACK"));
+  if (!r.Get(&count) || count > kRelayMaxAcks) return InvalidArgument("relay ACK: bad count");
+  m.acks.reserve(std::min<uint32_t>(count, 1024));
+  std::set<std::string> seen;
+  for (uint32_t i = 0; i < count; ++i) {
+    AckRecord a;
+    uint8_t ok = 0;
+    if (!r.GetStr(&a.receiver, kRelayMaxIdBytes) || !IsPeerId(a.receiver) || !r.Get(&ok) || ok > 1 ||
+        !r.Get(&a.digest.lane[0]) || !r.Get(&a.digest.lane[1]) || !r.GetStr(&a.error, kRelayMaxAckErrorBytes))
+      return InvalidArgument(fmt::format("relay ACK: truncated or bad entry {}", i));
+    if (a.digest.lane[0] >= kDigestPrime || a.digest.lane[1] >= kDigestPrime)
+      return InvalidArgument(fmt::format("relay ACK: entry {} ({}): digest lane not below the prime", i, a.receiver));
+    if (!seen.insert(a.receiver).second)
+      return InvalidArgument(fmt::format("relay ACK: receiver {} twice", a.receiver));
+    a.ok = ok == 1;
+    m.acks.push_back(std::move(a));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<RelayMessage> DecodeMessage(std::span<const std::string_view> parts) {
   if (parts.empty()) return InvalidArgument("relay message: no parts");
   const std::string_view head = parts[0];
@@ -193,20 +240,7 @@ Result<RelayMessage> DecodeMessage(std::span<const std::string_view> parts) {
     return InvalidArgument(fmt::format("relay message type {}: {} parts, expected {}", type, parts.size(), want_parts));
   switch (m.type) {
     case RelayMessageType::kHello: {
-      uint8_t role = 0;
-      uint32_t count = 0;
-      if (!r.Get(&role) || role < 1 || role > 3) return InvalidArgument("relay HELLO: bad role");
-      m.role = static_cast<RelayRole>(role);
-      if (!r.GetStr(&m.id, kRelayMaxIdBytes) || !IsPeerId(m.id))
-        return InvalidArgument("relay HELLO: bad id (it must be UTF-8 without control bytes)");
-      if (!r.Get(&count) || count > kRelayMaxHave) return InvalidArgument("relay HELLO: bad have count");
-      m.have.reserve(std::min<uint32_t>(count, 1024));
-      for (uint32_t i = 0; i < count; ++i) {
-        std::string k;
-        if (!r.GetStr(&k, kRelayMaxKeyBytes)) return InvalidArgument(fmt::format("relay HELLO: truncated key {}", i));
-        DCR_RETURN_IF_ERROR(FrameObjectPrefix(k).status().WithContext("relay HELLO from " + m.id));
-        m.have.push_back(std::move(k));
-      }
+      DCR_RETURN_IF_ERROR(DecodeHello(r, m));
       break;
     }
     case RelayMessageType::kObject:
@@ -233,26 +267,7 @@ Result<RelayMessage> DecodeMessage(std::span<const std::string_view> parts) {
       break;
     case RelayMessageType::kPing: break;
     case RelayMessageType::kAck: {
-      uint32_t count = 0;
-      if (!r.GetStr(&m.key, kRelayMaxKeyBytes)) return InvalidArgument("relay ACK: truncated attempt prefix");
-      DCR_RETURN_IF_ERROR(ValidateAttemptPrefix(m.key).WithContext("relay ACK"));
-      if (!r.Get(&count) || count > kRelayMaxAcks) return InvalidArgument("relay ACK: bad count");
-      m.acks.reserve(std::min<uint32_t>(count, 1024));
-      std::set<std::string> seen;
-      for (uint32_t i = 0; i < count; ++i) {
-        AckRecord a;
-        uint8_t ok = 0;
-        if (!r.GetStr(&a.receiver, kRelayMaxIdBytes) || !IsPeerId(a.receiver) || !r.Get(&ok) || ok > 1 ||
-            !r.Get(&a.digest.lane[0]) || !r.Get(&a.digest.lane[1]) || !r.GetStr(&a.error, kRelayMaxAckErrorBytes))
-          return InvalidArgument(fmt::format("relay ACK: truncated or bad entry {}", i));
-        if (a.digest.lane[0] >= kDigestPrime || a.digest.lane[1] >= kDigestPrime)
-          return InvalidArgument(
-              fmt::format("relay ACK: entry {} ({}): digest lane not below the prime", i, a.receiver));
-        if (!seen.insert(a.receiver).second)
-          return InvalidArgument(fmt::format("relay ACK: receiver {} twice", a.receiver));
-        a.ok = ok == 1;
-        m.acks.push_back(std::move(a));
-      }
+      DCR_RETURN_IF_ERROR(DecodeAcks(r, m));
       break;
     }
     default: return InvalidArgument(fmt::format("relay message: unknown type {}", type));

@@ -165,54 +165,57 @@ std::string Redacted(std::string_view url) {
   return out;
 }
 
-}  // namespace
+// What ParseS3Url reads besides the URL's path: its query parameters, the
+// environment and the AWS profile in effect.
+struct UrlSources {
+  std::string_view url;
+  GetEnvFunction getenv;
+  std::map<std::string, std::string> params;
+  std::string profile = "default";
+  bool profile_from_url = false;
+  Section cred_section, config_section;
 
-Result<S3Options> ParseS3Url(std::string_view url, const GetEnvFunction& getenv_fn) {
-  GetEnvFunction getenv = getenv_fn;
-  if (!getenv) {
-    getenv = [](const std::string& name) -> std::optional<std::string> {
-      const char* v = std::getenv(name.c_str());
-      if (v == nullptr) return std::nullopt;
-      return std::string(v);
-    };
+  Status Bad(std::string_view why) const {
+    return InvalidArgument(fmt::format("store URL '{}': {}", Redacted(url), why));
   }
-  auto env = [&](const char* name) -> std::string {
+  std::string Env(const char* name) const {
     auto v = getenv(name);
     return v ? *v : std::string();
-  };
-  auto bad = [&](std::string_view why) {
-    return InvalidArgument(fmt::format("store URL '{}': {}", Redacted(url), why));
-  };
-
-  if (!url.starts_with("s3://")) return bad("expected s3://bucket[/prefix]");
-  std::string_view rest = url.substr(5);
-  if (rest.find('#') != std::string_view::npos) return bad("fragments ('#') are not allowed");
-  const size_t q = rest.find('?');
-  const std::string_view query = q == std::string_view::npos ? std::string_view() : rest.substr(q + 1);
-  const std::string_view path = rest.substr(0, q);
-  const size_t slash = path.find('/');
-
-  S3Options o;
-  o.bucket = std::string(path.substr(0, slash));
-  if (o.bucket.empty()) return bad("no bucket");
-  if (o.bucket.find('@') != std::string::npos)
-    return bad("credentials go in the query (access_key_id=, secret_access_key=) or the environment, not user@");
-  for (unsigned char c : o.bucket)
-    if (c <= 0x20 || c >= 0x7f || c == '%' || c == ':') return bad(fmt::format("bad bucket name '{}'", o.bucket));
-  if (slash != std::string_view::npos) {
-    std::string prefix;
-    if (!sigv4::UriDecode(path.substr(slash + 1), &prefix)) return bad("bad percent escape in the prefix");
-    while (prefix.ends_with("/")) prefix.pop_back();
-    if (!prefix.empty()) {
-      if (prefix.starts_with("/") || prefix.find("//") != std::string::npos)
-        return bad("empty component in the prefix");
-      o.prefix = prefix + "/";
-    }
   }
+  const std::string* Param(const char* name) const {
+    auto it = params.find(name);
+    return it == params.end() ? nullptr : &it->second;
+  }
+  std::string ProfileValue(const std::string& key) const {
+    if (auto it = cred_section.find(key); it != cred_section.end() && !it->second.empty()) return it->second;
+    if (auto it = config_section.find(key); it != config_section.end()) return it->second;
+    return "";
+  }
+};
 
-  // Query parameters.
-  std::map<std::string, std::string> params;
-  std::string sanitized_query;
+// Bucket and prefix from the URL's path.
+Status ParsePath(std::string_view path, const UrlSources& u, S3Options* o) {
+  const size_t slash = path.find('/');
+  o->bucket = std::string(path.substr(0, slash));
+  if (o->bucket.empty()) return u.Bad("no bucket");
+  if (o->bucket.find('@') != std::string::npos)
+    return u.Bad("credentials go in the query (access_key_id=, secret_access_key=) or the environment, not user@");
+  for (unsigned char c : o->bucket)
+    if (c <= 0x20 || c >= 0x7f || c == '%' || c == ':') return u.Bad(fmt::format("bad bucket name '{}'", o->bucket));
+  if (slash == std::string_view::npos) return Status::Ok();
+  std::string prefix;
+  if (!sigv4::UriDecode(path.substr(slash + 1), &prefix)) return u.Bad("bad percent escape in the prefix");
+  while (prefix.ends_with("/")) prefix.pop_back();
+  if (prefix.empty()) return Status::Ok();
+  if (prefix.starts_with("/") || prefix.find("//") != std::string::npos) return u.Bad("empty component in the prefix");
+  o->prefix = prefix + "/";
+  return Status::Ok();
+}
+
+// The query's parameters into u->params; returns the query without its
+// secrets (for the URL dcr shows).
+Result<std::string> ParseQuery(std::string_view query, UrlSources* u) {
+  std::string sanitized;
   size_t start = 0;
   while (start < query.size()) {
     size_t end = query.find('&', start);
@@ -224,167 +227,186 @@ Result<S3Options> ParseS3Url(std::string_view url, const GetEnvFunction& getenv_
     const std::string name(item.substr(0, eq));
     std::string value;
     if (!sigv4::UriDecode(eq == std::string_view::npos ? std::string_view() : item.substr(eq + 1), &value))
-      return bad(fmt::format("bad percent escape in '{}'", name));
+      return u->Bad(fmt::format("bad percent escape in '{}'", name));
     bool known = false;
     for (auto k : kKnownParams) known = known || k == name;
     if (!known) {
       std::string names;
       for (auto k : kKnownParams) names += (names.empty() ? "" : ", ") + std::string(k);
-      return bad(fmt::format("unknown parameter '{}' (known: {})", name, names));
+      return u->Bad(fmt::format("unknown parameter '{}' (known: {})", name, names));
     }
-    if (!params.emplace(name, value).second) return bad(fmt::format("parameter '{}' given twice", name));
-    if (!IsSecretParam(name)) sanitized_query += (sanitized_query.empty() ? "?" : "&") + std::string(item);
+    if (!u->params.emplace(name, value).second) return u->Bad(fmt::format("parameter '{}' given twice", name));
+    if (!IsSecretParam(name)) sanitized += (sanitized.empty() ? "?" : "&") + std::string(item);
   }
-  auto param = [&](const char* name) -> const std::string* {
-    auto it = params.find(name);
-    return it == params.end() ? nullptr : &it->second;
-  };
-  o.url = "s3://" + std::string(path) + sanitized_query;
+  return sanitized;
+}
 
-  // Profiles.
-  const std::string home = env("HOME");
-  std::string profile = "default";
-  bool profile_explicit = false;
-  bool profile_from_url = false;
-  if (const auto* p = param("profile")) {
-    profile = *p;
-    profile_explicit = profile_from_url = true;
-  } else if (std::string ep = env("AWS_PROFILE"); !ep.empty()) {
-    profile = ep;
-    profile_explicit = true;
+// The AWS profile in effect (profile=, $AWS_PROFILE, else "default"), read
+// from the shared credentials and config files.
+Status LoadProfile(UrlSources* u) {
+  bool explicit_profile = false;
+  if (const auto* p = u->Param("profile")) {
+    u->profile = *p;
+    explicit_profile = u->profile_from_url = true;
+  } else if (std::string ep = u->Env("AWS_PROFILE"); !ep.empty()) {
+    u->profile = ep;
+    explicit_profile = true;
   }
-  std::string cred_path = env("AWS_SHARED_CREDENTIALS_FILE");
+  const std::string home = u->Env("HOME");
+  std::string cred_path = u->Env("AWS_SHARED_CREDENTIALS_FILE");
   if (cred_path.empty() && !home.empty()) cred_path = home + "/.aws/credentials";
-  std::string config_path = env("AWS_CONFIG_FILE");
+  std::string config_path = u->Env("AWS_CONFIG_FILE");
   if (config_path.empty() && !home.empty()) config_path = home + "/.aws/config";
-  Section cred_section, config_section;
-  bool found_profile = false;
+  bool found = false;
   if (!cred_path.empty()) {
     DCR_ASSIGN_OR_RETURN(auto ini, ReadIni(cred_path));
-    if (auto it = ini.find(profile); it != ini.end()) {
-      cred_section = it->second;
-      found_profile = true;
-    }
+    if (auto it = ini.find(u->profile); it != ini.end()) u->cred_section = it->second, found = true;
   }
   if (!config_path.empty()) {
     DCR_ASSIGN_OR_RETURN(auto ini, ReadIni(config_path));
-    auto it = ini.find("profile " + profile);
-    if (it == ini.end() && profile == "default") it = ini.find("default");
-    if (it != ini.end()) {
-      config_section = it->second;
-      found_profile = true;
-    }
+    auto it = ini.find("profile " + u->profile);
+    if (it == ini.end() && u->profile == "default") it = ini.find("default");
+    if (it != ini.end()) u->config_section = it->second, found = true;
   }
-  if (profile_explicit && !found_profile)
-    return bad(fmt::format("AWS profile '{}' not found in {} or {}", profile, cred_path.empty() ? "-" : cred_path,
-                           config_path.empty() ? "-" : config_path));
-  auto profile_value = [&](const std::string& key) -> std::string {
-    if (auto it = cred_section.find(key); it != cred_section.end() && !it->second.empty()) return it->second;
-    if (auto it = config_section.find(key); it != config_section.end()) return it->second;
-    return "";
-  };
+  if (explicit_profile && !found)
+    return u->Bad(fmt::format("AWS profile '{}' not found in {} or {}", u->profile, cred_path.empty() ? "-" : cred_path,
+                              config_path.empty() ? "-" : config_path));
+  return Status::Ok();
+}
 
-  // Region.
-  if (const auto* r = param("region")) o.region = *r;
-  else if (std::string r1 = env("AWS_REGION"); !r1.empty()) o.region = r1;
-  else if (std::string r2 = env("AWS_DEFAULT_REGION"); !r2.empty()) o.region = r2;
-  else if (std::string r3 = profile_value("region"); !r3.empty()) o.region = r3;
-  if (o.region.empty() || o.region.find_first_of("/ \t") != std::string::npos)
-    return bad(fmt::format("bad region '{}'", o.region));
-
-  // Endpoint.
-  std::string endpoint, endpoint_source;
-  if (const auto* e = param("endpoint")) {
+Status ResolveRegionAndEndpoint(const UrlSources& u, S3Options* o) {
+  if (const auto* r = u.Param("region")) o->region = *r;
+  else if (std::string r1 = u.Env("AWS_REGION"); !r1.empty()) o->region = r1;
+  else if (std::string r2 = u.Env("AWS_DEFAULT_REGION"); !r2.empty()) o->region = r2;
+  else if (std::string r3 = u.ProfileValue("region"); !r3.empty()) o->region = r3;
+  if (o->region.empty() || o->region.find_first_of("/ \t") != std::string::npos)
+    return u.Bad(fmt::format("bad region '{}'", o->region));
+  std::string endpoint, source;
+  if (const auto* e = u.Param("endpoint")) {
     endpoint = *e;
-    endpoint_source = "the URL";
+    source = "the URL";
   } else {
     for (const char* name : {"DCR_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"}) {
-      if (std::string e2 = env(name); !e2.empty()) {
+      if (std::string e2 = u.Env(name); !e2.empty()) {
         endpoint = e2;
-        endpoint_source = std::string("$") + name;
+        source = std::string("$") + name;
         break;
       }
     }
     if (endpoint.empty()) {
-      endpoint = profile_value("s3.endpoint_url");
-      if (endpoint.empty()) endpoint = profile_value("endpoint_url");
-      endpoint_source = "profile " + profile;
+      endpoint = u.ProfileValue("s3.endpoint_url");
+      if (endpoint.empty()) endpoint = u.ProfileValue("endpoint_url");
+      source = "profile " + u.profile;
     }
   }
   if (!endpoint.empty()) {
-    DCR_ASSIGN_OR_RETURN(o.endpoint, NormalizeEndpoint(endpoint, endpoint_source));
+    DCR_ASSIGN_OR_RETURN(o->endpoint, NormalizeEndpoint(endpoint, source));
   }
+  return Status::Ok();
+}
 
-  // Credentials.
-  const std::string* url_key = param("access_key_id");
-  const std::string* url_secret = param("secret_access_key");
-  if ((url_key == nullptr) != (url_secret == nullptr)) return bad("access_key_id and secret_access_key go together");
-  if (const auto* v = param("anonymous")) {
-    DCR_ASSIGN_OR_RETURN(o.anonymous, ParseBool("anonymous", *v));
+// Credentials, first found: anonymous=1, the URL, profile= in the URL, the
+// environment, the profile in effect.
+Status ResolveCredentials(const UrlSources& u, S3Options* o) {
+  const std::string* url_key = u.Param("access_key_id");
+  const std::string* url_secret = u.Param("secret_access_key");
+  if ((url_key == nullptr) != (url_secret == nullptr)) return u.Bad("access_key_id and secret_access_key go together");
+  if (const auto* v = u.Param("anonymous")) {
+    DCR_ASSIGN_OR_RETURN(o->anonymous, ParseBool("anonymous", *v));
   }
-  if (o.anonymous && (url_key != nullptr || profile_from_url))
-    return bad("anonymous=1 contradicts the credentials (or profile=) given in the URL");
+  if (o->anonymous && (url_key != nullptr || u.profile_from_url))
+    return u.Bad("anonymous=1 contradicts the credentials (or profile=) given in the URL");
   auto from_profile = [&] {
-    o.access_key_id = profile_value("aws_access_key_id");
-    o.secret_access_key = profile_value("aws_secret_access_key");
-    o.session_token = profile_value("aws_session_token");
-    o.credentials_source = "AWS profile " + profile;
+    o->access_key_id = u.ProfileValue("aws_access_key_id");
+    o->secret_access_key = u.ProfileValue("aws_secret_access_key");
+    o->session_token = u.ProfileValue("aws_session_token");
+    o->credentials_source = "AWS profile " + u.profile;
   };
-  if (o.anonymous) {
-    o.credentials_source = "none (anonymous=1)";
+  if (o->anonymous) {
+    o->credentials_source = "none (anonymous=1)";
   } else if (url_key != nullptr) {
-    o.access_key_id = *url_key;
-    o.secret_access_key = *url_secret;
-    if (const auto* t = param("session_token")) o.session_token = *t;
-    o.credentials_source = "the URL";
-  } else if (profile_from_url) {
+    o->access_key_id = *url_key;
+    o->secret_access_key = *url_secret;
+    if (const auto* t = u.Param("session_token")) o->session_token = *t;
+    o->credentials_source = "the URL";
+  } else if (u.profile_from_url) {
     from_profile();
-  } else if (!env("AWS_ACCESS_KEY_ID").empty() && !env("AWS_SECRET_ACCESS_KEY").empty()) {
-    o.access_key_id = env("AWS_ACCESS_KEY_ID");
-    o.secret_access_key = env("AWS_SECRET_ACCESS_KEY");
-    o.session_token = env("AWS_SESSION_TOKEN");
-    o.credentials_source = "$AWS_ACCESS_KEY_ID";
+  } else if (!u.Env("AWS_ACCESS_KEY_ID").empty() && !u.Env("AWS_SECRET_ACCESS_KEY").empty()) {
+    o->access_key_id = u.Env("AWS_ACCESS_KEY_ID");
+    o->secret_access_key = u.Env("AWS_SECRET_ACCESS_KEY");
+    o->session_token = u.Env("AWS_SESSION_TOKEN");
+    o->credentials_source = "$AWS_ACCESS_KEY_ID";
   } else {
     from_profile();
   }
-  if (o.access_key_id.empty() != o.secret_access_key.empty())
-    return bad(
-        fmt::format("incomplete credentials from {}: need both an access key id and a secret", o.credentials_source));
-  if (o.access_key_id.empty() && !o.anonymous) {
-    o.session_token.clear();
-    o.credentials_source = "none found (anonymous requests)";
+  if (o->access_key_id.empty() != o->secret_access_key.empty())
+    return u.Bad(
+        fmt::format("incomplete credentials from {}: need both an access key id and a secret", o->credentials_source));
+  if (o->access_key_id.empty() && !o->anonymous) {
+    o->session_token.clear();
+    o->credentials_source = "none found (anonymous requests)";
   }
+  return Status::Ok();
+}
 
-  // Addressing and tuning.
-  if (const auto* a = param("addressing")) {
-    DCR_ASSIGN_OR_RETURN(o.addressing, ParseAddressing(*a));
-  } else if (std::string a2 = profile_value("s3.addressing_style"); !a2.empty()) {
-    DCR_ASSIGN_OR_RETURN(o.addressing, ParseAddressing(a2));
+// Addressing style and the tuning parameters.
+Status ResolveTuning(const UrlSources& u, S3Options* o) {
+  if (const auto* a = u.Param("addressing")) {
+    DCR_ASSIGN_OR_RETURN(o->addressing, ParseAddressing(*a));
+  } else if (std::string a2 = u.ProfileValue("s3.addressing_style"); !a2.empty()) {
+    DCR_ASSIGN_OR_RETURN(o->addressing, ParseAddressing(a2));
   }
-  if (const auto* v = param("part_size")) {
-    DCR_ASSIGN_OR_RETURN(o.part_size, ParseBytes("part_size", *v));
-    if (o.part_size > (uint64_t{5} << 30))  // what OpenS3Store accepts (found by store_config_fuzz)
-      return bad(fmt::format("part_size={}: at most 5g, S3's largest part", *v));
+  if (const auto* v = u.Param("part_size")) {
+    DCR_ASSIGN_OR_RETURN(o->part_size, ParseBytes("part_size", *v));
+    if (o->part_size > (uint64_t{5} << 30))  // what OpenS3Store accepts (found by store_config_fuzz)
+      return u.Bad(fmt::format("part_size={}: at most 5g, S3's largest part", *v));
   }
-  if (const auto* v = param("create_if_absent_limit")) {
-    DCR_ASSIGN_OR_RETURN(o.create_if_absent_limit, ParseBytes("create_if_absent_limit", *v));
+  if (const auto* v = u.Param("create_if_absent_limit")) {
+    DCR_ASSIGN_OR_RETURN(o->create_if_absent_limit, ParseBytes("create_if_absent_limit", *v));
   }
-  if (const auto* v = param("parts_in_flight")) {
-    DCR_ASSIGN_OR_RETURN(o.parts_in_flight, ParseCount("parts_in_flight", *v, 256));
+  if (const auto* v = u.Param("parts_in_flight")) {
+    DCR_ASSIGN_OR_RETURN(o->parts_in_flight, ParseCount("parts_in_flight", *v, 256));
   }
-  if (const auto* v = param("threads")) {
-    DCR_ASSIGN_OR_RETURN(o.threads, ParseCount("threads", *v, 1024));
+  if (const auto* v = u.Param("threads")) {
+    DCR_ASSIGN_OR_RETURN(o->threads, ParseCount("threads", *v, 1024));
   }
-  if (const auto* v = param("max_attempts")) {
+  if (const auto* v = u.Param("max_attempts")) {
     DCR_ASSIGN_OR_RETURN(uint64_t n, ParseCount("max_attempts", *v, 100));
-    o.max_attempts = static_cast<int>(n);
+    o->max_attempts = static_cast<int>(n);
   }
-  if (const auto* v = param("verify_tls")) {
-    DCR_ASSIGN_OR_RETURN(o.http.verify_tls, ParseBool("verify_tls", *v));
+  if (const auto* v = u.Param("verify_tls")) {
+    DCR_ASSIGN_OR_RETURN(o->http.verify_tls, ParseBool("verify_tls", *v));
   }
-  if (const auto* v = param("create_bucket")) {
-    DCR_ASSIGN_OR_RETURN(o.create_bucket, ParseBool("create_bucket", *v));
+  if (const auto* v = u.Param("create_bucket")) {
+    DCR_ASSIGN_OR_RETURN(o->create_bucket, ParseBool("create_bucket", *v));
   }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<S3Options> ParseS3Url(std::string_view url, const GetEnvFunction& getenv_fn) {
+  UrlSources u;
+  u.url = url;
+  u.getenv = getenv_fn ? getenv_fn : [](const std::string& name) -> std::optional<std::string> {
+    const char* v = std::getenv(name.c_str());
+    if (v == nullptr) return std::nullopt;
+    return std::string(v);
+  };
+  if (!url.starts_with("s3://")) return u.Bad("expected s3://bucket[/prefix]");
+  std::string_view rest = url.substr(5);
+  if (rest.find('#') != std::string_view::npos) return u.Bad("fragments ('#') are not allowed");
+  const size_t q = rest.find('?');
+  const std::string_view query = q == std::string_view::npos ? std::string_view() : rest.substr(q + 1);
+  const std::string_view path = rest.substr(0, q);
+  S3Options o;
+  DCR_RETURN_IF_ERROR(ParsePath(path, u, &o));
+  DCR_ASSIGN_OR_RETURN(const std::string sanitized_query, ParseQuery(query, &u));
+  o.url = "s3://" + std::string(path) + sanitized_query;
+  DCR_RETURN_IF_ERROR(LoadProfile(&u));
+  DCR_RETURN_IF_ERROR(ResolveRegionAndEndpoint(u, &o));
+  DCR_RETURN_IF_ERROR(ResolveCredentials(u, &o));
+  DCR_RETURN_IF_ERROR(ResolveTuning(u, &o));
   return o;
 }
 

@@ -1,4 +1,4 @@
-// The S3 driver against an in-memory fake server (s3_fake.h) with faults
+// The S3 driver against an in-memory fake server (testing/s3_fake.h) with faults
 // injected, and a fake clock: every operation either succeeds with the right
 // bytes or fails with the right code, and nothing partial becomes visible.
 #include <gmock/gmock.h>
@@ -9,7 +9,7 @@
 #include <thread>
 
 #include "dcr/s3.h"
-#include "s3_fake.h"
+#include "testing/s3_fake.h"
 
 namespace dcr {
 namespace {

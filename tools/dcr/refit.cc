@@ -241,22 +241,18 @@ Result<RelayClientOptions> RelayClient(const std::string& id, const std::vector<
   return o;
 }
 
-int RunPublish(const PublishArgs& a) {
-  auto store = OpenStore(a.store);
-  if (!store.ok()) return Fail("publish", store.status());
-  if (a.checkpoint.empty() == a.shard_senders.empty())
-    return Fail("publish", InvalidArgument("give either a checkpoint or --sender MAP=DIR (one per trainer sender)"));
+// The publish options from the arguments; errors name the flag.
+Result<PublishOptions> PublishOptionsOf(const PublishArgs& a) {
   PublishOptions o;
   o.senders = a.senders;
   o.max_attempts = a.attempts;
   auto chunk = ParseBytes(a.chunk);
-  if (!chunk.ok()) return Fail("publish", chunk.status().WithContext("--chunk"));
+  if (!chunk.ok()) return chunk.status().WithContext("--chunk");
   o.delta.chunk_elements = *chunk;
   if (a.segment != "auto") {
     auto segment = ParseBytes(a.segment);
-    if (!segment.ok() || *segment == 0)
-      return Fail("publish", segment.ok() ? InvalidArgument("--segment: must be at least one byte")
-                                          : segment.status().WithContext("--segment"));
+    if (!segment.ok()) return segment.status().WithContext("--segment");
+    if (*segment == 0) return InvalidArgument("--segment: must be at least one byte");
     o.segment_bytes = *segment;
   }
   o.ack_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.ack_timeout * 1000));
@@ -264,22 +260,78 @@ int RunPublish(const PublishArgs& a) {
   o.snapshot_every = a.snapshot_every;
   o.fault = TestCrashHook();
   o.peer_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.peer_timeout * 1000));
-  std::unique_ptr<RelaySender> relay;
-  if (!a.relays.empty()) {
-    char host[256] = {0};
-    ::gethostname(host, sizeof host - 1);
-    auto ro = RelayClient(fmt::format("publish-{}-{}", host, ::getpid()), a.relays, a.relay_key, a.relay_pub,
-                          a.relay_insecure);
-    if (!ro.ok()) return Fail("publish", ro.status());
-    // A root is written off only when it is really gone; a busy one is waited for.
-    ro->dead_after = std::chrono::seconds(5);
-    ro->link_bytes_per_second = a.relay_mbps * 1e6;
-    o.relay_acks = !a.no_relay_acks;
-    auto started = RelaySender::Start(*ro);
-    if (!started.ok()) return Fail("publish", started.status());
-    relay = std::move(*started);
-    o.relay = relay.get();
+  return o;
+}
+
+// The publisher's relay client with --relay (frame objects pushed into the
+// roots, acks taken from them); null without.
+Result<std::unique_ptr<RelaySender>> StartPublishRelay(const PublishArgs& a, PublishOptions* o) {
+  if (a.relays.empty()) return std::unique_ptr<RelaySender>();
+  char host[256] = {0};
+  ::gethostname(host, sizeof host - 1);
+  DCR_ASSIGN_OR_RETURN(RelayClientOptions ro, RelayClient(fmt::format("publish-{}-{}", host, ::getpid()), a.relays,
+                                                          a.relay_key, a.relay_pub, a.relay_insecure));
+  // A root is written off only when it is really gone; a busy one is waited for.
+  ro.dead_after = std::chrono::seconds(5);
+  ro.link_bytes_per_second = a.relay_mbps * 1e6;
+  o->relay_acks = !a.no_relay_acks;
+  DCR_ASSIGN_OR_RETURN(std::unique_ptr<RelaySender> relay, RelaySender::Start(ro));
+  o->relay = relay.get();
+  return relay;
+}
+
+void PrintPublishReport(const PublishArgs& a, const PublishReport& r) {
+  if (a.json) {
+    json doc = {{"version", r.version},
+                {"attempt", r.attempt},
+                {"attempts", r.attempts},
+                {"already_committed", r.already_committed},
+                {"total_bytes", r.total_bytes},
+                {"frame_bytes", r.frame_bytes},
+                {"payload_bytes", r.payload_bytes},
+                {"manifest_bytes", r.manifest_bytes},
+                {"download_bytes", r.download_bytes},
+                {"download_bytes_per_changed_word", PerChange(r.download_bytes, r.changed_words)},
+                {"changed_words", r.changed_words},
+                {"acked", r.acked},
+                {"retired", r.retired},
+                {"relay_acks", r.relay_acks},
+                {"relay_acks_unconfirmed", r.relay_acks_unconfirmed},
+                {"encode_seconds", r.encode_seconds},
+                {"wait_seconds", r.wait_seconds},
+                {"baseline_seconds", r.baseline_seconds},
+                {"advance_seconds", r.advance_seconds},
+                {"total_seconds", r.total_seconds},
+                {"state_dir", r.state_dir},
+                {"memory", MemoryJson(r.memory)}};
+    std::cout << JsonText(doc, 1) << "\n";
+  } else if (r.already_committed) {
+    fmt::print("version {} was already committed ({})\n", r.version,
+               r.attempt.empty() ? "snapshot" : "attempt " + r.attempt);
+  } else if (r.version == 0) {
+    fmt::print("committed version 0: the run and its snapshot of {} ({:.2f} s)\n", FormatBytes(r.total_bytes),
+               r.total_seconds);
+  } else {
+    fmt::print(
+        "committed version {} (attempt {}, {} tries): {} of frames ({} downloaded per receiver with the manifest and "
+        "records) for {} ({:.2f}%), {} receivers acked{}, {:.2f} s\n",
+        r.version, r.attempt.empty() ? "snapshot" : r.attempt, r.attempts, FormatBytes(r.frame_bytes),
+        FormatBytes(r.download_bytes), FormatBytes(r.total_bytes),
+        r.total_bytes ? 100.0 * r.frame_bytes / r.total_bytes : 0.0, r.acked.size(),
+        r.retired.empty() ? "" : fmt::format(", {} retired", r.retired.size()), r.total_seconds);
   }
+}
+
+int RunPublish(const PublishArgs& a) {
+  auto store = OpenStore(a.store);
+  if (!store.ok()) return Fail("publish", store.status());
+  if (a.checkpoint.empty() == a.shard_senders.empty())
+    return Fail("publish", InvalidArgument("give either a checkpoint or --sender MAP=DIR (one per trainer sender)"));
+  auto options = PublishOptionsOf(a);
+  if (!options.ok()) return Fail("publish", options.status());
+  PublishOptions& o = *options;
+  auto relay = StartPublishRelay(a, &o);
+  if (!relay.ok()) return Fail("publish", relay.status());
   const std::string& state = a.state;  // empty: the default (DefaultPublisherStateDir)
   Result<PublishReport> r = Aborted("not published");
   if (!a.process.empty()) {
@@ -297,45 +349,7 @@ int RunPublish(const PublishArgs& a) {
     progress.Finish();
   }
   if (!r.ok()) return Fail("publish", r.status());
-  if (a.json) {
-    json doc = {{"version", r->version},
-                {"attempt", r->attempt},
-                {"attempts", r->attempts},
-                {"already_committed", r->already_committed},
-                {"total_bytes", r->total_bytes},
-                {"frame_bytes", r->frame_bytes},
-                {"payload_bytes", r->payload_bytes},
-                {"manifest_bytes", r->manifest_bytes},
-                {"download_bytes", r->download_bytes},
-                {"download_bytes_per_changed_word", PerChange(r->download_bytes, r->changed_words)},
-                {"changed_words", r->changed_words},
-                {"acked", r->acked},
-                {"retired", r->retired},
-                {"relay_acks", r->relay_acks},
-                {"relay_acks_unconfirmed", r->relay_acks_unconfirmed},
-                {"encode_seconds", r->encode_seconds},
-                {"wait_seconds", r->wait_seconds},
-                {"baseline_seconds", r->baseline_seconds},
-                {"advance_seconds", r->advance_seconds},
-                {"total_seconds", r->total_seconds},
-                {"state_dir", r->state_dir},
-                {"memory", MemoryJson(r->memory)}};
-    std::cout << JsonText(doc, 1) << "\n";
-  } else if (r->already_committed) {
-    fmt::print("version {} was already committed ({})\n", r->version,
-               r->attempt.empty() ? "snapshot" : "attempt " + r->attempt);
-  } else if (r->version == 0) {
-    fmt::print("committed version 0: the run and its snapshot of {} ({:.2f} s)\n", FormatBytes(r->total_bytes),
-               r->total_seconds);
-  } else {
-    fmt::print(
-        "committed version {} (attempt {}, {} tries): {} of frames ({} downloaded per receiver with the manifest and "
-        "records) for {} ({:.2f}%), {} receivers acked{}, {:.2f} s\n",
-        r->version, r->attempt.empty() ? "snapshot" : r->attempt, r->attempts, FormatBytes(r->frame_bytes),
-        FormatBytes(r->download_bytes), FormatBytes(r->total_bytes),
-        r->total_bytes ? 100.0 * r->frame_bytes / r->total_bytes : 0.0, r->acked.size(),
-        r->retired.empty() ? "" : fmt::format(", {} retired", r->retired.size()), r->total_seconds);
-  }
+  PrintPublishReport(a, *r);
   return kExitOk;
 }
 
@@ -421,73 +435,61 @@ struct StatusArgs {
   bool json = false;
 };
 
-int RunStatus(const StatusArgs& a) {
-  auto store = OpenStore(a.store);
-  if (!store.ok()) return Fail("status", store.status());
-  auto r = ReadRunStatus(**store, std::chrono::milliseconds(static_cast<int64_t>(a.heartbeat_timeout * 1000)));
-  if (!r.ok()) return Fail("status", r.status());
-  std::optional<Result<std::string>> relays;
-  if (!a.relay_stats.empty()) {
-    relays = FormatRelayTree(a.relay_stats, a.json);
-    if (!relays->ok()) return Fail("status", relays->status().WithContext("--relay-stats"));
-  }
-  if (a.json) {
-    json doc;
-    doc["store"] = (*store)->url();
-    doc["run_id"] = r->run ? json(r->run->run_id) : json(nullptr);
-    doc["latest"] = r->latest ? json(*r->latest) : json(nullptr);
-    doc["snapshots"] = r->snapshots;
-    json& vs = doc["versions"] = json::array();
-    for (const auto& v : r->versions) {
-      json jv = {{"version", v.version}, {"committed", v.committed}};
-      if (v.commit) {
-        jv["attempt"] = v.commit->attempt;
-        jv["target_digest"] = v.commit->target_digest.ToHex();
-        jv["acked"] = v.commit->acked;
-        jv["retired"] = v.commit->retired;
-        jv["publisher_memory"] = v.commit->publisher_memory ? MemoryJson(*v.commit->publisher_memory) : json(nullptr);
-      }
-      json& as = jv["attempts"] = json::array();
-      for (const auto& at : v.attempts)
-        as.push_back({{"id", at.id},
-                      {"state", at.state},
-                      {"mode", at.mode},
-                      {"frames", at.frames},
-                      {"frame_bytes", at.frame_bytes},
-                      {"manifest_bytes", at.manifest_bytes},
-                      {"download_bytes", at.download_bytes},
-                      {"acks", at.acks},
-                      {"nacks", at.nacks},
-                      {"fence_reason", at.fence_reason}});
-      vs.push_back(std::move(jv));
+// `dcr status --json`: the run's state as one document.
+json StatusJson(const RunStatusReport& r, const std::string& url, const std::optional<std::string>& relays) {
+  json doc;
+  doc["store"] = url;
+  doc["run_id"] = r.run ? json(r.run->run_id) : json(nullptr);
+  doc["latest"] = r.latest ? json(*r.latest) : json(nullptr);
+  doc["snapshots"] = r.snapshots;
+  json& vs = doc["versions"] = json::array();
+  for (const auto& v : r.versions) {
+    json jv = {{"version", v.version}, {"committed", v.committed}};
+    if (v.commit) {
+      jv["attempt"] = v.commit->attempt;
+      jv["target_digest"] = v.commit->target_digest.ToHex();
+      jv["acked"] = v.commit->acked;
+      jv["retired"] = v.commit->retired;
+      jv["publisher_memory"] = v.commit->publisher_memory ? MemoryJson(*v.commit->publisher_memory) : json(nullptr);
     }
-    json& rs = doc["receivers"] = json::array();
-    for (const auto& x : r->receivers)
-      rs.push_back({{"id", x.record.id},
-                    {"state", x.record.state},
-                    {"version", x.record.version},
-                    {"live", x.live},
-                    {"heartbeat_age_seconds", x.age_seconds},
-                    {"behind", x.behind},
-                    {"retired_at", x.retired_at ? json(*x.retired_at) : json(nullptr)},
-                    {"frames_held_bytes", x.record.frames_held_bytes},
-                    {"engine", x.record.engine.ranks ? json({{"id", x.record.engine.engine},
-                                                             {"rank", x.record.engine.rank},
-                                                             {"ranks", x.record.engine.ranks}})
-                                                     : json(nullptr)}});
-    json& bad = doc["unreadable_receivers"] = json::array();
-    for (const auto& u : r->unreadable_receivers) bad.push_back({{"key", u.key}, {"error", u.error.ToString()}});
-    if (relays) doc["relays"] = json::parse(**relays);
-    std::cout << JsonText(doc, 1) << "\n";
-    return kExitOk;
+    json& as = jv["attempts"] = json::array();
+    for (const auto& at : v.attempts)
+      as.push_back({{"id", at.id},
+                    {"state", at.state},
+                    {"mode", at.mode},
+                    {"frames", at.frames},
+                    {"frame_bytes", at.frame_bytes},
+                    {"manifest_bytes", at.manifest_bytes},
+                    {"download_bytes", at.download_bytes},
+                    {"acks", at.acks},
+                    {"nacks", at.nacks},
+                    {"fence_reason", at.fence_reason}});
+    vs.push_back(std::move(jv));
   }
-  if (!r->run) {
-    fmt::print("{}: no run (publish version 0 first)\n", (*store)->url());
-    return kExitOk;
-  }
-  fmt::print("run {} in {}: latest committed version {}; snapshots: {}\n", r->run->run_id, (*store)->url(),
-             r->latest ? std::to_string(*r->latest) : "none", fmt::join(r->snapshots, ", "));
-  for (const auto& v : r->versions) {
+  json& rs = doc["receivers"] = json::array();
+  for (const auto& x : r.receivers)
+    rs.push_back(
+        {{"id", x.record.id},
+         {"state", x.record.state},
+         {"version", x.record.version},
+         {"live", x.live},
+         {"heartbeat_age_seconds", x.age_seconds},
+         {"behind", x.behind},
+         {"retired_at", x.retired_at ? json(*x.retired_at) : json(nullptr)},
+         {"frames_held_bytes", x.record.frames_held_bytes},
+         {"engine",
+          x.record.engine.ranks
+              ? json({{"id", x.record.engine.engine}, {"rank", x.record.engine.rank}, {"ranks", x.record.engine.ranks}})
+              : json(nullptr)}});
+  json& bad = doc["unreadable_receivers"] = json::array();
+  for (const auto& u : r.unreadable_receivers) bad.push_back({{"key", u.key}, {"error", u.error.ToString()}});
+  if (relays) doc["relays"] = json::parse(*relays);
+  return doc;
+}
+
+// The versions and their attempts, as lines.
+void PrintVersions(const RunStatusReport& r) {
+  for (const auto& v : r.versions) {
     fmt::print("  v{}: {}", v.version, v.committed ? "committed" : "not committed");
     if (v.commit && v.version > 0)
       fmt::print(" by {} ({} acked{})", v.commit->attempt, v.commit->acked.size(),
@@ -506,6 +508,17 @@ int RunStatus(const StatusArgs& a) {
                  at.fence_reason.empty() ? "" : " (" + at.fence_reason + ")");
     }
   }
+}
+
+// `dcr status`: the run's state as text.
+void PrintStatus(const RunStatusReport& r, const std::string& url) {
+  if (!r.run) {
+    fmt::print("{}: no run (publish version 0 first)\n", url);
+    return;
+  }
+  fmt::print("run {} in {}: latest committed version {}; snapshots: {}\n", r.run->run_id, url,
+             r.latest ? std::to_string(*r.latest) : "none", fmt::join(r.snapshots, ", "));
+  PrintVersions(r);
   auto line = [](const ReceiverStatus& x) {
     return fmt::format(
         "{}: {} at v{}{}, heartbeat {:.1f} s ago{}{}", x.record.id, x.record.state, x.record.version,
@@ -515,7 +528,7 @@ int RunStatus(const StatusArgs& a) {
             : "");
   };
   std::map<std::string, std::vector<const ReceiverStatus*>> engines;  // ranks of engines, by rank
-  for (const auto& x : r->receivers)
+  for (const auto& x : r.receivers)
     if (x.record.engine.ranks) engines[x.record.engine.engine].push_back(&x);
     else fmt::print("  receiver {}\n", line(x));
   for (auto& [name, ranks] : engines) {
@@ -524,24 +537,44 @@ int RunStatus(const StatusArgs& a) {
     fmt::print("  engine {} ({} ranks, {} seen)\n", name, ranks.front()->record.engine.ranks, ranks.size());
     for (const ReceiverStatus* x : ranks) fmt::print("    rank {} {}\n", x->record.engine.rank, line(*x));
   }
-  for (const auto& x : r->receivers)
+  for (const auto& x : r.receivers)
     if (x.retired_at)
       fmt::print(
           "  receiver {} was retired from v{} (no ack before the deadline); run `dcr follow` on its target "
           "again and it catches up from committed deltas, or the newest snapshot\n",
           x.record.id, *x.retired_at);
-  for (const auto& u : r->unreadable_receivers)
+  for (const auto& u : r.unreadable_receivers)
     fmt::print(
         "  receiver record {} is unreadable and not counted (the publisher skips it too): {}; its follower "
         "rewrites it at its next heartbeat, or remove it\n",
         u.key, u.error.ToString());
-  if (relays) fmt::print("relay tree (from {} stats files):\n{}", a.relay_stats.size(), **relays);
+}
+
+int RunStatus(const StatusArgs& a) {
+  auto store = OpenStore(a.store);
+  if (!store.ok()) return Fail("status", store.status());
+  auto r = ReadRunStatus(**store, std::chrono::milliseconds(static_cast<int64_t>(a.heartbeat_timeout * 1000)));
+  if (!r.ok()) return Fail("status", r.status());
+  std::optional<std::string> relays;
+  if (!a.relay_stats.empty()) {
+    auto text = FormatRelayTree(a.relay_stats, a.json);
+    if (!text.ok()) return Fail("status", text.status().WithContext("--relay-stats"));
+    relays = std::move(*text);
+  }
+  if (a.json) {
+    std::cout << JsonText(StatusJson(*r, (*store)->url(), relays), 1) << "\n";
+    return kExitOk;
+  }
+  PrintStatus(*r, (*store)->url());
+  if (r->run && relays) fmt::print("relay tree (from {} stats files):\n{}", a.relay_stats.size(), *relays);
   return kExitOk;
 }
 
 }  // namespace
 
-void AddRefitCommands(CLI::App& app) {
+namespace {
+
+void AddPublishCommand(CLI::App& app) {
   auto* pub =
       app.add_subcommand("publish", "Publish a checkpoint as the next version of a run and wait for its commit");
   auto pa = std::make_shared<PublishArgs>();
@@ -583,7 +616,9 @@ void AddRefitCommands(CLI::App& app) {
   pub->add_flag("--no-relay-acks", pa->no_relay_acks,
                 "Take acks from the store alone (polled every 20 ms), not from the relay tree (measurements)");
   pub->callback([pa] { ExitCode() = RunPublish(*pa); });
+}
 
+void AddFollowCommand(CLI::App& app) {
   auto* fol = app.add_subcommand("follow", "Receive every committed version into a checkpoint directory, in place");
   auto fa = std::make_shared<FollowArgs>();
   fol->add_option("--store", fa->store, "Store URL")->required();
@@ -620,7 +655,9 @@ void AddRefitCommands(CLI::App& app) {
                   "(attempt opened, version committed): a lost notice costs at most this")
       ->check(CLI::Range(0.001, 3600.0));
   fol->callback([fa] { ExitCode() = RunFollow(*fa); });
+}
 
+void AddStatusCommand(CLI::App& app) {
   auto* st = app.add_subcommand("status", "Versions, attempts, acknowledgements, fences and receivers of a run");
   auto sa = std::make_shared<StatusArgs>();
   st->add_option("--store", sa->store, "Store URL")->required();
@@ -629,6 +666,14 @@ void AddRefitCommands(CLI::App& app) {
   st->add_option("--relay-stats", sa->relay_stats,
                  "Also show the relay tree from these relays' --stats files (relays, upstreams, per-link progress)");
   st->callback([sa] { ExitCode() = RunStatus(*sa); });
+}
+
+}  // namespace
+
+void AddRefitCommands(CLI::App& app) {
+  AddPublishCommand(app);
+  AddFollowCommand(app);
+  AddStatusCommand(app);
 }
 
 }  // namespace dcr::cli

@@ -44,34 +44,39 @@ struct RelayArgs {
   double pull_every = 0.02;
 };
 
-int RunRelayDaemon(const RelayArgs& a) {
+// The relay's options from its arguments (sizes, timings, keys); errors
+// name the flag.
+Result<RelayOptions> DaemonOptions(const RelayArgs& a) {
   RelayOptions o;
   o.id = a.id;
   o.listen = a.listen;
   o.upstream = a.parents;
-  auto window = ParseBytes(a.window), cache = ParseBytes(a.cache);
-  if (!window.ok()) return Fail("relay", window.status().WithContext("--window"));
-  if (!cache.ok()) return Fail("relay", cache.status().WithContext("--cache"));
+  auto window = ParseBytes(a.window), cache = ParseBytes(a.cache), spool_bytes = ParseBytes(a.spool_bytes);
+  if (!window.ok()) return window.status().WithContext("--window");
+  if (!cache.ok()) return cache.status().WithContext("--cache");
+  if (!spool_bytes.ok()) return spool_bytes.status().WithContext("--spool-bytes");
   o.window_bytes = *window;
   o.cache_bytes = *cache;
-  auto spool_bytes = ParseBytes(a.spool_bytes);
-  if (!spool_bytes.ok()) return Fail("relay", spool_bytes.status().WithContext("--spool-bytes"));
   o.spool_dir = a.spool;
   o.spool_bytes = *spool_bytes;
   o.stats_path = a.stats;
   o.link_bytes_per_second = a.link_mbps * 1e6;
   o.ping_every = std::chrono::milliseconds(static_cast<int64_t>(a.ping * 1000));
   o.dead_after = std::chrono::milliseconds(static_cast<int64_t>(a.dead_after * 1000));
-  auto sec =
-      LoadRelaySecurity(a.key, a.relay_pub, a.allow, a.insecure, {"--key", "--relay-pub", "--allow", "--insecure"});
-  if (!sec.ok()) return Fail("relay", sec.status());
-  if (sec->enabled() && sec->allowed.empty())
-    return Fail("relay",
-                InvalidArgument("--key without --allow: no peer could attach; list their public keys in a file"));
-  o.security = *sec;
+  DCR_ASSIGN_OR_RETURN(o.security, LoadRelaySecurity(a.key, a.relay_pub, a.allow, a.insecure,
+                                                     {"--key", "--relay-pub", "--allow", "--insecure"}));
+  if (o.security.enabled() && o.security.allowed.empty())
+    return InvalidArgument("--key without --allow: no peer could attach; list their public keys in a file");
   // A root that pulls from the store pushes with its own pair, as a sender.
   if (!a.pull_store.empty() && o.security.enabled())
     o.security.allowed[o.security.own->public_key] |= RoleBit(RelayRole::kSender);
+  return o;
+}
+
+int RunRelayDaemon(const RelayArgs& a) {
+  auto options = DaemonOptions(a);
+  if (!options.ok()) return Fail("relay", options.status());
+  RelayOptions& o = *options;
   // --store (else --pull-store's): objects are kept only when their
   // publisher's signature verifies against the key that store records.
   std::unique_ptr<Store> verify_store;
@@ -181,11 +186,10 @@ Result<std::string> FormatRelayTree(const std::vector<std::string>& stats_files,
   return out;
 }
 
-void AddRelayCommand(CLI::App& app) {
-  auto* relay = app.add_subcommand(
-      "relay", "Run a relay of the relay tree (frames in from the parent or senders, out to children and receivers)");
-  relay->require_subcommand(0, 1);
-  auto ra = std::make_shared<RelayArgs>();
+namespace {
+
+// The daemon's options (dcr relay without a subcommand).
+void AddRelayDaemonOptions(CLI::App* relay, RelayArgs* ra) {
   relay->add_option("--id", ra->id, "This relay's id (logs, stats, the plan)");
   relay->add_option("--listen", ra->listen, "Address to listen on, e.g. tcp://0.0.0.0:7400");
   relay->add_option("--parent", ra->parents,
@@ -222,7 +226,9 @@ void AddRelayCommand(CLI::App& app) {
   relay->add_option("--pull-every", ra->pull_every, "Seconds between the store listings of --pull-store");
   relay->add_option("--link-mbps", ra->link_mbps,
                     "Benchmarks: pace each child link to this many MB/s (an in-process throttle); 0: unlimited");
+}
 
+void AddRelayKeygen(CLI::App* relay) {
   auto* keygen = relay->add_subcommand("keygen", "Write a CURVE key pair: STEM.key (secret, 0600) and STEM.pub");
   auto stem = std::make_shared<std::string>();
   keygen->add_option("stem", *stem, "Path without extension")->required();
@@ -239,7 +245,9 @@ void AddRelayCommand(CLI::App& app) {
     fmt::print("{}\n", pair->public_key);
     ExitCode() = kExitOk;
   });
+}
 
+void AddRelayPlan(CLI::App* relay) {
   auto* plan = relay->add_subcommand("plan", "Print the tree for a relay list (JSON [{id, address, cluster}])");
   struct PlanArgs {
     std::string relays;
@@ -269,7 +277,9 @@ void AddRelayCommand(CLI::App& app) {
     std::cout << p->ToJson();
     ExitCode() = kExitOk;
   });
+}
 
+void AddRelayPush(CLI::App* relay) {
   auto* push = relay->add_subcommand("push", "Push one frame object from a file into a relay, as a sender does");
   struct PushArgs {
     std::string to, key, relay_pub, object_key, file;
@@ -319,8 +329,9 @@ void AddRelayCommand(CLI::App& app) {
     fmt::print("pushed {} ({} bytes) to {}\n", ua->object_key, data->size(), ua->to);
     ExitCode() = kExitOk;
   });
+}
 
-  AddRelayTreeCommand(relay);
+void AddRelayStatus(CLI::App* relay) {
   auto* status = relay->add_subcommand(
       "status", "Show relays and per-link byte counters from their --stats files, the tree in upstream order");
   auto files = std::make_shared<std::vector<std::string>>();
@@ -334,7 +345,21 @@ void AddRelayCommand(CLI::App& app) {
     fmt::print("{}", *text);
     ExitCode() = kExitOk;
   });
+}
 
+}  // namespace
+
+void AddRelayCommand(CLI::App& app) {
+  auto* relay = app.add_subcommand(
+      "relay", "Run a relay of the relay tree (frames in from the parent or senders, out to children and receivers)");
+  relay->require_subcommand(0, 1);
+  auto ra = std::make_shared<RelayArgs>();
+  AddRelayDaemonOptions(relay, ra.get());
+  AddRelayKeygen(relay);
+  AddRelayPlan(relay);
+  AddRelayPush(relay);
+  AddRelayTreeCommand(relay);
+  AddRelayStatus(relay);
   relay->callback([relay, ra] {
     if (!relay->get_subcommands().empty()) return;  // keygen, plan, push, status or tree ran
     if (ra->id.empty() || ra->listen.empty()) {

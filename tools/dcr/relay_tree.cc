@@ -69,41 +69,83 @@ Result<pid_t> Spawn(const std::vector<std::string>& argv, const std::string& log
   return pid;
 }
 
-int RunTree(const TreeArgs& a) {
-  auto text = ReadWholeFile(a.plan);
-  if (!text.ok()) return Fail("relay tree", text.status());
-  const auto plan = nlohmann::json::parse(*text, nullptr, false);
+// The plan, checked; and the receivers' key, which must not be a sender's:
+// receivers could then push objects into the roots and fence attempts.
+Result<nlohmann::json> CheckTree(const TreeArgs& a) {
+  DCR_ASSIGN_OR_RETURN(std::string text, ReadWholeFile(a.plan));
+  auto plan = nlohmann::json::parse(text, nullptr, false);
   if (plan.is_discarded() || !plan.is_object() || plan.value("format", "") != "dcr-relay-plan" ||
       !plan["relays"].is_array() || plan["relays"].empty())
-    return Fail("relay tree", InvalidArgument(a.plan + ": not a relay plan (dcr relay plan --relays FILE writes one)"));
+    return InvalidArgument(a.plan + ": not a relay plan (dcr relay plan --relays FILE writes one)");
+  for (const auto& n : plan["relays"])
+    if (!n.is_object() || !n["id"].is_string() || !n["address"].is_string() || !n["upstream"].is_array())
+      return InvalidArgument(a.plan + ": a relay without id, address or upstream");
   if (a.receivers > 0 && a.store.empty())
-    return Fail("relay tree", InvalidArgument("--receivers needs --store (where the receivers follow the run)"));
-  // The receivers' key must not be a sender's: receivers could then push
-  // objects into the roots and fence attempts.
+    return InvalidArgument("--receivers needs --store (where the receivers follow the run)");
   if (!a.insecure && !a.relay_key.empty() && !a.key.empty() && !a.allow.empty()) {
     auto receivers =
         LoadRelaySecurity(a.relay_key, a.relay_pub, "", false, {"--relay-key", "--relay-pub", "", "--insecure"});
-    if (!receivers.ok()) return Fail("relay tree", receivers.status().WithContext("--relay-key"));
-    auto relays = LoadRelaySecurity(a.key, "", a.allow, false, {"--key", "--relay-pub", "--allow", "--insecure"});
-    if (!relays.ok()) return Fail("relay tree", relays.status());
-    auto it = relays->allowed.find(receivers->own->public_key);
-    if (it != relays->allowed.end() && (it->second & RoleBit(RelayRole::kSender)))
-      return Fail("relay tree", InvalidArgument(fmt::format(
-                                    "{} admits the receivers' key ({}) as a sender: receivers could push objects and "
-                                    "fence attempts; give it the line 'receiver KEY' and the publisher its own pair",
-                                    a.allow, a.relay_key)));
+    if (!receivers.ok()) return receivers.status().WithContext("--relay-key");
+    DCR_ASSIGN_OR_RETURN(
+        auto relays, LoadRelaySecurity(a.key, "", a.allow, false, {"--key", "--relay-pub", "--allow", "--insecure"}));
+    auto it = relays.allowed.find(receivers->own->public_key);
+    if (it != relays.allowed.end() && (it->second & RoleBit(RelayRole::kSender)))
+      return InvalidArgument(
+          fmt::format("{} admits the receivers' key ({}) as a sender: receivers could push objects and "
+                      "fence attempts; give it the line 'receiver KEY' and the publisher its own pair",
+                      a.allow, a.relay_key));
   }
-  std::error_code ec;
-  std::filesystem::create_directories(a.dir + "/logs", ec);
-  if (ec) return Fail("relay tree", InvalidArgument(fmt::format("cannot create {}/logs: {}", a.dir, ec.message())));
-  std::vector<std::string> security;
-  if (!a.key.empty()) security = {"--key", a.key};
-  if (!a.allow.empty()) security.insert(security.end(), {"--allow", a.allow});
-  if (!a.relay_pub.empty()) security.insert(security.end(), {"--relay-pub", a.relay_pub});
-  if (a.insecure) security.push_back("--insecure");
+  return plan;
+}
 
+// The command lines of relay `n` of the plan and of receiver i, under relay `n`.
+std::vector<std::string> RelayArgv(const TreeArgs& a, const nlohmann::json& n) {
+  const std::string id = n["id"];
+  std::vector<std::string> argv = {"dcr",          "relay",
+                                   "--id",         id,
+                                   "--listen",     n["address"],
+                                   "--stats",      a.dir + "/stats-" + id + ".json",
+                                   "--ping",       fmt::format("{}", a.ping),
+                                   "--dead-after", fmt::format("{}", a.dead_after)};
+  for (const auto& up : n["upstream"]) argv.insert(argv.end(), {"--parent", up.get<std::string>()});
+  if (!a.key.empty()) argv.insert(argv.end(), {"--key", a.key});
+  if (!a.allow.empty()) argv.insert(argv.end(), {"--allow", a.allow});
+  if (!a.relay_pub.empty()) argv.insert(argv.end(), {"--relay-pub", a.relay_pub});
+  if (a.insecure) argv.push_back("--insecure");
+  if (!a.store.empty()) argv.insert(argv.end(), {"--store", a.store});  // relays check signatures too
+  argv.insert(argv.end(), a.relay_args.begin(), a.relay_args.end());
+  return argv;
+}
+std::vector<std::string> ReceiverArgv(const TreeArgs& a, const nlohmann::json& n, const std::string& id) {
+  std::vector<std::string> argv = {"dcr", "follow", "--store", a.store, "--id", id, "--relay", n["address"]};
+  for (const auto& up : n["upstream"]) argv.insert(argv.end(), {"--relay", up.get<std::string>()});
+  argv.insert(argv.end(), {"--relay-dead-after", fmt::format("{}", a.dead_after)});
+  if (!a.relay_key.empty()) argv.insert(argv.end(), {"--relay-key", a.relay_key});
+  if (!a.relay_pub.empty()) argv.insert(argv.end(), {"--relay-pub", a.relay_pub});
+  if (a.insecure) argv.push_back("--relay-insecure");
+  if (a.until >= 0) argv.insert(argv.end(), {"--until", std::to_string(a.until)});
+  argv.push_back(a.dir + "/target-" + id);
+  return argv;
+}
+
+// The tree's child processes.
+struct Children {
   std::vector<Child> children;
-  auto stop_all = [&](const char* why) {
+
+  bool Start(Child c, const std::vector<std::string>& argv) {
+    auto pid = Spawn(argv, c.log);
+    if (!pid.ok()) {
+      Fail("relay tree", pid.status());
+      return false;
+    }
+    c.pid = *pid;
+    fmt::print("dcr relay tree: started {} (pid {}, log {})\n", c.name, c.pid, c.log);
+    children.push_back(std::move(c));
+    return true;
+  }
+
+  // SIGTERM to each, SIGKILL to those still there after 5 s.
+  void StopAll(const std::string& why) {
     for (auto& c : children)
       if (!c.exited) ::kill(c.pid, SIGTERM);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
@@ -119,96 +161,77 @@ int RunTree(const TreeArgs& a) {
       }
     }
     fmt::print("dcr relay tree: stopped {} processes ({})\n", children.size(), why);
-  };
-  auto start = [&](Child c, const std::vector<std::string>& argv) -> bool {
-    auto pid = Spawn(argv, c.log);
-    if (!pid.ok()) {
-      Fail("relay tree", pid.status());
-      return false;
+  }
+
+  // Until a signal, or (with --until) every receiver's exit; a relay that
+  // exits is reported and left down (its children re-attach upstream).
+  // Returns how many exited with a failure.
+  int Watch(const TreeArgs& a) {
+    int failed = 0;
+    for (;;) {
+      if (g_tree_stop) {
+        StopAll("signal");
+        return failed;
+      }
+      bool receivers_left = false;
+      for (auto& c : children) {
+        if (!c.exited && ::waitpid(c.pid, &c.status, WNOHANG) == c.pid) {
+          c.exited = true;
+          if (!(WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0)) ++failed;
+          fmt::print("dcr relay tree: {} exited ({}); log {}\n", c.name,
+                     WIFEXITED(c.status) ? fmt::format("status {}", WEXITSTATUS(c.status))
+                                         : fmt::format("signal {}", WTERMSIG(c.status)),
+                     c.log);
+          std::fflush(stdout);
+        }
+        if (c.receiver && !c.exited) receivers_left = true;
+      }
+      if (a.until >= 0 && a.receivers > 0 && !receivers_left) {
+        StopAll(fmt::format("every receiver reached version {}", a.until));
+        return failed;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
-    c.pid = *pid;
-    fmt::print("dcr relay tree: started {} (pid {}, log {})\n", c.name, c.pid, c.log);
-    children.push_back(std::move(c));
-    return true;
-  };
+  }
+};
+
+int RunTree(const TreeArgs& a) {
+  auto checked = CheckTree(a);
+  if (!checked.ok()) return Fail("relay tree", checked.status());
+  const nlohmann::json& plan = *checked;
+  std::error_code ec;
+  std::filesystem::create_directories(a.dir + "/logs", ec);
+  if (ec) return Fail("relay tree", InvalidArgument(fmt::format("cannot create {}/logs: {}", a.dir, ec.message())));
+  Children tree;
   std::vector<const nlohmann::json*> relays;
   for (const auto& n : plan["relays"]) {
-    if (!n.is_object() || !n["id"].is_string() || !n["address"].is_string() || !n["upstream"].is_array())
-      return Fail("relay tree", InvalidArgument(a.plan + ": a relay without id, address or upstream"));
     relays.push_back(&n);
     const std::string id = n["id"];
-    std::vector<std::string> argv = {"dcr",          "relay",
-                                     "--id",         id,
-                                     "--listen",     n["address"],
-                                     "--stats",      a.dir + "/stats-" + id + ".json",
-                                     "--ping",       fmt::format("{}", a.ping),
-                                     "--dead-after", fmt::format("{}", a.dead_after)};
-    for (const auto& up : n["upstream"]) argv.insert(argv.end(), {"--parent", up.get<std::string>()});
-    argv.insert(argv.end(), security.begin(), security.end());
-    if (!a.store.empty()) argv.insert(argv.end(), {"--store", a.store});  // relays check signatures too
-    argv.insert(argv.end(), a.relay_args.begin(), a.relay_args.end());
-    if (!start({"relay " + id, a.dir + "/logs/relay-" + id + ".log"}, argv)) {
-      stop_all("a start failed");
+    if (!tree.Start({"relay " + id, a.dir + "/logs/relay-" + id + ".log"}, RelayArgv(a, n))) {
+      tree.StopAll("a start failed");
       return kExitError;
     }
   }
   for (uint32_t i = 0; i < a.receivers; ++i) {
     const auto& n = *relays[i % relays.size()];
     const std::string id = fmt::format("{}{}", a.receiver_prefix, i);
-    std::vector<std::string> argv = {"dcr", "follow", "--store", a.store, "--id", id, "--relay", n["address"]};
-    for (const auto& up : n["upstream"]) argv.insert(argv.end(), {"--relay", up.get<std::string>()});
-    argv.insert(argv.end(), {"--relay-dead-after", fmt::format("{}", a.dead_after)});
-    if (!a.relay_key.empty()) argv.insert(argv.end(), {"--relay-key", a.relay_key});
-    if (!a.relay_pub.empty()) argv.insert(argv.end(), {"--relay-pub", a.relay_pub});
-    if (a.insecure) argv.push_back("--relay-insecure");
-    if (a.until >= 0) argv.insert(argv.end(), {"--until", std::to_string(a.until)});
-    argv.push_back(a.dir + "/target-" + id);
     Child c{"receiver " + id + " under relay " + n["id"].get<std::string>(), a.dir + "/logs/follow-" + id + ".log"};
     c.receiver = true;
-    if (!start(std::move(c), argv)) {
-      stop_all("a start failed");
+    if (!tree.Start(std::move(c), ReceiverArgv(a, n, id))) {
+      tree.StopAll("a start failed");
       return kExitError;
     }
   }
-  std::vector<std::string> roots;
+  std::string publish_flags;
   for (const auto& r : plan["roots"])
     for (const auto* n : relays)
-      if ((*n)["id"] == r) roots.push_back((*n)["address"]);
-  std::string publish_flags;
-  for (const auto& r : roots) publish_flags += " --relay " + r;
+      if ((*n)["id"] == r) publish_flags += " --relay " + (*n)["address"].get<std::string>();
   fmt::print("dcr relay tree: {} relays, {} receivers; publish into the roots with dcr publish{}\n", relays.size(),
              a.receivers, publish_flags);
   std::fflush(stdout);
   std::signal(SIGINT, OnTreeSignal);
   std::signal(SIGTERM, OnTreeSignal);
-  // Until a signal, or (with --until) every receiver's exit; a relay that
-  // exits is reported and left down (its children re-attach upstream).
-  int failed = 0;
-  for (;;) {
-    if (g_tree_stop) {
-      stop_all("signal");
-      break;
-    }
-    bool receivers_left = false;
-    for (auto& c : children) {
-      if (!c.exited && ::waitpid(c.pid, &c.status, WNOHANG) == c.pid) {
-        c.exited = true;
-        const bool ok = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;
-        if (!ok) ++failed;
-        fmt::print("dcr relay tree: {} exited ({}); log {}\n", c.name,
-                   WIFEXITED(c.status) ? fmt::format("status {}", WEXITSTATUS(c.status))
-                                       : fmt::format("signal {}", WTERMSIG(c.status)),
-                   c.log);
-        std::fflush(stdout);
-      }
-      if (c.receiver && !c.exited) receivers_left = true;
-    }
-    if (a.until >= 0 && a.receivers > 0 && !receivers_left) {
-      stop_all(fmt::format("every receiver reached version {}", a.until).c_str());
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  const int failed = tree.Watch(a);
   if (a.until >= 0 && failed) {
     Fail("relay tree", Aborted(fmt::format("{} processes failed; see their logs under {}/logs", failed, a.dir)));
     return kExitError;

@@ -24,8 +24,8 @@
 #include <thread>
 
 #include "dcr/http.h"
-#include "s3_xml.h"
-#include "sigv4.h"
+#include "store/s3_xml.h"
+#include "store/sigv4.h"
 
 namespace dcr::testing {
 
