@@ -114,6 +114,42 @@ Result<DeltaManifest> StartDelta(const Checkpoint& base, const Checkpoint& next,
   return m;
 }
 
+namespace {
+
+// Encodes `chunk` of the two checkpoints (its tensor at base_index and
+// next_index in them) into `frame` (left empty when nothing changed),
+// setting the chunk's base and target digests.
+Status EncodeChunk(const Checkpoint& base, const Checkpoint& next, const DeltaManifest& m, ChunkId chunk,
+                   size_t base_index, size_t next_index, const DigestKey& key, const EncodeOptions& options,
+                   const Digest* tracked, std::string* frame, Digest* base_digest, Digest* target_digest) {
+  thread_local ChunkEncoder encoder;
+  thread_local EncodedChunk encoded;
+  const auto [t, c] = chunk;  // a chunk of the manifest (the caller checked)
+  const auto [off, bytes] = ChunkByteRange(m, t, c);
+  uint64_t first_word, words;
+  uint32_t elements;
+  m.ChunkWords(t, c, &first_word, &words, &elements);
+  const ChunkInput in{m.tensors[t].dtype,
+                      key,
+                      first_word,
+                      elements,
+                      base.Data(base_index).subspan(off, bytes),
+                      next.Data(next_index).subspan(off, bytes),
+                      tracked};
+  auto changed = encoder.Encode(in, options, &encoded);
+  if (!changed.ok()) return changed.status().WithContext(fmt::format("tensor '{}' chunk {}", m.tensors[t].name, c));
+  *base_digest = *target_digest = encoded.base_digest;
+  if (*changed) {
+    encoded.header.tensor = t;
+    encoded.header.chunk = c;
+    *target_digest = encoded.header.target_digest;
+    *frame = EncodeFrame(encoded.header, encoded.payload);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<EncodedFrames> EncodeFrames(const Checkpoint& base, const Checkpoint& next, const DeltaManifest& m,
                                    std::span<const ChunkId> chunks, const EncodeOptions& options, const FrameSink& sink,
                                    const std::vector<Digest>* base_digests, Progress* progress, ThreadPool* pool) {
@@ -160,39 +196,15 @@ Result<EncodedFrames> EncodeFrames(const Checkpoint& base, const Checkpoint& nex
   for (size_t begin = 0; begin < chunks.size(); begin += window, b ^= 1) {
     const size_t count = std::min(window, chunks.size() - begin);
     workers.ParallelFor(count, [&](size_t i) {
-      thread_local ChunkEncoder encoder;
-      thread_local EncodedChunk encoded;
-      const auto [t, c] = chunks[begin + i];
-      errors[b][i] = Status::Ok();
+      const ChunkId chunk = chunks[begin + i];
+      const uint32_t t = chunk.tensor;
       frames[b][i].clear();
-      if (t >= m.tensors.size() || c >= m.ChunkCount(t)) {
-        errors[b][i] = InvalidArgument(fmt::format("EncodeFrames: no chunk {} of tensor {}", c, t));
-        return;
-      }
-      const auto [off, bytes] = ChunkByteRange(m, t, c);
-      uint64_t first_word, words;
-      uint32_t elements;
-      m.ChunkWords(t, c, &first_word, &words, &elements);
-      ChunkInput in{m.tensors[t].dtype,
-                    keys[t],
-                    first_word,
-                    elements,
-                    base.Data(base_index[t]).subspan(off, bytes),
-                    next.Data(next_index[t]).subspan(off, bytes),
-                    base_digests ? &(*base_digests)[begin + i] : nullptr};
-      auto changed = encoder.Encode(in, options, &encoded);
-      if (!changed.ok()) {
-        errors[b][i] = changed.status().WithContext(fmt::format("tensor '{}' chunk {}", m.tensors[t].name, c));
-        return;
-      }
-      out.base_digests[begin + i] = out.target_digests[begin + i] = encoded.base_digest;
-      if (*changed) {
-        encoded.header.tensor = t;
-        encoded.header.chunk = c;
-        out.target_digests[begin + i] = encoded.header.target_digest;
-        frames[b][i] = EncodeFrame(encoded.header, encoded.payload);
-      }
-      if (progress) progress->Add(bytes);
+      errors[b][i] = t >= m.tensors.size() || chunk.chunk >= m.ChunkCount(t)
+                         ? InvalidArgument(fmt::format("EncodeFrames: no chunk {} of tensor {}", chunk.chunk, t))
+                         : EncodeChunk(base, next, m, chunk, base_index[t], next_index[t], keys[t], options,
+                                       base_digests ? &(*base_digests)[begin + i] : nullptr, &frames[b][i],
+                                       &out.base_digests[begin + i], &out.target_digests[begin + i]);
+      if (progress && errors[b][i].ok()) progress->Add(ChunkByteRange(m, chunk.tensor, chunk.chunk).second);
     });
     if (draining.valid()) DCR_RETURN_IF_ERROR(draining.get());
     draining = std::async(std::launch::async, drain, begin, count, b);
