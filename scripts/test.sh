@@ -52,7 +52,7 @@ export DCR_S3_TEST_URL="s3://dcr-conformance?create_bucket=1"
 echo "== module dependencies along the data path"
 python3 scripts/check_includes.py
 
-echo "== function length in the protocol and layout walks"
+echo "== function length (src, tools, python/src: at most 80 lines)"
 python3 scripts/check_function_length.py
 
 echo "== C++ formatting (.clang-format; fix with: .venv/bin/clang-format -i FILES)"
