@@ -25,7 +25,6 @@ dcr::Digest ParseDigest(const std::string& hex, const std::string& what) {
   return d;
 }
 
-
 // ---- Conversions ------------------------------------------------------------
 
 dcr::DType ParseDTypeOrRaise(const std::string& name) {
