@@ -75,15 +75,16 @@ if [ "$hours" != 0 ]; then deadline=$(python3 -c "import time; print(int(time.ti
 
 py=.venv/bin/python
 dcr=build/tools/dcr/dcr
-[ -x "$py" ] && [ -x "$dcr" ] || { echo "soak.sh: build first (scripts/setup.sh --python)" >&2; exit 2; }
+[ -x "$py" ] && [ -x "$dcr" ] && [ -x "$dcr-faults" ] || { echo "soak.sh: build first (scripts/setup.sh --python)" >&2; exit 2; }
 out=${out:-out/soak-$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$out/batches"
 out=$(cd "$out" && pwd)
 report="$out/episodes.jsonl"
 touch "$report"
-# The binary under test, copied: a rebuild of build/ during the soak changes nothing here.
+# The binaries under test (dcr, and dcr-faults for processes given a fault
+# point), copied: a rebuild of build/ during the soak changes nothing here.
 mkdir -p "$out/bin"
-cp "$dcr" "$out/bin/dcr"
+cp "$dcr" "$dcr-faults" "$out/bin/"
 dcr="$out/bin/dcr"
 if [ -z "$tests" ]; then
   mkdir -p "$out/tests"
@@ -154,7 +155,7 @@ while :; do
     set +e
     # The campaign's own time bound fails it first (a hang); this one catches a stall of pytest itself.
     env DCR_CAMPAIGN_SEED="$bseed" "$var=$size" DCR_CAMPAIGN_REPORT="$report" DCR_CAMPAIGN_TIME_BOUND_S="$bound" \
-      DCR_BIN="$dcr" timeout -k 30 $((bound + 300)) "$py" -m pytest -q -s -p no:cacheprovider \
+      DCR_BIN="$dcr" DCR_FAULTS_BIN="$dcr-faults" timeout -k 30 $((bound + 300)) "$py" -m pytest -q -s -p no:cacheprovider \
       --basetemp="$dir/tmp" "${test[@]}" >"$dir/pytest.log" 2>&1 &
     pid=$!
     # Progress: each episode's line as it ends.

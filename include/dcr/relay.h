@@ -255,9 +255,10 @@ struct RelayOptions {
   // that a forged copy pushed first cannot take the publisher's place.
   // Called on the relay's thread.
   std::function<Status(const std::string& key, std::string_view bytes)> verify_object;
-  // TEST ONLY: flips one payload byte of the Nth object received (1-based)
-  // before verification, as a corrupting link would.
-  uint64_t test_corrupt_nth = 0;
+  // Fault injection (the failure campaigns' corrupting link): called on the
+  // relay's thread with each arriving object's key and bytes before they are
+  // verified, and may change the bytes. The installed dcr never sets it.
+  std::function<void(const std::string& key, std::string& bytes)> arrival_fault;
 };
 
 // Runs the relay until `stop` returns true (checked every few ms). Errors:

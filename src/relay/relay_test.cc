@@ -161,7 +161,10 @@ TEST(Relay, ADepthTwoTreeDeliversEveryObjectOnceAndDropsDuplicates) {
 TEST(Relay, ACorruptObjectIsNeverForwarded) {
   const std::string root_addr = FreeAddress(), mid_addr = FreeAddress();
   RelayOptions ro = Options("root", root_addr);
-  ro.test_corrupt_nth = 2;  // the second object is damaged on arrival at the root
+  // The second object is damaged on arrival at the root (called on the relay's thread).
+  ro.arrival_fault = [n = 0](const std::string&, std::string& bytes) mutable {
+    if (++n == 2 && !bytes.empty()) bytes[bytes.size() / 2] ^= 0x5a;
+  };
   RunningRelay root(ro);
   RunningRelay mid(Options("mid", mid_addr, {root_addr}));
   Lines log;

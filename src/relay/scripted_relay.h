@@ -2,6 +2,7 @@
 // network (the fuzz target tests/fuzz/relay_daemon_fuzz.cc): messages from
 // scripted peers go straight to the daemon's handlers, in order, and what it
 // sends them arrives on real in-process sockets, where it is checked.
+// Test-only: built into dcr_relay_testing, never into the dcr binary.
 #pragma once
 
 #include <memory>

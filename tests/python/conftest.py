@@ -27,6 +27,14 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 
 REPO = Path(__file__).resolve().parents[2]
 DCR_BIN = Path(os.environ.get("DCR_BIN", REPO / "build" / "tools" / "dcr" / "dcr"))
+# dcr-faults: the same commands with the DCR_TEST_* fault points
+# (tools/dcr/fault_hooks.h), built with the tests; the installed dcr has none.
+DCR_FAULTS_BIN = Path(os.environ.get("DCR_FAULTS_BIN", DCR_BIN.parent / "dcr-faults"))
+
+
+def dcr_binary(env: dict | None) -> Path:
+    """dcr, or dcr-faults for a process whose environment asks for a DCR_TEST_* fault."""
+    return DCR_FAULTS_BIN if any(k.startswith("DCR_TEST_") and v for k, v in (env or {}).items()) else DCR_BIN
 
 # Every run of dcr gets at most this long; a hang is a failure, not a stall.
 RUN_TIMEOUT_S = 60
@@ -61,7 +69,7 @@ def run_dcr(*args, timeout: float = RUN_TIMEOUT_S, env: dict | None = None) -> R
             full_env.pop(k, None)
         else:
             full_env[k] = str(v)
-    p = subprocess.run([str(DCR_BIN), *argv], capture_output=True, timeout=timeout, env=full_env)
+    p = subprocess.run([str(dcr_binary(full_env)), *argv], capture_output=True, timeout=timeout, env=full_env)
     return Run(argv, p.returncode,
                p.stdout.decode("utf-8", errors="replace"),
                p.stderr.decode("utf-8", errors="replace"))
@@ -152,6 +160,8 @@ def write_raw_safetensors(path, header: dict | list | str | bytes, data: bytes =
 def dcr_bin() -> Path:
     if not DCR_BIN.is_file() or not os.access(DCR_BIN, os.X_OK):
         pytest.fail(f"dcr binary not found at {DCR_BIN}; build it (ninja -C build dcr) or set DCR_BIN")
+    if not DCR_FAULTS_BIN.is_file():
+        pytest.fail(f"dcr-faults not found at {DCR_FAULTS_BIN}; build it (ninja -C build dcr-faults) or set DCR_FAULTS_BIN")
     return DCR_BIN
 
 

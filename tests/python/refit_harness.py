@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import dcr
-from conftest import DCR_BIN, run_dcr
+from conftest import dcr_binary, run_dcr
 
 # Receivers poll and beat quickly so that an episode takes about a second.
 POLL_S = "0.05"
@@ -149,11 +149,12 @@ class Receiver:
         self.expect_death = "DCR_TEST_CRASH_AT" in self.env
         self.log = self.h.logs / f"follow-{self.id}-{self.lives}.log"
         self.logs.append(self.log)
+        env = _env(self.env)
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                [str(DCR_BIN), "follow", "--store", self.h.url, "--id", self.id, "--poll", POLL_S, "--heartbeat",
+                [str(dcr_binary(env)), "follow", "--store", self.h.url, "--id", self.id, "--poll", POLL_S, "--heartbeat",
                  HEARTBEAT_S, str(self.target)],
-                stdout=out, stderr=subprocess.STDOUT, env=_env(self.env))
+                stdout=out, stderr=subprocess.STDOUT, env=env)
         self.paused = False
 
     def alive(self) -> bool:
@@ -313,7 +314,7 @@ class Harness:
         state = state or self.state
         log = self.logs / f"publish-{self._n:03}-v{v}.log"
         out = self.logs / f"publish-{self._n:03}-v{v}.json"
-        args = [str(DCR_BIN), "publish", "--store", self.url, "--version", str(v), "--state", str(state),
+        args = [str(dcr_binary(env)), "publish", "--store", self.url, "--version", str(v), "--state", str(state),
                 "--senders", "2", "--chunk", CHUNK, "--attempts", str(attempts), "--ack-timeout", str(ack_timeout),
                 "--heartbeat-timeout", str(heartbeat_timeout), "--json", str(self.checkpoint(v))]
         if snapshot_every if snapshot_every is not None else self.snapshot_every:

@@ -99,7 +99,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import DCR_BIN, dcr_json, run_dcr
+from conftest import DCR_BIN, dcr_binary, dcr_json, run_dcr
 from refit_harness import stored_manifest
 
 SIZE = "4MB"
@@ -199,6 +199,7 @@ class Tree:
         e = env()
         e.update(extra_env or {})
         log = self.logs / f"relay-{rid}.log"
+        args[0] = str(dcr_binary(e))
         with open(log, "ab") as out:
             p = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=e)
         self.relay_procs[rid] = p
@@ -331,6 +332,7 @@ class Tree:
         log = self.logs / f"publish-v{v}.log"
         e = env()
         e.update(extra_env or {})
+        args[0] = str(dcr_binary(e))
         with open(log, "wb") as out:
             p = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=e)
         p.log = log  # type: ignore[attr-defined]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DCR_BIN, run_dcr
+from conftest import DCR_BIN, dcr_binary, run_dcr
 from refit_harness import checkpoint_files
 
 FAMILY, SIZE, VERSIONS = "deepseek-v3", "2MB", 3
@@ -121,7 +121,7 @@ def test_senders_in_separate_processes(tmp_path, run):
 
     def start(v, p, dirs, extra_env=None):
         lives[p] = lives.get(p, 0) + 1
-        argv = [str(DCR_BIN), "publish", "--store", store, "--state", str(tmp_path / f"trainer-p{p}"), "--version",
+        argv = [str(dcr_binary(extra_env)), "publish", "--store", store, "--state", str(tmp_path / f"trainer-p{p}"), "--version",
                 str(v), "--process", f"{p}/{PROCS}", "--maps", ",".join(str(m) for m in maps), "--sender-processes",
                 ",".join(str(x) for x in PLACEMENT), "--peer-timeout", "10", "--ack-timeout", "30",
                 "--heartbeat-timeout", "3", "--json"]

@@ -3,6 +3,7 @@
 
 #include "cli.h"
 #include "dcr/progress.h"
+#include "fault_hooks.h"
 
 namespace dcr::cli {
 
@@ -21,7 +22,8 @@ int Fail(const std::string& command, const Status& status) {
 int main(int argc, char** argv) {
   CLI::App app{"dcr: bit-exact delta-compressed refit of model weights"};
   app.require_subcommand(1);
-  app.set_version_flag("--version", "dcr 0.1.0");
+  const std::string_view notice = dcr::cli::FaultInjectionNotice();
+  app.set_version_flag("--version", notice.empty() ? std::string("dcr 0.1.0") : "dcr 0.1.0\n" + std::string(notice));
   dcr::cli::AddInspectCommand(app);
   dcr::cli::AddDiffCommand(app);
   dcr::cli::AddGenCommand(app);

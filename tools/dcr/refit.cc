@@ -5,14 +5,11 @@
 
 #include <atomic>
 #include <csignal>
-#include <cstdlib>
-#include <filesystem>
 #include <functional>
 #include <iostream>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
-#include <thread>
 
 #include "cli.h"
 #include "dcr/checkpoint.h"
@@ -23,6 +20,7 @@
 #include "dcr/protocol.h"
 #include "dcr/receiver.h"
 #include "dcr/relay.h"
+#include "fault_hooks.h"
 
 namespace dcr::cli {
 namespace {
@@ -39,69 +37,6 @@ json MemoryJson(const PublisherMemory& m) {
 
 std::atomic<bool> g_stop{false};
 void OnSignal(int) { g_stop = true; }
-
-// TEST ONLY: DCR_TEST_CRASH_AT=<point>[:<count>] kills this process with
-// SIGKILL the <count>th time (default the first) it reaches the named fault
-// point of PublishOptions::fault / FollowOptions::fault (publisher:
-// frames-written, manifest-written, acked, before-commit, committed;
-// follower: applying, applied, acked). The failure campaign
-// (tests/python/test_refit.py) uses it to crash at points that timing cannot
-// hit reliably. DCR_TEST_FAIL_AT (same syntax) makes that point fail with
-// an error instead, as a failed store operation would (the publisher fences
-// the attempt and retries). Not for production use: nothing else reads them.
-// DCR_TEST_PAUSE_AT=<point>:<file> waits at the point (its first time)
-// until <file> exists: a handshake for tests that act while a process stands
-// at a known place. With DCR_TEST_CRASH_AT or DCR_TEST_FAIL_AT at the same
-// point, the pause comes first.
-std::function<Status(std::string_view)> TestPauseHook() {
-  const char* pause = std::getenv("DCR_TEST_PAUSE_AT");
-  if (!pause || !*pause) return {};
-  const std::string spec = pause;
-  const size_t colon = spec.find(':');
-  const std::string point = spec.substr(0, colon), file = colon == std::string::npos ? "" : spec.substr(colon + 1);
-  auto done = std::make_shared<std::atomic<bool>>(false);
-  return [point, file, done](std::string_view at) {
-    if (at != point || done->exchange(true)) return Status::Ok();
-    std::cerr << "DCR_TEST_PAUSE_AT: waiting at " << point << " for " << file << std::endl;
-    while (!std::filesystem::exists(file) && !g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    return Status::Ok();
-  };
-}
-
-std::function<Status(std::string_view)> TestFaultHook() {
-  const char* spec = std::getenv("DCR_TEST_CRASH_AT");
-  const bool fail = !spec || !*spec;
-  if (fail) spec = std::getenv("DCR_TEST_FAIL_AT");
-  if (!spec || !*spec) return {};
-  std::string point = spec;
-  uint64_t count = 1;
-  if (size_t colon = point.find(':'); colon != std::string::npos) {
-    count = std::strtoull(point.c_str() + colon + 1, nullptr, 10);
-    point.resize(colon);
-  }
-  auto seen = std::make_shared<std::atomic<uint64_t>>(0);
-  return [point, count, seen, fail](std::string_view at) {
-    if (at == point && seen->fetch_add(1) + 1 == count) {
-      if (fail) {
-        std::cerr << "DCR_TEST_FAIL_AT: failing at " << point << std::endl;
-        return Aborted("injected failure at " + point + " (DCR_TEST_FAIL_AT)");
-      }
-      std::cerr << "DCR_TEST_CRASH_AT: killing myself at " << point << std::endl;
-      std::raise(SIGKILL);
-    }
-    return Status::Ok();
-  };
-}
-
-std::function<Status(std::string_view)> TestCrashHook() {
-  auto pause = TestPauseHook();
-  auto fault = TestFaultHook();
-  if (!pause || !fault) return pause ? pause : fault;
-  return [pause, fault](std::string_view at) {
-    DCR_RETURN_IF_ERROR(pause(at));
-    return fault(at);
-  };
-}
 
 struct PublishArgs {
   std::string store, checkpoint, state;
@@ -258,7 +193,7 @@ Result<PublishOptions> PublishOptionsOf(const PublishArgs& a) {
   o.ack_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.ack_timeout * 1000));
   o.heartbeat_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.heartbeat_timeout * 1000));
   o.snapshot_every = a.snapshot_every;
-  o.fault = TestCrashHook();
+  o.fault = FaultPointHook([] { return g_stop.load(); });
   o.peer_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.peer_timeout * 1000));
   return o;
 }
@@ -398,7 +333,7 @@ int RunFollow(const FollowArgs& a) {
   o.stream_poll = std::chrono::milliseconds(static_cast<int64_t>(a.stream_poll * 1000));
   o.heartbeat_every = std::chrono::milliseconds(static_cast<int64_t>(a.heartbeat * 1000));
   o.fetch_ahead = a.fetch_ahead;
-  o.fault = TestCrashHook();
+  o.fault = FaultPointHook([] { return g_stop.load(); });
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
   std::unique_ptr<RelayReceiver> relay;

@@ -19,6 +19,7 @@
 #include "dcr/progress.h"
 #include "dcr/protocol.h"
 #include "dcr/relay.h"
+#include "fault_hooks.h"
 
 namespace dcr::cli {
 
@@ -92,9 +93,7 @@ int RunRelayDaemon(const RelayArgs& a) {
     std::cerr << "dcr relay [" << a.id << "] objects are kept only when their publisher's signature verifies against "
               << verify_store->url() << std::endl;
   }
-  // TEST ONLY: DCR_TEST_CORRUPT_NTH=N damages the Nth object received
-  // (tests/python/test_relay.py); nothing else reads it.
-  if (const char* n = std::getenv("DCR_TEST_CORRUPT_NTH"); n && *n) o.test_corrupt_nth = std::strtoull(n, nullptr, 10);
+  o.arrival_fault = RelayArrivalHook();
   std::signal(SIGINT, OnRelaySignal);
   std::signal(SIGTERM, OnRelaySignal);
   // --pull-store: a thread fetches the frame objects from the store and

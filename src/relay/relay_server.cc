@@ -18,153 +18,18 @@
 #include "dcr/hash.h"
 #include "dcr/json.h"
 #include "dcr/mapped_file.h"
-#include "scripted_relay.h"
+#include "relay_server.h"
 #include "zmq_io.h"
 
-namespace dcr {
-
-using namespace relay_internal;
-
+namespace dcr::relay_internal {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 // Acks that arrive together (siblings finishing within a few ms) go up in one message.
 constexpr auto kAckLinger = std::chrono::milliseconds(2);
 
-// An object's bytes on disk (the spool); removed with the last reference.
-struct SpoolFile {
-  std::string path;
-  uint64_t bytes = 0;
-  std::shared_ptr<uint64_t> used;  // the spool's bytes in use
-  ~SpoolFile() {
-    ::unlink(path.c_str());
-    *used -= bytes;
-  }
-};
-
-struct Object {
-  std::string key, prefix, data;  // data empty when spooled
-  uint32_t crc = 0;
-  std::shared_ptr<const SpoolFile> spooled;
-};
-using ObjectPtr = std::shared_ptr<const Object>;
-
-// A peer that receives objects (a relay or a receiver), by its routing id.
-struct Child {
-  std::string route, id;
-  std::string key;  // its CURVE key (empty without CURVE): its id stays its own
-  RelayRole role = RelayRole::kReceiver;
-  std::set<std::string> have;  // from its HELLO: never send these
-  std::deque<ObjectPtr> queue;
-  uint64_t inflight = 0;
-  Clock::time_point heard;
-  Clock::time_point next_send{};  // pacing (link_bytes_per_second)
-};
-
-// Cumulative counters of one link (kept across re-attachments, by peer id).
-struct Link {
-  std::string role;
-  bool attached = false;
-  uint64_t bytes_in = 0, objects_in = 0, bytes_out = 0, objects_out = 0, evicted = 0, spooled = 0;
-};
-
 void FreeObjectRef(void*, void* hint) { delete static_cast<ObjectPtr*>(hint); }
 
-class RelayServer {
- public:
-  explicit RelayServer(const RelayOptions& o) : o_(o) {}
-  Status Run(const std::function<bool()>& stop);
-
- private:
-  friend class relay_internal::ScriptedRelay;
-  // What one turn of the loop does after reading the sockets: sends what
-  // children's windows allow, sends acks up, runs the timers.
-  void Turn(bool force_acks);
-  void Log(const std::string& line) {
-    if (o_.log) o_.log(line);
-    else std::cerr << "dcr relay [" << o_.id << "] " << line << std::endl;
-  }
-  // A refused peer retries its handshake every few hundred ms: each distinct
-  // line is logged the 1st, 10th, 100th... time.
-  void Refused(const std::string& line) {
-    ++refused_;
-    // Bounded: past 1024 distinct lines, new ones are counted together.
-    const bool known = refusals_.count(line) || refusals_.size() < 1024;
-    const uint64_t n = ++refusals_[known ? line : "other refusals (too many distinct ones to keep)"];
-    for (uint64_t p = 1; p <= n; p *= 10)
-      if (p == n) Log(n == 1 ? line : fmt::format("{} ({} times)", line, n));
-  }
-  Status Attach(size_t index);
-  // A message from a peer below (a child or a sender); `key`: its CURVE key.
-  void OnRouter(std::vector<std::string> parts, const std::string& key);
-  // OnRouter's steps: a HELLO (from a sender, or a child), and an object.
-  bool Admitted(const RelayMessage& m, const std::string& key);
-  void OnSenderHello(const std::string& route, const std::string& key, const RelayMessage& m);
-  void OnChildHello(const std::string& route, const std::string& key, const RelayMessage& m);
-  void OnObject(const std::string& route, RelayMessage m);
-  void OnUpstream(std::vector<std::string> parts);
-  void OnMonitor();
-  void Accept(RelayMessage m, const std::string& from, Link* link);
-  void ApplyFence(const std::string& prefix);
-  void ForwardNotice(const std::string& key);
-  void OnAck(RelayMessage m, const Child& from);
-  // Sends the acks received since the last flush up (to the upstream, or at
-  // a root to every sender), one message per attempt.
-  void FlushAcks(bool force);
-  void SendAcks(void* socket, const std::string& route, const std::string& prefix, std::vector<AckRecord> acks);
-  void Evict();
-  // The spooled copy of `old` (written now), or nullptr when the spool is off, full or fails.
-  ObjectPtr Spool(const ObjectPtr& old);
-  // Reads a spooled object back and checks its CRC32C; nullptr (logged) when it cannot.
-  ObjectPtr Unspool(const Object& spooled);
-  Status OpenSpool();
-  // Sends what the child's window allows; false when the child is gone.
-  bool Pump(Child& c);
-  void Detach(const std::string& route, const std::string& why);
-  // The counters of link `name`, created if new; beyond max_links a
-  // detached link's are forgotten to make room.
-  Link& LinkOf(const std::string& name);
-  // Link `name`'s peer is gone (its counters stay, and may be forgotten).
-  void LinkGone(const std::string& name) {
-    if (auto it = links_.find(name); it != links_.end()) it->second.attached = false;
-  }
-  void Timers();
-  void WriteStats();
-  std::string StatsJson();
-
-  const RelayOptions& o_;
-  Context ctx_;
-  Socket router_, upstream_, zap_, monitor_;
-  std::unique_ptr<Probe> probe_;  // while attached past the parent: is the parent back?
-  size_t upstream_index_ = 0;
-  Clock::time_point upstream_heard_, upstream_since_, last_ping_, last_stats_;
-
-  std::shared_ptr<uint64_t> spool_used_ = std::make_shared<uint64_t>(0);
-  uint64_t spool_seq_ = 0, spooled_ = 0, spooled_bytes_ = 0, spool_full_ = 0, unspooled_ = 0;
-  std::deque<ObjectPtr> cache_;
-  std::map<std::string, ObjectPtr> index_;
-  uint64_t cache_bytes_ = 0;
-  std::set<std::string> fenced_;
-  std::deque<std::string> fenced_order_;
-  std::map<std::string, Child> children_;  // by route
-  struct Sender {
-    std::string id = "unnamed";  // from its HELLO
-    std::string key;
-    Clock::time_point heard;
-  };
-  std::map<std::string, Sender> senders_;  // by route
-  std::map<std::string, Link> links_;  // "child:<id>", "sender:<id>", "upstream:<address>"
-  // Acks of the subtree by attempt prefix (the last 64 attempts), and those
-  // not yet sent up since they arrived (aggregated for kAckLinger).
-  std::map<std::string, std::map<std::string, AckRecord>> acks_;
-  std::deque<std::string> ack_order_;
-  std::map<std::string, std::set<std::string>> ack_pending_;
-  Clock::time_point ack_pending_since_{};
-  uint64_t acks_in_ = 0, ack_messages_in_ = 0, acks_out_ = 0, ack_messages_out_ = 0;
-  uint64_t received_ = 0, accepted_ = 0, accepted_bytes_ = 0, duplicates_ = 0, corrupt_ = 0, unverified_ = 0,
-           fenced_drops_ = 0, malformed_ = 0, refused_ = 0, notices_ = 0;
-  std::map<std::string, uint64_t> refusals_;
-};
+}  // namespace
 
 Status RelayServer::Attach(size_t index) {
   upstream_index_ = index;
@@ -515,10 +380,7 @@ void RelayServer::Accept(RelayMessage m, const std::string& from, Link* link) {
   obj->key = m.key;
   obj->crc = m.crc;
   obj->data.assign(m.data);
-  if (o_.test_corrupt_nth && received_ == o_.test_corrupt_nth && !obj->data.empty()) {
-    obj->data[obj->data.size() / 2] ^= 0x5a;
-    Log(fmt::format("TEST: corrupted object {} ({}) on arrival", received_, obj->key));
-  }
+  if (o_.arrival_fault) o_.arrival_fault(obj->key, obj->data);
   m.data = obj->data;
   // Verified before anything else is done with it.
   if (Status s = VerifyFrameObject(m); !s.ok()) {
@@ -845,108 +707,12 @@ void RelayServer::WriteStats() {
   if (Status s = WriteFileAtomically(o_.stats_path, StatsJson()); !s.ok()) Log("stats: " + s.ToString());
 }
 
-}  // namespace
+}  // namespace dcr::relay_internal
 
-namespace relay_internal {
-
-struct ScriptedRelay::Impl {
-  RelayOptions o;
-  std::unique_ptr<RelayServer> server;
-  std::vector<Socket> peers;
-};
-
-ScriptedRelay::ScriptedRelay(RelayOptions o, size_t peers) : impl_(std::make_unique<Impl>()) {
-  o.listen = fmt::format("inproc://dcr-scripted-relay-{}", static_cast<const void*>(this));
-  if (!o.upstream.empty())
-    o.upstream = {fmt::format("inproc://dcr-scripted-upstream-{}", static_cast<const void*>(this))};
-  o.ping_every = o.dead_after = std::chrono::hours(24);
-  if (!o.log) o.log = [](const std::string&) {};
-  impl_->o = std::move(o);
-  impl_->server = std::make_unique<RelayServer>(impl_->o);
-  RelayServer& r = *impl_->server;
-  status_ = [&]() -> Status {
-    // The daemon's sockets without CURVE: peers are scripted, their keys given with each message.
-    DCR_ASSIGN_OR_RETURN(r.router_, OpenSocket(r.ctx_.ctx, ZMQ_ROUTER));
-    const int one = 1;
-    zmq_setsockopt(r.router_.get(), ZMQ_ROUTER_MANDATORY, &one, sizeof one);
-    if (zmq_bind(r.router_.get(), impl_->o.listen.c_str()) != 0) return Internal(ZmqError("scripted relay: bind"));
-    DCR_RETURN_IF_ERROR(r.OpenSpool());
-    if (!impl_->o.upstream.empty()) {
-      const RelaySecurity security = impl_->o.security;
-      impl_->o.security.own.reset();  // the upstream socket without CURVE; the handlers still check roles
-      Status attached = r.Attach(0);
-      impl_->o.security = security;
-      DCR_RETURN_IF_ERROR(attached);
-    }
-    for (size_t i = 0; i < peers; ++i) {
-      DCR_ASSIGN_OR_RETURN(Socket p, OpenSocket(r.ctx_.ctx, ZMQ_DEALER));
-      const std::string route = fmt::format("p{}", i);
-      zmq_setsockopt(p.get(), ZMQ_ROUTING_ID, route.data(), route.size());
-      if (zmq_connect(p.get(), impl_->o.listen.c_str()) != 0) return Internal(ZmqError("scripted relay: connect"));
-      // The router knows the route once it has read from it.
-      DCR_RETURN_IF_ERROR(SendParts(p.get(), "", {"hi"}));
-      DCR_ASSIGN_OR_RETURN(auto hi, RecvParts(r.router_.get()));
-      impl_->peers.push_back(std::move(p));
-    }
-    return Status::Ok();
-  }();
-}
-
-ScriptedRelay::~ScriptedRelay() {
-  impl_->peers.clear();
-  impl_->server.reset();
-}
-
-void ScriptedRelay::FromPeer(size_t peer, const std::string& key, std::vector<std::string> parts) {
-  parts.insert(parts.begin(), fmt::format("p{}", peer));
-  impl_->server->OnRouter(std::move(parts), key);
-}
-
-void ScriptedRelay::FromUpstream(std::vector<std::string> parts) {
-  if (!impl_->o.upstream.empty() && impl_->server->upstream_) impl_->server->OnUpstream(std::move(parts));
-}
-
-void ScriptedRelay::Turn() { impl_->server->Turn(true); }
-
-std::vector<std::vector<std::string>> ScriptedRelay::Received(size_t peer) {
-  std::vector<std::vector<std::string>> out;
-  for (;;) {
-    zmq_pollitem_t item{impl_->peers.at(peer).get(), 0, ZMQ_POLLIN, 0};
-    if (zmq_poll(&item, 1, 0) <= 0 || !(item.revents & ZMQ_POLLIN)) return out;
-    auto parts = RecvParts(impl_->peers[peer].get());
-    if (!parts.ok()) return out;
-    out.push_back(std::move(*parts));
-  }
-}
-
-Status ScriptedRelay::CheckInvariants() const {
-  const RelayServer& r = *impl_->server;
-  const RelayOptions& o = impl_->o;
-  if (r.children_.size() > o.max_children) return Internal(fmt::format("{} children", r.children_.size()));
-  if (r.senders_.size() > o.max_senders) return Internal(fmt::format("{} senders", r.senders_.size()));
-  // Links of attached peers are never forgotten, so the bound is the limit plus those.
-  if (r.links_.size() > o.max_links + r.children_.size() + r.senders_.size() + 1)
-    return Internal(fmt::format("{} link counters", r.links_.size()));
-  if (r.refusals_.size() > 1025) return Internal(fmt::format("{} refusal lines", r.refusals_.size()));
-  uint64_t bytes = 0;
-  for (const auto& obj : r.cache_) {
-    bytes += obj->data.size();
-    if (!r.index_.count(obj->key)) return Internal("a cached object is not indexed: " + obj->key);
-  }
-  if (bytes != r.cache_bytes_ || r.index_.size() != r.cache_.size())
-    return Internal(fmt::format("cache holds {} bytes in {} objects, counted {} bytes, {} indexed", bytes,
-                                r.cache_.size(), r.cache_bytes_, r.index_.size()));
-  if (r.cache_.size() > 1 && r.cache_bytes_ > o.cache_bytes)
-    return Internal(fmt::format("cache of {} bytes beyond its bound {}", r.cache_bytes_, o.cache_bytes));
-  for (const auto& [route, c] : r.children_)
-    if (c.route != route) return Internal("a child filed under another route");
-  return Status::Ok();
-}
-
-}  // namespace relay_internal
+namespace dcr {
 
 Status RunRelay(const RelayOptions& options, const std::function<bool()>& stop) {
-  RelayServer server(options);
+  relay_internal::RelayServer server(options);
   return server.Run(stop);
 }
 
