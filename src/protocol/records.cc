@@ -6,6 +6,7 @@
 #include <cctype>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <tuple>
 
 #include "dcr/frame.h"
 #include "dcr/json.h"
@@ -126,6 +127,113 @@ Result<std::vector<std::string>> Strs(const json& o, const char* key, const std:
 
 std::string Dump(const json& doc) { return JsonText(doc, 1) + "\n"; }
 
+// A record's plain fields are declared once, as a table of (JSON key, member)
+// pairs (kCommitFields...): PutFields writes them in the table's order and
+// GetFields reads and type-checks them, errors naming the key. What a table
+// cannot say (checks across fields, nested arrays) stays beside it.
+template <typename R, typename T>
+struct Field {
+  const char* key;
+  T R::*member;
+  bool optional = false;  // absent from older dcr's records: the member keeps its default
+};
+template <typename R, typename T>
+constexpr Field<R, T> F(const char* key, T R::*member, bool optional = false) {
+  return {key, member, optional};
+}
+
+void PutValue(json& j, const Digest& d) { j = d.ToHex(); }
+template <typename T>
+void PutValue(json& j, const T& v) {
+  j = v;
+}
+
+Status GetValue(const json& o, const char* key, const std::string& where, uint64_t* out) {
+  DCR_ASSIGN_OR_RETURN(*out, U64(o, key, where));
+  return Status::Ok();
+}
+Status GetValue(const json& o, const char* key, const std::string& where, double* out) {
+  DCR_ASSIGN_OR_RETURN(*out, Num(o, key, where));
+  return Status::Ok();
+}
+Status GetValue(const json& o, const char* key, const std::string& where, bool* out) {
+  DCR_ASSIGN_OR_RETURN(*out, Bool(o, key, where));
+  return Status::Ok();
+}
+Status GetValue(const json& o, const char* key, const std::string& where, std::string* out) {
+  DCR_ASSIGN_OR_RETURN(*out, Str(o, key, where));
+  return Status::Ok();
+}
+Status GetValue(const json& o, const char* key, const std::string& where, Digest* out) {
+  DCR_ASSIGN_OR_RETURN(*out, Dig(o, key, where));
+  return Status::Ok();
+}
+Status GetValue(const json& o, const char* key, const std::string& where, std::vector<std::string>* out) {
+  DCR_ASSIGN_OR_RETURN(*out, Strs(o, key, where));
+  return Status::Ok();
+}
+
+template <typename R, typename... T>
+void PutFields(json& doc, const R& r, const std::tuple<Field<R, T>...>& fields) {
+  std::apply([&](const auto&... f) { (PutValue(doc[f.key], r.*f.member), ...); }, fields);
+}
+
+template <typename R, typename... T>
+Status GetFields(const json& doc, R& r, const std::string& where, const std::tuple<Field<R, T>...>& fields) {
+  Status s;
+  auto get = [&](const auto& f) {
+    if (s.ok() && (!f.optional || doc.contains(f.key))) s = GetValue(doc, f.key, where, &(r.*f.member));
+  };
+  std::apply([&](const auto&... f) { (get(f), ...); }, fields);
+  return s;
+}
+
+// A record's JSON: its format, then its table's fields.
+template <typename R, typename... T>
+json RecordJson(std::string_view format, const R& r, const std::tuple<Field<R, T>...>& fields) {
+  json doc;
+  doc["format"] = format;
+  PutFields(doc, r, fields);
+  return doc;
+}
+
+// Parses a record of `format` and reads its table's fields into `r`; the
+// document, for the fields the table does not hold.
+template <typename R, typename... T>
+Result<json> ReadRecord(std::string_view text, const std::string& where, std::string_view format, R& r,
+                        const std::tuple<Field<R, T>...>& fields) {
+  DCR_ASSIGN_OR_RETURN(json doc, Parse(text, where, format));
+  DCR_RETURN_IF_ERROR(GetFields(doc, r, where, fields));
+  return doc;
+}
+
+constexpr auto kPublisherMemoryFields = std::make_tuple(
+    F("baseline_bytes", &PublisherMemory::baseline_bytes),
+    F("baseline_in_memory", &PublisherMemory::baseline_in_memory), F("staging_bytes", &PublisherMemory::staging_bytes),
+    F("frames_in_flight_bytes", &PublisherMemory::frames_in_flight_bytes),
+    F("digest_bytes", &PublisherMemory::digest_bytes));
+constexpr auto kCommitFields = std::make_tuple(
+    F("version", &CommitRecord::version), F("base_version", &CommitRecord::base_version),
+    F("attempt", &CommitRecord::attempt), F("target_digest", &CommitRecord::target_digest),
+    F("acked", &CommitRecord::acked), F("retired", &CommitRecord::retired), F("time", &CommitRecord::time));
+// An attempt's other fields depend on its kind (one publisher, or trainer processes).
+constexpr auto kAttemptFields =
+    std::make_tuple(F("version", &AttemptRecord::version), F("coordinator", &AttemptRecord::coordinator),
+                    F("time", &AttemptRecord::time));
+constexpr auto kAckFields = std::make_tuple(F("receiver", &AckRecord::receiver), F("ok", &AckRecord::ok),
+                                            F("digest", &AckRecord::digest), F("error", &AckRecord::error));
+constexpr auto kReceiverFields = std::make_tuple(
+    F("id", &ReceiverRecord::id), F("state", &ReceiverRecord::state), F("version", &ReceiverRecord::version),
+    F("heartbeat", &ReceiverRecord::heartbeat), F("frames_held_bytes", &ReceiverRecord::frames_held_bytes, true));
+constexpr auto kFenceFields = std::make_tuple(F("reason", &FenceRecord::reason), F("time", &FenceRecord::time));
+constexpr auto kSnapshotFields =
+    std::make_tuple(F("version", &SnapshotRecord::version), F("digest", &SnapshotRecord::digest));
+constexpr auto kSnapshotFileFields =
+    std::make_tuple(F("name", &SnapshotRecord::File::name), F("bytes", &SnapshotRecord::File::bytes));
+constexpr auto kProcessFields =
+    std::make_tuple(F("attempt", &ProcessRecord::attempt), F("baseline_digest", &ProcessRecord::baseline_digest),
+                    F("target_digest", &ProcessRecord::target_digest), F("objects", &ProcessRecord::objects));
+
 // The optional "engine" member of acks and receiver records: {"id", "rank", "ranks"}.
 void PutEngine(json& doc, const EngineRank& e) {
   if (e.ranks == 0) return;
@@ -144,6 +252,22 @@ Result<EngineRank> GetEngine(const json& doc, const std::string& where) {
   e.rank = static_cast<uint32_t>(rank);
   e.ranks = static_cast<uint32_t>(ranks);
   return e;
+}
+
+// Acks and receiver records: the table's fields and the optional engine.
+template <typename R, typename... T>
+std::string EngineRecordJson(std::string_view format, const R& r, const std::tuple<Field<R, T>...>& fields) {
+  json doc = RecordJson(format, r, fields);
+  PutEngine(doc, r.engine);
+  return Dump(doc);
+}
+template <typename R, typename... T>
+Result<R> ReadEngineRecord(std::string_view text, const std::string& where, std::string_view format,
+                           const std::tuple<Field<R, T>...>& fields) {
+  R r;
+  DCR_ASSIGN_OR_RETURN(json doc, ReadRecord(text, where, format, r, fields));
+  DCR_ASSIGN_OR_RETURN(r.engine, GetEngine(doc, where));
+  return r;
 }
 
 }  // namespace
@@ -179,70 +303,37 @@ Result<RunRecord> RunRecord::FromJson(std::string_view text, const std::string& 
 }
 
 std::string CommitRecord::ToJson() const {
-  json doc;
-  doc["format"] = "dcr-commit";
-  doc["version"] = version;
-  doc["base_version"] = base_version;
-  doc["attempt"] = attempt;
-  doc["target_digest"] = target_digest.ToHex();
-  doc["acked"] = acked;
-  doc["retired"] = retired;
-  doc["time"] = time;
-  if (publisher_memory) {
-    const PublisherMemory& pm = *publisher_memory;
-    doc["publisher_memory"] = {{"baseline_bytes", pm.baseline_bytes},
-                               {"baseline_in_memory", pm.baseline_in_memory},
-                               {"staging_bytes", pm.staging_bytes},
-                               {"frames_in_flight_bytes", pm.frames_in_flight_bytes},
-                               {"digest_bytes", pm.digest_bytes}};
-  }
+  json doc = RecordJson("dcr-commit", *this, kCommitFields);
+  if (publisher_memory) PutFields(doc["publisher_memory"], *publisher_memory, kPublisherMemoryFields);
   return Dump(doc);
 }
 
 Result<CommitRecord> CommitRecord::FromJson(std::string_view text, const std::string& where) {
-  DCR_ASSIGN_OR_RETURN(json doc, Parse(text, where, "dcr-commit"));
   CommitRecord r;
-  DCR_ASSIGN_OR_RETURN(r.version, U64(doc, "version", where));
-  DCR_ASSIGN_OR_RETURN(r.base_version, U64(doc, "base_version", where));
-  DCR_ASSIGN_OR_RETURN(r.attempt, Str(doc, "attempt", where));
-  DCR_ASSIGN_OR_RETURN(r.target_digest, Dig(doc, "target_digest", where));
-  DCR_ASSIGN_OR_RETURN(r.acked, Strs(doc, "acked", where));
-  DCR_ASSIGN_OR_RETURN(r.retired, Strs(doc, "retired", where));
-  DCR_ASSIGN_OR_RETURN(r.time, Num(doc, "time", where));
+  DCR_ASSIGN_OR_RETURN(json doc, ReadRecord(text, where, "dcr-commit", r, kCommitFields));
   if (r.version > 0 && r.base_version + 1 != r.version) return Bad(where, "'base_version' must be version - 1");
   if (auto it = doc.find("publisher_memory"); it != doc.end()) {
     if (!it->is_object()) return Bad(where, "'publisher_memory' must be an object");
-    PublisherMemory pm;
-    DCR_ASSIGN_OR_RETURN(pm.baseline_bytes, U64(*it, "baseline_bytes", where));
-    DCR_ASSIGN_OR_RETURN(pm.baseline_in_memory, Bool(*it, "baseline_in_memory", where));
-    DCR_ASSIGN_OR_RETURN(pm.staging_bytes, U64(*it, "staging_bytes", where));
-    DCR_ASSIGN_OR_RETURN(pm.frames_in_flight_bytes, U64(*it, "frames_in_flight_bytes", where));
-    DCR_ASSIGN_OR_RETURN(pm.digest_bytes, U64(*it, "digest_bytes", where));
-    r.publisher_memory = pm;
+    DCR_RETURN_IF_ERROR(GetFields(*it, r.publisher_memory.emplace(), where, kPublisherMemoryFields));
   }
   return r;
 }
 
 std::string AttemptRecord::ToJson() const {
-  json doc;
-  doc["format"] = "dcr-attempt";
-  doc["version"] = version;
+  json doc = RecordJson("dcr-attempt", *this, kAttemptFields);
   doc["class"] = cls == DeltaClass::kXorClass ? "xor" : "overwrite";
   doc["delta_id"] = fmt::format("{:016x}", delta_id);
   if (processes == 0) doc["object_key"] = object_key;
-  doc["coordinator"] = coordinator;
   if (processes > 0) {
     doc["processes"] = processes;
     doc["senders"] = senders;
   }
-  doc["time"] = time;
   return Dump(doc);
 }
 
 Result<AttemptRecord> AttemptRecord::FromJson(std::string_view text, const std::string& where) {
-  DCR_ASSIGN_OR_RETURN(json doc, Parse(text, where, "dcr-attempt"));
   AttemptRecord r;
-  DCR_ASSIGN_OR_RETURN(r.version, U64(doc, "version", where));
+  DCR_ASSIGN_OR_RETURN(json doc, ReadRecord(text, where, "dcr-attempt", r, kAttemptFields));
   DCR_ASSIGN_OR_RETURN(std::string cls, Str(doc, "class", where));
   if (cls != "xor" && cls != "overwrite") return Bad(where, "'class' must be \"xor\" or \"overwrite\"");
   r.cls = cls == "xor" ? DeltaClass::kXorClass : DeltaClass::kOverwrite;
@@ -251,8 +342,6 @@ Result<AttemptRecord> AttemptRecord::FromJson(std::string_view text, const std::
   if (id.size() != 16 || id.find_first_not_of("0123456789abcdef") != std::string::npos ||
       parsed.ptr != id.data() + id.size() || r.delta_id == 0)
     return Bad(where, "'delta_id' must be 16 lowercase hex digits, not all zero");
-  DCR_ASSIGN_OR_RETURN(r.coordinator, Str(doc, "coordinator", where));
-  DCR_ASSIGN_OR_RETURN(r.time, Num(doc, "time", where));
   if (doc.contains("processes")) {  // trainer processes: each signs its own objects
     DCR_ASSIGN_OR_RETURN(r.processes, U64(doc, "processes", where));
     DCR_ASSIGN_OR_RETURN(r.senders, U64(doc, "senders", where));
@@ -266,92 +355,42 @@ Result<AttemptRecord> AttemptRecord::FromJson(std::string_view text, const std::
   return r;
 }
 
-std::string AckRecord::ToJson() const {
-  json doc;
-  doc["format"] = "dcr-ack";
-  doc["receiver"] = receiver;
-  doc["ok"] = ok;
-  doc["digest"] = digest.ToHex();
-  doc["error"] = error;
-  PutEngine(doc, engine);
-  return Dump(doc);
-}
+std::string AckRecord::ToJson() const { return EngineRecordJson("dcr-ack", *this, kAckFields); }
 
 Result<AckRecord> AckRecord::FromJson(std::string_view text, const std::string& where) {
-  DCR_ASSIGN_OR_RETURN(json doc, Parse(text, where, "dcr-ack"));
-  AckRecord r;
-  DCR_ASSIGN_OR_RETURN(r.receiver, Str(doc, "receiver", where));
-  DCR_ASSIGN_OR_RETURN(r.ok, Bool(doc, "ok", where));
-  DCR_ASSIGN_OR_RETURN(r.digest, Dig(doc, "digest", where));
-  DCR_ASSIGN_OR_RETURN(r.error, Str(doc, "error", where));
-  DCR_ASSIGN_OR_RETURN(r.engine, GetEngine(doc, where));
-  return r;
+  return ReadEngineRecord(text, where, "dcr-ack", kAckFields);
 }
 
-std::string ReceiverRecord::ToJson() const {
-  json doc;
-  doc["format"] = "dcr-receiver";
-  doc["id"] = id;
-  doc["state"] = state;
-  doc["version"] = version;
-  doc["heartbeat"] = heartbeat;
-  doc["frames_held_bytes"] = frames_held_bytes;
-  PutEngine(doc, engine);
-  return Dump(doc);
-}
+std::string ReceiverRecord::ToJson() const { return EngineRecordJson("dcr-receiver", *this, kReceiverFields); }
 
 Result<ReceiverRecord> ReceiverRecord::FromJson(std::string_view text, const std::string& where) {
-  DCR_ASSIGN_OR_RETURN(json doc, Parse(text, where, "dcr-receiver"));
-  ReceiverRecord r;
-  DCR_ASSIGN_OR_RETURN(r.id, Str(doc, "id", where));
-  DCR_ASSIGN_OR_RETURN(r.state, Str(doc, "state", where));
-  DCR_ASSIGN_OR_RETURN(r.version, U64(doc, "version", where));
-  DCR_ASSIGN_OR_RETURN(r.heartbeat, Num(doc, "heartbeat", where));
-  DCR_ASSIGN_OR_RETURN(r.engine, GetEngine(doc, where));
-  if (doc.contains("frames_held_bytes")) {  // absent from older receivers' records
-    DCR_ASSIGN_OR_RETURN(r.frames_held_bytes, U64(doc, "frames_held_bytes", where));
-  }
-  return r;
+  return ReadEngineRecord(text, where, "dcr-receiver", kReceiverFields);
 }
 
-std::string FenceRecord::ToJson() const {
-  json doc;
-  doc["format"] = "dcr-fence";
-  doc["reason"] = reason;
-  doc["time"] = time;
-  return Dump(doc);
-}
+std::string FenceRecord::ToJson() const { return Dump(RecordJson("dcr-fence", *this, kFenceFields)); }
 
 Result<FenceRecord> FenceRecord::FromJson(std::string_view text, const std::string& where) {
-  DCR_ASSIGN_OR_RETURN(json doc, Parse(text, where, "dcr-fence"));
   FenceRecord r;
-  DCR_ASSIGN_OR_RETURN(r.reason, Str(doc, "reason", where));
-  DCR_ASSIGN_OR_RETURN(r.time, Num(doc, "time", where));
+  DCR_RETURN_IF_ERROR(ReadRecord(text, where, "dcr-fence", r, kFenceFields).status());
   return r;
 }
 
 std::string SnapshotRecord::ToJson() const {
-  json doc;
-  doc["format"] = "dcr-snapshot";
-  doc["version"] = version;
-  doc["digest"] = digest.ToHex();
+  json doc = RecordJson("dcr-snapshot", *this, kSnapshotFields);
   json& fs = doc["files"] = json::array();
-  for (const auto& f : files) fs.push_back({{"name", f.name}, {"bytes", f.bytes}});
+  for (const auto& f : files) PutFields(fs.emplace_back(), f, kSnapshotFileFields);
   return Dump(doc);
 }
 
 Result<SnapshotRecord> SnapshotRecord::FromJson(std::string_view text, const std::string& where) {
-  DCR_ASSIGN_OR_RETURN(json doc, Parse(text, where, "dcr-snapshot"));
   SnapshotRecord r;
-  DCR_ASSIGN_OR_RETURN(r.version, U64(doc, "version", where));
-  DCR_ASSIGN_OR_RETURN(r.digest, Dig(doc, "digest", where));
+  DCR_ASSIGN_OR_RETURN(json doc, ReadRecord(text, where, "dcr-snapshot", r, kSnapshotFields));
   auto fs = doc.find("files");
   if (fs == doc.end() || !fs->is_array()) return Bad(where, "'files' must be an array");
   for (const auto& f : *fs) {
     if (!f.is_object()) return Bad(where, "each file must be an object");
     File file;
-    DCR_ASSIGN_OR_RETURN(file.name, Str(f, "name", where));
-    DCR_ASSIGN_OR_RETURN(file.bytes, U64(f, "bytes", where));
+    DCR_RETURN_IF_ERROR(GetFields(f, file, where, kSnapshotFileFields));
     if (file.name.empty() || file.name.find('/') != std::string::npos || file.name.starts_with("."))
       return Bad(where, fmt::format("snapshot file name '{}' must be a plain file name", file.name));
     r.files.push_back(std::move(file));
@@ -424,15 +463,10 @@ bool IsFrameObjectName(const std::string& name) {
 }  // namespace
 
 std::string ProcessRecord::ToJson() const {
-  json doc;
-  doc["format"] = "dcr-process";
-  doc["attempt"] = attempt;
+  json doc = RecordJson("dcr-process", *this, kProcessFields);
   doc["process"] = process;
   doc["processes"] = processes;
   doc["senders"] = senders;
-  doc["baseline_digest"] = baseline_digest.ToHex();
-  doc["target_digest"] = target_digest.ToHex();
-  doc["objects"] = objects;
   json& fs = doc["frames"] = json::array();
   for (const DeltaFrameEntry& f : frames)
     fs.push_back({f.tensor, f.chunk, f.object, f.offset, f.bytes, ModeName(f.mode), CodecName(f.codec), f.changed,
@@ -443,9 +477,8 @@ std::string ProcessRecord::ToJson() const {
 }
 
 Result<ProcessRecord> ProcessRecord::FromJson(std::string_view text, const std::string& where) {
-  DCR_ASSIGN_OR_RETURN(json doc, Parse(text, where, "dcr-process"));
   ProcessRecord r;
-  DCR_ASSIGN_OR_RETURN(r.attempt, Str(doc, "attempt", where));
+  DCR_ASSIGN_OR_RETURN(json doc, ReadRecord(text, where, "dcr-process", r, kProcessFields));
   DCR_ASSIGN_OR_RETURN(uint64_t process, U64(doc, "process", where));
   DCR_ASSIGN_OR_RETURN(uint64_t processes, U64(doc, "processes", where));
   if (processes == 0 || processes > (1u << 16) || process >= processes)
@@ -460,9 +493,6 @@ Result<ProcessRecord> ProcessRecord::FromJson(std::string_view text, const std::
       return Bad(where, "'senders' must be increasing sender indices");
     r.senders.push_back(s.get<uint32_t>());
   }
-  DCR_ASSIGN_OR_RETURN(r.baseline_digest, Dig(doc, "baseline_digest", where));
-  DCR_ASSIGN_OR_RETURN(r.target_digest, Dig(doc, "target_digest", where));
-  DCR_ASSIGN_OR_RETURN(r.objects, Strs(doc, "objects", where));
   for (const std::string& o : r.objects)
     if (!IsFrameObjectName(o)) return Bad(where, "each of 'objects' must be frames/<name> ([A-Za-z0-9._-])");
   auto fs = doc.find("frames");
