@@ -27,7 +27,7 @@ Result<std::optional<std::string>> GetIfPresent(Store& store, std::string_view k
   return r.status();
 }
 
-DeltaManifest LayoutOf(const RunRecord& run) {
+DeltaManifest TensorTableOf(const RunRecord& run) {
   DeltaManifest m;
   m.chunk_elements = run.chunk_elements;
   m.tensors = run.tensors;
@@ -35,7 +35,7 @@ DeltaManifest LayoutOf(const RunRecord& run) {
 }
 
 Status CheckRunTensors(const Checkpoint& ckpt, const RunRecord& run) {
-  Status s = CheckSameTensors(ckpt, LayoutOf(run));
+  Status s = CheckSameTensors(ckpt, TensorTableOf(run));
   if (!s.ok())
     return FailedPrecondition(s.message() +
                               " (a run keeps its tensors, dtypes and shapes; publish a changed model as a new run "

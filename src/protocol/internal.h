@@ -39,9 +39,9 @@ bool Transient(const Status& s);
 // The object, or nullopt when it does not exist.
 Result<std::optional<std::string>> GetIfPresent(Store& store, std::string_view key);
 
-// The run's tensors and chunking as a frameless manifest (for chunk plans
-// and digest tables).
-DeltaManifest LayoutOf(const RunRecord& run);
+// The run's tensor table: its tensors and chunking as a manifest without
+// frames or objects (what chunk plans and digest tables are made over).
+DeltaManifest TensorTableOf(const RunRecord& run);
 
 // kFailedPrecondition unless `ckpt` holds exactly the run's tensors.
 Status CheckRunTensors(const Checkpoint& ckpt, const RunRecord& run);
@@ -73,7 +73,7 @@ struct ReleasedObject {
 };
 
 // The manifest of attempt `attempt` of version v, checked against `table`
-// (the run's tensor table, LayoutOf).
+// (the run's tensor table, TensorTableOf).
 Result<DeltaManifest> ReadAttemptManifest(Store& store, uint64_t v, const std::string& attempt,
                                           const DeltaManifest& table);
 

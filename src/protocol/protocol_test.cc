@@ -49,7 +49,7 @@ Result<DeltaManifest> StoredManifest(Store& store, const std::string& key) {
   if (!state.run) return NotFound("no run.json");
   DCR_ASSIGN_OR_RETURN(std::string bytes, store.Get(key));
   return DeltaManifest::Decode(std::span(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()),
-                               protocol_internal::LayoutOf(*state.run), key);
+                               protocol_internal::TensorTableOf(*state.run), key);
 }
 
 class ProtocolTest : public testing::TempDirTest {
@@ -998,10 +998,11 @@ TEST_F(ProtocolTest, APublisherTrustsItsCachedBaselineDigestsOnlyForAnUnchangedB
     auto commit = protocol_internal::ReadCommit(*store_, 1);
     ASSERT_TRUE(base.ok() && state.ok() && state->run && commit.ok());
     const auto table =
-        protocol_internal::ReadDigestCache(Path("state"), 1, *base, protocol_internal::LayoutOf(*state->run));
+        protocol_internal::ReadDigestCache(Path("state"), 1, *base, protocol_internal::TensorTableOf(*state->run));
     ASSERT_TRUE(table.has_value());
     EXPECT_EQ(protocol_internal::Total(*table), commit->target_digest);
-    EXPECT_FALSE(protocol_internal::ReadDigestCache(Path("state"), 0, *base, protocol_internal::LayoutOf(*state->run)));
+    EXPECT_FALSE(
+        protocol_internal::ReadDigestCache(Path("state"), 0, *base, protocol_internal::TensorTableOf(*state->run)));
   }
   // Damage the baseline (a later modification time than the cache records).
   std::this_thread::sleep_for(std::chrono::milliseconds(20));

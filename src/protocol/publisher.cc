@@ -264,7 +264,7 @@ Result<PublishReport> PublishRun::PublishDelta(uint64_t v, const Checkpoint& nex
   PublishReport report;
   report.version = v;
   DCR_RETURN_IF_ERROR(CheckRunTensors(next, run));
-  const DeltaManifest layout = LayoutOf(run);
+  const DeltaManifest layout = TensorTableOf(run);
   report.total_bytes = 0;
   for (const auto& t : next.tensors()) report.total_bytes += t.nbytes;
 
@@ -385,7 +385,7 @@ Result<PublishReport> PublishVersion(Store& store, const std::string& state_dir,
     // Already committed (a retried publish): fine when it holds these bits.
     DCR_ASSIGN_OR_RETURN(CommitRecord c, ReadCommit(store, version));
     DCR_RETURN_IF_ERROR(CheckRunTensors(next, *state.run));
-    if (Total(ChunkDigests(next, LayoutOf(*state.run))) != c.target_digest)
+    if (Total(ChunkDigests(next, TensorTableOf(*state.run))) != c.target_digest)
       return AlreadyExists(fmt::format("version {} is already committed with other bits; publish version {}", version,
                                        *state.latest + 1));
     PublishReport report;

@@ -339,7 +339,7 @@ Status ShardRun::ApplyCommitted(uint64_t from, uint64_t to) {
   if (from >= to) return Status::Ok();
   // The senders' baseline shards are the ranks of the trainer's "engine",
   // each with its partial chunk digests (SendersDigest checks the whole).
-  const DeltaManifest shape = LayoutOf(record_);
+  const DeltaManifest shape = TensorTableOf(record_);
   std::vector<ChunkDigestTable> tracked;
   for (RankBufferFiles& f : baseline_) tracked.push_back(*RankChunkDigests(f.placed(), shape));  // host: cannot fail
   for (uint64_t v = from + 1; v <= to; ++v) {

@@ -69,7 +69,7 @@ class ShardSnapshot {
   // The layout as an overwrite-class delta (contribution objects name one),
   // each tensor's owner, and this process's file of the tensors it owns.
   Status Plan() {
-    m_ = LayoutOf(*c_.run);
+    m_ = TensorTableOf(*c_.run);
     m_.delta_class = DeltaClass::kOverwrite;
     m_.delta_id = v_;
     std::vector<TensorInfo> mine;

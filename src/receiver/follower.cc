@@ -98,7 +98,7 @@ Status CheckpointTarget::OpenTarget(const RunRecord& run) {
   DCR_ASSIGN_OR_RETURN(Checkpoint c, Checkpoint::Open(dir_, OpenMode::kReadWrite));
   DCR_RETURN_IF_ERROR(CheckRunTensors(c, run));
   ckpt_.emplace(std::move(c));
-  layout_ = LayoutOf(run);
+  layout_ = TensorTableOf(run);
   target_index_.clear();
   for (const auto& t : layout_.tensors) target_index_.push_back(static_cast<size_t>(ckpt_->Find(t.name)));
   digests_ = ChunkDigests(*ckpt_, layout_);

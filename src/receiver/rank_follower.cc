@@ -236,7 +236,7 @@ Result<std::optional<uint64_t>> RankTarget::Resume(Store& store, const RunRecord
                                                    std::string* join_why) {
   placed_.reset();
   files_.reset();
-  shape_ = LayoutOf(run);
+  shape_ = TensorTableOf(run);
   DCR_RETURN_IF_ERROR(CheckMapFitsRun(layout_, run));
   held_.emplace(shape_, RankHeldChunks(layout_, shape_));
   auto join = [&](std::string why) -> std::optional<uint64_t> {

@@ -36,7 +36,7 @@ Status ReceiverWalk::Start(const std::function<bool()>& stop) {
     ClockOf(o_).Sleep(o_.poll);
   }
   run_ = *state.run;
-  shape_ = LayoutOf(run_);
+  shape_ = TensorTableOf(run_);
   handled_.clear();
   commit_failures_.clear();
   ForgetAttempts();

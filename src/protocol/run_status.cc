@@ -124,7 +124,7 @@ Result<RunStatusReport> ReadRunStatus(Store& store, std::chrono::milliseconds he
   report.run = state.run;
   report.latest = state.latest;
   DCR_ASSIGN_OR_RETURN(report.snapshots, ListSnapshots(store));
-  const DeltaManifest table = state.run ? LayoutOf(*state.run) : DeltaManifest();
+  const DeltaManifest table = state.run ? TensorTableOf(*state.run) : DeltaManifest();
   DCR_ASSIGN_OR_RETURN(report.versions, ReadVersions(store, state.latest, table));
   DCR_RETURN_IF_ERROR(ReadReceivers(store, heartbeat_timeout, &report));
   return report;
