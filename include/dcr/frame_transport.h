@@ -1,7 +1,7 @@
 // What travels between the refit protocol and the transports that carry
 // frame objects beside the store (the relay tree, include/dcr/relay.h): the
 // objects' trailer, the acks, and the interfaces a transport implements.
-// Part of the protocol module; include/dcr/protocol.h includes it.
+// Part of the protocol module; dcr/run_records.h and dcr/publisher.h include it.
 #pragma once
 
 #include <chrono>
@@ -40,7 +40,7 @@ struct AckRecord {
 };
 
 // The trailer every frame object an attempt writes ends with (docs/format.md
-// section 4; signing: protocol.h, "Frame object signatures").
+// section 4; signing: dcr/signing.h).
 inline constexpr size_t kObjectTrailerBytes = 72;  // magic u32, version u8, algorithm u8, reserved u16, signature
 
 // The frames of a frame object: all of it but its trailer, if it has one.

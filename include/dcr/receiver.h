@@ -13,11 +13,13 @@
 #include <string_view>
 #include <vector>
 
+#include "dcr/clock.h"
+#include "dcr/frame_transport.h"
 #include "dcr/layout_apply.h"
-#include "dcr/protocol.h"
 
 namespace dcr {
 
+class Store;
 namespace receiver_internal {
 class ReceiverTarget;
 class ReceiverWalk;

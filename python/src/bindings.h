@@ -32,9 +32,10 @@
 #include "dcr/layout.h"
 #include "dcr/layout_apply.h"
 #include "dcr/mapped_file.h"
-#include "dcr/protocol.h"
+#include "dcr/publisher.h"
 #include "dcr/receiver.h"
 #include "dcr/relay.h"
+#include "dcr/shard_publisher.h"
 #include "dcr/status.h"
 #include "dcr/store.h"
 

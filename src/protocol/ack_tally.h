@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "dcr/protocol.h"
+#include "dcr/frame_transport.h"
 
 namespace dcr::protocol_internal {
 

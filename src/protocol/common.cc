@@ -10,6 +10,8 @@
 #include <memory>
 
 #include "dcr/progress.h"
+#include "dcr/run_keys.h"
+#include "dcr/run_records.h"
 #include "internal.h"
 
 namespace dcr::protocol_internal {

@@ -12,6 +12,7 @@
 #include <set>
 
 #include "ack_tally.h"
+#include "dcr/run_keys.h"
 #include "internal.h"
 
 namespace dcr::protocol_internal {

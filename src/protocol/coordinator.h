@@ -8,7 +8,7 @@
 #include <string>
 #include <string_view>
 
-#include "dcr/protocol.h"
+#include "dcr/publisher.h"
 
 namespace dcr::protocol_internal {
 

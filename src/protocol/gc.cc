@@ -4,6 +4,8 @@
 #include <map>
 #include <set>
 
+#include "dcr/run_keys.h"
+#include "dcr/run_status.h"
 #include "internal.h"
 
 namespace dcr {

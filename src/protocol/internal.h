@@ -18,7 +18,10 @@
 #include "dcr/json.h"
 #include "dcr/layout_apply.h"
 #include "dcr/mapped_file.h"
-#include "dcr/protocol.h"
+#include "dcr/publisher.h"
+#include "dcr/run_records.h"
+#include "dcr/signing.h"
+#include "dcr/store.h"
 
 namespace dcr::protocol_internal {
 
@@ -101,11 +104,10 @@ Result<DeltaReader> LoadAttempt(Store& store, uint64_t v, const std::string& att
 
 // Streaming: frames applied as their objects arrive, before the attempt's
 // manifest (src/receiver/streaming.cc; docs/protocol.md). What attempt.json says: the
-// class every frame's mode must be of, and who signs its frame
-// objects (protocol.h, "Frame object signatures"): object_key for all of
-// them, or else, for an attempt of `processes` trainer processes, each
-// process its own (procs/p<P>.pub); neither: an older publisher that signs
-// nothing. nullopt when it does not parse or names another version: the
+// class every frame's mode must be of, and who signs its frame objects
+// (dcr/signing.h): object_key for all of them, or else, for an attempt of
+// `processes` trainer processes, each process its own (procs/p<P>.pub);
+// neither: an older publisher that signs nothing. nullopt when it does not parse or names another version: the
 // attempt's frames are then applied once its manifest exists.
 using StreamedAttempt = std::optional<AttemptRecord>;
 // The public key that signs frame object `key` of attempt `st` (prefix

@@ -2,8 +2,13 @@
 // threads over the mem and file stores, with faults injected at the named
 // points. Every receiver is compared with the published checkpoint byte for
 // byte. (tests/python/test_refit.py runs the same with real processes.)
-#include "dcr/protocol.h"
+#include "dcr/publisher.h"
 #include "dcr/receiver.h"
+#include "dcr/run_keys.h"
+#include "dcr/run_records.h"
+#include "dcr/run_status.h"
+#include "dcr/shard_publisher.h"
+#include "dcr/signing.h"
 
 #include <fcntl.h>
 #include <sys/file.h>

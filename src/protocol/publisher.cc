@@ -8,6 +8,10 @@
 
 #include "coordinator.h"
 #include "dcr/progress.h"
+#include "dcr/publisher.h"
+#include "dcr/run_keys.h"
+#include "dcr/run_status.h"
+#include "dcr/signing.h"
 #include "internal.h"
 #include "segment_writer.h"
 

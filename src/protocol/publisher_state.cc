@@ -23,6 +23,7 @@
 
 #include "dcr/hash.h"
 #include "dcr/json.h"
+#include "dcr/publisher.h"
 #include "internal.h"
 
 namespace dcr {

@@ -10,7 +10,8 @@
 
 #include "dcr/frame.h"
 #include "dcr/json.h"
-#include "dcr/protocol.h"
+#include "dcr/run_keys.h"
+#include "dcr/run_records.h"
 #include "internal.h"
 
 namespace dcr {

@@ -5,6 +5,8 @@
 #include <map>
 #include <set>
 
+#include "dcr/run_keys.h"
+#include "dcr/run_status.h"
 #include "internal.h"
 
 namespace dcr {

@@ -13,7 +13,10 @@
 #include <vector>
 
 #include "dcr/frame.h"
-#include "dcr/protocol.h"
+#include "dcr/publisher.h"
+#include "dcr/run_keys.h"
+#include "dcr/signing.h"
+#include "dcr/store.h"
 
 namespace dcr::protocol_internal {
 

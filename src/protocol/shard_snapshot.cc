@@ -15,6 +15,7 @@
 
 #include "coordinator.h"
 #include "dcr/contribution.h"
+#include "dcr/run_keys.h"
 #include "internal.h"
 
 namespace dcr::protocol_internal {

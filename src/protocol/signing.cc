@@ -1,4 +1,4 @@
-// Frame object signatures (protocol.h; docs/format.md, "Frame objects").
+// Frame object signatures (dcr/signing.h; docs/format.md, "Frame objects").
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <sodium.h>
@@ -6,7 +6,9 @@
 #include <charconv>
 #include <cstring>
 
-#include "dcr/protocol.h"
+#include "dcr/run_keys.h"
+#include "dcr/run_records.h"
+#include "dcr/signing.h"
 #include "internal.h"
 
 namespace dcr {

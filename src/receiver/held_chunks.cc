@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <map>
 
-#include "dcr/protocol.h"
+#include "dcr/run_keys.h"
 
 namespace dcr::receiver_internal {
 

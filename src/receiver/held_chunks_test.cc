@@ -4,7 +4,7 @@
 
 #include <gtest/gtest.h>
 
-#include "dcr/protocol.h"
+#include "dcr/run_keys.h"
 
 namespace dcr::receiver_internal {
 namespace {

@@ -12,8 +12,8 @@
 #include <string_view>
 #include <utility>
 
+#include "dcr/frame_transport.h"
 #include "dcr/mapped_file.h"
-#include "dcr/protocol.h"
 
 namespace dcr::receiver_internal {
 

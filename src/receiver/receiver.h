@@ -13,6 +13,8 @@
 #include <string>
 
 #include "dcr/receiver.h"
+#include "dcr/run_keys.h"
+#include "dcr/run_records.h"
 #include "fetcher.h"
 #include "held_chunks.h"
 #include "protocol/internal.h"

@@ -5,8 +5,9 @@
 #include <set>
 #include <thread>
 
-#include "dcr/protocol.h"
 #include "dcr/relay.h"
+#include "dcr/run_keys.h"
+#include "dcr/run_records.h"
 
 namespace dcr {
 

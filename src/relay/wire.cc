@@ -6,8 +6,8 @@
 
 #include "dcr/frame.h"
 #include "dcr/hash.h"
-#include "dcr/protocol.h"
 #include "dcr/relay.h"
+#include "dcr/run_keys.h"
 #include "dcr/text.h"
 
 namespace dcr {

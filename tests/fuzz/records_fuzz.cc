@@ -9,7 +9,7 @@
 #include <string>
 #include <string_view>
 
-#include "dcr/protocol.h"
+#include "dcr/run_records.h"
 
 namespace {
 

@@ -17,9 +17,12 @@
 #include "dcr/layout.h"
 #include "dcr/layout_apply.h"
 #include "dcr/progress.h"
-#include "dcr/protocol.h"
+#include "dcr/publisher.h"
 #include "dcr/receiver.h"
 #include "dcr/relay.h"
+#include "dcr/run_records.h"
+#include "dcr/run_status.h"
+#include "dcr/shard_publisher.h"
 #include "fault_hooks.h"
 
 namespace dcr::cli {

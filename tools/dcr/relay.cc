@@ -17,8 +17,8 @@
 
 #include "cli.h"
 #include "dcr/progress.h"
-#include "dcr/protocol.h"
 #include "dcr/relay.h"
+#include "dcr/signing.h"
 #include "fault_hooks.h"
 
 namespace dcr::cli {
