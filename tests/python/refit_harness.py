@@ -2,7 +2,7 @@
 `dcr publish` (coordinator + senders), `dcr follow` (receivers) and
 `dcr status`, with the means to hurt them: kill -9 (at random times, at
 states read from the store, or at named points through the test-only
-DCR_TEST_CRASH_AT hook of tools/dcr/refit.cc), SIGSTOP/SIGCONT, store faults
+DCR_TEST_CRASH_AT hook of dcr-faults, tools/dcr/env_fault_hooks.cc), SIGSTOP/SIGCONT, store faults
 (DCR_STORE_FAULTS), and frame objects modified in the store.
 
 It also watches the store while things run (a thread): every attempt it sees

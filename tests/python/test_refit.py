@@ -24,8 +24,8 @@ DCR_CAMPAIGN_REPORT=FILE appends a JSON line per episode to FILE (and one at
 the end, or at a failure, classed: divergence, double commit, hang, error;
 tests/python/campaign_report.py): what scripts/soak.sh adds up.
 
-The crash points inside the processes use the test-only DCR_TEST_CRASH_AT
-hook of tools/dcr/refit.cc.
+The crash points inside the processes use the DCR_TEST_CRASH_AT hook of
+dcr-faults, the CLI's test build (tools/dcr/env_fault_hooks.cc).
 """
 
 from __future__ import annotations

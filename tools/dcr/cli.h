@@ -44,7 +44,7 @@ void AddRelayCommand(CLI::App& app);  // relay, relay keygen | plan | push | sta
 // A whole file's bytes, or kNotFound naming it.
 Result<std::string> ReadWholeFile(const std::string& path);
 
-// dcr relay tree (relay_tree.cc), under `relay`.
+// dcr relay tree (relay_tree_command.cc), under `relay`.
 void AddRelayTreeCommand(CLI::App* relay);
 
 // The relays' --stats files as the tree (`dcr relay status`, `dcr status
