@@ -34,7 +34,11 @@ DCR_FAULTS_BIN = Path(os.environ.get("DCR_FAULTS_BIN", DCR_BIN.parent / "dcr-fau
 
 def dcr_binary(env: dict | None) -> Path:
     """dcr, or dcr-faults for a process whose environment asks for a DCR_TEST_* fault."""
-    return DCR_FAULTS_BIN if any(k.startswith("DCR_TEST_") and v for k, v in (env or {}).items()) else DCR_BIN
+    if not any(k.startswith("DCR_TEST_") and v for k, v in (env or {}).items()):
+        return DCR_BIN
+    if not DCR_FAULTS_BIN.is_file():
+        pytest.fail(f"dcr-faults not found at {DCR_FAULTS_BIN}; build it (ninja -C build dcr-faults) or set DCR_FAULTS_BIN")
+    return DCR_FAULTS_BIN
 
 # Every run of dcr gets at most this long; a hang is a failure, not a stall.
 RUN_TIMEOUT_S = 60
@@ -160,8 +164,6 @@ def write_raw_safetensors(path, header: dict | list | str | bytes, data: bytes =
 def dcr_bin() -> Path:
     if not DCR_BIN.is_file() or not os.access(DCR_BIN, os.X_OK):
         pytest.fail(f"dcr binary not found at {DCR_BIN}; build it (ninja -C build dcr) or set DCR_BIN")
-    if not DCR_FAULTS_BIN.is_file():
-        pytest.fail(f"dcr-faults not found at {DCR_FAULTS_BIN}; build it (ninja -C build dcr-faults) or set DCR_FAULTS_BIN")
     return DCR_BIN
 
 
