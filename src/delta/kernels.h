@@ -82,7 +82,7 @@ using FindChangesFn = uint32_t (*)(uint32_t word_bytes, const uint8_t* a, const 
 using DigestChangesFn = void (*)(uint32_t word_bytes, const uint64_t seed[2], uint64_t first_word, const void* changes,
                                  uint32_t n, uint64_t out[2]);
 
-// The sparse codec's codes (chunk_codec.cc) of add-mode changes of 16-bit
+// The sparse codec's codes (chunk_encoder.cc) of add-mode changes of 16-bit
 // words whose image is `image`, two changes at a time: for changes 2i and
 // 2i+1 (n a multiple of 8), word i of `codes` holds their gap and value
 // codes, the first change's lowest, in its low 56 bits and the number of

@@ -255,7 +255,7 @@ TEST(KernelsTest, AddPutDigest16WritesTheCodesAndSumsTheDigestAcrossCalls) {
   if (!HaveAvx2()) GTEST_SKIP() << "no AVX2 here";
   // Changes whose gaps cross digest blocks at any place in a group, codes
   // with zeros (the caller's general path) at random groups; the kernel and
-  // the caller's loop (as chunk_codec.cc runs it) against the scalar sum and
+  // the caller's loop (as chunk_encoder.cc runs it) against the scalar sum and
   // plain Puts.
   std::mt19937_64 rng(11);
   const DigestKey key = MakeDigestKey("fused");

@@ -1,4 +1,4 @@
-// Fuzzes the S3 driver (src/store/s3_store.cc) against a server whose every
+// Fuzzes the S3 driver (src/store/s3_*.cc) against a server whose every
 // reply comes from the input: status codes, Content-Length, Content-Range and
 // ETag headers, XML bodies (ListBucketResult pages, Error,
 // InitiateMultipartUploadResult, CompleteMultipartUploadResult), bodies cut
