@@ -108,6 +108,20 @@ std::map<std::string, std::string> TakeAll(RelayReceiver& r, const std::string& 
   return got;
 }
 
+// Takes objects under `prefix` until `last` is among them (or kGuard
+// passes). A sender's objects travel one path in order, so once `last` (sent
+// after everything else) is here, anything sent before it that the tree
+// forwards is here too: the way to check that something was not forwarded.
+std::map<std::string, std::string> TakeThrough(RelayReceiver& r, const std::string& prefix, const std::string& last) {
+  std::map<std::string, std::string> got;
+  for (auto deadline = std::chrono::steady_clock::now() + kGuard; std::chrono::steady_clock::now() < deadline;) {
+    got.merge(r.Take(prefix));
+    if (got.count(last)) break;
+    std::this_thread::sleep_for(10ms);
+  }
+  return got;
+}
+
 bool WaitFor(const std::function<bool()>& cond, std::chrono::milliseconds limit = kGuard) {
   for (auto deadline = std::chrono::steady_clock::now() + limit; std::chrono::steady_clock::now() < deadline;) {
     if (cond()) return true;
@@ -150,10 +164,11 @@ TEST(Relay, ADepthTwoTreeDeliversEveryObjectOnceAndDropsDuplicates) {
     sent[key] = data;
   }
   sender.Object(ObjectKey(1, 3), sent[ObjectKey(1, 3)]);  // a second sender's copy
+  const std::string last = ObjectKey(1, 20);  // after the copy: once it is here, so would the copy be
+  sender.Object(last, sent[last] = MakeFrame(20, 1));
   EXPECT_TRUE(sender.Flush(kGuard));
-  EXPECT_EQ(TakeAll(near, AttemptPrefix(1), 20), sent);
-  EXPECT_EQ(TakeAll(far, AttemptPrefix(1), 20), sent);
-  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ(TakeThrough(near, AttemptPrefix(1), last), sent);
+  EXPECT_EQ(TakeThrough(far, AttemptPrefix(1), last), sent);
   EXPECT_TRUE(far.Take("").empty()) << "a duplicate was delivered";
   EXPECT_EQ(far.Stats().duplicates, 0u);  // the root dropped it
 }
@@ -178,12 +193,12 @@ TEST(Relay, ACorruptObjectIsNeverForwarded) {
   std::string bad = MakeFrame(9, 5);
   bad[bad.size() - 10] ^= 0x10;  // in its payload
   (*sender)->Object(ObjectKey(1, 9), bad);
+  (*sender)->Object(ObjectKey(1, 10), MakeFrame(10, 5));  // last: once it is here, so would the others be
   EXPECT_TRUE((*sender)->Flush(kGuard));
-  auto got = TakeAll(**far, AttemptPrefix(1), 2);
-  std::this_thread::sleep_for(200ms);
+  auto got = TakeThrough(**far, AttemptPrefix(1), ObjectKey(1, 10));
   got.merge((*far)->Take(""));
-  EXPECT_EQ(got.size(), 2u);
-  EXPECT_TRUE(got.count(ObjectKey(1, 0)) && got.count(ObjectKey(1, 2)));
+  EXPECT_EQ(got.size(), 3u);
+  EXPECT_TRUE(got.count(ObjectKey(1, 0)) && got.count(ObjectKey(1, 2)) && got.count(ObjectKey(1, 10)));
   EXPECT_FALSE(got.count(ObjectKey(1, 1)));  // corrupted at the root
   EXPECT_FALSE(got.count(ObjectKey(1, 9)));
   EXPECT_TRUE(WaitFor([&] {
@@ -265,9 +280,9 @@ TEST(Relay, AFencedAttemptIsDroppedEverywhere) {
   (*sender)->Object(ObjectKey(1, 1, "0000-aaaa"), MakeFrame(1, 1));  // late, after the fence
   (*sender)->Object(ObjectKey(1, 0, "0001-bbbb"), MakeFrame(0, 2));  // the retry
   EXPECT_TRUE((*sender)->Flush(kGuard));
+  // The late object went first: once the retry is here, so would it be.
   auto retry = TakeAll(**r, AttemptPrefix(1, "0001-bbbb"), 1);
   EXPECT_EQ(retry.size(), 1u);
-  std::this_thread::sleep_for(100ms);
   EXPECT_TRUE((*r)->Take(AttemptPrefix(1, "0000-aaaa")).empty()) << "objects of the fenced attempt were handed out";
   EXPECT_TRUE(WaitFor([&] { return root.lines.Has("fenced"); }));
 }
@@ -497,14 +512,14 @@ TEST(Relay, CurveAdmitsListedPeersAndRefusesOthers) {
   (*sender)->Object(ObjectKey(1, 0), MakeFrame(0, 4));
   EXPECT_TRUE((*sender)->Flush(kGuard));
   EXPECT_EQ(TakeAll(**ok, AttemptPrefix(1), 1).size(), 1u);
-  std::this_thread::sleep_for(300ms);
+  // Once the root has refused both, neither can be attached or hold an object.
+  EXPECT_TRUE(
+      WaitFor([&] { return root.lines.Has("refused peer 127.0.0.1 (CURVE key " + stranger->public_key + ")"); }));
+  EXPECT_TRUE(WaitFor([&] { return root.lines.Has("handshake failed"); }));  // the one without keys
   EXPECT_FALSE((*unknown)->Attached());
   EXPECT_FALSE((*plain)->Attached());
   EXPECT_TRUE((*unknown)->Take("").empty());
   EXPECT_TRUE((*plain)->Take("").empty());
-  EXPECT_TRUE(
-      WaitFor([&] { return root.lines.Has("refused peer 127.0.0.1 (CURVE key " + stranger->public_key + ")"); }));
-  EXPECT_TRUE(WaitFor([&] { return root.lines.Has("handshake failed"); }));  // the one without keys
 }
 
 TEST(Relay, KeyFilesRoundTrip) {
