@@ -6,13 +6,8 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
-#include <condition_variable>
-#include <filesystem>
 #include <map>
-#include <mutex>
 #include <set>
-#include <thread>
-#include <tuple>
 
 #include "coordinator.h"
 #include "dcr/contribution.h"
@@ -21,34 +16,23 @@
 #include "dcr/run_status.h"
 #include "dcr/shard_publisher.h"
 #include "dcr/signing.h"
-#include "dcr/text.h"
 #include "dcr/thread_pool.h"
 #include "internal.h"
 #include "segment_writer.h"
+#include "shard_baseline.h"
+#include "shard_staging.h"
 
 namespace dcr {
 
 using namespace protocol_internal;
-namespace fs = std::filesystem;
 
 namespace {
-
-std::string ShardsDir(const std::string& state_dir) { return (fs::path(state_dir) / "shards").string(); }
-std::string ShardDir(const std::string& state_dir, size_t k) {
-  return (fs::path(ShardsDir(state_dir)) / fmt::format("s{}", k)).string();
-}
 
 std::vector<TensorInfo> RunTensorInfos(const RunRecord& run) {
   std::vector<TensorInfo> out;
   for (const DeltaTensor& t : run.tensors)
     out.push_back({t.name, t.dtype, t.shape, t.elements, t.elements * BitsPerElement(t.dtype) / 8});
   return out;
-}
-
-Digest SendersDigest(std::vector<RankBufferFiles>& files) {
-  Digest d;
-  for (RankBufferFiles& f : files) d += *RankDigest(f.placed());  // host memory: no read can fail
-  return d;
 }
 
 // attempt.json of an attempt of trainer processes.
@@ -61,122 +45,7 @@ Result<AttemptRecord> ParseProcessesAttempt(std::string_view text, const std::st
 
 }  // namespace
 
-namespace protocol_internal {
-
-// What a ShardPublisher's last publish left in its state directory: the
-// shards record it wrote, and the shard files, still open. While the record
-// names the same version, senders and digest, the next publish trusts the
-// files without a digest pass and without mapping them again (the directory
-// is locked while publishing). Forgotten when a publish fails, so that a
-// damaged baseline is found.
-struct ShardsMemo {
-  bool valid = false;
-  std::string dir;
-  ShardsState state;
-  std::vector<RankBufferFiles> shards;
-};
-
-}  // namespace protocol_internal
-
 namespace {
-
-// The copy thread of a publish from staged senders (ShardSource::stage):
-// stages every local sender's buffers in the order the encode reads them
-// (by the first canonical tensor name each holds: manifests sort tensors by
-// name, TensorNameLess), and lets readers wait for one. Senders without `stage` are ready.
-class ShardStaging {
- public:
-  // Times the copy thread with the real clock (a measurement, on another thread).
-  explicit ShardStaging(std::span<const ShardSource> local) : local_(local), start_(RealClock().Now()) {
-    bool any = false;
-    for (const ShardSource& s : local) {
-      // Buffers past the map's are refused by the projection, before any wait.
-      const bool staged = s.stage && s.layout && s.current.size() == s.layout->map().buffers.size();
-      staged_.push_back(staged);
-      ready_.emplace_back(s.current.size(), !staged);
-      any = any || staged;
-    }
-    if (any) thread_ = std::thread([this] { Run(); });
-    else done_ = true;
-  }
-  ~ShardStaging() {
-    stop_ = true;
-    if (thread_.joinable()) thread_.join();
-  }
-  // Blocks until buffer b of local sender i is staged.
-  Status Await(size_t i, size_t b) {
-    std::unique_lock lock(mu_);
-    cv_.wait(lock, [&] { return ready_[i][b] || !failed_.ok(); });
-    return ready_[i][b] ? Status::Ok() : failed_;
-  }
-  // The copy thread's error, if it failed (no attempt can fix it).
-  Status Failure() {
-    std::lock_guard lock(mu_);
-    return failed_;
-  }
-  Status AwaitAll() {
-    std::unique_lock lock(mu_);
-    cv_.wait(lock, [&] { return done_ || !failed_.ok(); });
-    return failed_;
-  }
-  // What ProjectSender calls before reading sender i's buffers (none when unstaged).
-  std::function<Status(size_t)> AwaiterFor(size_t i) {
-    if (!staged_[i]) return {};
-    return [this, i](size_t b) { return Await(i, b); };
-  }
-  double seconds() {
-    std::lock_guard lock(mu_);
-    return seconds_;
-  }
-
- private:
-  void Run() {
-    std::vector<std::tuple<std::string, size_t, size_t>> order;  // first tensor name, sender, buffer
-    for (size_t i = 0; i < local_.size(); ++i) {
-      if (!staged_[i]) continue;
-      const CompiledLayout& l = *local_[i].layout;
-      std::vector<std::string> first(l.map().buffers.size());  // empty: unmapped, staged last
-      for (size_t c = 0; c < l.map().copies.size(); ++c) {
-        std::string& f = first[l.BufferOf(c)];
-        if (f.empty() || TensorNameLess(l.map().copies[c].tensor, f)) f = l.map().copies[c].tensor;
-      }
-      for (size_t b = 0; b < local_[i].current.size(); ++b) order.emplace_back(first[b], i, b);
-    }
-    std::sort(order.begin(), order.end(), [](const auto& x, const auto& y) {
-      const std::string &nx = std::get<0>(x), &ny = std::get<0>(y);
-      if (nx != ny) return !nx.empty() && (ny.empty() || TensorNameLess(nx, ny));
-      return x < y;
-    });
-    for (const auto& [name, i, b] : order) {
-      Status staged = stop_ ? Aborted("the publish ended before staging did") : local_[i].stage(b);
-      std::lock_guard lock(mu_);
-      if (!staged.ok()) {
-        failed_ = staged.WithContext(
-            fmt::format("staging buffer '{}' of local sender {}", local_[i].layout->map().buffers[b].id, i));
-        cv_.notify_all();
-        return;
-      }
-      ready_[i][b] = true;
-      cv_.notify_all();
-    }
-    std::lock_guard lock(mu_);
-    done_ = true;
-    seconds_ = SecondsSince(RealClock(), start_);
-    cv_.notify_all();
-  }
-
-  std::span<const ShardSource> local_;
-  const Clock::Instant start_;
-  std::vector<bool> staged_;  // per sender: has a stage function (fixed at construction)
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<std::vector<bool>> ready_;
-  bool done_ = false;
-  Status failed_;
-  double seconds_ = 0;
-  std::atomic<bool> stop_{false};
-  std::thread thread_;
-};
 
 // One ShardPublisher::Publish call of one process of a trainer.
 class ShardRun {
@@ -192,8 +61,8 @@ class ShardRun {
         maps_(maps.begin(), maps.end()),
         local_(local),
         procs_(std::move(procs)),
-        memo_(memo),
-        staging_(staging) {}
+        staging_(staging),
+        baseline_(store, state_dir, record, local, local_ids_, procs_.processes == 1, memo) {}
 
   Status Prepare();
   Result<PublishReport> Coordinate(uint64_t v);
@@ -202,9 +71,7 @@ class ShardRun {
   // become the baseline (ShardPublisher::Adopt).
   Status AdoptCurrent(const CommitRecord& c);
   // After a publish that succeeded: the baseline stays open in the memo.
-  void KeepShardsOpen() {
-    if (memo_.valid) memo_.shards = std::move(baseline_);
-  }
+  void KeepShardsOpen() { baseline_.KeepOpen(); }
 
  private:
   enum class Outcome { kRecorded, kAbandoned, kStalled };
@@ -258,16 +125,9 @@ class ShardRun {
   // The local senders' baseline at committed version `want` (opened,
   // caught up, or rebuilt), into baseline_.
   Status LoadShards(const CommitRecord& want);  // timed into report_.baseline_seconds
-  Status OpenOrRebuildShards(const CommitRecord& want);
-  // The baseline the shards record names, opened and caught up to `want`;
-  // false when there is none or it cannot be trusted (then it is rebuilt).
-  Result<bool> OpenRecordedShards(const CommitRecord& want, std::vector<RankBufferFiles> remembered);
-  Status ApplyCommitted(uint64_t from, uint64_t to);
-  Status WriteShardsRecord(uint64_t version, const Digest& digest);
   // Commit of an attempt this process recorded: the baseline becomes the
   // current shards, at `partial`.
   Status MoveBaseline(uint64_t v, const Digest& partial);
-  void CopyCurrentIntoBaseline();
   // Takes committed version v's snapshot from the baseline shards (which
   // hold v) when the options' schedule names v and it is not in the store.
   Status SnapshotIfDue(uint64_t v);
@@ -285,10 +145,9 @@ class ShardRun {
   std::vector<uint32_t> local_ids_;  // global index of each local sender
   std::vector<std::vector<uint32_t>> senders_of_;  // per process
   std::vector<TensorInfo> infos_;
-  std::vector<RankBufferFiles> baseline_;
   PublishReport report_;
-  ShardsMemo& memo_;  // the publisher's, across its publishes
   ShardStaging& staging_;
+  ShardBaseline baseline_;  // after local_ids_, which it reads
 };
 
 Status ShardRun::Prepare() {
@@ -330,54 +189,13 @@ Status ShardRun::Prepare() {
   return Status::Ok();
 }
 
-Status ShardRun::WriteShardsRecord(uint64_t version, const Digest& digest) {
-  const ShardsState state{record_.run_id, version, local_ids_, digest};
-  DCR_RETURN_IF_ERROR(WriteShardsState(state_dir_, state));
-  memo_.valid = true;
-  memo_.dir = state_dir_;
-  memo_.state = state;
-  return Status::Ok();
-}
-
-Status ShardRun::ApplyCommitted(uint64_t from, uint64_t to) {
-  if (from >= to) return Status::Ok();
-  // The senders' baseline shards are the ranks of the trainer's "engine",
-  // each with its partial chunk digests (SendersDigest checks the whole).
-  const DeltaManifest shape = TensorTableOf(record_);
-  std::vector<ChunkDigestTable> tracked;
-  for (RankBufferFiles& f : baseline_) tracked.push_back(*RankChunkDigests(f.placed(), shape));  // host: cannot fail
-  for (uint64_t v = from + 1; v <= to; ++v) {
-    DCR_ASSIGN_OR_RETURN(CommitRecord c, ReadCommit(store_, v));
-    DCR_ASSIGN_OR_RETURN(DeltaReader delta, LoadAttempt(store_, v, c.attempt, shape));
-    std::vector<FrameView> frames;
-    for (size_t i = 0; i < delta.manifest().frames.size(); ++i) {
-      DCR_ASSIGN_OR_RETURN(FrameView frame, delta.Frame(i));
-      frames.push_back(frame);
-    }
-    for (size_t k = 0; k < baseline_.size(); ++k) {
-      PlacedRank placed = baseline_[k].placed();
-      std::vector<Digest> current;
-      for (const FrameView& f : frames) current.push_back(tracked[k][f.header.tensor][f.header.chunk]);
-      const auto applied = ApplyRankFrames(placed, delta.manifest(), frames, current);
-      for (size_t i = 0; i < frames.size(); ++i) {
-        DCR_RETURN_IF_ERROR(applied[i].status);
-        tracked[k][frames[i].header.tensor][frames[i].header.chunk] = applied[i].after;
-      }
-    }
-  }
-  return Status::Ok();
-}
-
 Status ShardRun::LoadShards(const CommitRecord& want) {
   const auto start = ClockOf(o_).Now();
-  Status s = OpenOrRebuildShards(want);
+  Status s = baseline_.Load(want);
   report_.baseline_seconds += SecondsSince(ClockOf(o_), start);
   PublisherMemory& mem = report_.memory;
-  mem.baseline_bytes = mem.staging_bytes = 0;
-  for (RankBufferFiles& f : baseline_) {
-    const PlacedRank placed = f.placed();
-    for (auto b : placed.buffers) mem.baseline_bytes += b.size();
-  }
+  mem.baseline_bytes = baseline_.bytes();
+  mem.staging_bytes = 0;
   mem.baseline_in_memory = OnMemoryFilesystem(state_dir_);
   for (const ShardSource& src : local_)
     if (src.stage)
@@ -385,93 +203,12 @@ Status ShardRun::LoadShards(const CommitRecord& want) {
   return s;
 }
 
-Result<bool> ShardRun::OpenRecordedShards(const CommitRecord& want, std::vector<RankBufferFiles> remembered) {
-  // A record that does not parse, or of another run or senders, is rebuilt over.
-  auto read = ReadShardsState(state_dir_);
-  if (!read.ok() || !*read) return false;
-  const ShardsState& recorded = **read;
-  if (recorded.run_id != record_.run_id || recorded.version > want.version || recorded.senders != local_ids_)
-    return false;
-  const uint64_t at = recorded.version;
-  // This publisher wrote the record and nothing has touched the files
-  // since (the directory is locked while publishing): no digest pass.
-  const bool known =
-      memo_.valid && memo_.dir == state_dir_ && memo_.state == recorded && remembered.size() == local_ids_.size();
-  if (known) baseline_ = std::move(remembered);
-  for (size_t i = baseline_.size(); i < local_ids_.size(); ++i) {
-    auto opened = RankBufferFiles::Open(*local_[i].layout, ShardDir(state_dir_, local_ids_[i]));
-    if (!opened.ok()) return false;
-    baseline_.push_back(std::move(*opened));
-  }
-  if (!known && SendersDigest(baseline_) != recorded.digest) return false;
-  Status caught = ApplyCommitted(at, want.version);
-  if (Transient(caught)) return caught;
-  const bool at_target =
-      at == want.version ? recorded.digest == want.target_digest : SendersDigest(baseline_) == want.target_digest;
-  if (!caught.ok() || (P() == 1 && !at_target)) return false;
-  if (at < want.version) DCR_RETURN_IF_ERROR(WriteShardsRecord(want.version, SendersDigest(baseline_)));
-  return true;
-}
-
-Status ShardRun::OpenOrRebuildShards(const CommitRecord& want) {
-  baseline_.clear();
-  std::vector<RankBufferFiles> remembered = std::move(memo_.shards);  // used when the record is the one remembered
-  memo_.shards.clear();
-  // The recorded baseline, when its files still hold the recorded digest.
-  DCR_ASSIGN_OR_RETURN(const bool opened, OpenRecordedShards(want, std::move(remembered)));
-  if (opened) return Status::Ok();
-  // Rebuilt: the newest snapshot through the maps, then the committed deltas.
-  memo_.valid = false;
-  baseline_.clear();
-  std::error_code ec;
-  fs::remove(ShardsRecordPath(state_dir_), ec);
-  fs::remove_all(ShardsDir(state_dir_), ec);
-  DCR_ASSIGN_OR_RETURN(SnapshotRecord snap, NewestSnapshot(store_, want.version));
-  const std::string tmp = (fs::path(state_dir_) / "shards.snapshot").string();
-  fs::remove_all(tmp, ec);
-  DCR_RETURN_IF_ERROR(DownloadSnapshot(store_, snap, tmp, nullptr));
-  {
-    DCR_ASSIGN_OR_RETURN(Checkpoint ckpt, Checkpoint::Open(tmp));
-    DCR_RETURN_IF_ERROR(CheckRunTensors(ckpt, record_));
-    for (size_t i = 0; i < local_ids_.size(); ++i) {
-      DCR_ASSIGN_OR_RETURN(RankBufferFiles f,
-                           RankBufferFiles::Create(*local_[i].layout, ShardDir(state_dir_, local_ids_[i])));
-      PlacedRank placed = f.placed();
-      DCR_RETURN_IF_ERROR(LoadDense(CheckpointBytes(ckpt), placed));
-      baseline_.push_back(std::move(f));
-    }
-  }
-  fs::remove_all(tmp, ec);
-  DCR_RETURN_IF_ERROR(ApplyCommitted(snap.version, want.version));
-  // With every sender here the rebuild is checked now; with several
-  // processes, by the coordinator's sum of the processes' partials.
-  const Digest digest = SendersDigest(baseline_);
-  if (P() == 1 && digest != want.target_digest)
-    return DataLoss(
-        fmt::format("{}: the senders' shards rebuilt from the snapshot of version {} and the committed "
-                    "deltas do not add up to version {}'s digest",
-                    store_.url(), snap.version, want.version));
-  return WriteShardsRecord(want.version, digest);
-}
-
 Status ShardRun::MoveBaseline(uint64_t v, const Digest& partial) {
   DCR_RETURN_IF_ERROR(staging_.AwaitAll());
   const auto start = ClockOf(o_).Now();
-  memo_.valid = false;
-  std::error_code ec;
-  fs::remove(ShardsRecordPath(state_dir_), ec);
-  CopyCurrentIntoBaseline();
-  Status written = WriteShardsRecord(v, partial);
+  Status written = baseline_.Move(v, partial);
   report_.advance_seconds = SecondsSince(ClockOf(o_), start);
   return written;
-}
-
-void ShardRun::CopyCurrentIntoBaseline() {
-  for (size_t i = 0; i < local_.size(); ++i) {
-    PlacedRank base = baseline_[i].placed();
-    for (size_t b = 0; b < base.buffers.size(); ++b)
-      std::copy(local_[i].current[b].begin(), local_[i].current[b].end(), base.buffers[b].begin());
-  }
 }
 
 Status ShardRun::AdoptCurrent(const CommitRecord& c) {
@@ -491,18 +228,7 @@ Status ShardRun::AdoptCurrent(const CommitRecord& c) {
         fmt::format("the senders' current shards are not version {} (digest {} != {}); adopt "
                     "only the tensors that version was published from",
                     c.version, digest.ToHex(), c.target_digest.ToHex()));
-  memo_ = {};
-  baseline_.clear();
-  std::error_code ec;
-  fs::remove(ShardsRecordPath(state_dir_), ec);
-  fs::remove_all(ShardsDir(state_dir_), ec);
-  for (size_t i = 0; i < local_ids_.size(); ++i) {
-    DCR_ASSIGN_OR_RETURN(RankBufferFiles f,
-                         RankBufferFiles::Create(*local_[i].layout, ShardDir(state_dir_, local_ids_[i])));
-    baseline_.push_back(std::move(f));
-  }
-  CopyCurrentIntoBaseline();
-  return WriteShardsRecord(c.version, digest);
+  return baseline_.Adopt(c.version, digest);
 }
 
 Status ShardRun::SnapshotIfDue(uint64_t v) {
@@ -517,7 +243,7 @@ Status ShardRun::SnapshotIfDue(uint64_t v) {
   c.process = Me();
   c.processes = P();
   c.local_ids = local_ids_;
-  for (RankBufferFiles& f : baseline_) c.local.push_back(f.placed());
+  c.local = baseline_.Placed();
   c.scratch_dir = state_dir_;
   return TakeShardSnapshot(c, v);
 }
@@ -560,7 +286,7 @@ Result<ShardRun::Projected> ShardRun::ProjectLocal(const DeltaManifest& m, Proce
     return owner.ok() && procs_.sender_process[*owner] == Me();
   };
   for (size_t i = 0; i < local_.size(); ++i) {
-    PlacedRank base = baseline_[i].placed();
+    PlacedRank base = baseline_.Placed(i);
     SenderRank rank{local_[i].layout, {}, local_[i].current, staging_.AwaiterFor(i)};
     for (auto b : base.buffers) rank.baseline.push_back(b);
     DCR_ASSIGN_OR_RETURN(auto contributions, ProjectSender(rank, local_ids_[i], m, owned_here));
