@@ -1009,14 +1009,16 @@ TEST_F(ProtocolTest, APublisherTrustsItsCachedBaselineDigestsOnlyForAnUnchangedB
     EXPECT_FALSE(
         protocol_internal::ReadDigestCache(Path("state"), 0, *base, protocol_internal::TensorTableOf(*state->run)));
   }
-  // Damage the baseline (a later modification time than the cache records).
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  // Damage the baseline, with a later modification time than the cache
+  // records (set, not waited for: a write within the clock's tick keeps it).
   {
     auto base = Checkpoint::Open(Path("state/baseline"), OpenMode::kReadWrite);
     ASSERT_TRUE(base.ok()) << base.status().ToString();
     base->MutableData(0)[0] ^= 0x40;
     ASSERT_TRUE(base->Sync().ok());
   }
+  for (const auto& e : std::filesystem::directory_iterator(Path("state/baseline")))
+    std::filesystem::last_write_time(e.path(), std::filesystem::last_write_time(e.path()) + std::chrono::seconds(2));
   auto r = pub.Publish(2, Version(2));
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(cached_version(), 2);
