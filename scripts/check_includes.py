@@ -30,7 +30,7 @@ OWNER = {
     "digest.h": "delta", "frame.h": "delta", "chunk_codec.h": "delta", "compare.h": "delta", "delta.h": "delta",
     "apply.h": "delta",
     "store.h": "store", "http.h": "store", "s3.h": "store",
-    "layout.h": "layout", "layout_apply.h": "layout", "layout_residual.h": "layout", "contribution.h": "layout",
+    "layout.h": "layout", "layout_apply.h": "layout", "layout_residual.h": "layout", "fp8_engine.h": "layout", "contribution.h": "layout",
     "run_keys.h": "protocol", "run_records.h": "protocol", "signing.h": "protocol", "publisher.h": "protocol",
     "shard_publisher.h": "protocol", "run_status.h": "protocol",
     "frame_transport.h": "protocol",

@@ -1,23 +1,19 @@
 // Residual tensors: tensors a receiver does not hold as box copies of the
-// canonical bits, because it converts them on load (here: block FP8
-// quantization, as FP8 serving runtimes do with BF16 checkpoints). The
-// receiver cannot use xor/add frames for them (it does not hold the old
-// canonical bits), and it needs the new bits of whole quantization blocks.
+// canonical bits, because it converts them on load in a way dcr does not
+// model (block FP8 is modeled: an FP8 engine keeps a master and takes the
+// ordinary frames, dcr/fp8_engine.h). Such a receiver cannot use xor/add
+// frames for them (it does not hold the old canonical bits).
 //
 // The rule:
-//  - A delta's frames all have its class (docs/format.md), so residual
-//    tensors travel in a companion *residual delta* of overwrite class, built
-//    from the same sender contributions (ProjectSender on a manifest of the
-//    residual tensors only): every chunk of every residual tensor that
-//    changed anywhere is sent as a *full-chunk overwrite* (every word of the
-//    chunk in the frame), so every quantization block of a changed tensor
-//    arrives complete, whichever chunks it spans.
-//  - The receiver decodes each full-chunk overwrite onto a zeroed scratch:
-//    starting from digest 0, the decode must reach the frame's own target
-//    digest, so each frame is verified on its full decoded change list before
-//    anything is placed; then the chunk's elements are staged per block, and a
-//    block is quantized (FP8 bits and its F32 scale) once all its elements
-//    are in. Frames that are not full-chunk overwrites are refused.
+//  - A delta's frames all have its class (docs/format.md), so residual tensors
+//    travel in a companion *residual delta* of overwrite class, built from the
+//    same sender contributions (ProjectSender on a manifest of the residual
+//    tensors only): every chunk of every residual tensor that changed anywhere
+//    is sent as a *full-chunk overwrite* (every word of the chunk in the
+//    frame), so the receiver gets whole tensors, whichever chunks changed.
+//  - Engines that hold the other tensors as copies apply the main delta with
+//    the residual tensors declared (ApplyEngineDelta's `residuals`), which
+//    skips their frames and leaves them out of the digest check.
 // Canonical receivers, and engines holding the tensor as copies, may apply a
 // residual delta too (it is an ordinary overwrite delta of those tensors).
 //
@@ -31,7 +27,6 @@
 #pragma once
 
 #include <cstdint>
-#include <map>
 #include <span>
 #include <string>
 #include <vector>
@@ -61,6 +56,10 @@ struct Fp8BlockShape {
 // NaN, infinities saturate. Errors: kInvalidArgument (sizes, dtype).
 Status QuantizeFp8Blocks(DType dtype, std::span<const uint8_t> src, const Fp8BlockShape& shape, std::span<uint8_t> fp8,
                          std::span<uint8_t> scales);
+// One block of QuantizeFp8Blocks: block row `br`, block column `bc` of the
+// same arrays (sizes checked by the caller).
+void QuantizeFp8Block(DType dtype, std::span<const uint8_t> src, const Fp8BlockShape& shape, uint64_t br, uint64_t bc,
+                      std::span<uint8_t> fp8, std::span<uint8_t> scales);
 
 enum class ConversionKind {
   kZeroCentred,  // the buffer holds weight - 1: canonical = round(float(b) + 1)
@@ -95,39 +94,5 @@ Result<std::vector<ChunkContribution>> ProjectConverted(const SenderConversion& 
 Result<OwnedFrames> EncodeFullChunkOverwrites(const DeltaManifest& manifest,
                                               std::span<const ChunkContribution> contributions,
                                               const EncodeOptions& options);
-
-// The receiver half for one tensor held as block FP8 (fp8: rows x cols
-// bytes, scales: scale_rows x scale_cols F32). Not thread-safe.
-class Fp8BlockPlacer {
- public:
-  Fp8BlockPlacer(std::string tensor, DType source_dtype, Fp8BlockShape shape, std::span<uint8_t> fp8,
-                 std::span<uint8_t> scales);
-  const std::string& tensor() const { return tensor_; }
-  // Places one frame of the tensor. Refuses (kFailedPrecondition) frames
-  // that are not full-chunk overwrites; kDataLoss when the decode misses the
-  // frame's digest. Blocks complete after this frame are quantized.
-  Status Overwrite(const DeltaManifest& manifest, const FrameView& frame);
-  // kFailedPrecondition, naming a block, when a block received only part of
-  // its elements (a chunk of a changed tensor is missing).
-  Status Finish() const;
-  uint64_t blocks_quantized() const { return blocks_quantized_; }
-
- private:
-  struct Staged {
-    std::vector<float> values;
-    std::vector<bool> have;
-    uint64_t count = 0;
-  };
-  void QuantizeBlock(uint64_t block, const Staged& staged);
-
-  std::string tensor_;
-  DType dtype_;
-  Fp8BlockShape shape_;
-  std::span<uint8_t> fp8_, scales_;
-  std::map<uint64_t, Staged> staged_;
-  std::vector<uint8_t> scratch_;
-  ChunkApplier applier_;
-  uint64_t blocks_quantized_ = 0;
-};
 
 }  // namespace dcr

@@ -17,6 +17,7 @@
 #include "dcr/chunk_codec.h"
 #include "dcr/delta.h"
 #include "dcr/layout_apply.h"
+#include "testing/tensor_delta.h"
 
 namespace dcr {
 namespace {
@@ -67,7 +68,7 @@ std::vector<Rank> MakeEngine(DType dtype) {
 }
 
 // Canonical tensors by name.
-using Tensors = std::map<std::string, std::vector<uint8_t>>;
+using testing::Tensors;
 
 void Load(std::vector<Rank>& engine, const Tensors& t) {
   for (Rank& r : engine) {
@@ -93,51 +94,20 @@ uint64_t RandomWord(std::mt19937_64& rng, uint32_t wb) {
   return wb == 2 ? rng() & 0xFFFF : rng() & 0xFFFFFFFF;
 }
 
-struct Delta {
-  DeltaManifest manifest;
-  std::vector<std::string> frames;
-};
+using Delta = testing::TensorDelta;
 
 // Frames moving `base` to `next` in class `cls`, encoded canonically.
 Delta Encode(const Tensors& base, const Tensors& next, DType dtype, const EncodeOptions& options) {
-  std::vector<TensorInfo> infos = {{"a", dtype, {12, 10}, 120, 120 * BitsPerElement(dtype) / 8},
-                                   {"b", dtype, {10, 12}, 120, 120 * BitsPerElement(dtype) / 8}};
+  const std::vector<TensorInfo> infos = {{"a", dtype, {12, 10}, 120, 120 * BitsPerElement(dtype) / 8},
+                                         {"b", dtype, {10, 12}, 120, 120 * BitsPerElement(dtype) / 8}};
   DeltaOptions o;
   o.encode = options;
   o.chunk_elements = kChunk;
   o.delta_id = 0x1234;
-  Delta d;
-  d.manifest = StartLayoutDelta(infos, o);
-  ChunkEncoder encoder;
-  const uint32_t wb = BitsPerElement(dtype) / 8;
-  for (uint32_t t = 0; t < d.manifest.tensors.size(); ++t)
-    for (uint32_t c = 0; c < d.manifest.ChunkCount(t); ++c) {
-      uint64_t first_word, words;
-      uint32_t elements;
-      d.manifest.ChunkWords(t, c, &first_word, &words, &elements);
-      const std::string& name = d.manifest.tensors[t].name;
-      ChunkInput in{dtype,
-                    MakeDigestKey(name),
-                    first_word,
-                    elements,
-                    {base.at(name).data() + first_word * wb, words * wb},
-                    {next.at(name).data() + first_word * wb, words * wb}};
-      EncodedChunk out;
-      auto changed = encoder.Encode(in, options, &out);
-      EXPECT_TRUE(changed.ok()) << changed.status().ToString();
-      if (!*changed) continue;
-      out.header.tensor = t;
-      out.header.chunk = c;
-      d.frames.push_back(EncodeFrame(out.header, out.payload));
-    }
-  return d;
+  return testing::EncodeTensorDelta(infos, base, next, o);
 }
 
-FrameView Parse(const std::string& f) {
-  auto v = ParseFrame({reinterpret_cast<const uint8_t*>(f.data()), f.size()});
-  EXPECT_TRUE(v.ok()) << v.status().ToString();
-  return *v;
-}
+FrameView Parse(const std::string& f) { return testing::ParseTestFrame(f); }
 
 Tensors RandomTensors(std::mt19937_64& rng, uint32_t wb) {
   Tensors t;

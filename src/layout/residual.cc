@@ -1,4 +1,4 @@
-// Residual tensors: full-chunk overwrites, and block FP8 quantization on load.
+// Residual tensors: full-chunk overwrites, sender conversions, and the block FP8 quantizer.
 #include "dcr/layout_residual.h"
 
 #include <fmt/format.h>
@@ -77,22 +77,24 @@ Status QuantizeFp8Blocks(DType dtype, std::span<const uint8_t> src, const Fp8Blo
                     "scales {} (want {})",
                     s.rows, s.cols, s.block, src.size(), n * eb, fp8.size(), n, scales.size(),
                     s.scale_rows() * s.scale_cols() * 4));
-  std::vector<float> x;
-  std::vector<uint8_t> q;
   for (uint64_t br = 0; br < s.scale_rows(); ++br)
-    for (uint64_t bc = 0; bc < s.scale_cols(); ++bc) {
-      const uint64_t r0 = br * s.block, c0 = bc * s.block;
-      const uint64_t nr = std::min(s.block, s.rows - r0), nc = std::min(s.block, s.cols - c0);
-      x.resize(nr * nc);
-      q.resize(nr * nc);
-      for (uint64_t r = 0; r < nr; ++r)
-        for (uint64_t c = 0; c < nc; ++c)
-          x[r * nc + c] = LoadFloat(dtype, src.data() + ((r0 + r) * s.cols + c0 + c) * eb);
-      const float scale = QuantizeValues(x.data(), x.size(), q.data());
-      std::memcpy(scales.data() + (br * s.scale_cols() + bc) * 4, &scale, 4);
-      for (uint64_t r = 0; r < nr; ++r) std::memcpy(fp8.data() + (r0 + r) * s.cols + c0, q.data() + r * nc, nc);
-    }
+    for (uint64_t bc = 0; bc < s.scale_cols(); ++bc) QuantizeFp8Block(dtype, src, s, br, bc, fp8, scales);
   return Status::Ok();
+}
+
+void QuantizeFp8Block(DType dtype, std::span<const uint8_t> src, const Fp8BlockShape& s, uint64_t br, uint64_t bc,
+                      std::span<uint8_t> fp8, std::span<uint8_t> scales) {
+  const uint64_t eb = BitsPerElement(dtype) / 8, r0 = br * s.block, c0 = bc * s.block;
+  const uint64_t nr = std::min(s.block, s.rows - r0), nc = std::min(s.block, s.cols - c0);
+  thread_local std::vector<float> x;
+  thread_local std::vector<uint8_t> q;
+  x.resize(nr * nc);
+  q.resize(nr * nc);
+  for (uint64_t r = 0; r < nr; ++r)
+    for (uint64_t c = 0; c < nc; ++c) x[r * nc + c] = LoadFloat(dtype, src.data() + ((r0 + r) * s.cols + c0 + c) * eb);
+  const float scale = QuantizeValues(x.data(), x.size(), q.data());
+  std::memcpy(scales.data() + (br * s.scale_cols() + bc) * 4, &scale, 4);
+  for (uint64_t r = 0; r < nr; ++r) std::memcpy(fp8.data() + (r0 + r) * s.cols + c0, q.data() + r * nc, nc);
 }
 
 Result<OwnedFrames> EncodeFullChunkOverwrites(const DeltaManifest& manifest,
@@ -220,85 +222,6 @@ Result<std::vector<ChunkContribution>> ProjectConverted(const SenderConversion& 
     out.push_back(std::move(cc));
   }
   return out;
-}
-
-Fp8BlockPlacer::Fp8BlockPlacer(std::string tensor, DType source_dtype, Fp8BlockShape shape, std::span<uint8_t> fp8,
-                               std::span<uint8_t> scales)
-    : tensor_(std::move(tensor)), dtype_(source_dtype), shape_(shape), fp8_(fp8), scales_(scales) {}
-
-Status Fp8BlockPlacer::Overwrite(const DeltaManifest& manifest, const FrameView& frame) {
-  const FrameHeader& h = frame.header;
-  if (h.tensor >= manifest.tensors.size() || manifest.tensors[h.tensor].name != tensor_)
-    return InvalidArgument(
-        fmt::format("a frame of another tensor was handed to the block FP8 placer of '{}'", tensor_));
-  const DeltaTensor& t = manifest.tensors[h.tensor];
-  const std::string where = fmt::format("tensor '{}' chunk {}", t.name, h.chunk);
-  DCR_RETURN_IF_ERROR(CheckSourceDType(t.dtype));
-  if (t.shape != std::vector<uint64_t>{shape_.rows, shape_.cols} || t.dtype != dtype_)
-    return InvalidArgument(fmt::format("{}: the delta's tensor is {} [{}], the placer expects {} [{}, {}]", where,
-                                       Name(t.dtype), fmt::join(t.shape, ", "), Name(dtype_), shape_.rows,
-                                       shape_.cols));
-  if (fp8_.size() != shape_.rows * shape_.cols || scales_.size() != shape_.scale_rows() * shape_.scale_cols() * 4)
-    return InvalidArgument(fmt::format("{}: the FP8 or scale buffer has the wrong size", where));
-  uint64_t first_word, words;
-  uint32_t elements;
-  manifest.ChunkWords(h.tensor, h.chunk, &first_word, &words, &elements);
-  if (h.mode != Mode::kOverwrite || h.changed != words)
-    return FailedPrecondition(
-        fmt::format("{}: a {} frame with {} of {} words; a tensor quantized on load needs "
-                    "full-chunk overwrites (a residual delta, EncodeFullChunkOverwrites)",
-                    where, ModeName(h.mode), h.changed, words));
-  const uint64_t eb = BitsPerElement(t.dtype) / 8, first = uint64_t{h.chunk} * manifest.chunk_elements;
-  scratch_.assign(uint64_t{elements} * eb, 0);
-  // From all-zero bits (digest 0), the decode must reach the frame's target.
-  Digest after;
-  // Every word is in the frame, so a miss can only be a corrupt payload
-  // (ChunkApplier cannot tell that from a stale chunk; here the scratch is exact).
-  Result<ApplyOutcome> outcome = applier_.Apply(frame, MakeDigestKey(t.name), first_word, scratch_, Digest{}, &after);
-  if (!outcome.ok()) {
-    if (outcome.status().code() == Code::kFailedPrecondition)
-      return DataLoss(
-          fmt::format("{}: the full-chunk overwrite decodes to the wrong digest (a corrupt payload); "
-                      "re-fetch the frame",
-                      where));
-    return outcome.status();
-  }
-  // kAlreadyApplied: the chunk's bits are all zero, as the scratch is.
-  const uint64_t b = shape_.block;
-  for (uint64_t i = 0; i < elements; ++i) {
-    const uint64_t g = first + i, row = g / shape_.cols, col = g % shape_.cols;
-    const uint64_t block = (row / b) * shape_.scale_cols() + col / b;
-    const uint64_t nr = std::min(b, shape_.rows - (row / b) * b), nc = std::min(b, shape_.cols - (col / b) * b);
-    Staged& s = staged_[block];
-    if (s.values.empty()) s.values.assign(nr * nc, 0.0f), s.have.assign(nr * nc, false);
-    const uint64_t at = (row % b) * nc + col % b;
-    s.values[at] = LoadFloat(t.dtype, scratch_.data() + i * eb);
-    if (!s.have[at]) s.have[at] = true, ++s.count;
-    if (s.count == nr * nc) {
-      QuantizeBlock(block, s);
-      staged_.erase(block);
-    }
-  }
-  return Status::Ok();
-}
-
-void Fp8BlockPlacer::QuantizeBlock(uint64_t block, const Staged& s) {
-  const uint64_t b = shape_.block, br = block / shape_.scale_cols(), bc = block % shape_.scale_cols();
-  const uint64_t r0 = br * b, c0 = bc * b, nc = std::min(b, shape_.cols - c0), nr = s.values.size() / nc;
-  std::vector<uint8_t> q(s.values.size());
-  const float scale = QuantizeValues(s.values.data(), s.values.size(), q.data());
-  std::memcpy(scales_.data() + block * 4, &scale, 4);
-  for (uint64_t r = 0; r < nr; ++r) std::memcpy(fp8_.data() + (r0 + r) * shape_.cols + c0, q.data() + r * nc, nc);
-  ++blocks_quantized_;
-}
-
-Status Fp8BlockPlacer::Finish() const {
-  if (staged_.empty()) return Status::Ok();
-  const auto& [block, s] = *staged_.begin();
-  return FailedPrecondition(
-      fmt::format("tensor '{}': block {} received {} of its {} elements; every chunk of a changed "
-                  "tensor must arrive (re-fetch the residual delta)",
-                  tensor_, block, s.count, s.values.size()));
 }
 
 }  // namespace dcr

@@ -1,6 +1,6 @@
-// Residual tensors: a receiver that quantizes a tensor to block FP8 on load
-// gets it as full-chunk overwrites of a residual delta, and ends with the FP8
-// bits and scales a dense load gives.
+// Residual tensors: a tensor an engine does not hold as a copy (it converts
+// it on load) travels as full-chunk overwrites of a residual delta, and the
+// engine applies the main delta without it; sender-side conversions.
 #include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -108,11 +108,13 @@ struct Buffers {
 
 class ResidualTest : public testing::TempDirTest {};
 
-// The trainer (tp 2 x pp 2) projects as usual; one engine (vLLM tp 1) holds
-// the embedding as block FP8 instead of a copy.
-TEST_F(ResidualTest, Fp8OnLoadEqualsADenseLoad) {
+// The trainer (tp 2 x pp 2) projects as usual; one engine (vLLM tp 1)
+// converts the embedding on load instead of holding a copy: the residual
+// delta carries every chunk of it whole, and the engine applies the main
+// delta with the embedding declared residual.
+TEST_F(ResidualTest, AResidualTensorTravelsWholeAndTheEngineSkipsItsFrames) {
   const ModelShape shape = testshapes::LlamaShape();
-  const std::string kTensor = "model.embed_tokens.weight";  // [10, 8]: blocks of 4 leave edge blocks
+  const std::string kTensor = "model.embed_tokens.weight";
   GenOptions gen;
   gen.shape = shape;
   gen.versions = 1;
@@ -130,7 +132,6 @@ TEST_F(ResidualTest, Fp8OnLoadEqualsADenseLoad) {
     std::memcpy(d.data() + 2 * 20, specials, sizeof(specials));
   }
   const TensorInfo& info = v1->tensors()[static_cast<size_t>(v1->Find(kTensor))];
-  const Fp8BlockShape block{info.shape[0], info.shape[1], 4};
 
   // Trainer shards.
   const TrainerParallel tp{2, 2, 1, false, 4};
@@ -172,46 +173,6 @@ TEST_F(ResidualTest, Fp8OnLoadEqualsADenseLoad) {
   ASSERT_TRUE(reader.ok()) << reader.status().ToString();
   EXPECT_EQ(reader->manifest().target_digest, DigestBytes(MakeDigestKey(kTensor), 0, v1->Data(v1->Find(kTensor))));
 
-  // The receiver: FP8 bits and scales loaded from v0, then the residual delta.
-  std::vector<uint8_t> fp8(block.rows * block.cols), scales(block.scale_rows() * block.scale_cols() * 4);
-  ASSERT_TRUE(QuantizeFp8Blocks(info.dtype, v0->Data(v0->Find(kTensor)), block, fp8, scales).ok());
-  std::vector<uint8_t> want_fp8(fp8.size()), want_scales(scales.size());
-  ASSERT_TRUE(QuantizeFp8Blocks(info.dtype, v1->Data(v1->Find(kTensor)), block, want_fp8, want_scales).ok());
-  ASSERT_NE(fp8, want_fp8);  // the update reaches the FP8 bits
-  {
-    // A missing frame leaves blocks incomplete: refused at Finish, never quantized from partial data.
-    std::vector<uint8_t> f = fp8, s = scales;
-    Fp8BlockPlacer partial(kTensor, info.dtype, block, f, s);
-    for (size_t i = 1; i < reader->manifest().frames.size(); ++i)
-      ASSERT_TRUE(partial.Overwrite(reader->manifest(), *reader->Frame(i)).ok());
-    EXPECT_THAT(partial.Finish().message(), HasSubstr("block 0 received 4 of its 16 elements"));
-  }
-  Fp8BlockPlacer placer(kTensor, info.dtype, block, fp8, scales);
-  // Frames in reverse order: blocks complete whenever their last element arrives.
-  for (size_t i = reader->manifest().frames.size(); i-- > 0;) {
-    auto frame = reader->Frame(i);
-    ASSERT_TRUE(frame.ok());
-    Status s = placer.Overwrite(reader->manifest(), *frame);
-    ASSERT_TRUE(s.ok()) << s.ToString();
-  }
-  ASSERT_TRUE(placer.Finish().ok());
-  EXPECT_EQ(placer.blocks_quantized(), block.scale_rows() * block.scale_cols());
-  EXPECT_EQ(fp8, want_fp8);
-  EXPECT_EQ(scales, want_scales);
-
-  // A corrupt payload is caught by the frame's own digest before anything is placed.
-  {
-    auto frame = reader->Frame(0);
-    std::vector<uint8_t> payload(frame->payload.begin(), frame->payload.end());
-    payload[payload.size() / 2] ^= 0x10;
-    FrameView bad{frame->header, payload};
-    std::vector<uint8_t> f = fp8, s = scales;
-    Fp8BlockPlacer p(kTensor, info.dtype, block, f, s);
-    Status st = p.Overwrite(reader->manifest(), bad);
-    EXPECT_EQ(st.code(), Code::kDataLoss) << st.ToString();
-    EXPECT_EQ(f, fp8);
-  }
-
   // The main delta (xor class) goes to the engine's copies; its embedding frames are skipped there.
   {
     DeltaOptions main_opt;
@@ -236,14 +197,6 @@ TEST_F(ResidualTest, Fp8OnLoadEqualsADenseLoad) {
         {reinterpret_cast<const uint8_t*>(main_holder->data()), main_holder->size()}};
     auto main_reader = DeltaReader::FromObjects(m, objs, main_holder, "main delta");
     ASSERT_TRUE(main_reader.ok());
-    // A sparse xor frame of the embedding is refused by the FP8 placer.
-    for (size_t i = 0; i < m.frames.size(); ++i)
-      if (m.tensors[m.frames[i].tensor].name == kTensor) {
-        std::vector<uint8_t> f = fp8, s = scales;
-        Fp8BlockPlacer p(kTensor, info.dtype, block, f, s);
-        EXPECT_THAT(p.Overwrite(m, *main_reader->Frame(i)).message(), HasSubstr("needs full-chunk overwrites"));
-        break;
-      }
     // The engine: vLLM tp 1 without a copy of the embedding.
     auto rm = VllmLayout(shape, {1, false, 4}, 0);
     ASSERT_TRUE(rm.ok());
