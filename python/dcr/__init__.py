@@ -729,9 +729,35 @@ def validate_layout(layout: Union[str, Mapping[str, Any]]) -> str:
     return _dcr.validate_layout(_layout_json(layout))
 
 
+def quantize_fp8_blocks(tensor: Any, block: int = 128) -> tuple:
+    """Block FP8 quantization as dcr's FP8 engines requantize (docs/layouts.md,
+    "FP8 engines"): a 2-D BF16 or F32 CPU tensor [rows, cols] -> (E4M3 tensor
+    [rows, cols], F32 scales [ceil(rows / block), ceil(cols / block)]), the
+    ``weight`` and ``weight_scale_inv`` of a block-FP8 checkpoint
+    (DeepSeek-V3's convention: weight ~= e4m3 * scale). Each block's scale is
+    its largest finite magnitude / 448 (1 when it has none); each element is
+    x / scale rounded to nearest even, as torch's cast to float8_e4m3fn
+    rounds; NaN stays NaN (torch writes 0x7F for every NaN, dcr keeps the
+    sign); infinities saturate to +-448, as torch's cast does. Use it to make the FP8 checkpoint an FP8 engine loads, so that its
+    weights and a refit's agree bit for bit."""
+    import torch
+
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2 or tensor.dtype not in (torch.bfloat16, torch.float32):
+        raise InvalidArgumentError("quantize_fp8_blocks: expected a 2-D BF16 or F32 torch tensor")
+    if block <= 0:
+        raise InvalidArgumentError(f"quantize_fp8_blocks: block {block} is not positive")
+    src = tensor.detach().cpu().contiguous()
+    rows, cols = src.shape
+    fp8 = torch.empty((rows, cols), dtype=torch.float8_e4m3fn)
+    scales = torch.empty(((rows + block - 1) // block, (cols + block - 1) // block), dtype=torch.float32)
+    _dcr.quantize_fp8_blocks(byte_view(src, "tensor"), dtype_name(src), rows, cols, block, byte_view(fp8, "fp8"),
+                             byte_view(scales, "scales"))
+    return fp8, scales
+
+
 __all__ = [
     "Checkpoint", "TensorInfo", "Delta", "Store", "Publisher", "Follower", "Sender", "Receiver", "ShardPublisher", "VerifyResult",
     "make_delta", "apply_delta", "verify_delta", "inspect_delta", "describe_manifest", "read_delta", "open_store", "identity_layout",
-    "validate_layout", "add_digests", "default_publisher_state_dir", "torch_dtype", "dtype_name", "byte_view", "errors", "DEFAULT_CHUNK_ELEMENTS",
+    "validate_layout", "quantize_fp8_blocks", "add_digests", "default_publisher_state_dir", "torch_dtype", "dtype_name", "byte_view", "errors", "DEFAULT_CHUNK_ELEMENTS",
     *errors.__all__,
 ]

@@ -1,5 +1,6 @@
 // dcr._dcr: layout maps, and senders and receivers over live buffers.
 #include "bindings.h"
+#include "dcr/layout_residual.h"
 
 namespace dcr_python {
 namespace {
@@ -117,6 +118,16 @@ void BindLayouts(nb::module_& m) {
       "validate_layout",
       [](const std::string& json) { return dcr::LayoutMapToJson(Take(dcr::LayoutMapFromJson(json, "layout"))); },
       "json"_a, "Validates a layout map; returns its canonical JSON.");
+  m.def(
+      "quantize_fp8_blocks",
+      [](nb::ndarray<> src, const std::string& dtype, uint64_t rows, uint64_t cols, uint64_t block, nb::ndarray<> fp8,
+         nb::ndarray<> scales) {
+        Check(dcr::QuantizeFp8Blocks(ParseDTypeOrRaise(dtype), BytesOf(src, "src"),
+                                     dcr::Fp8BlockShape{rows, cols, block}, BytesOf(fp8, "fp8"),
+                                     BytesOf(scales, "scales")));
+      },
+      "src"_a, "dtype"_a, "rows"_a, "cols"_a, "block"_a, "fp8"_a, "scales"_a,
+      "Block FP8 quantization of a [rows, cols] BF16/F32 array (flat uint8 views) into E4M3 bytes and F32 scales.");
 
   nb::class_<PySender>(m, "Sender")
       .def(
