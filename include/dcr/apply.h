@@ -97,6 +97,12 @@ class ApplyTarget {
   // The digest of the chunk's elements the target counts, from its bits
   // (targets that audit; the default is kUnimplemented).
   virtual Result<Digest> ChunkDigest(uint32_t tensor, uint32_t chunk) const;
+  // Called once at the end of an ApplyFrames call in which some frame wrote:
+  // a target whose memory derives state from its bits (an FP8 engine's
+  // requantization, BufferMemory::Flush) settles it here, before the caller
+  // reports the frames applied. An error marks every frame that wrote torn,
+  // with that error.
+  virtual Status Finish() { return Status::Ok(); }
 };
 
 // The loop's outcome for one frame.

@@ -33,11 +33,14 @@ struct Fp8Placement {
 // `layout` is the engine's map in the run's dtype (its FP8 buffers declared
 // BF16 or F32, with the FP8 buffers' shapes). The buffers named in `fp8` live
 // in a host master owned here (master_bytes()); each write to them marks the
-// blocks it touches, and Requantize() quantizes those blocks from the master
-// (QuantizeFp8Block, the run's block FP8 scheme) into the engine's placement.
-// The other buffers are the engine's own, in host memory (`plain[b]`; empty
-// for FP8 buffers). A fresh rank joins by a dense load of a BF16 checkpoint
-// (LoadDense): every block is marked. Not thread-safe.
+// blocks it touches, and Flush() (the end of every apply loop call and dense
+// load) quantizes exactly those blocks from the master (QuantizeFp8Block, the
+// run's block FP8 scheme) into the engine's placement, so the engine's FP8
+// weights hold a version before it is acked. The other buffers are the
+// engine's own: in host memory (`plain[b]`; empty for FP8 buffers), or,
+// when `inner` is given (`plain` empty), reached through it (a device's).
+// A fresh rank joins by a dense load of a BF16 checkpoint (LoadDense): every
+// block is marked. Not thread-safe.
 class Fp8EngineMemory final : public BufferMemory {
  public:
   // kInvalidArgument when a buffer in `fp8` is not 2-D or 3-D BF16/F32, a
@@ -49,18 +52,20 @@ class Fp8EngineMemory final : public BufferMemory {
   // canonical block).
   static Result<std::unique_ptr<Fp8EngineMemory>> Create(const CompiledLayout& layout,
                                                          std::map<size_t, Fp8Placement> fp8,
-                                                         std::vector<std::span<uint8_t>> plain, uint64_t block = 128);
+                                                         std::vector<std::span<uint8_t>> plain,
+                                                         BufferMemory* inner = nullptr, uint64_t block = 128);
 
   uint64_t Bytes(size_t buffer) const override;
   Status Gather(std::span<const WordRequest> requests) override;
   Status Scatter(std::span<const WordRequest> requests) override;
   Status Read(size_t buffer, uint64_t offset, std::span<uint8_t> out) override;
   Status Write(size_t buffer, uint64_t offset, std::span<const uint8_t> bytes) override;
+  // Quantizes every block written since the last flush into the engine's
+  // bytes and scales (and flushes `inner`).
+  Status Flush() override;
 
-  // Quantizes every block written since the last call into the engine's
-  // bytes and scales; returns how many blocks it quantized.
-  uint64_t Requantize();
   uint64_t blocks_pending() const { return pending_; }
+  uint64_t blocks_requantized() const { return requantized_; }  // since Create
   uint64_t master_bytes() const;
 
  private:
@@ -70,19 +75,25 @@ class Fp8EngineMemory final : public BufferMemory {
     Fp8BlockShape shape;  // of one stack entry
     std::vector<uint8_t> master;
     Fp8Placement placement;
-    std::vector<uint8_t> marked;  // per block: written since the last Requantize
+    std::vector<uint8_t> marked;  // per block: written since the last Flush
     std::vector<uint64_t> dirty;  // the marked blocks, in marking order
   };
-  Fp8EngineMemory(const CompiledLayout& layout, uint64_t block) : layout_(layout), block_(block) {}
+  Fp8EngineMemory(const CompiledLayout& layout, BufferMemory* inner, uint64_t block)
+      : layout_(layout), inner_(inner), block_(block) {}
+  // The bytes of a buffer this memory holds (a master, or a plain host
+  // buffer); empty for a buffer of `inner`.
   std::span<uint8_t> Bytes(size_t buffer);
+  // Forwards to `inner` the requests for its buffers, handles the others.
+  Status Words(std::span<const WordRequest> requests, bool scatter);
   void Mark(Fp8Buffer& f, uint64_t element);
   void MarkRange(Fp8Buffer& f, uint64_t first, uint64_t count);
 
   const CompiledLayout& layout_;
+  BufferMemory* const inner_;
   const uint64_t block_;
   std::map<size_t, Fp8Buffer> fp8_;
   std::vector<std::span<uint8_t>> plain_;
-  uint64_t pending_ = 0;
+  uint64_t pending_ = 0, requantized_ = 0;
 };
 
 }  // namespace dcr

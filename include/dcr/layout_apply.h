@@ -80,6 +80,9 @@ class BufferMemory {
   // Bytes [offset, offset + size) of a buffer (dense loads, digest passes).
   virtual Status Read(size_t buffer, uint64_t offset, std::span<uint8_t> out) = 0;
   virtual Status Write(size_t buffer, uint64_t offset, std::span<const uint8_t> bytes) = 0;
+  // After a batch of writes (the end of an apply loop call, a dense load): a
+  // memory that derives state from its buffers (Fp8EngineMemory) settles it.
+  virtual Status Flush() { return Status::Ok(); }
 };
 
 // One receiver rank: a compiled map and its buffers: in host memory
@@ -179,6 +182,7 @@ class PlacedTarget final : public ApplyTarget {
   // costs its transfer: they are audited at join and before a retry).
   bool Audits() const override { return !batched_; }
   Result<Digest> ChunkDigest(uint32_t tensor, uint32_t chunk) const override;
+  Status Finish() override;  // flushes every rank's BufferMemory
 
  private:
   struct Run;  // a copy's run of a chunk, in words

@@ -263,6 +263,16 @@ class Loop {
   std::vector<FrameApplied>& out_;
 };
 
+// The target settles what the call wrote (ApplyTarget::Finish); a failure
+// tears every frame that wrote.
+void FinishTarget(ApplyTarget& target, std::vector<FrameApplied>& out) {
+  if (std::none_of(out.begin(), out.end(), [](const FrameApplied& r) { return r.written > 0; })) return;
+  const Status finished = target.Finish();
+  if (finished.ok()) return;
+  for (FrameApplied& r : out)
+    if (r.written > 0) r.status = finished, r.torn = true;
+}
+
 }  // namespace
 
 Result<Digest> ApplyTarget::ChunkDigest(uint32_t tensor, uint32_t chunk) const {
@@ -296,15 +306,16 @@ std::vector<FrameApplied> ApplyFrames(ApplyTarget& target, const DeltaManifest& 
   Loop loop(target, manifest, frames, current, skip, options, out);
   if (!target.Batched()) {
     loop.RunEach(pool);
-    return out;
+  } else {
+    // The decoded changes held at once: an eighth of the frames' payload (a
+    // record is 8-24 bytes where a coded change is about one, and the target
+    // keeps offsets and words beside it), so that the window's memory stays
+    // below the frames' own size.
+    uint64_t payload = 0;
+    for (const FrameView& f : frames) payload += f.header.payload_bytes;
+    loop.RunWindows(pool, std::max<uint64_t>(payload / 8, 1));
   }
-  // The decoded changes held at once: an eighth of the frames' payload (a
-  // record is 8-24 bytes where a coded change is about one, and the target
-  // keeps offsets and words beside it), so that the window's memory stays
-  // below the frames' own size.
-  uint64_t payload = 0;
-  for (const FrameView& f : frames) payload += f.header.payload_bytes;
-  loop.RunWindows(pool, std::max<uint64_t>(payload / 8, 1));
+  FinishTarget(target, out);
   return out;
 }
 

@@ -43,13 +43,15 @@ Status CheckBlockAligned(const CompiledLayout& layout, size_t copy, uint64_t blo
 Result<std::unique_ptr<Fp8EngineMemory>> Fp8EngineMemory::Create(const CompiledLayout& layout,
                                                                  std::map<size_t, Fp8Placement> fp8,
                                                                  std::vector<std::span<uint8_t>> plain,
-                                                                 uint64_t block) {
+                                                                 BufferMemory* inner, uint64_t block) {
   const auto& buffers = layout.map().buffers;
   if (block == 0) return InvalidArgument("FP8 engine: block size 0");
-  if (plain.size() != buffers.size())
+  if (inner != nullptr && !plain.empty())
+    return InvalidArgument("FP8 engine: the other buffers are in host memory or behind `inner`, not both");
+  if (inner == nullptr && plain.size() != buffers.size())
     return InvalidArgument(
         fmt::format("FP8 engine: {} plain buffers given for a map of {} buffers", plain.size(), buffers.size()));
-  std::unique_ptr<Fp8EngineMemory> m(new Fp8EngineMemory(layout, block));
+  std::unique_ptr<Fp8EngineMemory> m(new Fp8EngineMemory(layout, inner, block));
   for (auto& [b, placement] : fp8) {
     if (b >= buffers.size()) return InvalidArgument(fmt::format("FP8 engine: no buffer {} in the map", b));
     const LayoutBuffer& lb = buffers[b];
@@ -67,14 +69,14 @@ Result<std::unique_ptr<Fp8EngineMemory>> Fp8EngineMemory::Create(const CompiledL
       return InvalidArgument(fmt::format("FP8 buffer '{}': the engine's bytes are {} (want {}) and scales {} (want {})",
                                          lb.id, placement.fp8.size(), f.stack * f.rows * f.cols,
                                          placement.scales.size(), blocks * 4));
-    if (!plain[b].empty())
+    if (inner == nullptr && !plain[b].empty())
       return InvalidArgument(fmt::format("FP8 buffer '{}' lives in the master: give no plain buffer for it", lb.id));
     f.master.assign(layout.BufferBytes(b), 0);
     f.placement = placement;
     f.marked.assign(blocks, 0);
     m->fp8_.emplace(b, std::move(f));
   }
-  for (size_t b = 0; b < buffers.size(); ++b)
+  for (size_t b = 0; b < buffers.size() && inner == nullptr; ++b)
     if (!m->fp8_.count(b) && plain[b].size() != layout.BufferBytes(b))
       return InvalidArgument(fmt::format("buffer '{}' has {} bytes, the map says {}", buffers[b].id, plain[b].size(),
                                          layout.BufferBytes(b)));
@@ -88,7 +90,8 @@ uint64_t Fp8EngineMemory::Bytes(size_t buffer) const { return layout_.BufferByte
 
 std::span<uint8_t> Fp8EngineMemory::Bytes(size_t buffer) {
   auto it = fp8_.find(buffer);
-  return it == fp8_.end() ? plain_[buffer] : std::span<uint8_t>(it->second.master);
+  if (it != fp8_.end()) return it->second.master;
+  return buffer < plain_.size() ? plain_[buffer] : std::span<uint8_t>();
 }
 
 uint64_t Fp8EngineMemory::master_bytes() const {
@@ -116,29 +119,36 @@ void Fp8EngineMemory::MarkRange(Fp8Buffer& f, uint64_t first, uint64_t count) {
   }
 }
 
-Status Fp8EngineMemory::Gather(std::span<const WordRequest> requests) {
+Status Fp8EngineMemory::Words(std::span<const WordRequest> requests, bool scatter) {
+  std::vector<WordRequest> forwarded;
   for (const WordRequest& r : requests) {
     const std::span<uint8_t> bytes = Bytes(r.buffer);
-    for (size_t i = 0; i < r.offsets.size(); ++i)
-      std::memcpy(r.words.data() + i * r.word_bytes, bytes.data() + r.offsets[i] * r.word_bytes, r.word_bytes);
-  }
-  return Status::Ok();
-}
-
-Status Fp8EngineMemory::Scatter(std::span<const WordRequest> requests) {
-  for (const WordRequest& r : requests) {
-    const std::span<uint8_t> bytes = Bytes(r.buffer);
+    if (inner_ != nullptr && !fp8_.count(r.buffer)) {
+      forwarded.push_back(r);
+      continue;
+    }
     auto it = fp8_.find(r.buffer);
     const uint64_t eb = it == fp8_.end() ? 0 : BitsPerElement(it->second.dtype) / 8;
     for (size_t i = 0; i < r.offsets.size(); ++i) {
-      std::memcpy(bytes.data() + r.offsets[i] * r.word_bytes, r.words.data() + i * r.word_bytes, r.word_bytes);
+      uint8_t* word = bytes.data() + r.offsets[i] * r.word_bytes;
+      uint8_t* value = r.words.data() + i * r.word_bytes;
+      if (!scatter) {
+        std::memcpy(value, word, r.word_bytes);
+        continue;
+      }
+      std::memcpy(word, value, r.word_bytes);
       if (eb != 0) Mark(it->second, r.offsets[i] * r.word_bytes / eb);
     }
   }
-  return Status::Ok();
+  if (forwarded.empty()) return Status::Ok();
+  return scatter ? inner_->Scatter(forwarded) : inner_->Gather(forwarded);
 }
 
+Status Fp8EngineMemory::Gather(std::span<const WordRequest> requests) { return Words(requests, false); }
+Status Fp8EngineMemory::Scatter(std::span<const WordRequest> requests) { return Words(requests, true); }
+
 Status Fp8EngineMemory::Read(size_t buffer, uint64_t offset, std::span<uint8_t> out) {
+  if (inner_ != nullptr && !fp8_.count(buffer)) return inner_->Read(buffer, offset, out);
   const std::span<uint8_t> bytes = Bytes(buffer);
   if (offset > bytes.size() || out.size() > bytes.size() - offset)
     return OutOfRange(
@@ -148,6 +158,7 @@ Status Fp8EngineMemory::Read(size_t buffer, uint64_t offset, std::span<uint8_t> 
 }
 
 Status Fp8EngineMemory::Write(size_t buffer, uint64_t offset, std::span<const uint8_t> in) {
+  if (inner_ != nullptr && !fp8_.count(buffer)) return inner_->Write(buffer, offset, in);
   const std::span<uint8_t> bytes = Bytes(buffer);
   if (offset > bytes.size() || in.size() > bytes.size() - offset)
     return OutOfRange(
@@ -160,8 +171,7 @@ Status Fp8EngineMemory::Write(size_t buffer, uint64_t offset, std::span<const ui
   return Status::Ok();
 }
 
-uint64_t Fp8EngineMemory::Requantize() {
-  uint64_t done = 0;
+Status Fp8EngineMemory::Flush() {
   for (auto& [b, f] : fp8_) {
     const uint64_t per_entry = f.shape.scale_rows() * f.shape.scale_cols(), eb = BitsPerElement(f.dtype) / 8;
     const uint64_t entry_elements = f.rows * f.cols;
@@ -174,11 +184,11 @@ uint64_t Fp8EngineMemory::Requantize() {
                        f.placement.scales.subspan(k * per_entry * 4, per_entry * 4));
       f.marked[block] = 0;
     }
-    done += f.dirty.size();
+    requantized_ += f.dirty.size();
     f.dirty.clear();
   }
   pending_ = 0;
-  return done;
+  return inner_ != nullptr ? inner_->Flush() : Status::Ok();
 }
 
 }  // namespace dcr

@@ -19,6 +19,7 @@
 #include "dcr/chunk_codec.h"
 #include "dcr/delta.h"
 #include "dcr/fp8_engine.h"
+#include "testing/fake_memory.h"
 #include "testing/tensor_delta.h"
 
 namespace dcr {
@@ -138,15 +139,18 @@ std::vector<FrameView> Views(const Delta& d) {
 }
 
 // One FP8 engine rank: its BF16 map, the engine's FP8 bytes and scales per
-// FP8 buffer, its plain norm, and the memory the loop writes through.
+// FP8 buffer, its plain norm (in host memory, or behind `inner`), and the
+// memory the loop writes through.
 struct Fp8Rank {
   CompiledLayout layout;
   std::map<size_t, std::vector<uint8_t>> fp8, scales;
   std::vector<uint8_t> norm;
+  std::unique_ptr<testing::FakeMemory> inner;
   std::unique_ptr<Fp8EngineMemory> memory;
   ChunkDigestTable tracked;
 
-  explicit Fp8Rank(uint32_t r) : layout(*CompiledLayout::Compile(RankMap(r))) {  // the memory refers to `layout`
+  // The memory refers to `layout`.
+  explicit Fp8Rank(uint32_t r, bool behind_inner = false) : layout(*CompiledLayout::Compile(RankMap(r))) {
     std::map<size_t, Fp8Placement> placements;
     std::vector<std::span<uint8_t>> plain(layout.map().buffers.size());
     for (size_t b = 0; b < layout.map().buffers.size(); ++b) {
@@ -162,7 +166,13 @@ struct Fp8Rank {
       scales[b].assign(stack * s.scale_rows() * s.scale_cols() * 4, 0xA5);
       placements[b] = {fp8[b], scales[b]};
     }
-    auto m = Fp8EngineMemory::Create(layout, std::move(placements), std::move(plain));
+    if (behind_inner) {
+      std::vector<std::vector<uint8_t>> bytes(plain.size());
+      for (size_t b = 0; b < plain.size(); ++b) bytes[b].assign(plain[b].begin(), plain[b].end());
+      inner = std::make_unique<testing::FakeMemory>(std::move(bytes));
+    }
+    auto m = Fp8EngineMemory::Create(layout, std::move(placements), inner ? std::vector<std::span<uint8_t>>() : plain,
+                                     inner.get());
     EXPECT_TRUE(m.ok()) << m.status().ToString();
     memory = std::move(*m);
   }
@@ -207,8 +217,8 @@ void ExpectRankIs(Fp8Rank& rank, const Tensors& tensors, const std::string& when
     std::vector<uint8_t> bytes(rank.layout.BufferBytes(b));
     ASSERT_TRUE(rank.memory->Read(b, 0, bytes).ok());
     if (id == "norm") {
-      // The replica on rank 1 is written too (every copy is).
-      EXPECT_EQ(rank.norm, e.dense[b]) << when;
+      // The replica on rank 1 is written too (every copy is), where it lives.
+      EXPECT_EQ(rank.inner ? rank.inner->bytes()[b] : rank.norm, e.dense[b]) << when;
       continue;
     }
     EXPECT_EQ(bytes, e.dense[b]) << when << ": master of " << id;
@@ -257,38 +267,49 @@ void Apply(std::deque<Fp8Rank>& ranks, const Delta& d, std::span<const FrameView
   }
 }
 
-std::deque<Fp8Rank> Join(const Tensors& v0) {
+std::deque<Fp8Rank> Join(const Tensors& v0, bool behind_inner = false) {
   std::deque<Fp8Rank> ranks;
-  for (uint32_t r = 0; r < 2; ++r) ranks.emplace_back(r);
+  for (uint32_t r = 0; r < 2; ++r) ranks.emplace_back(r, behind_inner);
   DeltaOptions o;
   o.chunk_elements = kChunk;
   const DeltaManifest shape = StartLayoutDelta(Infos(), o);
   for (Fp8Rank& rank : ranks) {
     PlacedRank placed = rank.placed();
     EXPECT_TRUE(LoadDense(Source(v0), placed).ok());
-    EXPECT_GT(rank.memory->Requantize(), 0u);  // a join quantizes every block
+    // A join quantizes every block, at the load's flush.
+    EXPECT_EQ(rank.memory->blocks_pending(), 0u);
+    EXPECT_GT(rank.memory->blocks_requantized(), 0u);
     rank.tracked = *RankChunkDigests(placed, shape);
   }
   return ranks;
 }
 
 TEST(Fp8Engine, VersionsRequantizeExactlyTheTouchedBlocksBitForBit) {
-  for (const DeltaClass cls : {DeltaClass::kXorClass, DeltaClass::kOverwrite}) {
-    SCOPED_TRACE(static_cast<int>(cls));
+  for (const auto& [cls, behind_inner] :
+       {std::pair{DeltaClass::kXorClass, false}, {DeltaClass::kOverwrite, false}, {DeltaClass::kXorClass, true}}) {
+    SCOPED_TRACE(::testing::Message() << "class " << static_cast<int>(cls)
+                                      << (behind_inner ? ", behind a memory" : ""));
     std::mt19937_64 rng(7 + static_cast<int>(cls));
     Tensors v = Initial(rng);
-    std::deque<Fp8Rank> ranks = Join(v);
+    std::deque<Fp8Rank> ranks = Join(v, behind_inner);
     for (Fp8Rank& rank : ranks) ExpectRankIs(rank, v, "joined");
     for (int version = 1; version <= 3; ++version) {
       const Tensors next = Step(v, rng);
       const Delta d = Encode(v, next, cls);
       const std::vector<FrameView> frames = Views(d);
+      std::vector<uint64_t> before;
+      for (Fp8Rank& rank : ranks) before.push_back(rank.memory->blocks_requantized());
       ASSERT_NO_FATAL_FAILURE(Apply(ranks, d, frames));
-      for (Fp8Rank& rank : ranks) {
-        const uint64_t want = TouchedBlocks(rank.layout, v, next);
-        EXPECT_EQ(rank.memory->blocks_pending(), want);
-        EXPECT_EQ(rank.memory->Requantize(), want) << "version " << version;
+      for (size_t r = 0; r < ranks.size(); ++r) {
+        Fp8Rank& rank = ranks[r];
+        // The apply's end flushed: exactly the touched blocks were requantized.
+        EXPECT_EQ(rank.memory->blocks_pending(), 0u);
+        EXPECT_EQ(rank.memory->blocks_requantized() - before[r], TouchedBlocks(rank.layout, v, next))
+            << "version " << version;
         ExpectRankIs(rank, next, "version " + std::to_string(version));
+        if (behind_inner) {
+          EXPECT_EQ(rank.inner->flushes, version + 1);  // the join's and each apply's
+        }
       }
       v = next;
     }
@@ -303,14 +324,10 @@ TEST(Fp8Engine, AnOverwriteRetryOfAHalfAppliedVersionRestoresExactBits) {
   const std::vector<FrameView> frames = Views(xor_delta);
   // Half the frames land, and the engine is requantized from that master.
   ASSERT_NO_FATAL_FAILURE(Apply(ranks, xor_delta, std::span<const FrameView>(frames).first(frames.size() / 2)));
-  for (Fp8Rank& rank : ranks) rank.memory->Requantize();
   // The retry is an overwrite delta of the same version, every frame.
   const Delta retry = Encode(v0, v1, DeltaClass::kOverwrite);
   ASSERT_NO_FATAL_FAILURE(Apply(ranks, retry, Views(retry)));
-  for (Fp8Rank& rank : ranks) {
-    rank.memory->Requantize();
-    ExpectRankIs(rank, v1, "after the retry");
-  }
+  for (Fp8Rank& rank : ranks) ExpectRankIs(rank, v1, "after the retry");
 }
 
 TEST(Fp8Engine, AZeroBlockHasScaleOneAndAGrownAmaxMovesTheScale) {
@@ -319,7 +336,6 @@ TEST(Fp8Engine, AZeroBlockHasScaleOneAndAGrownAmaxMovesTheScale) {
   std::deque<Fp8Rank> ranks = Join(v0);
   const Delta d = Encode(v0, v1, DeltaClass::kXorClass);
   ASSERT_NO_FATAL_FAILURE(Apply(ranks, d, Views(d)));
-  for (Fp8Rank& rank : ranks) rank.memory->Requantize();
   auto scale = [](const std::vector<uint8_t>& s, uint64_t block) {
     float f;
     std::memcpy(&f, s.data() + block * 4, 4);
@@ -342,7 +358,7 @@ TEST(Fp8Engine, SharesThatAreNotWholeBlocksAreRefused) {
   auto layout = CompiledLayout::Compile(m);
   ASSERT_TRUE(layout.ok());
   std::vector<uint8_t> fp8(192 * 256), scales(2 * 2 * 4);
-  auto memory = Fp8EngineMemory::Create(*layout, {{0, {fp8, scales}}}, {{}});
+  auto memory = Fp8EngineMemory::Create(*layout, {{0, {fp8, scales}}}, {{}}, nullptr);
   ASSERT_FALSE(memory.ok());
   EXPECT_EQ(memory.status().code(), Code::kInvalidArgument);
   EXPECT_THAT(memory.status().message(), HasSubstr("not aligned to 128-element blocks"));
@@ -351,7 +367,7 @@ TEST(Fp8Engine, SharesThatAreNotWholeBlocksAreRefused) {
   layout = CompiledLayout::Compile(m);
   ASSERT_TRUE(layout.ok());
   std::vector<uint8_t> small(10);
-  memory = Fp8EngineMemory::Create(*layout, {{0, {fp8, small}}}, {{}});
+  memory = Fp8EngineMemory::Create(*layout, {{0, {fp8, small}}}, {{}}, nullptr);
   ASSERT_FALSE(memory.ok());
   EXPECT_THAT(memory.status().message(), HasSubstr("scales 10"));
 }

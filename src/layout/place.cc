@@ -166,7 +166,7 @@ Status LoadDense(const TensorBytes& source, PlacedRank& rank) {
     }
     for (const ByteRun& r : runs) std::memcpy(rank.buffers[b].data() + r.buffer, data[r.tensor] + r.canonical, r.bytes);
   }
-  return Status::Ok();
+  return rank.memory != nullptr ? rank.memory->Flush() : Status::Ok();
 }
 
 Result<Digest> RankDigest(const PlacedRank& rank, std::span<const std::string> only) {

@@ -124,6 +124,12 @@ Result<Digest> PlacedTarget::ChunkDigest(uint32_t tensor, uint32_t chunk) const 
   return d;
 }
 
+Status PlacedTarget::Finish() {
+  for (PlacedRank* r : ranks_)
+    if (r->memory != nullptr) DCR_RETURN_IF_ERROR(r->memory->Flush());
+  return Status::Ok();
+}
+
 namespace placement {
 
 // One frame's words in one buffer of a rank in BufferMemory: which of its

@@ -17,6 +17,7 @@
 #include "dcr/chunk_codec.h"
 #include "dcr/delta.h"
 #include "dcr/layout_apply.h"
+#include "testing/fake_memory.h"
 #include "testing/tensor_delta.h"
 
 namespace dcr {
@@ -244,45 +245,7 @@ TEST(RankApplyTest, PartialsAddUpAndRanksEndAtADenseLoad) {
   EXPECT_GT(whole_seen, 50);  // chunks 0 and 1 of "a" lie whole in rank 0's rows
 }
 
-// Buffers reached only through BufferMemory (what a GPU's are): host
-// vectors behind the interface, counting calls; `fail_scatter` makes the
-// n-th scatter write its first request and then fail (a device error).
-class FakeMemory final : public BufferMemory {
- public:
-  explicit FakeMemory(std::vector<std::vector<uint8_t>> bytes) : bytes_(std::move(bytes)) {}
-  uint64_t Bytes(size_t b) const override { return bytes_[b].size(); }
-  Status Gather(std::span<const WordRequest> requests) override {
-    ++gathers;
-    for (const WordRequest& r : requests)
-      for (size_t i = 0; i < r.offsets.size(); ++i)
-        std::memcpy(r.words.data() + i * r.word_bytes, bytes_[r.buffer].data() + r.offsets[i] * r.word_bytes,
-                    r.word_bytes);
-    return Status::Ok();
-  }
-  Status Scatter(std::span<const WordRequest> requests) override {
-    ++scatters;
-    for (const WordRequest& r : requests) {
-      for (size_t i = 0; i < r.offsets.size(); ++i)
-        std::memcpy(bytes_[r.buffer].data() + r.offsets[i] * r.word_bytes, r.words.data() + i * r.word_bytes,
-                    r.word_bytes);
-      if (scatters == fail_scatter) return Unavailable("the device is gone");
-    }
-    return Status::Ok();
-  }
-  Status Read(size_t b, uint64_t offset, std::span<uint8_t> out) override {
-    std::memcpy(out.data(), bytes_[b].data() + offset, out.size());
-    return Status::Ok();
-  }
-  Status Write(size_t b, uint64_t offset, std::span<const uint8_t> in) override {
-    std::memcpy(bytes_[b].data() + offset, in.data(), in.size());
-    return Status::Ok();
-  }
-  const std::vector<std::vector<uint8_t>>& bytes() const { return bytes_; }
-  int gathers = 0, scatters = 0, fail_scatter = -1;
-
- private:
-  std::vector<std::vector<uint8_t>> bytes_;
-};
+using testing::FakeMemory;
 
 // The same engine as MakeEngine, its buffers in FakeMemory.
 struct MemoryEngine {
