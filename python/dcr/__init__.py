@@ -261,6 +261,45 @@ def _buffers_for(layout_json: str, tensors: Mapping[str, Any], who: str, views: 
     return out
 
 
+def _fp8_memory(layout_json: str, tensors: Mapping[str, Any], scales: Mapping[str, Any]) -> tuple:
+    """An FP8 receiver's layout (its FP8 buffers, and the tensors copied into
+    them, declared in the run's dtype: F8_E4M3 read as BF16) and its memory
+    (``_dcr.Fp8Memory``), after checking each FP8 tensor and scale."""
+    doc = json.loads(layout_json)
+    index = {b["id"]: i for i, b in enumerate(doc.get("buffers", []))}
+    fp8_tensors = set()
+    for bid in scales:
+        if bid not in index:
+            raise InvalidArgumentError(f"Receiver: fp8 names buffer '{bid}', which the layout does not declare")
+        b = doc["buffers"][index[bid]]
+        if b["dtype"] == "F8_E4M3":
+            b["dtype"] = "BF16"
+        fp8_tensors |= {c["tensor"] for c in doc.get("copies", []) if c["buffer"] == bid}
+    for t in doc.get("tensors", []):
+        if t["name"] in fp8_tensors and t["dtype"] == "F8_E4M3":
+            t["dtype"] = "BF16"
+    layout_json = json.dumps(doc)
+    fp8, plain = [], {}
+    for bid, i in index.items():
+        t = tensors.get(bid)
+        if t is None:
+            raise InvalidArgumentError(f"Receiver: the layout declares buffer '{bid}', which is not among the tensors given")
+        if bid not in scales:
+            plain[i] = _buffers_for(json.dumps({"buffers": [doc["buffers"][i]]}), {bid: t}, "Receiver")[0]
+            continue
+        shape = [int(d) for d in doc["buffers"][i]["shape"]]
+        if dtype_name(t) != "F8_E4M3" or [int(d) for d in t.shape] != shape:
+            raise InvalidArgumentError(f"Receiver: FP8 buffer '{bid}' is {dtype_name(t)} {list(t.shape)}; expected "
+                                       f"F8_E4M3 {shape}")
+        s = scales[bid]
+        want = shape[:-2] + [(shape[-2] + 127) // 128, (shape[-1] + 127) // 128]
+        if dtype_name(s) != "F32" or [int(d) for d in s.shape] != want:
+            raise InvalidArgumentError(f"Receiver: the scales of FP8 buffer '{bid}' are {dtype_name(s)} "
+                                       f"{list(s.shape)}; expected F32 {want} (a scale per 128 x 128 block)")
+        fp8.append((i, byte_view(t, f"Receiver: FP8 buffer '{bid}'"), byte_view(s, f"Receiver: scales of '{bid}'")))
+    return layout_json, _dcr.Fp8Memory(layout_json, fp8, plain)
+
+
 def _buffers_of_tensors(layout_json: str) -> dict:
     """Canonical tensor name -> the ids of the buffers its copies write."""
     out: dict = {}
@@ -343,6 +382,20 @@ class Receiver:
     tensor is off the CPU. Otherwise CPU tensors are read and written in
     place, directly.
 
+    ``fp8``: the buffers this rank serves as block FP8, by buffer name, each
+    with its F32 scale tensor (``weight_scale_inv``: [ceil(rows / 128),
+    ceil(cols / 128)], or [n, ...] for a [n, rows, cols] expert stack). Their
+    tensors are ``torch.float8_e4m3fn``; the layout declares them, and the
+    tensors copied into them, in the run's dtype (a declared F8_E4M3 is read
+    as BF16). The receiver keeps a BF16 master of those buffers (host memory,
+    ``fp8_master_bytes``), applies the ordinary frames to it, and requantizes
+    every 128 x 128 block holding a changed element into the FP8 tensor and
+    its scale (:func:`quantize_fp8_blocks`' scheme) before an apply returns
+    or a version is acked (docs/layouts.md, "FP8 engines"). The master starts
+    empty: :meth:`load` the BF16 tensors of the version the engine holds, or
+    :meth:`follow`, which joins from the run's snapshot. CPU tensors only for
+    now.
+
     The receiver tracks the digest of every chunk it holds (computed at the
     first :meth:`apply` or :meth:`follow`, then updated from the changed words
     alone). Bits changed outside dcr are not seen by those digests: call
@@ -354,7 +407,7 @@ class Receiver:
                  residuals: Union[Iterable[str], Mapping[str, Any]] = (),
                  loader: Optional[Callable[[Iterable], Any]] = None,
                  post_update: Optional[Callable[[dict], Any]] = None, stage: Optional[bool] = None,
-                 residuals_primary: bool = True):
+                 residuals_primary: bool = True, fp8: Optional[Mapping[str, Any]] = None):
         self.layout_json = identity_layout(tensors) if layout is None else _layout_json(layout)
         self._residuals_primary = residuals_primary
         self._tensors = dict(tensors)
@@ -370,7 +423,13 @@ class Receiver:
         bufs = dict(self._tensors)
         bufs.update({self._SHADOW + n: t for n, t in self._shadow.items()})
         self._skipped, self._follower = skipped, None
-        if stage or (stage is None and any(_off_host(t) for t in bufs.values())):
+        self._fp8 = None
+        if fp8:
+            if stage or any(_off_host(t) for t in bufs.values()) or any(_off_host(s) for s in fp8.values()):
+                raise InvalidArgumentError("Receiver: FP8 buffers take CPU tensors only for now (issue 44)")
+            self.layout_json, self._fp8 = _fp8_memory(self.layout_json, bufs, fp8)
+            self._buffers, self._memory = [], self._fp8
+        elif stage or (stage is None and any(_off_host(t) for t in bufs.values())):
             checked = _buffers_for(self.layout_json, bufs, "Receiver", views=False)
             self._buffers, self._memory = [], TensorMemory(checked, "Receiver")
         else:
@@ -411,7 +470,11 @@ class Receiver:
         decoded changes held at once (tensors reached through
         :class:`dcr._tensors.TensorMemory`)."""
         touched = _touched(delta)
-        report = self._r.apply(delta)
+        before = self._fp8.blocks_requantized if self._fp8 is not None else 0
+        report = dict(self._r.apply(delta))
+        if self._fp8 is not None:
+            report["fp8_blocks_requantized"] = self._fp8.blocks_requantized - before
+            report["fp8_master_bytes"] = self._fp8.master_bytes
         loaded = [n for n in self._shadow if n in touched]
         if loaded:
             self._loader([(n, self._shadow[n]) for n in loaded])
@@ -420,6 +483,13 @@ class Receiver:
         if self._post_update is not None:
             self._post_update(report)
         return report
+
+    def load(self, tensors: Mapping[str, Any]) -> None:
+        """A dense load of canonical tensors (by name, CPU; e.g. the BF16
+        checkpoint of the version the engine holds) through the layout into
+        every buffer it maps: an FP8 rank's master, whose blocks are all
+        requantized. The digests are computed again at the next apply."""
+        self._r.load({n: byte_view(t, f"Receiver.load: tensor '{n}'") for n, t in tensors.items()})
 
     def forget_digests(self) -> None:
         """The tensors were changed outside dcr: the next :meth:`apply`

@@ -7,6 +7,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/filesystem.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
@@ -29,6 +30,7 @@
 #include "dcr/checkpoint.h"
 #include "dcr/delta.h"
 #include "dcr/digest.h"
+#include "dcr/fp8_engine.h"
 #include "dcr/layout.h"
 #include "dcr/layout_apply.h"
 #include "dcr/mapped_file.h"
@@ -83,24 +85,44 @@ struct PyStore {
   std::unique_ptr<dcr::Store> store;
 };
 
-// A rank's buffers as Python gave them: host arrays (applied in place), or
-// an object reaching them wherever they live (PyBufferMemory). The arrays
-// and the memory are kept, so the buffers outlive what uses them.
+// An FP8 engine rank's memory (dcr::Fp8EngineMemory: a master of its FP8
+// buffers, requantized into the engine's E4M3 bytes and scales at every
+// flush), shared by the Receiver's applies and follows. Holds its own
+// compiled layout (from the same JSON: the same buffer indices) and the
+// arrays it writes.
+struct PyFp8Memory {
+  dcr::CompiledLayout layout;
+  std::vector<nb::ndarray<>> arrays;
+  std::unique_ptr<dcr::Fp8EngineMemory> memory;
+};
+
+// A rank's buffers as Python gave them: host arrays (applied in place), an
+// object reaching them wherever they live (PyBufferMemory), or an FP8
+// engine's memory (PyFp8Memory). The arrays and the memory are kept, so the
+// buffers outlive what uses them.
 struct PyBuffers {
   std::vector<nb::ndarray<>> arrays;
+  nb::object memory_object;
   std::unique_ptr<dcr_python::PyBufferMemory> memory;
   dcr::PlacedRank placed;
 
   PyBuffers(const dcr::CompiledLayout& layout, std::vector<nb::ndarray<>> a, nb::object mem, const std::string& who)
-      : arrays(std::move(a)) {
+      : arrays(std::move(a)), memory_object(mem) {
     placed.layout = &layout;
     if (mem.is_none()) {
       placed.buffers = RankBuffers(layout, arrays, who);
       return;
     }
     if (!arrays.empty()) Raise(dcr::InvalidArgument(who + ": buffers given as arrays and as a memory both"));
-    memory = std::make_unique<dcr_python::PyBufferMemory>(mem, nb::cast<std::vector<uint64_t>>(mem.attr("sizes")()));
-    placed.memory = memory.get();
+    if (nb::isinstance<PyFp8Memory>(mem)) {
+      PyFp8Memory& fp8 = nb::cast<PyFp8Memory&>(mem);
+      if (!(fp8.layout.map() == layout.map()))
+        Raise(dcr::InvalidArgument(who + ": the FP8 memory was made for another layout"));
+      placed.memory = fp8.memory.get();
+    } else {
+      memory = std::make_unique<dcr_python::PyBufferMemory>(mem, nb::cast<std::vector<uint64_t>>(mem.attr("sizes")()));
+      placed.memory = memory.get();
+    }
     Check(dcr::CheckRankBuffers(placed).WithContext(who));
   }
 };

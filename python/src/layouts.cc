@@ -104,6 +104,27 @@ struct PyReceiver {
   // The tensors changed outside dcr: the next apply digests them again.
   void Forget() { tracked.clear(); }
 
+  // A dense load of canonical tensors (name -> flat uint8 view) through the
+  // map: every buffer the map writes (an FP8 engine's master, requantized).
+  void Load(const std::map<std::string, nb::ndarray<>>& tensors) {
+    std::map<std::string, std::span<uint8_t>> bytes;
+    for (const auto& [name, a] : tensors) bytes[name] = BytesOf(a, "tensor '" + name + "'");
+    dcr::Status s;
+    {
+      nb::gil_scoped_release release;
+      s = dcr::LoadDense(
+          [&](const std::string& name, uint64_t* n) -> const uint8_t* {
+            auto it = bytes.find(name);
+            if (it == bytes.end()) return nullptr;
+            *n = it->second.size();
+            return it->second.data();
+          },
+          buffers.placed);
+      tracked.clear();
+    }
+    Check(s);
+  }
+
   std::string Digest() {
     nb::gil_scoped_release release;
     return Take(dcr::RankDigest(buffers.placed)).ToHex();
@@ -118,6 +139,29 @@ void BindLayouts(nb::module_& m) {
       "validate_layout",
       [](const std::string& json) { return dcr::LayoutMapToJson(Take(dcr::LayoutMapFromJson(json, "layout"))); },
       "json"_a, "Validates a layout map; returns its canonical JSON.");
+  nb::class_<PyFp8Memory>(m, "Fp8Memory")
+      .def(
+          "__init__",
+          [](PyFp8Memory* self, const std::string& layout_json,
+             std::vector<std::tuple<size_t, nb::ndarray<>, nb::ndarray<>>> fp8, std::map<size_t, nb::ndarray<>> plain) {
+            new (self) PyFp8Memory{CompileJson(layout_json, "FP8 receiver layout"), {}, nullptr};
+            std::map<size_t, dcr::Fp8Placement> placements;
+            for (auto& [b, bytes, scales] : fp8) {
+              placements[b] = {BytesOf(bytes, "FP8 bytes"), BytesOf(scales, "FP8 scales")};
+              self->arrays.push_back(bytes);
+              self->arrays.push_back(scales);
+            }
+            std::vector<std::span<uint8_t>> spans(self->layout.map().buffers.size());
+            for (auto& [b, array] : plain) {
+              if (b >= spans.size()) Raise(dcr::InvalidArgument("FP8 receiver: no buffer " + std::to_string(b)));
+              spans[b] = BytesOf(array, "buffer '" + self->layout.map().buffers[b].id + "'");
+              self->arrays.push_back(array);
+            }
+            self->memory = Take(dcr::Fp8EngineMemory::Create(self->layout, std::move(placements), std::move(spans)));
+          },
+          "layout_json"_a, "fp8"_a, "plain"_a)
+      .def_prop_ro("master_bytes", [](const PyFp8Memory& f) { return f.memory->master_bytes(); })
+      .def_prop_ro("blocks_requantized", [](const PyFp8Memory& f) { return f.memory->blocks_requantized(); });
   m.def(
       "quantize_fp8_blocks",
       [](nb::ndarray<> src, const std::string& dtype, uint64_t rows, uint64_t cols, uint64_t block, nb::ndarray<> fp8,
@@ -150,6 +194,7 @@ void BindLayouts(nb::module_& m) {
           },
           "layout_json"_a, "buffers"_a, "residuals"_a, "memory"_a = nb::none())
       .def("apply", &PyReceiver::Apply, "delta"_a)
+      .def("load", &PyReceiver::Load, "tensors"_a)
       .def("forget_digests", &PyReceiver::Forget)
       .def("digest", &PyReceiver::Digest);
 }

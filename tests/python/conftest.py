@@ -8,11 +8,14 @@ compare dcr against a second implementation, not against itself.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import struct
 import subprocess
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,3 +200,29 @@ class GenCache:
 @pytest.fixture(scope="session")
 def gen_cache(tmp_path_factory, dcr_bin) -> GenCache:
     return GenCache(tmp_path_factory.mktemp("gen"))
+
+
+@contextlib.contextmanager
+def following(rx, store, state_dir, **kwargs):
+    """``rx.follow(store, state_dir, **kwargs)`` on a thread (it releases the
+    GIL) while the body publishes: entered once the receiver registered in
+    the store, yields the list that receives follow's result (or exception);
+    joins the thread on exit."""
+    result: list = []
+
+    def follow():
+        try:
+            result.append(rx.follow(store, state_dir, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - reported through `result`
+            result.append(e)
+
+    t = threading.Thread(target=follow)
+    t.start()
+    try:
+        deadline = time.monotonic() + 120  # a guard only: the body's publishes wait for this receiver
+        while not store.list("receivers/"):
+            assert t.is_alive() and time.monotonic() < deadline, f"the receiver did not register: {result}"
+            time.sleep(0.01)
+        yield result
+    finally:
+        t.join(60)

@@ -28,6 +28,7 @@ pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import dcr  # noqa: E402
+from conftest import following  # noqa: E402
 from test_python_refit_models import FusedLlamaParams, bits, tiny_llama  # noqa: E402
 
 HERE = str(Path(__file__).resolve().parent)
@@ -216,29 +217,11 @@ def test_follow_hands_residuals_to_the_loader_and_calls_the_hook(tmp_path):
 
     rx = dcr.Receiver({"w": engine["w"]}, residuals={"norm": torch.zeros(16, dtype=torch.bfloat16)}, loader=loader,
                       post_update=lambda r: versions.append((r["version"], r["residuals_loaded"])))
-    result: list = []
-
-    def follow():
-        try:
-            result.append(rx.follow(store, tmp_path / "rx", engine="e", until=2, timeout_s=30, poll_s=0.02))
-        except BaseException as e:  # noqa: BLE001 - reported below
-            result.append(e)
-
-    import threading
-    import time
-    t = threading.Thread(target=follow)
-    t.start()
-    try:
-        deadline = time.monotonic() + 120  # a guard only: the publishes below must wait for this receiver
-        while not store.list("receivers/"):
-            assert t.is_alive() and time.monotonic() < deadline, f"the receiver did not register: {result}"
-            time.sleep(0.01)
+    with following(rx, store, tmp_path / "rx", engine="e", until=2, timeout_s=30, poll_s=0.02) as result:
         for v in (1, 2):
             trainer["w"][v].add_(1)
             trainer["norm"][3 * v:3 * v + 2].mul_(2)
             assert pub.publish(v)["acked"] == ["e-r0"]
-    finally:
-        t.join(60)
     assert result == [2], result
     assert versions == [(0, ["norm"]), (1, ["norm"]), (2, ["norm"])]
     assert torch.equal(engine["w"].view(torch.int16), trainer["w"].view(torch.int16))
