@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "dcr/dtype.h"
+#include "dcr/thread_pool.h"
 
 namespace dcr {
 
@@ -172,21 +173,24 @@ Status Fp8EngineMemory::Write(size_t buffer, uint64_t offset, std::span<const ui
 }
 
 Status Fp8EngineMemory::Flush() {
-  for (auto& [b, f] : fp8_) {
+  std::vector<std::pair<Fp8Buffer*, uint64_t>> blocks;  // distinct blocks: written disjointly, in parallel
+  for (auto& [b, f] : fp8_)
+    for (const uint64_t block : f.dirty) blocks.emplace_back(&f, block);
+  DefaultPool().ParallelFor(blocks.size(), [&](size_t i) {
+    Fp8Buffer& f = *blocks[i].first;
     const uint64_t per_entry = f.shape.scale_rows() * f.shape.scale_cols(), eb = BitsPerElement(f.dtype) / 8;
-    const uint64_t entry_elements = f.rows * f.cols;
-    for (const uint64_t block : f.dirty) {
-      const uint64_t k = block / per_entry, in = block % per_entry;
-      QuantizeFp8Block(f.dtype,
-                       std::span<const uint8_t>(f.master).subspan(k * entry_elements * eb, entry_elements * eb),
-                       f.shape, in / f.shape.scale_cols(), in % f.shape.scale_cols(),
-                       f.placement.fp8.subspan(k * entry_elements, entry_elements),
-                       f.placement.scales.subspan(k * per_entry * 4, per_entry * 4));
-      f.marked[block] = 0;
-    }
-    requantized_ += f.dirty.size();
+    const uint64_t entry_elements = f.rows * f.cols, k = blocks[i].second / per_entry;
+    const uint64_t in = blocks[i].second % per_entry;
+    QuantizeFp8Block(f.dtype, std::span<const uint8_t>(f.master).subspan(k * entry_elements * eb, entry_elements * eb),
+                     f.shape, in / f.shape.scale_cols(), in % f.shape.scale_cols(),
+                     f.placement.fp8.subspan(k * entry_elements, entry_elements),
+                     f.placement.scales.subspan(k * per_entry * 4, per_entry * 4));
+  });
+  for (auto& [b, f] : fp8_) {
+    for (const uint64_t block : f.dirty) f.marked[block] = 0;
     f.dirty.clear();
   }
+  requantized_ += blocks.size();
   pending_ = 0;
   return inner_ != nullptr ? inner_->Flush() : Status::Ok();
 }

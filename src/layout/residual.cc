@@ -49,21 +49,19 @@ float QuantizeValues(const float* x, uint64_t n, uint8_t* q) {
 uint8_t Fp32ToE4m3(float x) {
   uint32_t bits;
   std::memcpy(&bits, &x, 4);
-  const uint8_t sign = static_cast<uint8_t>((bits >> 31) << 7);
-  if (std::isnan(x)) return sign | 0x7F;
-  const float a = std::fabs(x);
-  if (!(a <= 448.0f)) return sign | 0x7E;  // saturate (infinities included)
-  if (a < 0.015625f) {  // below 2^-6: subnormal steps of 2^-9
-    const auto m = static_cast<uint8_t>(std::nearbyint(a * 512.0f));  // 8 is the smallest normal, 0x08
-    return sign | m;
+  const auto sign = static_cast<uint8_t>((bits >> 24) & 0x80);
+  const uint32_t a = bits & 0x7FFFFFFF;
+  if (a > 0x7F800000) return sign | 0x7F;  // NaN
+  if (a >= 0x43E00000) return sign | 0x7E;  // 448 and above, infinities included: saturate
+  if (a < 0x3C800000) {  // below 2^-6: subnormal steps of 2^-9 (8 is the smallest normal, 0x08)
+    float f;
+    std::memcpy(&f, &a, 4);
+    return sign | static_cast<uint8_t>(std::nearbyint(f * 512.0f));
   }
-  int e;
-  const float m = std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
-  int exponent = e - 1 + 7;
-  int mantissa = static_cast<int>(std::nearbyint((m * 2.0f - 1.0f) * 8.0f));
-  if (mantissa == 8) mantissa = 0, ++exponent;
-  const int code = std::min((exponent << 3) | mantissa, 0x7E);
-  return sign | static_cast<uint8_t>(code);
+  // Normal: 3 of the 23 mantissa bits kept, rounded to nearest even (a carry
+  // moves into the exponent); E4M3's exponent bias is 7, FP32's 127.
+  const uint32_t rounded = a + 0x7FFFF + ((a >> 20) & 1);
+  return sign | static_cast<uint8_t>(std::min<uint32_t>((rounded >> 20) - (120u << 3), 0x7E));
 }
 
 Status QuantizeFp8Blocks(DType dtype, std::span<const uint8_t> src, const Fp8BlockShape& s, std::span<uint8_t> fp8,

@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <random>
+#include <vector>
 
 #include "dcr/checkpoint.h"
 #include "dcr/layout_apply.h"
@@ -59,6 +61,45 @@ TEST(Fp32ToE4m3Test, RoundsToNearestEvenAndSaturates) {
       {Bits(0x80000001), 0x80},  // ... and to -0
   };
   for (const Case& c : cases) EXPECT_EQ(Fp32ToE4m3(c.x), c.want) << c.x;
+}
+
+// An independent reference by values: the nearest of the 127 non-negative
+// finite E4M3 values (ties to the even code), saturating at 448.
+uint8_t E4m3ByValue(float x) {
+  static const std::vector<double> values = [] {
+    std::vector<double> v;
+    for (int code = 0; code <= 0x7E; ++code) {
+      const int e = code >> 3, m = code & 7;
+      v.push_back(e == 0 ? m * std::ldexp(1.0, -9) : (1 + m / 8.0) * std::ldexp(1.0, e - 7));
+    }
+    return v;
+  }();
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+  if (std::isnan(x)) return sign | 0x7F;
+  const double a = std::fabs(static_cast<double>(x));
+  if (a >= 448) return sign | 0x7E;
+  const auto hi = std::upper_bound(values.begin(), values.end(), a);
+  const int up = static_cast<int>(hi - values.begin()), down = up - 1;
+  const double dd = a - values[down], du = values[up] - a;
+  const int code = dd < du ? down : du < dd ? up : (down % 2 == 0 ? down : up);
+  return sign | static_cast<uint8_t>(code);
+}
+
+TEST(Fp32ToE4m3Test, AgreesWithTheNearestValueOverTheFloatRange) {
+  // Every sign, exponent and top 12 mantissa bits (for normals, the rounding
+  // bit 19 and the tie's bits below it among them), with the low 11 bits at
+  // the edges (a tie, just above and below one) and random.
+  std::mt19937 rng(9);
+  const uint32_t lows[] = {0, 1, 0x3FF, 0x400, 0x7FF};
+  uint64_t checked = 0;
+  for (uint32_t top = 0; top < (1u << 21); ++top) {
+    for (const uint32_t low : {lows[0], lows[1], lows[2], lows[3], lows[4], static_cast<uint32_t>(rng() & 0x7FF)}) {
+      const uint32_t bits = (top << 11) | low;
+      ASSERT_EQ(Fp32ToE4m3(Bits(bits)), E4m3ByValue(Bits(bits))) << std::hex << bits;
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 6u << 21);
 }
 
 TEST(QuantizeFp8BlocksTest, ScalesByBlockAmax) {
