@@ -16,7 +16,7 @@
 #       timeout_s 560. Unpacks the packages into a prefix, builds dcr's Python
 #       package for that machine's Python and torch, runs the CUDA tests of
 #       the apply loop (tests/python/test_device_apply.py and the CUDA
-#       variants in test_python_trainer_side.py) and the engine apply
+#       variants in test_python_trainer_side.py and test_fp8_receiver.py) and the engine apply
 #       benchmark on the device, and prints one table. Logs, the benchmark's
 #       JSON and its plot go to $OUT (or .device/out).
 #   scripts/device_check.sh --run --no-cuda
@@ -49,7 +49,7 @@ system='^(gcc-12-base|libc6|libc6-dev|libc-dev-bin|libcrypt1|libcrypt-dev|libgcc
 
 steps=(
   "build: dcr's Python package against the carried packages (pip, scikit-build-core, the machine's Python and torch)"
-  "tests: tests/python/test_device_apply.py (device path against host path: every mode, codec and word size, chunk edges, replicas, a torn scatter repaired, a rank following a store through a retry) and the CUDA variants of test_python_trainer_side.py (staged publisher and follower)"
+  "tests: tests/python/test_device_apply.py (device path against host path: every mode, codec and word size, chunk edges, replicas, a torn scatter repaired, a rank following a store through a retry) and the CUDA variants of test_python_trainer_side.py (staged publisher and follower) and test_fp8_receiver.py (an FP8 rank on the device)"
   "bench: bench/engine_apply_bench.py --device cuda --size 2GB (0.1%, 1%, 3% versions: in place on the device against the staged path, and the device's own copy rate)"
 )
 
@@ -126,7 +126,7 @@ t0=$(date +%s)
 export PYTHONPATH=$work/site PYTHONUNBUFFERED=1
 
 set +e
-sel=(tests/python/test_device_apply.py tests/python/test_python_trainer_side.py)
+sel=(tests/python/test_device_apply.py tests/python/test_python_trainer_side.py tests/python/test_fp8_receiver.py)
 filter=(-k "cuda")
 [ "$cuda" = 1 ] || filter=(-k "cpu and (device or staged)")
 timeout 180 "$python" -m pytest -q -p no:cacheprovider "${sel[@]}" "${filter[@]}" > "$out/tests.log" 2>&1

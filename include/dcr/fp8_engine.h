@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
@@ -40,7 +41,10 @@ struct Fp8Placement {
 // engine's own: in host memory (`plain[b]`; empty for FP8 buffers), or,
 // when `inner` is given (`plain` empty), reached through it (a device's).
 // A fresh rank joins by a dense load of a BF16 checkpoint (LoadDense): every
-// block is marked. Not thread-safe.
+// block is marked. `after_flush`, when set, is called at the end of every
+// flush that requantized something, with the FP8 buffers it wrote: an
+// engine whose FP8 tensors live on a device gives host placements and copies
+// them there (its error fails the flush). Not thread-safe.
 class Fp8EngineMemory final : public BufferMemory {
  public:
   // kInvalidArgument when a buffer in `fp8` is not 2-D or 3-D BF16/F32, a
@@ -54,6 +58,7 @@ class Fp8EngineMemory final : public BufferMemory {
                                                          std::map<size_t, Fp8Placement> fp8,
                                                          std::vector<std::span<uint8_t>> plain,
                                                          BufferMemory* inner = nullptr, uint64_t block = 128);
+  void set_after_flush(std::function<Status(std::span<const size_t> buffers)> f) { after_flush_ = std::move(f); }
 
   uint64_t Bytes(size_t buffer) const override;
   Status Gather(std::span<const WordRequest> requests) override;
@@ -94,6 +99,7 @@ class Fp8EngineMemory final : public BufferMemory {
   std::map<size_t, Fp8Buffer> fp8_;
   std::vector<std::span<uint8_t>> plain_;
   uint64_t pending_ = 0, requantized_ = 0;
+  std::function<Status(std::span<const size_t>)> after_flush_;
 };
 
 }  // namespace dcr

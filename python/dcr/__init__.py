@@ -261,10 +261,14 @@ def _buffers_for(layout_json: str, tensors: Mapping[str, Any], who: str, views: 
     return out
 
 
-def _fp8_memory(layout_json: str, tensors: Mapping[str, Any], scales: Mapping[str, Any]) -> tuple:
+def _fp8_memory(layout_json: str, tensors: Mapping[str, Any], scales: Mapping[str, Any], staged: bool) -> tuple:
     """An FP8 receiver's layout (its FP8 buffers, and the tensors copied into
     them, declared in the run's dtype: F8_E4M3 read as BF16) and its memory
-    (``_dcr.Fp8Memory``), after checking each FP8 tensor and scale."""
+    (``_dcr.Fp8Memory``), after checking each FP8 tensor and scale. ``staged``
+    (tensors on a device, or ``stage=True``): the other buffers are reached
+    through :class:`TensorMemory`, and the requantized E4M3 bytes and scales
+    are written to host copies, copied to the FP8 tensors at every flush that
+    wrote them (before an apply returns or the rank acks)."""
     doc = json.loads(layout_json)
     index = {b["id"]: i for i, b in enumerate(doc.get("buffers", []))}
     fp8_tensors = set()
@@ -279,13 +283,17 @@ def _fp8_memory(layout_json: str, tensors: Mapping[str, Any], scales: Mapping[st
         if t["name"] in fp8_tensors and t["dtype"] == "F8_E4M3":
             t["dtype"] = "BF16"
     layout_json = json.dumps(doc)
-    fp8, plain = [], {}
+    fp8, plain, ordered, copies = [], {}, [], {}
     for bid, i in index.items():
         t = tensors.get(bid)
         if t is None:
             raise InvalidArgumentError(f"Receiver: the layout declares buffer '{bid}', which is not among the tensors given")
+        ordered.append(t)  # TensorMemory's view (an FP8 buffer's slot is never reached through it)
         if bid not in scales:
-            plain[i] = _buffers_for(json.dumps({"buffers": [doc["buffers"][i]]}), {bid: t}, "Receiver")[0]
+            if staged:
+                _buffers_for(json.dumps({"buffers": [doc["buffers"][i]]}), {bid: t}, "Receiver", views=False)
+            else:
+                plain[i] = _buffers_for(json.dumps({"buffers": [doc["buffers"][i]]}), {bid: t}, "Receiver")[0]
             continue
         shape = [int(d) for d in doc["buffers"][i]["shape"]]
         if dtype_name(t) != "F8_E4M3" or [int(d) for d in t.shape] != shape:
@@ -296,8 +304,22 @@ def _fp8_memory(layout_json: str, tensors: Mapping[str, Any], scales: Mapping[st
         if dtype_name(s) != "F32" or [int(d) for d in s.shape] != want:
             raise InvalidArgumentError(f"Receiver: the scales of FP8 buffer '{bid}' are {dtype_name(s)} "
                                        f"{list(s.shape)}; expected F32 {want} (a scale per 128 x 128 block)")
+        if staged:
+            import torch
+
+            host_t, host_s = torch.empty(t.shape, dtype=t.dtype), torch.empty(s.shape, dtype=s.dtype)
+            copies[i] = (t, s, host_t, host_s)
+            t, s = host_t, host_s
         fp8.append((i, byte_view(t, f"Receiver: FP8 buffer '{bid}'"), byte_view(s, f"Receiver: scales of '{bid}'")))
-    return layout_json, _dcr.Fp8Memory(layout_json, fp8, plain)
+    if not staged:
+        return layout_json, _dcr.Fp8Memory(layout_json, fp8, plain)
+
+    def copy_to_tensors(buffers):
+        for i in buffers:
+            t, s, host_t, host_s = copies[i]
+            t.copy_(host_t)
+            s.copy_(host_s)
+    return layout_json, _dcr.Fp8Memory(layout_json, fp8, {}, TensorMemory(ordered, "Receiver"), copy_to_tensors)
 
 
 def _buffers_of_tensors(layout_json: str) -> dict:
@@ -393,8 +415,10 @@ class Receiver:
     its scale (:func:`quantize_fp8_blocks`' scheme) before an apply returns
     or a version is acked (docs/layouts.md, "FP8 engines"). The master starts
     empty: :meth:`load` the BF16 tensors of the version the engine holds, or
-    :meth:`follow`, which joins from the run's snapshot. CPU tensors only for
-    now.
+    :meth:`follow`, which joins from the run's snapshot. With tensors on a
+    device (or ``stage=True``) the other buffers are reached as ``stage``
+    says, the requantization writes host copies of the FP8 tensors and
+    scales, and every flush copies those it wrote to the device.
 
     The receiver tracks the digest of every chunk it holds (computed at the
     first :meth:`apply` or :meth:`follow`, then updated from the changed words
@@ -425,9 +449,8 @@ class Receiver:
         self._skipped, self._follower = skipped, None
         self._fp8 = None
         if fp8:
-            if stage or any(_off_host(t) for t in bufs.values()) or any(_off_host(s) for s in fp8.values()):
-                raise InvalidArgumentError("Receiver: FP8 buffers take CPU tensors only for now (issue 44)")
-            self.layout_json, self._fp8 = _fp8_memory(self.layout_json, bufs, fp8)
+            staged = bool(stage) or (stage is None and any(_off_host(t) for t in [*bufs.values(), *fp8.values()]))
+            self.layout_json, self._fp8 = _fp8_memory(self.layout_json, bufs, fp8, staged)
             self._buffers, self._memory = [], self._fp8
         elif stage or (stage is None and any(_off_host(t) for t in bufs.values())):
             checked = _buffers_for(self.layout_json, bufs, "Receiver", views=False)

@@ -93,6 +93,8 @@ struct PyStore {
 struct PyFp8Memory {
   dcr::CompiledLayout layout;
   std::vector<nb::ndarray<>> arrays;
+  std::unique_ptr<dcr_python::PyBufferMemory> inner;  // the other buffers, where they live (or none: host arrays)
+  nb::object on_flush;  // called with the FP8 buffers each flush wrote (or None)
   std::unique_ptr<dcr::Fp8EngineMemory> memory;
 };
 

@@ -143,8 +143,9 @@ void BindLayouts(nb::module_& m) {
       .def(
           "__init__",
           [](PyFp8Memory* self, const std::string& layout_json,
-             std::vector<std::tuple<size_t, nb::ndarray<>, nb::ndarray<>>> fp8, std::map<size_t, nb::ndarray<>> plain) {
-            new (self) PyFp8Memory{CompileJson(layout_json, "FP8 receiver layout"), {}, nullptr};
+             std::vector<std::tuple<size_t, nb::ndarray<>, nb::ndarray<>>> fp8, std::map<size_t, nb::ndarray<>> plain,
+             nb::object inner, nb::object on_flush) {
+            new (self) PyFp8Memory{CompileJson(layout_json, "FP8 receiver layout"), {}, nullptr, on_flush, nullptr};
             std::map<size_t, dcr::Fp8Placement> placements;
             for (auto& [b, bytes, scales] : fp8) {
               placements[b] = {BytesOf(bytes, "FP8 bytes"), BytesOf(scales, "FP8 scales")};
@@ -157,9 +158,25 @@ void BindLayouts(nb::module_& m) {
               spans[b] = BytesOf(array, "buffer '" + self->layout.map().buffers[b].id + "'");
               self->arrays.push_back(array);
             }
-            self->memory = Take(dcr::Fp8EngineMemory::Create(self->layout, std::move(placements), std::move(spans)));
+            if (!inner.is_none()) {
+              self->inner =
+                  std::make_unique<PyBufferMemory>(inner, nb::cast<std::vector<uint64_t>>(inner.attr("sizes")()));
+              spans.clear();
+            }
+            self->memory = Take(
+                dcr::Fp8EngineMemory::Create(self->layout, std::move(placements), std::move(spans), self->inner.get()));
+            if (!on_flush.is_none())
+              self->memory->set_after_flush([self](std::span<const size_t> buffers) {
+                nb::gil_scoped_acquire gil;
+                try {
+                  self->on_flush(std::vector<size_t>(buffers.begin(), buffers.end()));
+                } catch (nb::python_error& e) {
+                  return dcr::Internal(std::string("the FP8 tensors' copy after requantizing: ") + e.what());
+                }
+                return dcr::Status::Ok();
+              });
           },
-          "layout_json"_a, "fp8"_a, "plain"_a)
+          "layout_json"_a, "fp8"_a, "plain"_a, "inner"_a = nb::none(), "on_flush"_a = nb::none())
       .def_prop_ro("master_bytes", [](const PyFp8Memory& f) { return f.memory->master_bytes(); })
       .def_prop_ro("blocks_requantized", [](const PyFp8Memory& f) { return f.memory->blocks_requantized(); });
   m.def(

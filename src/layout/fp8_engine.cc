@@ -186,12 +186,15 @@ Status Fp8EngineMemory::Flush() {
                      f.placement.fp8.subspan(k * entry_elements, entry_elements),
                      f.placement.scales.subspan(k * per_entry * 4, per_entry * 4));
   });
+  std::vector<size_t> written;
   for (auto& [b, f] : fp8_) {
+    if (!f.dirty.empty()) written.push_back(b);
     for (const uint64_t block : f.dirty) f.marked[block] = 0;
     f.dirty.clear();
   }
   requantized_ += blocks.size();
   pending_ = 0;
+  if (after_flush_ && !written.empty()) DCR_RETURN_IF_ERROR(after_flush_(written));
   return inner_ != nullptr ? inner_->Flush() : Status::Ok();
 }
 

@@ -156,3 +156,34 @@ def test_an_fp8_rank_joins_from_the_snapshot_and_follows_the_run(tmp_path):
     assert result == [2], result
     assert seen == [0, 1, 2]
     expect_engine(tensors, scales, published[2], "after following")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device (scripts/device_check.sh runs it on a GPU)"))])
+def test_an_fp8_rank_through_torch_as_on_a_device(device):
+    """The FP8 engine's tensors reached only through torch (TensorMemory:
+    CUDA tensors, or CPU ones with stage=True): the norm by index copies, the
+    requantized E4M3 weights and scales copied in from host copies after
+    every apply. Bit for bit as the host path."""
+    g = torch.Generator().manual_seed(4)
+    canonical = {n: (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for n, s in SHAPES.items()}
+    live = {n: t.clone() for n, t in canonical.items()}
+    trainer = dcr.Sender(live)
+    tensors, scales = make_engine()
+    tensors = {n: t.to(device) for n, t in tensors.items()}
+    scales = {n: s.to(device) for n, s in scales.items()}
+    rx = dcr.Receiver(tensors, engine_layout(), fp8=scales, stage=True)
+    rx.load(canonical)
+
+    def on_host(d: dict) -> dict:
+        return {n: t.cpu() for n, t in d.items()}
+    expect_engine(on_host(tensors), on_host(scales), canonical, "version 0")
+    for version in (1, 2):
+        for n in live:
+            flat = live[n].view(-1)
+            flat[torch.randperm(flat.numel(), generator=g)[: flat.numel() // 30]] *= -1
+        delta = trainer.make_delta()
+        report = rx.apply(delta)
+        assert report["fp8_blocks_requantized"] > 0
+        expect_engine(on_host(tensors), on_host(scales), live, f"version {version}")
+        trainer.commit(delta)
