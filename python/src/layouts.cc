@@ -133,12 +133,10 @@ struct PyReceiver {
 
 }  // namespace
 
-// Layout maps, Sender and Receiver.
-void BindLayouts(nb::module_& m) {
-  m.def(
-      "validate_layout",
-      [](const std::string& json) { return dcr::LayoutMapToJson(Take(dcr::LayoutMapFromJson(json, "layout"))); },
-      "json"_a, "Validates a layout map; returns its canonical JSON.");
+namespace {
+
+// An FP8 engine rank's memory (PyFp8Memory), for Receiver and RankFollower.
+void BindFp8Memory(nb::module_& m) {
   nb::class_<PyFp8Memory>(m, "Fp8Memory")
       .def(
           "__init__",
@@ -179,6 +177,17 @@ void BindLayouts(nb::module_& m) {
           "layout_json"_a, "fp8"_a, "plain"_a, "inner"_a = nb::none(), "on_flush"_a = nb::none())
       .def_prop_ro("master_bytes", [](const PyFp8Memory& f) { return f.memory->master_bytes(); })
       .def_prop_ro("blocks_requantized", [](const PyFp8Memory& f) { return f.memory->blocks_requantized(); });
+}
+
+}  // namespace
+
+// Layout maps, Sender and Receiver.
+void BindLayouts(nb::module_& m) {
+  m.def(
+      "validate_layout",
+      [](const std::string& json) { return dcr::LayoutMapToJson(Take(dcr::LayoutMapFromJson(json, "layout"))); },
+      "json"_a, "Validates a layout map; returns its canonical JSON.");
+  BindFp8Memory(m);
   m.def(
       "quantize_fp8_blocks",
       [](nb::ndarray<> src, const std::string& dtype, uint64_t rows, uint64_t cols, uint64_t block, nb::ndarray<> fp8,
