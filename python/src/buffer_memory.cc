@@ -17,22 +17,20 @@ nb::object View(const T* p, size_t n) {
                   nb::rv_policy::reference);
 }
 
-// Runs `call` with the GIL; a Python exception becomes kInternal.
-template <typename F>
-dcr::Status WithGil(const char* what, F&& call) {
+}  // namespace
+
+dcr::Status WithGil(const std::string& what, const std::function<void()>& call) {
   nb::gil_scoped_acquire gil;
   try {
     call();
   } catch (nb::python_error& e) {
-    return dcr::Internal(std::string("the tensors' memory, ") + what + ": " + e.what());
+    return dcr::Internal(what + ": " + e.what());
   }
   return dcr::Status::Ok();
 }
 
-}  // namespace
-
 dcr::Status PyBufferMemory::Words(const char* method, std::span<const dcr::WordRequest> requests) {
-  return WithGil(method, [&] {
+  return WithGil(std::string("the tensors' memory, ") + method, [&] {
     nb::list batch;
     for (const dcr::WordRequest& r : requests)
       batch.append(nb::make_tuple(r.buffer, r.word_bytes, View(r.offsets.data(), r.offsets.size()),
@@ -42,11 +40,13 @@ dcr::Status PyBufferMemory::Words(const char* method, std::span<const dcr::WordR
 }
 
 dcr::Status PyBufferMemory::Read(size_t buffer, uint64_t offset, std::span<uint8_t> out) {
-  return WithGil("read", [&] { impl_.attr("read")(buffer, offset, View(out.data(), out.size())); });
+  return WithGil("the tensors' memory, read",
+                 [&] { impl_.attr("read")(buffer, offset, View(out.data(), out.size())); });
 }
 
 dcr::Status PyBufferMemory::Write(size_t buffer, uint64_t offset, std::span<const uint8_t> bytes) {
-  return WithGil("write", [&] { impl_.attr("write")(buffer, offset, View(bytes.data(), bytes.size())); });
+  return WithGil("the tensors' memory, write",
+                 [&] { impl_.attr("write")(buffer, offset, View(bytes.data(), bytes.size())); });
 }
 
 }  // namespace dcr_python

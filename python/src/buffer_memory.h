@@ -8,11 +8,17 @@
 #include <nanobind/nanobind.h>
 
 #include <cstdint>
+#include <functional>
+#include <string>
 #include <vector>
 
 #include "dcr/layout_apply.h"
 
 namespace dcr_python {
+
+// Runs `call` with the GIL (from a thread that released it); a Python
+// exception becomes kInternal, "`what`: <its text>".
+dcr::Status WithGil(const std::string& what, const std::function<void()>& call);
 
 // Calls the object's methods gather(requests), scatter(requests) (each a
 // list of (buffer, word_bytes, offsets: uint64 array, words: uint8 array)),

@@ -165,13 +165,8 @@ void BindFp8Memory(nb::module_& m) {
                 dcr::Fp8EngineMemory::Create(self->layout, std::move(placements), std::move(spans), self->inner.get()));
             if (!on_flush.is_none())
               self->memory->set_after_flush([self](std::span<const size_t> buffers) {
-                nb::gil_scoped_acquire gil;
-                try {
-                  self->on_flush(std::vector<size_t>(buffers.begin(), buffers.end()));
-                } catch (nb::python_error& e) {
-                  return dcr::Internal(std::string("the FP8 tensors' copy after requantizing: ") + e.what());
-                }
-                return dcr::Status::Ok();
+                return WithGil("the FP8 tensors' copy after requantizing",
+                               [&] { self->on_flush(std::vector<size_t>(buffers.begin(), buffers.end())); });
               });
           },
           "layout_json"_a, "fp8"_a, "plain"_a, "inner"_a = nb::none(), "on_flush"_a = nb::none())

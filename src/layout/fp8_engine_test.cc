@@ -72,15 +72,6 @@ LayoutMap RankMap(uint32_t r) {
   return m;
 }
 
-TensorBytes Source(const Tensors& t) {
-  return [&t](const std::string& name, uint64_t* bytes) -> const uint8_t* {
-    auto it = t.find(name);
-    if (it == t.end()) return nullptr;
-    *bytes = it->second.size();
-    return it->second.data();
-  };
-}
-
 uint16_t Bf16(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, 4);
@@ -192,7 +183,7 @@ Expected Reference(const CompiledLayout& layout, const Tensors& tensors) {
   PlacedRank host{&layout, {}, nullptr};
   for (size_t b = 0; b < layout.map().buffers.size(); ++b) e.dense.emplace_back(layout.BufferBytes(b), 0xA5);
   for (auto& v : e.dense) host.buffers.emplace_back(v);
-  EXPECT_TRUE(LoadDense(Source(tensors), host).ok());
+  EXPECT_TRUE(LoadDense(testing::TensorSource(tensors), host).ok());
   for (size_t b = 0; b < layout.map().buffers.size(); ++b) {
     const LayoutBuffer& lb = layout.map().buffers[b];
     if (lb.id == "norm") continue;
@@ -275,7 +266,7 @@ std::deque<Fp8Rank> Join(const Tensors& v0, bool behind_inner = false) {
   const DeltaManifest shape = StartLayoutDelta(Infos(), o);
   for (Fp8Rank& rank : ranks) {
     PlacedRank placed = rank.placed();
-    EXPECT_TRUE(LoadDense(Source(v0), placed).ok());
+    EXPECT_TRUE(LoadDense(testing::TensorSource(v0), placed).ok());
     // A join quantizes every block, at the load's flush.
     EXPECT_EQ(rank.memory->blocks_pending(), 0u);
     EXPECT_GT(rank.memory->blocks_requantized(), 0u);

@@ -74,15 +74,7 @@ using testing::Tensors;
 void Load(std::vector<Rank>& engine, const Tensors& t) {
   for (Rank& r : engine) {
     PlacedRank p = r.placed();
-    ASSERT_TRUE(LoadDense(
-                    [&](const std::string& name, uint64_t* bytes) -> const uint8_t* {
-                      auto it = t.find(name);
-                      if (it == t.end()) return nullptr;
-                      *bytes = it->second.size();
-                      return it->second.data();
-                    },
-                    p)
-                    .ok());
+    ASSERT_TRUE(LoadDense(testing::TensorSource(t), p).ok());
   }
 }
 

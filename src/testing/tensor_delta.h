@@ -1,5 +1,6 @@
 // Test helpers: a delta between two sets of canonical tensors (by name),
-// encoded chunk by chunk into frames, and the frames parsed back.
+// encoded chunk by chunk into frames, and the frames parsed back; the
+// tensors as a dense load's source.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -11,6 +12,7 @@
 
 #include "dcr/chunk_codec.h"
 #include "dcr/delta.h"
+#include "dcr/layout_apply.h"
 
 namespace dcr::testing {
 
@@ -51,6 +53,16 @@ inline TensorDelta EncodeTensorDelta(std::span<const TensorInfo> infos, const Te
     }
   }
   return d;
+}
+
+// `tensors` as the source of a dense load (LoadDense); they must outlive it.
+inline TensorBytes TensorSource(const Tensors& tensors) {
+  return [&tensors](const std::string& name, uint64_t* bytes) -> const uint8_t* {
+    auto it = tensors.find(name);
+    if (it == tensors.end()) return nullptr;
+    *bytes = it->second.size();
+    return it->second.data();
+  };
 }
 
 inline FrameView ParseTestFrame(const std::string& f) {
