@@ -72,6 +72,7 @@ class Fp8EngineMemory final : public BufferMemory {
   uint64_t blocks_pending() const { return pending_; }
   uint64_t blocks_requantized() const { return requantized_; }  // since Create
   uint64_t master_bytes() const;
+  uint64_t MasterBytes() const override { return master_bytes(); }
 
  private:
   struct Fp8Buffer {

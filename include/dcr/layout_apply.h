@@ -83,6 +83,9 @@ class BufferMemory {
   // After a batch of writes (the end of an apply loop call, a dense load): a
   // memory that derives state from its buffers (Fp8EngineMemory) settles it.
   virtual Status Flush() { return Status::Ok(); }
+  // Host bytes kept beside the buffers to reach them (an FP8 engine's BF16
+  // master): what a following rank's record reports as `master_bytes`.
+  virtual uint64_t MasterBytes() const { return 0; }
 };
 
 // One receiver rank: a compiled map and its buffers: in host memory

@@ -65,6 +65,9 @@ struct ReceiverRecord {
   // yet applied, and the headers of frames applied) while applying the last
   // version it applied (docs/protocol.md, "Memory"). 0 before the first.
   uint64_t frames_held_bytes = 0;
+  // Host memory of a BF16 master it keeps of an FP8 engine's weights
+  // (docs/layouts.md, "FP8 engines"); 0 for any other receiver.
+  uint64_t master_bytes = 0;
   std::string ToJson() const;
   static Result<ReceiverRecord> FromJson(std::string_view json, const std::string& where);
 };

@@ -25,6 +25,7 @@ ReceiverRecord Heartbeat::Record() {
   r.state = state_;
   r.version = version_;
   r.frames_held_bytes = frames_held_;
+  r.master_bytes = master_bytes_;
   return r;
 }
 
@@ -65,6 +66,11 @@ void Heartbeat::SetVersion(uint64_t v) {
 void Heartbeat::SetFramesHeld(uint64_t bytes) {
   std::lock_guard lock(mu_);
   frames_held_ = bytes;
+}
+
+void Heartbeat::SetMasterBytes(uint64_t bytes) {
+  std::lock_guard lock(mu_);
+  master_bytes_ = bytes;
 }
 
 void Heartbeat::Start() {

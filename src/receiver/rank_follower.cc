@@ -113,6 +113,7 @@ class RankTarget final : public ReceiverTarget {
   }
   Digest AckDigest() const override { return Total(tracked_); }
   EngineRank Engine() const override { return rank_; }
+  uint64_t MasterBytes() const override { return given_ && given_->memory ? given_->memory->MasterBytes() : 0; }
   bool MayStream(const std::string& id, DeltaClass cls) const override { return MayApply(id, cls); }
   const HeldChunks* Held() const override { return held_ ? &*held_ : nullptr; }
   // Makes attempt `id` the journal's, with a frame log of its own (kept when

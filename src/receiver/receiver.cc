@@ -15,7 +15,9 @@ ReceiverWalk::ReceiverWalk(Store& store, ReceiverTarget& target, FollowOptions o
       o_(std::move(options)),
       fetcher_(store, o_.fetch_ahead),
       heartbeat_(store, o_.id, target.Engine(), o_.heartbeat_every, ClockOf(o_),
-                 [this](const std::string& l) { Log(l); }) {}
+                 [this](const std::string& l) { Log(l); }) {
+  heartbeat_.SetMasterBytes(target.MasterBytes());
+}
 
 Status ReceiverWalk::Run(std::optional<uint64_t> until, const std::function<bool()>& stop) {
   Status s = FollowLoop(

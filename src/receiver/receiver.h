@@ -56,6 +56,7 @@ class Heartbeat {
   Status Set(const std::string& state);
   void SetVersion(uint64_t v);  // the next record's version
   void SetFramesHeld(uint64_t bytes);  // the next record's frames_held_bytes
+  void SetMasterBytes(uint64_t bytes);  // every record's master_bytes
   void Start();
   void Stop();
 
@@ -71,7 +72,7 @@ class Heartbeat {
   const std::function<void(const std::string&)> log_;
   std::mutex mu_;
   std::string state_ = "joining";
-  uint64_t version_ = 0, frames_held_ = 0;
+  uint64_t version_ = 0, frames_held_ = 0, master_bytes_ = 0;
   std::string written_;  // what the last record written says, its time aside
   std::atomic<bool> stop_{false};
   std::thread thread_;
@@ -119,6 +120,7 @@ class ReceiverTarget {
   // What an ack carries: the whole digest, or a rank's partial and its engine.
   virtual Digest AckDigest() const = 0;
   virtual EngineRank Engine() const = 0;
+  virtual uint64_t MasterBytes() const { return 0; }  // the record's master_bytes
   // Whether frames of attempt `id` (class `cls`) may be applied before its
   // manifest: an xor frame needs bits it can prove are its base.
   virtual bool MayStream(const std::string& id, DeltaClass cls) const = 0;

@@ -18,7 +18,7 @@ import torch
 import dcr
 from dcr.errors import InvalidArgumentError
 
-from conftest import following
+from conftest import following, run_dcr
 from test_fp8_quantizer import reference
 
 SHAPES = {"q": [256, 200], "k": [100, 200], "o": [200, 256], "e0": [128, 256], "e1": [128, 256], "norm": [200]}
@@ -156,6 +156,12 @@ def test_an_fp8_rank_joins_from_the_snapshot_and_follows_the_run(tmp_path):
     assert result == [2], result
     assert seen == [0, 1, 2]
     expect_engine(tensors, scales, published[2], "after following")
+    # Its record says the host memory of its master: dcr status shows it.
+    master = 2 * sum(torch.Size(s).numel() for s in FP8.values())
+    status = run_dcr("status", "--store", f"file://{tmp_path}/store", "--json").json()
+    assert [(x["id"], x["master_bytes"]) for x in status["receivers"]] == [("fp8-r0", master)], status["receivers"]
+    text = run_dcr("status", "--store", f"file://{tmp_path}/store").stdout
+    assert "keeps a BF16 master of" in text, text
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

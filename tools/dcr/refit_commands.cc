@@ -415,6 +415,7 @@ json StatusJson(const RunStatusReport& r, const std::string& url, const std::opt
          {"behind", x.behind},
          {"retired_at", x.retired_at ? json(*x.retired_at) : json(nullptr)},
          {"frames_held_bytes", x.record.frames_held_bytes},
+         {"master_bytes", x.record.master_bytes},
          {"engine",
           x.record.engine.ranks
               ? json({{"id", x.record.engine.engine}, {"rank", x.record.engine.rank}, {"ranks", x.record.engine.ranks}})
@@ -459,10 +460,13 @@ void PrintStatus(const RunStatusReport& r, const std::string& url) {
   PrintVersions(r);
   auto line = [](const ReceiverStatus& x) {
     return fmt::format(
-        "{}: {} at v{}{}, heartbeat {:.1f} s ago{}{}", x.record.id, x.record.state, x.record.version,
+        "{}: {} at v{}{}, heartbeat {:.1f} s ago{}{}{}", x.record.id, x.record.state, x.record.version,
         x.behind ? fmt::format(" ({} behind)", x.behind) : "", x.age_seconds, x.live ? "" : " (not live)",
         x.record.frames_held_bytes
             ? fmt::format(", held {} of frames at most for its last version", FormatBytes(x.record.frames_held_bytes))
+            : "",
+        x.record.master_bytes
+            ? fmt::format(", keeps a BF16 master of {} for its FP8 weights", FormatBytes(x.record.master_bytes))
             : "");
   };
   std::map<std::string, std::vector<const ReceiverStatus*>> engines;  // ranks of engines, by rank
