@@ -525,6 +525,11 @@ class Receiver:
         :meth:`digest` counts of them; written in place to load them)."""
         return dict(self._shadow)
 
+    @property
+    def fp8_master_bytes(self) -> int:
+        """Host bytes of the BF16 master of the ``fp8`` buffers (0 without them)."""
+        return self._fp8.master_bytes if self._fp8 is not None else 0
+
     def digest(self) -> str:
         """The digest of the canonical elements this receiver holds (with a
         loader: residual tensors included, from their canonical copies)."""

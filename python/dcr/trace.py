@@ -6,7 +6,9 @@ a box of one) into a box of a parameter's storage. Anything else is flagged:
 a checkpoint tensor that reaches a parameter through arithmetic, a dtype
 conversion, a broadcast, a strided (non-box) view, or into a region that a
 non-copy op later writes, is a *residual* (applied as overwrites through the
-real loader, not by dcr's placement). The loader really runs: the parameters
+real loader, not by dcr's placement). One conversion is placed: a BF16 box
+copied into an ``float8_e4m3fn`` parameter (a block-FP8 engine's weight),
+which an FP8 receiver requantizes from its BF16 master. The loader really runs: the parameters
 end loaded with ``weights``.
 
 Tracking is by storage: a view of a checkpoint tensor (narrow, select,
@@ -138,8 +140,12 @@ class _Recorder(TorchDispatchMode):
         wname, w = self.weights[sptr]
         src_box = _box(src, w) if src.dim() == w.dim() else None
         dst_box = _box(dst, param)
-        if (src.dtype != w.dtype or dst.dtype != src.dtype or tuple(dst.shape) != tuple(src.shape)
-                or src_box is None or dst_box is None):
+        # A BF16 box cast into an FP8 parameter is placed: the parameter is
+        # declared F8_E4M3, and an FP8 receiver (Receiver(fp8=...)) keeps its
+        # BF16 master and requantizes it; any other conversion is residual.
+        placed_fp8 = dst.dtype == torch.float8_e4m3fn and src.dtype == torch.bfloat16
+        if (src.dtype != w.dtype or (dst.dtype != src.dtype and not placed_fp8)
+                or tuple(dst.shape) != tuple(src.shape) or src_box is None or dst_box is None):
             self.residual.add(wname)
             return
         self.seq += 1

@@ -190,6 +190,31 @@ class DcrUpdateInfo(WeightTransferUpdateInfo):
 # Post-load processing that may run again on parameters in load form (it
 # rebuilds kernels or packed copies from them); any other is refused.
 _IDEMPOTENT_PROCESSING = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod")
+# Block-FP8 layers (a checkpoint with ``weight_block_size: [128, 128]``, as
+# DeepSeek-V3's): each E4M3 weight's BF16 boxes are placed (trace.py), and
+# the receiver keeps their BF16 master and requantizes the 128 x 128 blocks
+# a version touches into the weight's host copy and its ``*_scale_inv``
+# (Receiver ``fp8``). The layer is then refreshed from its host copies, as
+# vLLM reloads a layer: load form in, its processing run again.
+_FP8_BLOCK_PROCESSING = ("Fp8LinearMethod", "Fp8MoEMethod")
+_FP8_SCALE_OF = {"weight": "weight_scale_inv", "w13_weight": "w13_weight_scale_inv", "w2_weight": "w2_weight_scale_inv"}
+
+
+def _why_not_supported(qm: Any) -> Optional[str]:
+    """None when dcr can follow a layer with quantization method ``qm``; else why not."""
+    kind = type(qm).__name__
+    if kind in _IDEMPOTENT_PROCESSING:
+        return None
+    if kind not in _FP8_BLOCK_PROCESSING:
+        return "the dcr backend supports unquantized and block-FP8 models"
+    if not getattr(qm, "block_quant", False):
+        return ("per-tensor FP8 is not supported (one scale spans the tensor: a version that changes any element "
+                "requantizes it whole); serve a block-FP8 checkpoint (weight_block_size [128, 128])")
+    if [int(b) for b in qm.weight_block_size] != [128, 128]:
+        return f"FP8 blocks of {list(qm.weight_block_size)} are not supported (dcr quantizes 128 x 128 blocks)"
+    if getattr(qm.quant_config, "is_scale_e8m0", False):
+        return "UE8M0 block scales are not supported (dcr writes F32 weight_scale_inv)"
+    return None
 
 
 class _Slot:
@@ -258,11 +283,30 @@ class _LoadForm:
             s = owner.get(id(p))
             if s is not None and (s.module is not module or s.attr != attr):
                 s.aliases.append((module, attr))
+        self.fp8_scales: dict = {}  # an E4M3 weight's slot -> the slot of its weight_scale_inv
         for name, s in self.slots.items():
             qm = getattr(s.module, "quant_method", None)
-            if qm is not None and type(qm).__name__ not in _IDEMPOTENT_PROCESSING:
+            why = _why_not_supported(qm) if qm is not None else None
+            if why is not None:
                 raise NotImplementedError(f"dcr: parameter '{name}' belongs to a layer quantized with "
-                                          f"{type(qm).__name__}; the dcr backend supports unquantized models")
+                                          f"{type(qm).__name__}: {why}")
+            if s.host.dtype == torch.float8_e4m3fn:
+                self.fp8_scales[name] = self._scale_slot(name, s)
+
+    def _scale_slot(self, name: str, s: _Slot) -> str:
+        """The slot of the block scales of E4M3 weight ``name``: an F32
+        ``weight_scale_inv`` with a scale per 128 x 128 block."""
+        qm = getattr(s.module, "quant_method", None)
+        scale = name[:-len(s.attr)] + _FP8_SCALE_OF.get(s.attr, "")
+        if type(qm).__name__ not in _FP8_BLOCK_PROCESSING or scale not in self.slots:
+            raise NotImplementedError(f"dcr: '{name}' is E4M3 without block scales beside it ({scale}); the dcr "
+                                      "backend supports block-FP8 linear and expert weights")
+        got, shape = self.slots[scale].host, list(s.host.shape)
+        want = shape[:-2] + [(shape[-2] + 127) // 128, (shape[-1] + 127) // 128]
+        if got.dtype != torch.float32 or list(got.shape) != want:
+            raise NotImplementedError(f"dcr: the scales '{scale}' of '{name}' are {got.dtype} {list(got.shape)}; "
+                                      f"expected float32 {want} (one per 128 x 128 block)")
+        return scale
 
     @property
     def tensors(self) -> dict:
@@ -281,6 +325,8 @@ class _LoadForm:
             layer = names[0].rpartition(".")[0]
             qm = getattr(slots[0].module, "quant_method", None)
             why = next((w for w in (s.why_not_in_place(compared) for s in slots) if w), None)
+            if why is None and any(n in self.fp8_scales for n in names):
+                why = "block FP8: requantized into host copies in load form, the layer refreshed from them"
             if why is None and qm is not None and not compared:
                 why = f"processed by {type(qm).__name__}, and the engine's checkpoint could not be compared"
             if why is not None:
@@ -371,8 +417,10 @@ class _LoadForm:
                     continue
                 rebuild = qm is not None and (current_platform.is_cpu() or any(
                     not _same_form(getattr(module, self.slots[n].attr), self.slots[n].host) for n in own))
+                # A block-FP8 layer's processing reads its weights and scales: all of its load form goes in.
+                whole = rebuild or any(n in self.fp8_scales for n in own)
                 tied = []
-                for n in (own if rebuild else changed):
+                for n in (own if whole else changed):
                     s = self.slots[n]
                     live = getattr(module, s.attr)
                     if rebuild:
@@ -391,6 +439,22 @@ class _LoadForm:
 
     def digests(self) -> dict:
         return {n: _sha256(s.host) for n, s in self.slots.items()}
+
+    def fp8_targets(self, layout: dict) -> dict:
+        """Receiver ``fp8``: each E4M3 weight's host copy -> its scales' host
+        copy, after checking that the traced loader places every element of
+        the weight from a BF16 box of a run tensor (a weight reached any
+        other way would need a quantization dcr cannot see)."""
+        placed: dict = {}
+        for c in layout.get("copies", []):
+            if c["buffer"] in self.fp8_scales:
+                placed[c["buffer"]] = placed.get(c["buffer"], 0) + int(torch.Size(c["extent"]).numel())
+        for name in self.fp8_scales:
+            numel = self.slots[name].host.numel()
+            if placed.get(name, 0) != numel:
+                raise NotImplementedError(f"dcr: the loader places {placed.get(name, 0)} of the {numel} elements of "
+                                          f"E4M3 weight '{name}' from BF16 run tensors; an FP8 engine needs them all")
+        return {name: self.slots[scale].host for name, scale in self.fp8_scales.items()}
 
 
 def _parameter_owner(model: torch.nn.Module, name: str) -> tuple:
@@ -501,16 +565,21 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
             _count_replicas_once(layout, rank, ps.get_tp_group().cpu_group)
         hosts = {n: torch.zeros(t["shape"], dtype=torch_dtype(t["dtype"]))
                  for t in run["tensors"] for n in [t["name"]] if n in residuals}
+        fp8 = form.fp8_targets(layout)
         loaded, adoptable = self._load_own_checkpoint(form, hosts)
         form.place_live(compared=loaded)
+        if fp8 and adoptable:
+            # Its E4M3 checkpoint cannot give the BF16 master the run's digests count.
+            logger.info("dcr: this FP8 engine joins from the run's BF16 snapshot (its master starts there)")
+            adoptable = False
         # Live parameters on a device are reached through torch (stage=None);
         # on CPU, in place directly, as are the host copies.
         if residuals:
             # Each rank keeps the residual tensors whole; rank 0's count.
             receiver = dcr.Receiver(form.tensors, layout, residuals=hosts, loader=form.load,
-                                    post_update=self._on_version, residuals_primary=rank == 0)
+                                    post_update=self._on_version, residuals_primary=rank == 0, fp8=fp8 or None)
         else:
-            receiver = dcr.Receiver(form.tensors, layout, post_update=self._on_version)
+            receiver = dcr.Receiver(form.tensors, layout, post_update=self._on_version, fp8=fp8 or None)
         self._store, self._form, self._receiver = store, form, receiver
         self._buffers_of: dict = {}  # canonical tensor -> the parameters it is placed in
         for c in layout.get("copies", []):
@@ -664,6 +733,9 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         self._check_init()
         report = {"adopted": self.adopted, **self._form.report()}
         report["host_bytes"] += sum(t.numel() * t.element_size() for t in self._receiver.residuals.values())
+        report["fp8_weights"] = sorted(self._form.fp8_scales)
+        report["fp8_master_bytes"] = self._receiver.fp8_master_bytes
+        report["host_bytes"] += report["fp8_master_bytes"]
         report["residuals"] = sorted(self._receiver.residuals)
         return report
 

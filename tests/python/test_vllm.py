@@ -24,7 +24,7 @@ if os.environ.get("DCR_REQUIRE_VLLM") != "1":
 JOB = os.path.join(os.path.dirname(__file__), "vllm_job.py")
 
 
-def run_job(tmp_path, name: str, *args, tp: int = 1, timeout: int = 900) -> dict:
+def run_job(tmp_path, name: str, *args, tp: int = 1, timeout: int = 900, job: str = JOB) -> dict:
     out = tmp_path / f"{name}.json"
     env = dict(os.environ)
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", TOKENIZERS_PARALLELISM="false",
@@ -33,7 +33,8 @@ def run_job(tmp_path, name: str, *args, tp: int = 1, timeout: int = 900) -> dict
     env.pop("DCR_STORE_FAULTS", None)
     log = tmp_path / f"{name}.log"
     with open(log, "w") as f:
-        p = subprocess.Popen([sys.executable, JOB, *args, "--out", str(out), "--tp", str(tp)], stdout=f,
+        tp_args = ["--tp", str(tp)] if job == JOB else []
+        p = subprocess.Popen([sys.executable, job, *args, "--out", str(out), *tp_args], stdout=f,
                              stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             rc = p.wait(timeout=timeout)  # guards against a hang only

@@ -42,19 +42,22 @@ import time
 PROMPTS = [[1, 5, 9, 42, 7, 3], [100, 200, 33, 4]]
 
 
-def make_model(family: str, seed: int = 0):
+def make_model(family: str, seed: int = 0, **sizes):
+    """A tiny Qwen3 or Qwen3-MoE in BF16; ``sizes`` replace config entries."""
     import torch
     import transformers
 
     common = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
                   rms_norm_eps=1e-6, torch_dtype="bfloat16")
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1)
+    for k, v in sizes.items():
+        (moe if k in moe else common)[k] = v
     if family == "qwen3":
         cfg = transformers.Qwen3Config(tie_word_embeddings=True, **common)
         cls = transformers.Qwen3ForCausalLM
     elif family == "qwen3-moe":
-        cfg = transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                                          decoder_sparse_step=1, tie_word_embeddings=False, **common)
+        cfg = transformers.Qwen3MoeConfig(tie_word_embeddings=False, **moe, **common)
         cls = transformers.Qwen3MoeForCausalLM
     else:
         raise SystemExit(f"unknown family {family}")
