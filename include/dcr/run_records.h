@@ -20,10 +20,28 @@ class Store;
 // Each FromJson validates fully and names `where` in errors (kInvalidArgument,
 // "does not parse", with the way forward).
 
+// How the FP8 engine ranks of a run quantize their BF16 master (docs/layouts.md,
+// "FP8 engines"): each field names one choice. Fp8Scheme{} is the scheme this
+// dcr implements (QuantizeFp8Block); a rank that would quantize otherwise
+// refuses the run, so every FP8 engine of a run and a fresh load of the FP8
+// checkpoint the scheme makes from the trainer's BF16 hold the same bits.
+struct Fp8Scheme {
+  std::string format = "e4m3fn";  // OCP E4M3: no infinities, largest 448
+  uint64_t block_rows = 128, block_cols = 128;  // a scale per block of the last two dimensions
+  std::string scale = "f32 weight_scale_inv = amax / 448 over the block's finite magnitudes; 1 when it has none";
+  std::string rounding = "nearest, ties to even; subnormals kept";
+  std::string specials = "NaN stays NaN; infinities and magnitudes above 448 saturate to 448";
+  std::string ToJson() const;  // one line
+  friend bool operator==(const Fp8Scheme&, const Fp8Scheme&) = default;
+};
+
 struct RunRecord {
   std::string run_id;
   uint64_t chunk_elements = kDefaultChunkElements;
   std::vector<DeltaTensor> tensors;  // name, dtype, shape (digests unused)
+  // The FP8 scheme of the run's FP8 engines: written by every publisher that
+  // creates a run; absent in runs created before it (read as Fp8Scheme{}).
+  std::optional<Fp8Scheme> fp8;
   std::string ToJson() const;
   static Result<RunRecord> FromJson(std::string_view json, const std::string& where);
 };

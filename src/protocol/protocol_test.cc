@@ -2500,6 +2500,37 @@ TEST(RunRecordTest, AStoreOfTheOldFormatIsRefusedNamingItsVersion) {
   EXPECT_EQ(state.status().code(), Code::kUnimplemented) << state.status().ToString();
 }
 
+// run.json names the FP8 scheme of the run's FP8 engines: it round-trips,
+// a record without it (an older run) reads as none, and a malformed one is
+// refused naming the field.
+TEST(RunRecordTest, TheFp8SchemeRoundTripsAndMalformedOnesAreRefused) {
+  RunRecord r;
+  r.run_id = "r";
+  r.tensors.push_back({"w", DType::kBF16, {4, 4}, 16});
+  auto without = RunRecord::FromJson(r.ToJson(), "run.json");
+  ASSERT_TRUE(without.ok()) << without.status().ToString();
+  EXPECT_FALSE(without->fp8);
+  r.fp8 = Fp8Scheme{};
+  r.fp8->block_rows = 64;
+  auto back = RunRecord::FromJson(r.ToJson(), "run.json");
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  ASSERT_TRUE(back->fp8);
+  EXPECT_EQ(*back->fp8, *r.fp8);
+  EXPECT_NE(*back->fp8, Fp8Scheme{});
+  auto doc = nlohmann::json::parse(r.ToJson());
+  for (const auto& [field, bad] :
+       {std::pair<std::string, nlohmann::json>{"", 7}, {"block_rows", "many"}, {"scale", 448}, {"format", nullptr}}) {
+    auto broken = doc;
+    if (field.empty()) broken["fp8"] = bad;
+    else broken["fp8"][field] = bad;
+    auto parsed = RunRecord::FromJson(broken.dump(), "run.json");
+    ASSERT_FALSE(parsed.ok()) << field;
+    EXPECT_EQ(parsed.status().code(), Code::kInvalidArgument) << parsed.status().ToString();
+    EXPECT_NE(parsed.status().message().find(field.empty() ? "'fp8'" : field), std::string::npos)
+        << parsed.status().message();
+  }
+}
+
 TEST(AttemptRecordTest, RoundTripsAndRefusesBadRecords) {
   AttemptRecord one;
   one.version = 4;

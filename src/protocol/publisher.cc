@@ -95,6 +95,7 @@ Result<PublishReport> PublishRun::PublishSnapshot(const Checkpoint& next) {
   run.run_id = RandomHex(16);
   run.chunk_elements = layout.chunk_elements;
   run.tensors = layout.tensors;
+  run.fp8 = Fp8Scheme{};
   const ChunkDigestTable chunk_digests = ChunkDigests(next, layout);
   const Digest digest = Total(chunk_digests);
   report.total_bytes = layout.total_bytes;

@@ -208,6 +208,9 @@ Result<json> ReadRecord(std::string_view text, const std::string& where, std::st
   return doc;
 }
 
+constexpr auto kFp8SchemeFields = std::make_tuple(
+    F("format", &Fp8Scheme::format), F("block_rows", &Fp8Scheme::block_rows), F("block_cols", &Fp8Scheme::block_cols),
+    F("scale", &Fp8Scheme::scale), F("rounding", &Fp8Scheme::rounding), F("specials", &Fp8Scheme::specials));
 constexpr auto kPublisherMemoryFields = std::make_tuple(
     F("baseline_bytes", &PublisherMemory::baseline_bytes),
     F("baseline_in_memory", &PublisherMemory::baseline_in_memory), F("staging_bytes", &PublisherMemory::staging_bytes),
@@ -282,7 +285,14 @@ std::string RunRecord::ToJson() const {
   doc["chunk_elements"] = chunk_elements;
   json& ts = doc["tensors"] = json::array();
   for (const auto& t : tensors) ts.push_back({{"name", t.name}, {"dtype", Name(t.dtype)}, {"shape", t.shape}});
+  if (fp8) PutFields(doc["fp8"], *fp8, kFp8SchemeFields);
   return Dump(doc);
+}
+
+std::string Fp8Scheme::ToJson() const {
+  json doc;
+  PutFields(doc, *this, kFp8SchemeFields);
+  return doc.dump();  // one line: it is quoted in errors
 }
 
 Result<RunRecord> RunRecord::FromJson(std::string_view text, const std::string& where) {
@@ -301,6 +311,10 @@ Result<RunRecord> RunRecord::FromJson(std::string_view text, const std::string& 
   DCR_ASSIGN_OR_RETURN(DeltaManifest table, DeltaManifest::FromTableJson(text, where, "dcr-run"));
   r.chunk_elements = table.chunk_elements;
   r.tensors = std::move(table.tensors);
+  if (auto it = doc.find("fp8"); it != doc.end()) {
+    if (!it->is_object()) return Bad(where, "'fp8' must be an object (the FP8 scheme)");
+    DCR_RETURN_IF_ERROR(GetFields(*it, r.fp8.emplace(), where, kFp8SchemeFields));
+  }
   return r;
 }
 

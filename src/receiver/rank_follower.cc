@@ -83,6 +83,16 @@ Status CheckMapFitsRun(const CompiledLayout& layout, const RunRecord& run) {
   return Status::Ok();
 }
 
+// A rank with an FP8 master (`memory`'s MasterBytes) quantizes as this dcr
+// does (Fp8Scheme{}): a run naming another scheme is refused.
+Status CheckFp8Scheme(const BufferMemory* memory, const RunRecord& run) {
+  if (!memory || memory->MasterBytes() == 0 || !run.fp8 || *run.fp8 == Fp8Scheme{}) return Status::Ok();
+  return FailedPrecondition(
+      fmt::format("run {} quantizes its FP8 engines as {}, and this dcr quantizes as {}; follow it with a dcr that "
+                  "implements the run's scheme",
+                  run.run_id, run.fp8->ToJson(), Fp8Scheme{}.ToJson()));
+}
+
 // One rank's buffers as a receiver's target. The rank holds only some
 // elements of each chunk, so it cannot check a frame's whole-chunk base or
 // target digest: it tracks its partial digests, applies xor frames only to
@@ -239,6 +249,7 @@ Result<std::optional<uint64_t>> RankTarget::Resume(Store& store, const RunRecord
   files_.reset();
   shape_ = TensorTableOf(run);
   DCR_RETURN_IF_ERROR(CheckMapFitsRun(layout_, run));
+  DCR_RETURN_IF_ERROR(CheckFp8Scheme(given_ ? given_->memory : nullptr, run));
   held_.emplace(shape_, RankHeldChunks(layout_, shape_));
   auto join = [&](std::string why) -> std::optional<uint64_t> {
     *join_why = std::move(why);
@@ -469,6 +480,7 @@ Status RankFollower::Adopt(uint64_t version, const Digest& engine_digest) {
   if (!state.run) return NotFound(fmt::format("{}: no run to adopt a version of", store_.url()));
   const RunRecord& run = *state.run;
   DCR_RETURN_IF_ERROR(CheckMapFitsRun(layout_, run));
+  DCR_RETURN_IF_ERROR(CheckFp8Scheme(in_memory_ ? given_.memory : nullptr, run));
   DCR_ASSIGN_OR_RETURN(CommitRecord commit, ReadCommit(store_, version));
   if (commit.target_digest != engine_digest)
     return FailedPrecondition(fmt::format(

@@ -379,6 +379,10 @@ def records_seeds():
     recs = {
         "run": (0, {"format": "dcr-run", "run_id": "r-1", "chunk_elements": 1048576,
                     "tensors": [{"name": "w", "dtype": "BF16", "shape": [2, 3]}]}),
+        "run_fp8": (0, {"format": "dcr-run", "format_version": 2, "run_id": "r-2", "chunk_elements": 1048576,
+                        "tensors": [{"name": "w", "dtype": "BF16", "shape": [2, 3]}],
+                        "fp8": {"format": "e4m3fn", "block_rows": 128, "block_cols": 128, "scale": "amax / 448",
+                                "rounding": "nearest even", "specials": "saturate"}}),
         "commit": (1, {"format": "dcr-commit", "version": 2, "base_version": 1, "attempt": "0001-0123abcd",
                        "target_digest": d, "acked": ["e0", "e1"], "retired": [], "time": 1764648000.25}),
         "commit_memory": (1, {"format": "dcr-commit", "version": 3, "base_version": 2, "attempt": "0000-0123abcd",

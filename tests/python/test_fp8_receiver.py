@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import dcr
-from dcr.errors import InvalidArgumentError
+from dcr.errors import FailedPreconditionError, InvalidArgumentError
 
 from conftest import following, run_dcr
 from test_fp8_quantizer import reference
@@ -162,6 +162,33 @@ def test_an_fp8_rank_joins_from_the_snapshot_and_follows_the_run(tmp_path):
     assert [(x["id"], x["master_bytes"]) for x in status["receivers"]] == [("fp8-r0", master)], status["receivers"]
     text = run_dcr("status", "--store", f"file://{tmp_path}/store").stdout
     assert "keeps a BF16 master of" in text, text
+
+
+def test_the_run_names_its_fp8_scheme_and_an_fp8_rank_refuses_another(tmp_path):
+    """Every run a publisher creates names the FP8 scheme of its FP8 engines
+    (run.json "fp8"); an FP8 rank of a run that names another scheme (a dcr
+    that quantizes otherwise) refuses to follow it, naming both; a BF16
+    engine of that run follows it."""
+    g = torch.Generator().manual_seed(3)
+    trainer = {n: (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for n, s in SHAPES.items()}
+    store = dcr.open_store(f"file://{tmp_path}/store")
+    dcr.ShardPublisher(store, tmp_path / "trainer", [trainer]).publish_snapshot(trainer)
+    run = json.loads(store.get("run.json"))
+    assert run["fp8"] == {
+        "format": "e4m3fn", "block_rows": 128, "block_cols": 128,
+        "scale": "f32 weight_scale_inv = amax / 448 over the block's finite magnitudes; 1 when it has none",
+        "rounding": "nearest, ties to even; subnormals kept",
+        "specials": "NaN stays NaN; infinities and magnitudes above 448 saturate to 448"}, run["fp8"]
+
+    run["fp8"]["block_rows"] = 64
+    store.put("run.json", json.dumps(run).encode())
+    tensors, scales = make_engine()
+    with pytest.raises(FailedPreconditionError, match=r"quantizes its FP8 engines as .*\"block_rows\":64"):
+        dcr.Receiver(tensors, engine_layout(), fp8=scales).follow(store, tmp_path / "fp8", engine="fp8", until=0,
+                                                                  timeout_s=60)
+    assert not tensors["o"].view(torch.uint8).any(), "the refused rank wrote its buffers"
+    bf16 = dcr.Receiver({n: torch.zeros_like(t) for n, t in trainer.items()})
+    assert bf16.follow(store, tmp_path / "bf16", engine="bf16", until=0, timeout_s=60) == 0
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
