@@ -141,6 +141,18 @@ def run(tmp_path):
     return tmp_path / "run"
 
 
+def wait_for_acks(store: str, version: int, acks: int, publisher) -> dict:
+    """Polls dcr status until ``version``'s attempt holds ``acks`` acks; its entry."""
+    deadline = time.monotonic() + 120  # a guard only
+    while True:
+        doc = run_dcr("status", "--store", store, "--json").json()
+        v = next((v for v in doc["versions"] if v["version"] == version), None)
+        if v is not None and v["attempts"] and len(v["attempts"][-1]["acks"]) >= acks:
+            return v
+        assert time.monotonic() < deadline and publisher.poll() is None, (v, publisher.poll())
+        time.sleep(0.05)
+
+
 def test_two_engines_of_ranks_follow_bit_exact_through_kills_and_corruption(tmp_path, run):
     store, state = f"file://{tmp_path / 'store'}", tmp_path / "state"
     assert finish(publish(store, state, 0, run / "v0"))["version"] == 0
@@ -167,8 +179,8 @@ def test_two_engines_of_ranks_follow_bit_exact_through_kills_and_corruption(tmp_
         victim = engines["tp2"][1]
         victim.kill9()
         p = publish(store, state, 2, run / "v2")
-        time.sleep(1.0)
-        assert p.poll() is None, "version 2 committed without every rank of engine tp2"
+        v2 = wait_for_acks(store, 2, len(ranks) - 1, p)  # every rank but the victim acked
+        assert not v2["committed"] and p.poll() is None, ("version 2 committed without every rank of engine tp2", v2)
         victim.start()
         report = finish(p)
         assert sorted(report["acked"]) == sorted(f"{r.engine}-r{r.rank}" for r in ranks), report
