@@ -8,6 +8,7 @@ checkpoint made from the trainer's BF16 checkpoint of that version."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -89,3 +90,51 @@ def test_quantized_layers_dcr_cannot_follow_are_refused_with_the_reason():
              "supports unquantized and block-FP8 models": method("AWQLinearMethod")}
     for why, qm in cases.items():
         assert why in (_why_not_supported(qm) or ""), (why, _why_not_supported(qm))
+
+
+def test_fp8_weights_must_have_block_scales_and_be_placed_whole():
+    """What init checks of an E4M3 weight, on a model of one fake block-FP8
+    layer: the trace places a BF16 box copied into it (an F32 one is
+    residual); its weight_scale_inv must be F32, one per 128 x 128 block; the
+    loader must place every element of it from BF16 run tensors."""
+    import torch
+
+    from dcr.trace import record_layout
+    from dcr.vllm import _LoadForm
+
+    class Fp8LinearMethod:  # judged by its class name and attributes, as vLLM's
+        block_quant, weight_block_size = True, [128, 128]
+        quant_config = type("Cfg", (), {"is_scale_e8m0": False})()
+
+    def model(scale_shape=(2, 1), scale_dtype=torch.float32, scales=True):
+        layer = torch.nn.Module()
+        layer.quant_method = Fp8LinearMethod()
+        layer.weight = torch.nn.Parameter(torch.zeros(256, 128, dtype=torch.float8_e4m3fn), requires_grad=False)
+        if scales:
+            layer.weight_scale_inv = torch.nn.Parameter(torch.ones(scale_shape, dtype=scale_dtype), requires_grad=False)
+        m = torch.nn.Module()
+        m.proj = layer
+        return m
+
+    form = _LoadForm(model())
+    assert form.fp8_scales == {"proj.weight": "proj.weight_scale_inv"}
+    for bad, why in [(dict(scale_shape=(2, 2)), "expected float32 [2, 1]"),
+                     (dict(scale_dtype=torch.bfloat16), "expected float32 [2, 1]"),
+                     (dict(scales=False), "without block scales")]:
+        with pytest.raises(NotImplementedError, match=re.escape(why)):
+            _LoadForm(model(**bad))
+
+    def loader(weights):  # the top half of the weight from "top", the bottom from "bottom"
+        for name, w in weights:
+            rows = slice(0, 128) if name == "top" else slice(128, 256)
+            form.slots["proj.weight"].host[rows].copy_(w)
+
+    weights = {"top": torch.zeros(128, 128, dtype=torch.bfloat16), "bottom": torch.zeros(128, 128)}
+    layout, residuals = record_layout(form.tensors, loader, weights)
+    assert residuals == ["bottom"] and [c["tensor"] for c in layout["copies"]] == ["top"], (layout, residuals)
+    assert {b["id"]: b["dtype"] for b in layout["buffers"]}["proj.weight"] == "F8_E4M3"
+    with pytest.raises(NotImplementedError, match="places 16384 of the 32768 elements of E4M3 weight 'proj.weight'"):
+        form.fp8_targets(layout)
+    weights["bottom"] = weights["bottom"].to(torch.bfloat16)
+    layout, residuals = record_layout(form.tensors, loader, weights)
+    assert residuals == [] and set(form.fp8_targets(layout)) == {"proj.weight"}
