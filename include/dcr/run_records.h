@@ -86,6 +86,10 @@ struct ReceiverRecord {
   // Host memory of a BF16 master it keeps of an FP8 engine's weights
   // (docs/layouts.md, "FP8 engines"); 0 for any other receiver.
   uint64_t master_bytes = 0;
+  // The digest it held when it last verified a committed version (a rank:
+  // its partial) and when (unix seconds); 0 before the first.
+  Digest verified_digest;
+  double verified_at = 0;
   std::string ToJson() const;
   static Result<ReceiverRecord> FromJson(std::string_view json, const std::string& where);
 };

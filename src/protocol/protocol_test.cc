@@ -349,6 +349,9 @@ TEST_F(ProtocolTest, MemoryHeldByThePublisherAndReceiversIsReported) {
   for (const auto& receiver : status->receivers) {
     EXPECT_GT(receiver.record.frames_held_bytes, 0u) << receiver.record.id;
     EXPECT_LE(receiver.record.frames_held_bytes, bound) << receiver.record.id;
+    // What it verified: the committed version's digest.
+    EXPECT_EQ(receiver.record.verified_digest, record->target_digest) << receiver.record.id;
+    EXPECT_GT(receiver.record.verified_at, 0) << receiver.record.id;
   }
 }
 

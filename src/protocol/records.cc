@@ -229,7 +229,8 @@ constexpr auto kAckFields = std::make_tuple(F("receiver", &AckRecord::receiver),
 constexpr auto kReceiverFields = std::make_tuple(
     F("id", &ReceiverRecord::id), F("state", &ReceiverRecord::state), F("version", &ReceiverRecord::version),
     F("heartbeat", &ReceiverRecord::heartbeat), F("frames_held_bytes", &ReceiverRecord::frames_held_bytes, true),
-    F("master_bytes", &ReceiverRecord::master_bytes, true));
+    F("master_bytes", &ReceiverRecord::master_bytes, true),
+    F("verified_digest", &ReceiverRecord::verified_digest, true), F("verified_at", &ReceiverRecord::verified_at, true));
 constexpr auto kFenceFields = std::make_tuple(F("reason", &FenceRecord::reason), F("time", &FenceRecord::time));
 constexpr auto kSnapshotFields =
     std::make_tuple(F("version", &SnapshotRecord::version), F("digest", &SnapshotRecord::digest));

@@ -26,6 +26,8 @@ ReceiverRecord Heartbeat::Record() {
   r.version = version_;
   r.frames_held_bytes = frames_held_;
   r.master_bytes = master_bytes_;
+  r.verified_digest = verified_digest_;
+  r.verified_at = verified_at_;
   return r;
 }
 
@@ -71,6 +73,12 @@ void Heartbeat::SetFramesHeld(uint64_t bytes) {
 void Heartbeat::SetMasterBytes(uint64_t bytes) {
   std::lock_guard lock(mu_);
   master_bytes_ = bytes;
+}
+
+void Heartbeat::SetVerified(const Digest& digest, double at) {
+  std::lock_guard lock(mu_);
+  verified_digest_ = digest;
+  verified_at_ = at;
 }
 
 void Heartbeat::Start() {

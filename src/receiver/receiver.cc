@@ -61,9 +61,12 @@ Status ReceiverWalk::Join(uint64_t at_most, const std::string& why) {
   return Commit(snap.version);
 }
 
+// Every caller has checked the target against version v's commit (or
+// snapshot) digest: what it holds is recorded as verified.
 Status ReceiverWalk::Commit(uint64_t v) {
   version_ = v;
   heartbeat_.SetVersion(v);
+  heartbeat_.SetVerified(target_.AckDigest(), ClockOf(o_).UnixSeconds());
   if (frames_held_peak_ > 0) heartbeat_.SetFramesHeld(frames_held_peak_);  // not after a join
   frames_held_peak_ = 0;
   ForgetAttempts();  // all of v or older (a join may pass several versions)

@@ -57,6 +57,7 @@ class Heartbeat {
   void SetVersion(uint64_t v);  // the next record's version
   void SetFramesHeld(uint64_t bytes);  // the next record's frames_held_bytes
   void SetMasterBytes(uint64_t bytes);  // every record's master_bytes
+  void SetVerified(const Digest& digest, double at);  // the next record's verified_digest, verified_at
   void Start();
   void Stop();
 
@@ -73,6 +74,8 @@ class Heartbeat {
   std::mutex mu_;
   std::string state_ = "joining";
   uint64_t version_ = 0, frames_held_ = 0, master_bytes_ = 0;
+  Digest verified_digest_;
+  double verified_at_ = 0;
   std::string written_;  // what the last record written says, its time aside
   std::atomic<bool> stop_{false};
   std::thread thread_;

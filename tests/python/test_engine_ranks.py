@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+import dcr
+
 from conftest import DCR_BIN, run_dcr
 
 FAMILY, SIZE, VERSIONS = "qwen3-moe", "3MB", 4
@@ -207,6 +209,11 @@ def test_two_engines_of_ranks_follow_bit_exact_through_kills_and_corruption(tmp_
         assert "cannot apply version 3" in log and "not at the digest it tracks" in log, hurt.tail()
         seen = {(x["engine"]["id"], x["engine"]["rank"], x["engine"]["ranks"]) for x in doc["receivers"]}
         assert seen == {(r.engine, r.rank, r.tp) for r in ranks}
+        # Each rank's record says the partial digest it verified at version 3: an engine's add up to the commit's.
+        target = next(v for v in doc["versions"] if v["version"] == 3)["target_digest"]
+        for engine in engines:
+            partials = [x["verified_digest"] for x in doc["receivers"] if x["engine"]["id"] == engine]
+            assert dcr.add_digests(partials) == target, (engine, partials, target)
         text = run_dcr("status", "--store", store)
         assert "engine tp4 (4 ranks, 4 seen)" in text.stdout, text
 

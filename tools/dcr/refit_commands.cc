@@ -416,6 +416,8 @@ json StatusJson(const RunStatusReport& r, const std::string& url, const std::opt
          {"retired_at", x.retired_at ? json(*x.retired_at) : json(nullptr)},
          {"frames_held_bytes", x.record.frames_held_bytes},
          {"master_bytes", x.record.master_bytes},
+         {"verified_digest", x.record.verified_at > 0 ? json(x.record.verified_digest.ToHex()) : json(nullptr)},
+         {"verified_at", x.record.verified_at > 0 ? json(x.record.verified_at) : json(nullptr)},
          {"engine",
           x.record.engine.ranks
               ? json({{"id", x.record.engine.engine}, {"rank", x.record.engine.rank}, {"ranks", x.record.engine.ranks}})
@@ -460,7 +462,9 @@ void PrintStatus(const RunStatusReport& r, const std::string& url) {
   PrintVersions(r);
   auto line = [](const ReceiverStatus& x) {
     return fmt::format(
-        "{}: {} at v{}{}, heartbeat {:.1f} s ago{}{}{}", x.record.id, x.record.state, x.record.version,
+        "{}: {} at v{}{}{}, heartbeat {:.1f} s ago{}{}{}", x.record.id, x.record.state, x.record.version,
+        x.record.verified_at > 0 ? fmt::format(" (verified digest {})", x.record.verified_digest.ToHex().substr(0, 16))
+                                 : "",
         x.behind ? fmt::format(" ({} behind)", x.behind) : "", x.age_seconds, x.live ? "" : " (not live)",
         x.record.frames_held_bytes
             ? fmt::format(", held {} of frames at most for its last version", FormatBytes(x.record.frames_held_bytes))
