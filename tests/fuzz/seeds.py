@@ -396,7 +396,7 @@ def records_seeds():
         "nack": (2, {"format": "dcr-ack", "receiver": "e1", "ok": False, "digest": d, "error": "corrupt frame"}),
         "receiver": (3, {"format": "dcr-receiver", "id": "e0", "state": "following", "version": 3,
                          "heartbeat": 1764648000.5, "frames_held_bytes": 40960,
-                         "master_bytes": 1048576}),
+                         "master_bytes": 1048576, "verified_digest": d, "verified_at": 1764647999.75}),
         "receiver_rank": (3, {"format": "dcr-receiver", "id": "eng-r0", "state": "applying", "version": 3,
                               "heartbeat": 1764648001.0, "engine": {"id": "eng", "rank": 0, "ranks": 4}}),
         "attempt": (6, {"format": "dcr-attempt", "version": 3, "class": "xor", "delta_id": "0123456789abcdef",
