@@ -261,6 +261,13 @@ def _buffers_for(layout_json: str, tensors: Mapping[str, Any], who: str, views: 
     return out
 
 
+def _fp8_scale_shape(shape: Sequence[int], block: int = 128) -> list:
+    """The shape of the block scales of an FP8 tensor of ``shape``: one per
+    ``block`` x ``block`` block of its last two dimensions (edge blocks
+    partial), the leading dimensions (an expert stack) as they are."""
+    return [int(d) for d in shape[:-2]] + [(int(d) + block - 1) // block for d in shape[-2:]]
+
+
 def _fp8_memory(layout_json: str, tensors: Mapping[str, Any], scales: Mapping[str, Any], staged: bool) -> tuple:
     """An FP8 receiver's layout (its FP8 buffers, and the tensors copied into
     them, declared in the run's dtype: F8_E4M3 read as BF16) and its memory
@@ -300,7 +307,7 @@ def _fp8_memory(layout_json: str, tensors: Mapping[str, Any], scales: Mapping[st
             raise InvalidArgumentError(f"Receiver: FP8 buffer '{bid}' is {dtype_name(t)} {list(t.shape)}; expected "
                                        f"F8_E4M3 {shape}")
         s = scales[bid]
-        want = shape[:-2] + [(shape[-2] + 127) // 128, (shape[-1] + 127) // 128]
+        want = _fp8_scale_shape(shape)
         if dtype_name(s) != "F32" or [int(d) for d in s.shape] != want:
             raise InvalidArgumentError(f"Receiver: the scales of FP8 buffer '{bid}' are {dtype_name(s)} "
                                        f"{list(s.shape)}; expected F32 {want} (a scale per 128 x 128 block)")
@@ -847,7 +854,7 @@ def quantize_fp8_blocks(tensor: Any, block: int = 128) -> tuple:
     src = tensor.detach().cpu().contiguous()
     rows, cols = src.shape
     fp8 = torch.empty((rows, cols), dtype=torch.float8_e4m3fn)
-    scales = torch.empty(((rows + block - 1) // block, (cols + block - 1) // block), dtype=torch.float32)
+    scales = torch.empty(_fp8_scale_shape((rows, cols), block), dtype=torch.float32)
     _dcr.quantize_fp8_blocks(byte_view(src, "tensor"), dtype_name(src), rows, cols, block, byte_view(fp8, "fp8"),
                              byte_view(scales, "scales"))
     return fp8, scales

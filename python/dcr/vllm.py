@@ -56,6 +56,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 import dcr
+from . import _fp8_scale_shape
 from ._tensors import torch_dtype
 from .trace import overlaps, record_layout
 
@@ -301,8 +302,7 @@ class _LoadForm:
         if type(qm).__name__ not in _FP8_BLOCK_PROCESSING or scale not in self.slots:
             raise NotImplementedError(f"dcr: '{name}' is E4M3 without block scales beside it ({scale}); the dcr "
                                       "backend supports block-FP8 linear and expert weights")
-        got, shape = self.slots[scale].host, list(s.host.shape)
-        want = shape[:-2] + [(shape[-2] + 127) // 128, (shape[-1] + 127) // 128]
+        got, want = self.slots[scale].host, _fp8_scale_shape(s.host.shape)
         if got.dtype != torch.float32 or list(got.shape) != want:
             raise NotImplementedError(f"dcr: the scales '{scale}' of '{name}' are {got.dtype} {list(got.shape)}; "
                                       f"expected float32 {want} (one per 128 x 128 block)")
@@ -568,10 +568,6 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         fp8 = form.fp8_targets(layout)
         loaded, adoptable = self._load_own_checkpoint(form, hosts)
         form.place_live(compared=loaded)
-        if fp8 and adoptable:
-            # Its E4M3 checkpoint cannot give the BF16 master the run's digests count.
-            logger.info("dcr: this FP8 engine joins from the run's BF16 snapshot (its master starts there)")
-            adoptable = False
         # Live parameters on a device are reached through torch (stage=None);
         # on CPU, in place directly, as are the host copies.
         if residuals:
@@ -591,7 +587,9 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         self._state_dir = state_dir
         try:
             self.adopted = None
-            if init_info.adopt_loaded:
+            if fp8:  # its E4M3 checkpoint cannot give the BF16 master the run's digests count
+                logger.info("dcr: this FP8 engine joins from the run's BF16 snapshot (its master starts there)")
+            elif init_info.adopt_loaded:
                 self.adopted = self._adopt_loaded(store, latest, engine, rank, ranks, adoptable)
             self._reach(latest, init_info.join_timeout_s)
         except BaseException:

@@ -67,16 +67,15 @@ def checkpoint_tensors(model) -> dict:
 def trainer_sender(model) -> tuple:
     """The trainer as one sender: its parameters as buffers, and the map of
     the checkpoint's tensors (checkpoint_tensors) onto them."""
+    from dcr.trace import _box
+
     params = {n: p.data for n, p in model.named_parameters()}
     by_storage = {p.untyped_storage().data_ptr(): n for n, p in params.items()}
     tensors, copies = [], []
     for name, view in checkpoint_tensors(model).items():
         buf = by_storage[view.untyped_storage().data_ptr()]
-        base = params[buf]
-        rem, at = view.storage_offset() - base.storage_offset(), []
-        for s in base.stride():
-            at.append(rem // s)
-            rem %= s
+        at = _box(view, params[buf])  # the view's offset in its parameter
+        assert at is not None, f"{name} is not a box of {buf}"
         tensors.append({"name": name, "dtype": "BF16", "shape": list(view.shape)})
         copies.append({"tensor": name, "offset": [0] * view.dim(), "extent": list(view.shape), "buffer": buf,
                        "buffer_offset": at})
