@@ -400,6 +400,9 @@ class Receiver:
     ``post_update(report)``, if given, is called after each applied delta
     (after the loader), e.g. to re-derive absorbed weights or FP8 scales.
 
+    ``metrics="HOST:PORT"``: serve this process's Prometheus metrics there
+    (:func:`serve_metrics`; the URL is ``metrics_url``).
+
     ``stage``: how the tensors are reached. Tensors not on the CPU (CUDA)
     are written where they live (:class:`dcr._tensors.TensorMemory`): frames
     are decoded on the host, the old words at the changed positions are
@@ -438,7 +441,9 @@ class Receiver:
                  residuals: Union[Iterable[str], Mapping[str, Any]] = (),
                  loader: Optional[Callable[[Iterable], Any]] = None,
                  post_update: Optional[Callable[[dict], Any]] = None, stage: Optional[bool] = None,
-                 residuals_primary: bool = True, fp8: Optional[Mapping[str, Any]] = None):
+                 residuals_primary: bool = True, fp8: Optional[Mapping[str, Any]] = None,
+                 metrics: Optional[str] = None):
+        self.metrics_url = serve_metrics(metrics) if metrics else None
         self.layout_json = identity_layout(tensors) if layout is None else _layout_json(layout)
         self._residuals_primary = residuals_primary
         self._tensors = dict(tensors)
@@ -653,6 +658,9 @@ class ShardPublisher:
     over buffers you refresh before each publish, with the map
     ``identity_layout(buffers)`` in every process's ``layouts``.
 
+    ``metrics="HOST:PORT"``: serve this process's Prometheus metrics there
+    (:func:`serve_metrics`; the URL is ``metrics_url``).
+
     ``stage``: tensors not on the CPU (CUDA) are read through host mirrors,
     pinned, copied device -> host in each publish; ``True`` mirrors every
     tensor, ``False`` none. The copies run buffer by buffer on the
@@ -688,7 +696,8 @@ class ShardPublisher:
                  placement: Optional[Sequence[int]] = None, peer_timeout_s: float = 60.0,
                  inject_failures: Sequence[str] = (), copy_engine: Optional[Callable[[Any, Any], None]] = None,
                  relay: Sequence[str] = (), relay_key: PathLike = "", relay_pub: PathLike = "",
-                 relay_insecure: bool = False):
+                 relay_insecure: bool = False, metrics: Optional[str] = None):
+        self.metrics_url = serve_metrics(metrics) if metrics else None
         self.store = store
         self.state_dir = default_publisher_state_dir(store) if state_dir is None else os.fspath(state_dir)
         self._processes = processes
@@ -818,6 +827,22 @@ class ShardPublisher:
         return stagers + [None] * (len(self._layouts) - len(stagers))  # the conversions' sender
 
 
+def serve_metrics(address: str = "127.0.0.1:0") -> str:
+    """Serves this process's Prometheus metrics (every publisher, receiver
+    and relay in it; docs/metrics.md) at ``http://HOST:PORT/metrics`` until
+    the process exits, and returns that URL (port 0: a free port, in the
+    URL). The same fixed address twice returns the endpoint already there.
+    ``Receiver`` and ``ShardPublisher`` take ``metrics="HOST:PORT"`` to call
+    this for you (their ``metrics_url``)."""
+    return _dcr.serve_metrics(address)
+
+
+def metrics_text() -> str:
+    """This process's metrics in the Prometheus text format, as a scrape of
+    :func:`serve_metrics`'s endpoint returns them."""
+    return _dcr.metrics_text()
+
+
 def add_digests(digests: Iterable[str]) -> str:
     """The sum of digests (32 hex digits each, docs/format.md section 2): the
     digest of the union of the disjoint element sets they cover, e.g. an
@@ -863,6 +888,6 @@ def quantize_fp8_blocks(tensor: Any, block: int = 128) -> tuple:
 __all__ = [
     "Checkpoint", "TensorInfo", "Delta", "Store", "Publisher", "Follower", "Sender", "Receiver", "ShardPublisher", "VerifyResult",
     "make_delta", "apply_delta", "verify_delta", "inspect_delta", "describe_manifest", "read_delta", "open_store", "identity_layout",
-    "validate_layout", "quantize_fp8_blocks", "add_digests", "default_publisher_state_dir", "torch_dtype", "dtype_name", "byte_view", "errors", "DEFAULT_CHUNK_ELEMENTS",
+    "validate_layout", "quantize_fp8_blocks", "add_digests", "serve_metrics", "metrics_text", "default_publisher_state_dir", "torch_dtype", "dtype_name", "byte_view", "errors", "DEFAULT_CHUNK_ELEMENTS",
     *errors.__all__,
 ]

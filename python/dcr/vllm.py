@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import socket
+import re
 import tempfile
 import threading
 import time
@@ -138,6 +139,9 @@ class DcrInitInfo(WeightTransferInitInfo):
         digest, summed over the ranks, is the version's), join from it: no
         snapshot is downloaded, only the deltas after it. The newest
         ``ADOPT_CANDIDATES`` committed versions and version 0 are compared.
+    metrics: ``HOST:PORT``: each rank serves its Prometheus metrics
+        (docs/metrics.md) at ``http://HOST:PORT+rank/metrics`` (port 0: a
+        free one each; ``join_report["metrics_url"]`` says which).
     """
 
     store: str
@@ -152,6 +156,7 @@ class DcrInitInfo(WeightTransferInitInfo):
     relay_insecure: bool = False
     relay_poll_s: float = 1.0
     adopt_loaded: bool = True
+    metrics: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, str) or not self.store:
@@ -172,6 +177,9 @@ class DcrInitInfo(WeightTransferInitInfo):
         if not isinstance(self.relay_insecure, bool) or (self.relay_insecure and
                                                           (self.relay is None or self.relay_key is not None)):
             raise ValueError("dcr: init_info 'relay_insecure' must be a bool, true only with 'relay' and no 'relay_key'")
+        if self.metrics is not None and (not isinstance(self.metrics, str) or
+                                         not re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[^:\[\]]+):[0-9]{1,5}", self.metrics)):
+            raise ValueError(f"dcr: init_info 'metrics' must be HOST:PORT, not {self.metrics!r}")
 
 
 @dataclass
@@ -570,12 +578,18 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         form.place_live(compared=loaded)
         # Live parameters on a device are reached through torch (stage=None);
         # on CPU, in place directly, as are the host copies.
+        metrics = None
+        if init_info.metrics:
+            host, port = init_info.metrics.rsplit(":", 1)
+            metrics = f"{host}:{int(port) + rank if int(port) else 0}"
         if residuals:
             # Each rank keeps the residual tensors whole; rank 0's count.
             receiver = dcr.Receiver(form.tensors, layout, residuals=hosts, loader=form.load,
-                                    post_update=self._on_version, residuals_primary=rank == 0, fp8=fp8 or None)
+                                    post_update=self._on_version, residuals_primary=rank == 0, fp8=fp8 or None,
+                                    metrics=metrics)
         else:
-            receiver = dcr.Receiver(form.tensors, layout, post_update=self._on_version, fp8=fp8 or None)
+            receiver = dcr.Receiver(form.tensors, layout, post_update=self._on_version, fp8=fp8 or None,
+                                    metrics=metrics)
         self._store, self._form, self._receiver = store, form, receiver
         self._buffers_of: dict = {}  # canonical tensor -> the parameters it is placed in
         for c in layout.get("copies", []):
@@ -735,6 +749,7 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         report["fp8_master_bytes"] = self._receiver.fp8_master_bytes
         report["host_bytes"] += report["fp8_master_bytes"]
         report["residuals"] = sorted(self._receiver.residuals)
+        report["metrics_url"] = self._receiver.metrics_url
         return report
 
 

@@ -139,5 +139,6 @@ void BindStoreFunctions(nb::module_& m);  // stores.cc: open_store, state direct
 void BindPublishers(nb::module_& m);  // protocol.cc: Publisher, Follower
 void BindRankFollower(nb::module_& m);  // protocol.cc: RankFollower
 void BindShardPublisher(nb::module_& m);  // protocol.cc: ShardPublisher
+void BindMetrics(nb::module_& m);  // metrics.cc: the metrics text and endpoint
 
 }  // namespace dcr_python

@@ -39,4 +39,5 @@ NB_MODULE(_dcr, m) {
   BindPublishers(m);
   BindRankFollower(m);
   BindShardPublisher(m);
+  BindMetrics(m);
 }

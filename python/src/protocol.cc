@@ -21,6 +21,7 @@ nb::dict PublishReportDict(const dcr::PublishReport& r) {
   d["relay_acks_unconfirmed"] = r.relay_acks_unconfirmed;
   d["encode_seconds"] = r.encode_seconds;
   d["wait_seconds"] = r.wait_seconds;
+  d["commit_seconds"] = r.commit_seconds;
   d["total_seconds"] = r.total_seconds;
   d["baseline_seconds"] = r.baseline_seconds;
   d["advance_seconds"] = r.advance_seconds;

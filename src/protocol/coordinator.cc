@@ -14,6 +14,7 @@
 #include "ack_tally.h"
 #include "dcr/run_keys.h"
 #include "internal.h"
+#include "publish_metrics.h"
 
 namespace dcr::protocol_internal {
 
@@ -71,6 +72,7 @@ Status AttemptCoordinator::Fence(uint64_t v, const std::string& id, const Status
   if (auto c = ReadCommit(store_, v); c.ok() && c->attempt == id) return Status::Ok();
   const FenceRecord fence{why.ToString(), ClockOf(o_).UnixSeconds()};
   DCR_RETURN_IF_ERROR(store_.Put(run_keys::Fence(v, id), fence.ToJson()));
+  CountFence();
   // The store's fence is the one receivers obey; the relays' copy only lets
   // them drop the attempt's frames early.
   if (o_.relay) o_.relay->Fence(run_keys::Attempt(v, id));
@@ -308,6 +310,7 @@ Result<AttemptCoordinator::AttemptResult> AttemptCoordinator::AwaitAcksAndCommit
   c.retired.assign(wait.retired().begin(), wait.retired().end());
   c.time = ClockOf(o_).UnixSeconds();
   c.publisher_memory = report->memory;
+  const auto commit_start = ClockOf(o_).Now();
   Status s = store_.Put(run_keys::Commit(v), c.ToJson(), WriteMode::kCreateIfAbsent);
   // After a transient failure the record may or may not have been written (a
   // lost response): create it again; if it exists and names this attempt, it
@@ -331,6 +334,7 @@ Result<AttemptCoordinator::AttemptResult> AttemptCoordinator::AwaitAcksAndCommit
   } else {
     DCR_RETURN_IF_ERROR(s);
   }
+  report->commit_seconds += SecondsSince(ClockOf(o_), commit_start);
   if (o_.relay) o_.relay->Notice(run_keys::Commit(v));  // receivers in the tree look now
   // Best effort: v is committed whatever the listing meets.
   if (auto attempts = ListAttempts(store_, v); attempts.ok())

@@ -13,6 +13,7 @@
 #include "dcr/run_status.h"
 #include "dcr/signing.h"
 #include "internal.h"
+#include "publish_metrics.h"
 #include "segment_writer.h"
 
 namespace dcr {
@@ -409,6 +410,7 @@ Result<PublishReport> Publisher::Publish(uint64_t version, const Checkpoint& nex
   DCR_ASSIGN_OR_RETURN(StateDirLock lock, StateDirLock::Acquire(dir));
   auto r = PublishVersion(store_, dir, options_, version, next, progress);
   if (r.ok()) r->state_dir = dir;
+  RecordPublish(r);
   return r;
 }
 

@@ -17,6 +17,7 @@
 #include "dcr/run_keys.h"
 #include "dcr/signing.h"
 #include "dcr/store.h"
+#include "publish_metrics.h"
 
 namespace dcr::protocol_internal {
 
@@ -164,7 +165,11 @@ class SegmentedFrameWriter {
         p.writer->Abort();
       } else {
         s = p.writer->Close();
-        if (s.ok() && relay_) relay_->Object(p.key, p.bytes);
+        if (s.ok()) CountSentBytes("store", p.size);
+        if (s.ok() && relay_) {
+          relay_->Object(p.key, p.bytes);
+          CountSentBytes("relay", p.size);
+        }
       }
       lock.lock();
       in_flight_.Remove(pending_.front().size);

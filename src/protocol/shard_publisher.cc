@@ -18,6 +18,7 @@
 #include "dcr/signing.h"
 #include "dcr/thread_pool.h"
 #include "internal.h"
+#include "publish_metrics.h"
 #include "segment_writer.h"
 #include "shard_baseline.h"
 #include "shard_staging.h"
@@ -671,8 +672,10 @@ Result<PublishReport> ShardPublisher::Publish(uint64_t version, std::span<const 
                                             state.latest ? *state.latest + 1 : 0));
     return Status::Ok();
   };
-  return ShardCall::Run(*this, maps, local, procs, check,
-                        [&](ShardRun& shards) { return worker ? shards.Work(version) : shards.Coordinate(version); });
+  auto r = ShardCall::Run(*this, maps, local, procs, check,
+                          [&](ShardRun& shards) { return worker ? shards.Work(version) : shards.Coordinate(version); });
+  RecordPublish(r);
+  return r;
 }
 
 Status ShardPublisher::Adopt(uint64_t version, std::span<const ShardSource> senders) {

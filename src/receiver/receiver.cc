@@ -15,7 +15,8 @@ ReceiverWalk::ReceiverWalk(Store& store, ReceiverTarget& target, FollowOptions o
       o_(std::move(options)),
       fetcher_(store, o_.fetch_ahead),
       heartbeat_(store, o_.id, target.Engine(), o_.heartbeat_every, ClockOf(o_),
-                 [this](const std::string& l) { Log(l); }) {
+                 [this](const std::string& l) { Log(l); }),
+      metrics_(o_.id) {
   heartbeat_.SetMasterBytes(target.MasterBytes());
 }
 
@@ -57,13 +58,17 @@ Status ReceiverWalk::Join(uint64_t at_most, const std::string& why) {
   DCR_ASSIGN_OR_RETURN(SnapshotRecord snap, NewestSnapshot(store_, at_most));
   Log(fmt::format("joining from the snapshot of version {} ({})", snap.version, why));
   SetState("joining").IgnoreError();
-  DCR_RETURN_IF_ERROR(target_.Join(store_, run_, snap));
-  return Commit(snap.version);
+  {
+    StageTimer timer(metrics_, Stage::kJoin);
+    DCR_RETURN_IF_ERROR(target_.Join(store_, run_, snap));
+  }
+  return Commit(snap.version, /*joined=*/true);
 }
 
 // Every caller has checked the target against version v's commit (or
 // snapshot) digest: what it holds is recorded as verified.
-Status ReceiverWalk::Commit(uint64_t v) {
+Status ReceiverWalk::Commit(uint64_t v, bool joined) {
+  metrics_.Commit(v, joined);
   version_ = v;
   heartbeat_.SetVersion(v);
   heartbeat_.SetVerified(target_.AckDigest(), ClockOf(o_).UnixSeconds());
@@ -120,6 +125,7 @@ Status ReceiverWalk::TakeFromRelay(uint64_t v, const std::string& id) {
         Log(fmt::format("refused an object the relay delivered ({} so far): {}; the store's copy is used", n,
                         s.ToString()));
     } else {
+      metrics_.Received("relay", it->second.size());
       from_relay_.insert(it->first);
       prefetched_.emplace(it->first, std::move(it->second));
     }
@@ -201,6 +207,7 @@ Status ReceiverWalk::StreamApply(uint64_t v, const AttemptInfo& a) {
   DCR_ASSIGN_OR_RETURN(auto todo, StreamedObjectsToApply(store_, v, a, prefetched_, in_tree ? &from_relay_ : nullptr,
                                                          /*check_fence=*/!in_tree, &st.objects));
   if (todo.empty()) return Status::Ok();
+  StageTimer timer(metrics_, Stage::kApply);
   DCR_RETURN_IF_ERROR(target_.Begin(a.id));
   SetState("applying").IgnoreError();
   DCR_RETURN_IF_ERROR(Fault("stream-applying"));
@@ -239,6 +246,7 @@ Status ReceiverWalk::TakeFetched(bool* progressed) {
       continue;
     }
     if (Holds(key)) continue;  // the relay delivered it meanwhile
+    metrics_.Received("store", blob->size());
     prefetched_.emplace(key, std::move(*blob));
     *progressed = true;
   }
@@ -304,6 +312,7 @@ AttemptInfo ReceiverWalk::ToStream(uint64_t v, const AttemptInfo& a) const {
 // Catches up to committed version v through its committed attempt (a late
 // or retired receiver); when that fails, once from the newest snapshot.
 Status ReceiverWalk::CatchUp(uint64_t v, const CommitRecord& c) {
+  const auto start = ClockOf(o_).Now();
   DCR_RETURN_IF_ERROR(TakeFromRelay(v, c.attempt));
   DCR_ASSIGN_OR_RETURN(auto attempts, ListAttempts(store_, v));
   AttemptInfo committed{c.attempt}, needed;
@@ -318,9 +327,14 @@ Status ReceiverWalk::CatchUp(uint64_t v, const CommitRecord& c) {
                                            HeldObjects{&prefetched_, &released_, std::move(skip), &loaded})
                              : Result<DeltaReader>(manifest.status());
   NoteFramesHeld(loaded);
+  metrics_.Received("store", loaded);
+  metrics_.AddSeconds(Stage::kDownload, SecondsSince(ClockOf(o_), start));
   Status s = delta.status();
   ApplyCounts counts;
-  if (s.ok()) s = target_.ApplyAttempt(c.attempt, *delta, &counts);
+  if (s.ok()) {
+    StageTimer timer(metrics_, Stage::kApply);
+    s = target_.ApplyAttempt(c.attempt, *delta, &counts);
+  }
   if (s.ok() && !target_.AtCommit(c)) s = DataLoss("the committed delta did not reach its digest");
   if (s.ok()) return Commit(v);
   if (Transient(s)) return s;
@@ -336,6 +350,7 @@ Status ReceiverWalk::CatchUp(uint64_t v, const CommitRecord& c) {
 }
 
 Status ReceiverWalk::ApplyAndAck(uint64_t v, const AttemptInfo& a) {
+  const auto start = ClockOf(o_).Now();
   const std::string prefix = run_keys::Attempt(v, a.id);
   AttemptInfo needed;
   std::vector<bool> skip;
@@ -351,7 +366,9 @@ Status ReceiverWalk::ApplyAndAck(uint64_t v, const AttemptInfo& a) {
                                            HeldObjects{&prefetched_, &released_, std::move(skip), &loaded})
                              : Result<DeltaReader>(manifest.status());
   NoteFramesHeld(loaded);
+  metrics_.Received("store", loaded);
   const auto ready = ClockOf(o_).Now();  // the manifest and every frame object are here
+  metrics_.AddSeconds(Stage::kDownload, std::chrono::duration<double>(ready - start).count());
   if (Transient(delta.status())) return delta.status();
   if (o_.relay && delta.ok()) {
     uint64_t frame_bytes = 0;  // of the objects it needed
@@ -368,7 +385,10 @@ Status ReceiverWalk::ApplyAndAck(uint64_t v, const AttemptInfo& a) {
   DCR_RETURN_IF_ERROR(Fault("applying"));
   Status s = delta.status();
   ApplyCounts counts;
-  if (s.ok()) s = target_.ApplyAttempt(a.id, *delta, &counts);
+  if (s.ok()) {
+    StageTimer timer(metrics_, Stage::kApply);
+    s = target_.ApplyAttempt(a.id, *delta, &counts);
+  }
   DCR_RETURN_IF_ERROR(Fault("applied"));
   AckRecord ack;
   ack.receiver = o_.id;
@@ -382,11 +402,15 @@ Status ReceiverWalk::ApplyAndAck(uint64_t v, const AttemptInfo& a) {
                            v, a.id, std::chrono::duration<double>(ClockOf(o_).Now() - ready).count(), st.applied,
                            st.already, st.left)
              : fmt::format("cannot apply version {} attempt {}: {}", v, a.id, s.ToString()));
-  DCR_RETURN_IF_ERROR(store_.Put(run_keys::Ack(v, a.id, o_.id), ack.ToJson()));
-  // In the store first (the record), then up the relay tree (the fast path
-  // to the coordinator). A rank's partial ack goes through the store only:
-  // the tree's ACK carries no engine.
-  if (o_.relay && ack.engine.ranks == 0) o_.relay->Ack(prefix, ack);
+  {
+    StageTimer timer(metrics_, Stage::kAck);
+    DCR_RETURN_IF_ERROR(store_.Put(run_keys::Ack(v, a.id, o_.id), ack.ToJson()));
+    // In the store first (the record), then up the relay tree (the fast
+    // path to the coordinator). A rank's partial ack goes through the store
+    // only: the tree's ACK carries no engine.
+    if (o_.relay && ack.engine.ranks == 0) o_.relay->Ack(prefix, ack);
+  }
+  metrics_.Acked(ack.ok);
   DCR_RETURN_IF_ERROR(Fault("acked"));
   handled_.insert(a.id);
   SetState("following").IgnoreError();
@@ -504,6 +528,7 @@ Status ReceiverWalk::Step() {
     case StepPlan::Kind::kCommit:
     case StepPlan::Kind::kCatchUp: {
       const CommitRecord& c = *commit;
+      metrics_.Behind(std::max(0.0, ClockOf(o_).UnixSeconds() - c.time));
       if (std::find(c.retired.begin(), c.retired.end(), o_.id) != c.retired.end())
         Log(
             fmt::format("retired from version {} (no ack before the deadline): catching up from the committed delta, "
@@ -516,7 +541,7 @@ Status ReceiverWalk::Step() {
       Log(fmt::format("at version {} (attempt {})", v, c.attempt.empty() ? "snapshot" : c.attempt));
       return Status::Ok();
     }
-    case StepPlan::Kind::kAttempts: break;
+    case StepPlan::Kind::kAttempts: metrics_.Behind(0); break;
   }
   if (in.relay_attached && notices > 0) tree_view_ = TreeView{true, v, attempts, plan, notices, look_at};
   bool progressed = false;

@@ -18,6 +18,7 @@
 #include "fetcher.h"
 #include "held_chunks.h"
 #include "protocol/internal.h"
+#include "receiver_metrics.h"
 
 namespace dcr::receiver_internal {
 
@@ -202,7 +203,7 @@ class ReceiverWalk {
 
   Status Start(const std::function<bool()>& stop);
   Status Join(uint64_t at_most, const std::string& why);
-  Status Commit(uint64_t v);
+  Status Commit(uint64_t v, bool joined = false);
   Status Step();
   // In a relay tree that carries notices (docs/relay.md, "Notices"), the
   // store is looked at only when the tree sends a notice or fence, every
@@ -318,6 +319,7 @@ class ReceiverWalk {
   TreeView tree_view_;
   uint64_t news_seen_ = 0;  // the relay's arrivals counted so far (AwaitNews)
   Heartbeat heartbeat_;
+  ReceiverMetrics metrics_;
 };
 
 }  // namespace dcr::receiver_internal

@@ -128,6 +128,7 @@ Status RelayServer::Run(const std::function<bool()>& stop) {
     Turn(false);
   }
   FlushAcks(true);
+  ExportMetrics();
   WriteStats();
   Log("stopped");
   return Status::Ok();
@@ -653,8 +654,9 @@ void RelayServer::Timers() {
     upstream_.reset();
     if (Status s = Attach(next); !s.ok()) Log(s.ToString());
   }
-  if (!o_.stats_path.empty() && now - last_stats_ >= std::chrono::seconds(1)) {
+  if (now - last_stats_ >= std::chrono::seconds(1)) {
     last_stats_ = now;
+    ExportMetrics();
     WriteStats();
   }
 }

@@ -3,6 +3,7 @@
 // Internal to src/relay: RunRelay (include/dcr/relay.h) is the interface.
 #pragma once
 
+#include <fmt/format.h>
 #include <chrono>
 #include <deque>
 #include <functional>
@@ -121,6 +122,8 @@ class RelayServer {
   void Timers();
   void WriteStats();
   std::string StatsJson();
+  // The counters and levels above into the process's metrics (relay_metrics.cc).
+  void ExportMetrics();
 
   const RelayOptions& o_;
   Context ctx_;

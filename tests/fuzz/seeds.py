@@ -470,6 +470,20 @@ def journals_seeds():
     }
 
 
+def http_request_seeds():
+    """The metrics endpoint's parsers (include/dcr/metrics.h); byte 0 picks
+    the parser: 0 a request head, 1 a HOST:PORT address."""
+    return {
+        "scrape": b"\0GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:9400\r\nAccept: text/plain\r\n\r\n",
+        "head_query": b"\0HEAD /metrics?name[]=x HTTP/1.0\r\n\r\n",
+        "no_blank_line": b"\0GET /metrics HTTP/1.1\r\nHost: x\r\n",
+        "bad_header": b"\0GET / HTTP/1.1\r\nA b: c\r\n\r\n",
+        "address": b"\1127.0.0.1:9400",
+        "address_v6": b"\1[::1]:0",
+        "address_bad": b"\1::1:99999",
+    }
+
+
 def write_all(out_dir, seeds):
     os.makedirs(out_dir, exist_ok=True)
     for name, blob in seeds.items():
@@ -508,6 +522,7 @@ def main():
     write_all(os.path.join(sys.argv[1], "records_fuzz"), records_seeds())
     write_all(os.path.join(sys.argv[1], "contribution_fuzz"), contribution_seeds())
     write_all(os.path.join(sys.argv[1], "journals_fuzz"), journals_seeds())
+    write_all(os.path.join(sys.argv[1], "http_request_fuzz"), http_request_seeds())
     write_all(os.path.join(sys.argv[1], "relay_message_fuzz"), relay_message_seeds(os.path.join(sys.argv[1], "frame_fuzz")))
     write_all(os.path.join(sys.argv[1], "relay_daemon_fuzz"), relay_daemon_seeds(os.path.join(sys.argv[1], "frame_fuzz")))
 

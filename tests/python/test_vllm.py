@@ -105,7 +105,8 @@ def test_vllm_engine_follows_a_trainer_bit_exact(tmp_path):
     expect = {
         "bad_init": {"no_run": "no run at store", "wrong_run_id": "not run 'not-this-run'",
                      "unreachable": "cannot read the run", "wrong_key": "not a CURVE key pair",
-                     "readable_key": "a secret key file that others may read"},
+                     "readable_key": "a secret key file that others may read",
+                     "bad_metrics": "'metrics' must be HOST:PORT"},
         "bad_input": {"behind": "the engine holds version 3; version 0 is behind it",
                       "never_published": "version 8 was not reached within 2.0 s",
                       "bad_version": "'version' must be a version number",
@@ -117,6 +118,12 @@ def test_vllm_engine_follows_a_trainer_bit_exact(tmp_path):
             assert got["error"] is not None and text in got["error"], (case, got["error"])
             assert got["unchanged"] and got["tokens_unchanged"], (case, got)
             assert got["weight_version"] == (str(steps) if when == "bad_input" else r["joined_version"]), (case, got)
+
+    # Every rank served its metrics: the version it holds, once per version applied (the join, then each step).
+    for rank, text in enumerate(r["metrics"]):
+        assert f'dcr_receiver_version{{receiver="e1-r{rank}"}} {steps}\n' in text, text
+        applied = steps + (r["join"][rank]["adopted"] is None)  # a join from the snapshot counts one
+        assert f'dcr_receiver_versions_applied_total{{receiver="e1-r{rank}"}} {applied}\n' in text, text
 
     # The reference: a vLLM engine loading the trainer's last checkpoint from disk.
     fresh = run_job(tmp_path, "fresh", "fresh", "--dir", str(tmp_path / f"v{steps}"))

@@ -38,6 +38,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 
 PROMPTS = [[1, 5, 9, 42, 7, 3], [100, 200, 33, 4]]
 
@@ -172,9 +173,9 @@ def mode_refit(a) -> dict:
                                    senders=[{n: p.detach() for n, p in model.named_parameters()}])
         other.publish_snapshot({n: p.detach() for n, p in model.named_parameters()})
         live = lambda: per_rank(llm.collective_rpc(live_digests))  # noqa: E731
-        out["bad_init"] = bad_inputs(a, llm, None, ["no_run", "wrong_run_id", "unreachable", "wrong_key",
+        out["bad_init"] = bad_inputs(a, llm, None, ["no_run", "wrong_run_id", "unreachable", "wrong_key", "bad_metrics",
                                                     "readable_key"], live)
-    engine_init = {"engine": "e1", "state_dir": os.path.join(a.work, "engine")}
+    engine_init = {"engine": "e1", "state_dir": os.path.join(a.work, "engine"), "metrics": "127.0.0.1:0"}
     if a.relay:
         engine_init.update(relay=[a.relay], relay_key=a.relay_key, relay_pub=a.relay_pub)
     # Two trainer processes: chunks of 4096 elements, so that each process owns the chunks starting in its rows.
@@ -266,6 +267,8 @@ def refit_versions(a, model, optimizer, llm, trainer, out: dict, peer=None) -> d
         out["bad_input"] = bad_inputs(a, llm, trainer, ["behind", "never_published", "bad_version", "another_run"],
                                       engine)
     out["final_live"] = per_rank(llm.collective_rpc(live_digests))
+    # Each rank's metrics endpoint (engine_init 'metrics'), scraped as Prometheus would.
+    out["metrics"] = [urllib.request.urlopen(j["metrics_url"], timeout=30).read().decode() for j in out["join"]]
     return out
 
 
@@ -313,6 +316,7 @@ def bad_inputs(a, llm, trainer, cases: list, digests) -> dict:
         "wrong_key": lambda: init({"store": a.other_store, "relay": ["tcp://127.0.0.1:9"], "relay_key": not_a_key}),
         "readable_key": lambda: init({"store": a.other_store, "relay": ["tcp://127.0.0.1:9"],
                                       "relay_key": readable_key}),
+        "bad_metrics": lambda: init({"store": a.other_store, "metrics": "9400"}),
     }
     for case in cases:
         attempt(case, run[case])

@@ -5,10 +5,12 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "dcr/layout.h"
+#include "dcr/metrics.h"
 #include "dcr/status.h"
 
 namespace dcr::cli {
@@ -28,6 +30,11 @@ inline double PerChange(uint64_t bytes, uint64_t changed) {
 
 // A layout map JSON file, parsed and validated (errors name the file).
 Result<LayoutMap> ReadLayoutFile(const std::string& path);
+
+// With an address (--metrics HOST:PORT): the metrics endpoint, serving
+// until the returned server is destroyed, its URL printed on stderr;
+// without, null.
+Result<std::unique_ptr<MetricsServer>> ServeMetrics(const std::string& command, const std::string& address);
 
 // The exit code the chosen subcommand's callback sets.
 int& ExitCode();

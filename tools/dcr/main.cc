@@ -17,6 +17,14 @@ int Fail(const std::string& command, const Status& status) {
   return kExitError;
 }
 
+Result<std::unique_ptr<MetricsServer>> ServeMetrics(const std::string& command, const std::string& address) {
+  if (address.empty()) return std::unique_ptr<MetricsServer>();
+  auto server = MetricsServer::Start(address);
+  if (!server.ok()) return server.status().WithContext("--metrics");
+  std::fprintf(stderr, "dcr %s: metrics at %s\n", command.c_str(), (*server)->url().c_str());
+  return server;
+}
+
 }  // namespace dcr::cli
 
 int main(int argc, char** argv) {

@@ -58,6 +58,7 @@ struct PublishArgs {
   // Trainer senders in several processes: "p/P", every sender's map, the
   // placement (process per sender; empty: contiguous blocks).
   std::string process, maps, sender_processes;
+  std::string metrics;  // HOST:PORT
   double peer_timeout = 60;
 };
 
@@ -237,6 +238,7 @@ void PrintPublishReport(const PublishArgs& a, const PublishReport& r) {
                 {"relay_acks_unconfirmed", r.relay_acks_unconfirmed},
                 {"encode_seconds", r.encode_seconds},
                 {"wait_seconds", r.wait_seconds},
+                {"commit_seconds", r.commit_seconds},
                 {"baseline_seconds", r.baseline_seconds},
                 {"advance_seconds", r.advance_seconds},
                 {"total_seconds", r.total_seconds},
@@ -267,6 +269,8 @@ int RunPublish(const PublishArgs& a) {
     return Fail("publish", InvalidArgument("give either a checkpoint or --sender MAP=DIR (one per trainer sender)"));
   auto options = PublishOptionsOf(a);
   if (!options.ok()) return Fail("publish", options.status());
+  auto metrics = ServeMetrics("publish", a.metrics);
+  if (!metrics.ok()) return Fail("publish", metrics.status());
   PublishOptions& o = *options;
   auto relay = StartPublishRelay(a, &o);
   if (!relay.ok()) return Fail("publish", relay.status());
@@ -288,6 +292,8 @@ int RunPublish(const PublishArgs& a) {
   }
   if (!r.ok()) return Fail("publish", r.status());
   PrintPublishReport(a, *r);
+  // Fault point "reported": the report is out, the metrics endpoint still serves.
+  if (o.fault) o.fault("reported").IgnoreError();
   return kExitOk;
 }
 
@@ -301,6 +307,7 @@ struct FollowArgs {
   std::string layout, engine;  // a rank of an engine
   uint32_t rank = 0, ranks = 0;
   size_t fetch_ahead = FollowOptions().fetch_ahead;
+  std::string metrics;  // HOST:PORT
 };
 
 // Follows into a's target: a checkpoint directory, or a rank's buffer files (--layout).
@@ -339,6 +346,8 @@ int RunFollow(const FollowArgs& a) {
   o.fault = FaultPointHook([] { return g_stop.load(); });
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
+  auto metrics = ServeMetrics("follow", a.metrics);
+  if (!metrics.ok()) return Fail("follow", metrics.status());
   std::unique_ptr<RelayReceiver> relay;
   if (!a.relays.empty()) {
     auto ro = RelayClient(o.id, a.relays, a.relay_key, a.relay_pub, a.relay_insecure);
@@ -551,6 +560,8 @@ void AddPublishCommand(CLI::App& app) {
   pub->add_option("--heartbeat-timeout", pa->heartbeat_timeout, "Receivers silent longer than this are not waited for");
   pub->add_option("--snapshot-every", pa->snapshot_every, "Also publish a snapshot every N versions");
   pub->add_flag("--json", pa->json, "Print the report as JSON");
+  pub->add_option("--metrics", pa->metrics,
+                  "Serve Prometheus metrics at http://HOST:PORT/metrics while publishing (docs/metrics.md)");
   pub->add_option("--relay", pa->relays,
                   "Also push every frame object into this relay tree root (repeat: one root per destination cluster); "
                   "the store still gets them");
@@ -585,6 +596,8 @@ void AddFollowCommand(CLI::App& app) {
                   "Frame objects downloaded from the store at once, at most held ahead of the apply")
       ->check(CLI::Range(size_t{1}, size_t{1024}));
   fol->add_option("--heartbeat", fa->heartbeat, "Seconds between heartbeats");
+  fol->add_option("--metrics", fa->metrics,
+                  "Serve Prometheus metrics at http://HOST:PORT/metrics while following (docs/metrics.md)");
   fol->add_option("--relay", fa->relays,
                   "Take frame objects from this relay (repeat: then its ancestors, used in order when it is silent); "
                   "what no relay delivers comes from the store");

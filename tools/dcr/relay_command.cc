@@ -43,6 +43,7 @@ struct RelayArgs {
   double ping = 0.25, dead_after = 1.5, link_mbps = 0;
   std::string pull_store, store;
   double pull_every = 0.02;
+  std::string metrics;  // HOST:PORT
 };
 
 // The relay's options from its arguments (sizes, timings, keys); errors
@@ -124,6 +125,8 @@ int RunRelayDaemon(const RelayArgs& a) {
       if (!ps.ok()) std::cerr << "dcr relay [" << a.id << "] pulling stopped: " << ps.ToString() << std::endl;
     });
   }
+  auto metrics = ServeMetrics("relay", a.metrics);
+  if (!metrics.ok()) return Fail("relay", metrics.status());
   Status s = RunRelay(o, [] { return g_relay_stop.load(); });
   g_relay_stop = true;
   if (pulling.joinable()) pulling.join();
@@ -204,6 +207,7 @@ void AddRelayDaemonOptions(CLI::App* relay, RelayArgs* ra) {
   relay->add_option("--spool-bytes", ra->spool_bytes, "Bound on the spool directory's bytes (beyond: the store)");
   relay->add_option("--stats", ra->stats,
                     "Write per-link byte counters as JSON to this file (every second and at exit)");
+  relay->add_option("--metrics", ra->metrics, "Serve Prometheus metrics at http://HOST:PORT/metrics (docs/metrics.md)");
   relay->add_option("--key", ra->key, "CURVE key pair file (dcr relay keygen); enables authentication and encryption");
   relay->add_option("--relay-pub", ra->relay_pub, "Public key of the parent relays (default: this relay's own)");
   relay->add_option("--allow", ra->allow,

@@ -1,0 +1,53 @@
+#include "receiver_metrics.h"
+
+#include "dcr/metrics.h"
+
+namespace dcr::receiver_internal {
+
+namespace {
+
+Counter versions_applied("dcr_receiver_versions_applied_total",
+                         "Versions a receiver applied and verified (joins from a snapshot included).", {"receiver"});
+Counter joins("dcr_receiver_joins_total", "Joins from a snapshot (a new, restarted or damaged receiver).",
+              {"receiver"});
+Counter acks("dcr_receiver_acks_total", "Acks a receiver wrote, by result: ok, or refused (the attempt did not apply).",
+             {"receiver", "result"});
+Counter received_bytes("dcr_receiver_received_bytes_total",
+                       "Frame object bytes a receiver took, by link: store, relay (verified copies from the relay "
+                       "tree).",
+                       {"receiver", "link"});
+Gauge version("dcr_receiver_version", "The committed version a receiver holds, verified against its digest.",
+              {"receiver"});
+Gauge behind("dcr_receiver_lag_seconds",
+             "Seconds since the oldest committed version a receiver does not hold was committed, when it last "
+             "looked; 0 while it holds the newest.",
+             {"receiver"});
+Histogram stage_seconds("dcr_receiver_stage_seconds",
+                        "Seconds a receiver spent on each version by stage: download (waiting for the frame objects "
+                        "not yet in once the manifest is), apply (decode, check and write, streamed frames "
+                        "included), ack, join (a snapshot).",
+                        {"receiver", "stage"});
+
+constexpr const char* kStages[] = {"download", "apply", "ack", "join"};
+
+}  // namespace
+
+void ReceiverMetrics::Received(std::string_view link, uint64_t bytes) {
+  received_bytes.Add(static_cast<double>(bytes), {id_, link});
+}
+
+void ReceiverMetrics::Acked(bool ok) { acks.Add(1, {id_, ok ? "ok" : "refused"}); }
+
+void ReceiverMetrics::Commit(uint64_t v, bool joined) {
+  versions_applied.Add(1, {id_});
+  if (joined) joins.Add(1, {id_});
+  version.Set(static_cast<double>(v), {id_});
+  for (size_t s = 0; s < seconds_.size(); ++s)
+    if (seconds_[s] > 0 || s == static_cast<size_t>(Stage::kApply))
+      stage_seconds.Observe(seconds_[s], {id_, kStages[s]});
+  seconds_ = {};
+}
+
+void ReceiverMetrics::Behind(double seconds) { behind.Set(seconds, {id_}); }
+
+}  // namespace dcr::receiver_internal
