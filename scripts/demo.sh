@@ -76,6 +76,18 @@ work=$(mktemp -d "$work_parent/dcr-demo.XXXXXX")
 rm -rf "$out/results"
 mkdir -p "$out/results"
 
+# draw_timeline TRACE PNG: the PNG with the first Python that has matplotlib.
+draw_timeline() {
+  local py
+  for py in .venv/bin/python python3; do
+    if [ -x "$(command -v "$py")" ] && "$py" -c "import matplotlib" 2>/dev/null; then
+      "$py" python/dcr/timeline.py "$1" "$2"
+      return
+    fi
+  done
+  echo "(no matplotlib here for the PNG: pip install matplotlib; python -m dcr.timeline $1 $2)"
+}
+
 # refit CASE MBPS: version 0 published and joined (each process over its link),
 # then versions 1..N published; every receiver byte for byte against version N.
 refit() {
@@ -110,6 +122,10 @@ refit() {
     env -u DCR_STORE_FAULTS $dcr diff --summary "$work/$case/receiver-$i" "$out/gen/v$versions" | tail -1
     for f in "$out/gen/v$versions"/*.safetensors; do cmp "$f" "$work/$case/receiver-$i/$(basename "$f")"; done
   done
+  echo "== [$case] the timeline of version $versions: every process's stages (a Chrome/Perfetto trace, and a PNG)"
+  env -u DCR_STORE_FAULTS $dcr status --store "$store" --timeline "$versions" --out "$res/timeline-v$versions.json" \
+    | tail -1
+  draw_timeline "$res/timeline-v$versions.json" "$res/timeline-v$versions.png"
   local state
   state=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["state_dir"])' "$res/publish-v$versions.json")
   rm -rf "$state" "$work/$case"  # the publisher's baseline (in memory between publishes), the store, the receivers
@@ -193,3 +209,5 @@ if "link" in cases and "nolimit" in cases:
 EOF
 echo
 echo "demo: in every case all three receivers held exactly the bits of version $versions"
+echo "demo: the timeline of version $versions, every process's stages: $out/results/<case>/timeline-v$versions.json"
+echo "      (open it in https://ui.perfetto.dev) and .png beside it"

@@ -26,6 +26,15 @@ struct EngineRank {
   friend bool operator==(const EngineRank&, const EngineRank&) = default;
 };
 
+// One stage of a process's way through a version (docs/metrics.md,
+// "Timeline"): its name and its wall-clock unix seconds (each process's own
+// clock).
+struct StageSpan {
+  std::string stage;
+  double start = 0, end = 0;
+  friend bool operator==(const StageSpan&, const StageSpan&) = default;
+};
+
 struct AckRecord {
   std::string receiver;
   bool ok = true;
@@ -35,6 +44,10 @@ struct AckRecord {
   Digest digest;
   std::string error;  // when !ok
   EngineRank engine;
+  // The receiver's stages towards this version so far (download, apply,
+  // and "ack": the instant it began writing this record). Store only: the
+  // relay tree's ACK does not carry them.
+  std::vector<StageSpan> spans;
   std::string ToJson() const;
   static Result<AckRecord> FromJson(std::string_view json, const std::string& where);
 };

@@ -83,6 +83,9 @@ struct PublishReport {
   uint64_t relay_acks_unconfirmed = 0;
   double encode_seconds = 0, wait_seconds = 0, total_seconds = 0;
   double commit_seconds = 0;  // writing the commit record (its retries included)
+  // The call's stages as wall-clock spans (unix seconds), in order (staging
+  // overlaps the others): what its timeline record holds.
+  std::vector<StageSpan> spans;
   // Making the baseline hold the previous version (open, catch up, or
   // rebuild from the store), and moving it to this version after the commit.
   double baseline_seconds = 0, advance_seconds = 0;

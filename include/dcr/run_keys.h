@@ -44,6 +44,9 @@ std::string Ack(uint64_t v, std::string_view attempt, std::string_view receiver)
 std::string AttemptRecord(uint64_t v, std::string_view attempt);  // attempt.json
 std::string Manifest(uint64_t v, std::string_view attempt);  // manifest.bin
 std::string Fence(uint64_t v, std::string_view attempt);
+// A publishing process's timeline record (TimelineRecord) under an attempt.
+std::string Timelines(uint64_t v, std::string_view attempt);  // prefix, ends in '/'
+std::string Timeline(uint64_t v, std::string_view attempt, std::string_view process);
 // Frame object `index` of sender `sender`, relative to its attempt (the
 // name manifests list). A sender writes its frames in (tensor, chunk)
 // order, so each object after its first is named by its first frame's

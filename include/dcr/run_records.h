@@ -150,6 +150,20 @@ struct FenceRecord {
   static Result<FenceRecord> FromJson(std::string_view json, const std::string& where);
 };
 
+// A publishing process's stages for one version (docs/metrics.md,
+// "Timeline"): attempts/v<N>/<attempt>/timeline/<process>.json under the
+// committed attempt, written once the publish call returns (best effort:
+// a record for operators, never read by the protocol).
+struct TimelineRecord {
+  std::string process;  // the coordinator id, or a trainer process's
+  std::string role;  // "publisher" (the coordinator) or "trainer-process"
+  uint64_t version = 0;
+  double total_seconds = 0;  // the publish call
+  std::vector<StageSpan> spans;
+  std::string ToJson() const;
+  static Result<TimelineRecord> FromJson(std::string_view json, const std::string& where);
+};
+
 struct SnapshotRecord {
   uint64_t version = 0;
   Digest digest;

@@ -1,4 +1,5 @@
-// A run as operators see and tidy it: what `dcr status` reads from the store, and garbage collection.
+// A run as operators see and tidy it: what `dcr status` reads from the store
+// (the run's state, a version's timeline), and garbage collection.
 #pragma once
 
 #include <chrono>
@@ -67,5 +68,35 @@ Result<RunStatusReport> ReadRunStatus(Store& store, std::chrono::milliseconds he
 // `clock`'s time.
 Status CollectGarbage(Store& store, uint64_t keep_versions, std::chrono::milliseconds heartbeat_timeout,
                       Clock& clock = RealClock());
+
+// ---- A version's timeline (docs/metrics.md, "Timeline") ------------------
+
+// One process's stages for a version: a publishing process (its timeline
+// record) or a receiver (the spans of its ack), for one attempt.
+struct TimelineRow {
+  std::string role;  // "publisher", "trainer-process" or "receiver"
+  std::string process;  // coordinator id, or receiver id
+  std::string attempt;
+  std::vector<StageSpan> spans;  // wall-clock unix seconds, each process's own clock
+};
+struct VersionTimeline {
+  uint64_t version = 0;
+  std::string attempt;  // the committed one
+  double commit_time = 0;  // the commit record's
+  double publish_seconds = 0;  // the committing publisher's publish call (0: no record)
+  std::vector<TimelineRow> rows;  // publishing processes first, then receivers by id
+};
+
+// Gathers committed version v's timeline from the store: the timeline
+// records and acks of each of its attempts. Errors: kFailedPrecondition
+// (v is not committed, or is version 0, the snapshot), kDataLoss naming a
+// record that does not parse, store errors.
+Result<VersionTimeline> ReadVersionTimeline(Store& store, uint64_t v);
+
+// The timeline as a Chrome / Perfetto trace (the Trace Event Format's JSON:
+// one process per row, each stage a complete event, the commit an instant;
+// times in microseconds from the earliest span; "otherData" holds the
+// version, the committed attempt and the publish call's seconds).
+std::string TimelineTraceJson(const VersionTimeline& timeline);
 
 }  // namespace dcr

@@ -297,7 +297,7 @@ Result<AttemptCoordinator::AttemptResult> AttemptCoordinator::AwaitAcksAndCommit
     return s;
   }
   if (wait.refused()) return AttemptResult{false, *wait.refused()};
-  report->wait_seconds += SecondsSince(ClockOf(o_), wait_start);
+  report->wait_seconds += EndStage(report, "ack_wait", ClockOf(o_), wait_start);
   DCR_RETURN_IF_ERROR(Fault(o_, "acked"));
   DCR_RETURN_IF_ERROR(Fault(o_, "before-commit"));
 
@@ -334,7 +334,7 @@ Result<AttemptCoordinator::AttemptResult> AttemptCoordinator::AwaitAcksAndCommit
   } else {
     DCR_RETURN_IF_ERROR(s);
   }
-  report->commit_seconds += SecondsSince(ClockOf(o_), commit_start);
+  report->commit_seconds += EndStage(report, "commit", ClockOf(o_), commit_start);
   if (o_.relay) o_.relay->Notice(run_keys::Commit(v));  // receivers in the tree look now
   // Best effort: v is committed whatever the listing meets.
   if (auto attempts = ListAttempts(store_, v); attempts.ok())

@@ -35,6 +35,19 @@ inline Clock& ClockOf(const PublishOptions& o) { return o.clock ? *o.clock : Rea
 inline double SecondsSince(Clock& clock, Clock::Instant since) {
   return std::chrono::duration<double>(clock.Now() - since).count();
 }
+// Ends stage `stage` of a publish, begun at `since`: appends its span to the
+// report and returns its seconds.
+inline double EndStage(PublishReport* report, const char* stage, Clock& clock, Clock::Instant since) {
+  const double seconds = SecondsSince(clock, since), end = clock.UnixSeconds();
+  report->spans.push_back({stage, end - seconds, end});
+  return seconds;
+}
+// Ends stage `stage`, begun where the report's last span ended (now, when
+// none): the steps between named stages are counted too.
+inline void EndStageAfterLast(PublishReport* report, const char* stage, Clock& clock) {
+  const double end = clock.UnixSeconds();
+  report->spans.push_back({stage, report->spans.empty() ? end : report->spans.back().end, end});
+}
 
 // Store failures worth waiting out (the driver's own retries ran out).
 bool Transient(const Status& s);

@@ -2534,6 +2534,32 @@ TEST(RunRecordTest, TheFp8SchemeRoundTripsAndMalformedOnesAreRefused) {
   }
 }
 
+TEST(TimelineRecordTest, SpansRoundTripInAcksAndTimelinesAndMalformedOnesAreRefused) {
+  AckRecord ack;
+  ack.receiver = "rx";
+  EXPECT_EQ(ack.ToJson().find("spans"), std::string::npos);  // none: as before timelines
+  ack.spans = {{"download", 1764648000.25, 1764648000.5}, {"ack", 1764648000.75, 1764648000.75}};
+  auto back = AckRecord::FromJson(ack.ToJson(), "ack");
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->spans, ack.spans);
+  TimelineRecord t{"host-1", "publisher", 3, 0.75, {{"encode", 1764648000.0, 1764648000.5}}};
+  auto again = TimelineRecord::FromJson(t.ToJson(), "timeline");
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(again->spans, t.spans);
+  EXPECT_EQ(again->ToJson(), t.ToJson());
+  auto doc = nlohmann::json::parse(t.ToJson());
+  for (const nlohmann::json& bad :
+       {nlohmann::json(7), nlohmann::json::array({7}), nlohmann::json::array({{{"stage", "x"}, {"start", 2}}}),
+        nlohmann::json::array({{{"stage", "x"}, {"start", 2}, {"end", 1}}}),
+        nlohmann::json::array({{{"stage", ""}, {"start", 1}, {"end", 2}}})}) {
+    auto broken = doc;
+    broken["spans"] = bad;
+    auto parsed = TimelineRecord::FromJson(broken.dump(), "timeline");
+    ASSERT_FALSE(parsed.ok()) << bad;
+    EXPECT_EQ(parsed.status().code(), Code::kInvalidArgument) << parsed.status().ToString();
+  }
+}
+
 TEST(AttemptRecordTest, RoundTripsAndRefusesBadRecords) {
   AttemptRecord one;
   one.version = 4;

@@ -1,6 +1,10 @@
 #include "publish_metrics.h"
 
+#include <fmt/format.h>
+
 #include "dcr/metrics.h"
+#include "dcr/run_keys.h"
+#include "dcr/run_records.h"
 
 namespace dcr::protocol_internal {
 
@@ -32,12 +36,28 @@ Gauge receivers("dcr_publish_receivers",
 
 }  // namespace
 
-void RecordPublish(const Result<PublishReport>& report) {
+namespace {
+
+void WriteTimeline(Store& store, const std::string& process, const std::string& role, const PublishReport& r) {
+  if (r.attempts == 0 || r.already_committed || r.attempt.empty()) return;  // not this call's commit
+  TimelineRecord t{process, role, r.version, r.total_seconds, r.spans};
+  const std::string key = run_keys::Timeline(r.version, r.attempt, process);
+  Status s = ValidateKey(key);
+  if (s.ok()) s = store.Put(key, t.ToJson());
+  if (!s.ok())
+    fmt::print(stderr, "dcr publish: the timeline record of version {} was not written: {}\n", r.version, s.ToString());
+}
+
+}  // namespace
+
+void RecordPublish(Store& store, const std::string& process, const std::string& role,
+                   const Result<PublishReport>& report) {
   if (!report.ok()) {
     publish_failures.Add(1);
     return;
   }
   const PublishReport& r = *report;
+  WriteTimeline(store, process, role, r);
   versions_committed.Add(1);
   attempts.Add(r.attempts);
   retries.Add(r.attempts > 1 ? r.attempts - 1 : 0);

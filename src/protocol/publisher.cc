@@ -274,17 +274,21 @@ Result<PublishReport> PublishRun::PublishDelta(uint64_t v, const Checkpoint& nex
   report.total_bytes = 0;
   for (const auto& t : next.tensors()) report.total_bytes += t.nbytes;
 
+  EndStage(&report, "prepare", ClockOf(o_), start);
   const auto baseline_start = ClockOf(o_).Now();
   DCR_ASSIGN_OR_RETURN(CommitRecord base_commit, ReadCommit(store_, v - 1));
   std::optional<Checkpoint> opened;
   ChunkDigestTable base_digests;
   DCR_RETURN_IF_ERROR(OpenBaseline(v, base_commit, run, layout, &opened, &base_digests));
-  report.baseline_seconds = SecondsSince(ClockOf(o_), baseline_start);
+  report.baseline_seconds = EndStage(&report, "baseline", ClockOf(o_), baseline_start);
   Checkpoint& baseline = *opened;
   report.memory.baseline_bytes = baseline.total_bytes();
   report.memory.baseline_in_memory = OnMemoryFilesystem(state_dir_);
   for (const auto& chunks : base_digests) report.memory.digest_bytes += chunks.size() * sizeof(Digest);
-  if (SnapshotDue(o_, v - 1)) DCR_RETURN_IF_ERROR(UploadMissedSnapshot(v - 1, baseline, Total(base_digests)));
+  if (SnapshotDue(o_, v - 1)) {
+    DCR_RETURN_IF_ERROR(UploadMissedSnapshot(v - 1, baseline, Total(base_digests)));
+    EndStageAfterLast(&report, "snapshot", ClockOf(o_));
+  }
 
   DeltaManifest manifest;  // the committed attempt's
   ChunkDigestTable target_digests;
@@ -301,10 +305,14 @@ Result<PublishReport> PublishRun::PublishDelta(uint64_t v, const Checkpoint& nex
   CopyChunks(baseline, next, layout, manifest.frames);
   DCR_RETURN_IF_ERROR(WriteBaseline(state_dir_, {run.run_id, v}));
   WriteDigestCache(state_dir_, v, baseline, target_digests);
-  report.advance_seconds = SecondsSince(ClockOf(o_), advance_start);
+  report.advance_seconds = EndStage(&report, "advance", ClockOf(o_), advance_start);
+  const auto snapshot_start = ClockOf(o_).Now();
   if (SnapshotDue(o_, v)) DCR_RETURN_IF_ERROR(UploadSnapshot(store_, v, next, manifest.target_digest, nullptr));
+  EndStage(&report, "snapshot", ClockOf(o_), snapshot_start);
   // Best effort: v is committed whatever GC meets, and the next publish collects again.
+  const auto gc_start = ClockOf(o_).Now();
   CollectGarbage(store_, o_.keep_versions, o_.heartbeat_timeout, ClockOf(o_)).IgnoreError();
+  EndStage(&report, "gc", ClockOf(o_), gc_start);
   report.total_seconds = SecondsSince(ClockOf(o_), start);
   return report;
 }
@@ -331,6 +339,7 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
   attempt.time = ClockOf(o_).UnixSeconds();
   DCR_RETURN_IF_ERROR(coordinator_.OpenAttempt(v, id, attempt));
   DCR_RETURN_IF_ERROR(Fault(o_, "attempt-opened"));
+  EndStageAfterLast(report, "open", ClockOf(o_));  // the attempt: its id, key pair and record
 
   // Senders: each encodes the chunks it owns, streaming frames into its object.
   const auto encode_start = ClockOf(o_).Now();
@@ -368,7 +377,7 @@ Result<PublishRun::AttemptResult> PublishRun::RunAttempt(uint64_t v, const std::
   target_digests_out->assign(m.tensors.size(), {});
   for (size_t t = 0, i = 0; t < m.tensors.size(); ++t)
     for (uint64_t c = 0; c < m.ChunkCount(t); ++c) (*target_digests_out)[t].push_back(all_target.at(i++));
-  report->encode_seconds += SecondsSince(ClockOf(o_), encode_start);
+  report->encode_seconds += EndStage(report, "encode", ClockOf(o_), encode_start);
   report->memory.frames_in_flight_bytes = std::max(report->memory.frames_in_flight_bytes, in_flight.peak());
   return coordinator_.PublishManifest(v, id, std::move(m), report, manifest_out);
 }
@@ -410,7 +419,7 @@ Result<PublishReport> Publisher::Publish(uint64_t version, const Checkpoint& nex
   DCR_ASSIGN_OR_RETURN(StateDirLock lock, StateDirLock::Acquire(dir));
   auto r = PublishVersion(store_, dir, options_, version, next, progress);
   if (r.ok()) r->state_dir = dir;
-  RecordPublish(r);
+  RecordPublish(store_, options_.coordinator_id, "publisher", r);
   return r;
 }
 

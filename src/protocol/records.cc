@@ -30,6 +30,10 @@ std::string Manifest(uint64_t v, std::string_view attempt) {
   return Attempt(v, attempt) + std::string(kManifestFileName);
 }
 std::string Fence(uint64_t v, std::string_view attempt) { return Attempt(v, attempt) + "fence"; }
+std::string Timelines(uint64_t v, std::string_view attempt) { return Attempt(v, attempt) + "timeline/"; }
+std::string Timeline(uint64_t v, std::string_view attempt, std::string_view process) {
+  return Timelines(v, attempt) + std::string(process) + ".json";
+}
 std::string FrameObject(uint32_t sender, size_t index, std::optional<ChunkId> first) {
   if (!first) return fmt::format("frames/s{}-{:04}.bin", sender, index);
   return fmt::format("frames/s{}-{:04}-t{}c{}.bin", sender, index, first->tensor, first->chunk);
@@ -231,6 +235,12 @@ constexpr auto kReceiverFields = std::make_tuple(
     F("heartbeat", &ReceiverRecord::heartbeat), F("frames_held_bytes", &ReceiverRecord::frames_held_bytes, true),
     F("master_bytes", &ReceiverRecord::master_bytes, true),
     F("verified_digest", &ReceiverRecord::verified_digest, true), F("verified_at", &ReceiverRecord::verified_at, true));
+constexpr auto kSpanFields =
+    std::make_tuple(F("stage", &StageSpan::stage), F("start", &StageSpan::start), F("end", &StageSpan::end));
+constexpr auto kTimelineFields =
+    std::make_tuple(F("process", &TimelineRecord::process), F("role", &TimelineRecord::role),
+                    F("version", &TimelineRecord::version), F("total_seconds", &TimelineRecord::total_seconds));
+constexpr size_t kMaxSpans = 4096;
 constexpr auto kFenceFields = std::make_tuple(F("reason", &FenceRecord::reason), F("time", &FenceRecord::time));
 constexpr auto kSnapshotFields =
     std::make_tuple(F("version", &SnapshotRecord::version), F("digest", &SnapshotRecord::digest));
@@ -372,10 +382,59 @@ Result<AttemptRecord> AttemptRecord::FromJson(std::string_view text, const std::
   return r;
 }
 
-std::string AckRecord::ToJson() const { return EngineRecordJson("dcr-ack", *this, kAckFields); }
+namespace {
+
+void PutSpans(json& doc, const std::vector<StageSpan>& spans) {
+  json& a = doc["spans"] = json::array();
+  for (const StageSpan& s : spans) PutFields(a.emplace_back(), s, kSpanFields);
+}
+
+// "spans" (absent: none): at most kMaxSpans, each a named stage that does
+// not end before it starts.
+Result<std::vector<StageSpan>> GetSpans(const json& doc, const std::string& where) {
+  std::vector<StageSpan> out;
+  auto it = doc.find("spans");
+  if (it == doc.end()) return out;
+  if (!it->is_array() || it->size() > kMaxSpans)
+    return Bad(where, fmt::format("'spans' must be an array of at most {} stage spans", kMaxSpans));
+  for (const json& s : *it) {
+    if (!s.is_object()) return Bad(where, "each of 'spans' must be an object");
+    DCR_RETURN_IF_ERROR(GetFields(s, out.emplace_back(), where, kSpanFields));
+    const StageSpan& span = out.back();
+    if (span.stage.empty() || span.stage.size() > 64 || !(span.end >= span.start))
+      return Bad(where, "a span needs a stage name (at most 64 bytes) and an end not before its start");
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string AckRecord::ToJson() const {
+  json doc = RecordJson("dcr-ack", *this, kAckFields);
+  PutEngine(doc, engine);
+  if (!spans.empty()) PutSpans(doc, spans);
+  return Dump(doc);
+}
 
 Result<AckRecord> AckRecord::FromJson(std::string_view text, const std::string& where) {
-  return ReadEngineRecord(text, where, "dcr-ack", kAckFields);
+  AckRecord r;
+  DCR_ASSIGN_OR_RETURN(json doc, ReadRecord(text, where, "dcr-ack", r, kAckFields));
+  DCR_ASSIGN_OR_RETURN(r.engine, GetEngine(doc, where));
+  DCR_ASSIGN_OR_RETURN(r.spans, GetSpans(doc, where));
+  return r;
+}
+
+std::string TimelineRecord::ToJson() const {
+  json doc = RecordJson("dcr-timeline", *this, kTimelineFields);
+  PutSpans(doc, spans);
+  return Dump(doc);
+}
+
+Result<TimelineRecord> TimelineRecord::FromJson(std::string_view text, const std::string& where) {
+  TimelineRecord r;
+  DCR_ASSIGN_OR_RETURN(json doc, ReadRecord(text, where, "dcr-timeline", r, kTimelineFields));
+  DCR_ASSIGN_OR_RETURN(r.spans, GetSpans(doc, where));
+  return r;
 }
 
 std::string ReceiverRecord::ToJson() const { return EngineRecordJson("dcr-receiver", *this, kReceiverFields); }

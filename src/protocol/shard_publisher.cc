@@ -193,7 +193,7 @@ Status ShardRun::Prepare() {
 Status ShardRun::LoadShards(const CommitRecord& want) {
   const auto start = ClockOf(o_).Now();
   Status s = baseline_.Load(want);
-  report_.baseline_seconds += SecondsSince(ClockOf(o_), start);
+  report_.baseline_seconds += EndStage(&report_, "baseline", ClockOf(o_), start);
   PublisherMemory& mem = report_.memory;
   mem.baseline_bytes = baseline_.bytes();
   mem.staging_bytes = 0;
@@ -208,7 +208,7 @@ Status ShardRun::MoveBaseline(uint64_t v, const Digest& partial) {
   DCR_RETURN_IF_ERROR(staging_.AwaitAll());
   const auto start = ClockOf(o_).Now();
   Status written = baseline_.Move(v, partial);
-  report_.advance_seconds = SecondsSince(ClockOf(o_), start);
+  report_.advance_seconds = EndStage(&report_, "advance", ClockOf(o_), start);
   return written;
 }
 
@@ -272,7 +272,7 @@ Result<ShardRun::Participation> ShardRun::Participate(uint64_t v, const std::str
   DCR_ASSIGN_OR_RETURN(out.outcome, ExchangeContributions(v, id, doc, m, &projected, deadline));
   if (out.outcome != Outcome::kRecorded) return out;
   DCR_RETURN_IF_ERROR(EncodeOwnedFrames(v, id, m, options.encode, &projected, &out.record));
-  report_.encode_seconds += SecondsSince(ClockOf(o_), encode_start);
+  report_.encode_seconds += EndStage(&report_, "encode", ClockOf(o_), encode_start);
   return out;
 }
 
@@ -428,6 +428,7 @@ Status ShardRun::WriteBatch(const OwnedFrames& owned, const std::set<ChunkId>& d
 
 Result<PublishReport> ShardRun::Coordinate(uint64_t v) {
   const auto start = ClockOf(o_).Now();
+  const double start_unix = ClockOf(o_).UnixSeconds();
   report_.version = v;
   DCR_ASSIGN_OR_RETURN(CommitRecord base_commit, ReadCommit(store_, v - 1));
   DCR_RETURN_IF_ERROR(LoadShards(base_commit));
@@ -440,9 +441,15 @@ Result<PublishReport> ShardRun::Coordinate(uint64_t v) {
       [&] { return staging_.Failure(); }));
   DCR_RETURN_IF_ERROR(Fault(o_, "committed"));
   DCR_RETURN_IF_ERROR(MoveBaseline(v, partial));
+  const auto snapshot_start = ClockOf(o_).Now();
   DCR_RETURN_IF_ERROR(SnapshotIfDue(v));
+  EndStage(&report_, "snapshot", ClockOf(o_), snapshot_start);
+  const auto gc_start = ClockOf(o_).Now();
   CollectGarbage(store_, o_.keep_versions, o_.heartbeat_timeout, ClockOf(o_)).IgnoreError();
+  EndStage(&report_, "gc", ClockOf(o_), gc_start);
   report_.staging_seconds = staging_.seconds();
+  if (report_.staging_seconds > 0)
+    report_.spans.push_back({"staging", start_unix, start_unix + report_.staging_seconds});
   report_.total_seconds = SecondsSince(ClockOf(o_), start);
   return report_;
 }
@@ -459,6 +466,7 @@ Result<AttemptCoordinator::AttemptResult> ShardRun::CoordinateAttempt(uint64_t v
   doc.senders = maps_.size();
   doc.time = ClockOf(o_).UnixSeconds();
   DCR_RETURN_IF_ERROR(coordinator_.OpenAttempt(v, id, doc));
+  EndStageAfterLast(&report_, "open", ClockOf(o_));
   DCR_ASSIGN_OR_RETURN(Participation own, Participate(v, id, doc, ClockOf(o_).Now() + o_.peer_timeout));
   if (own.outcome != Outcome::kRecorded)
     return AttemptCoordinator::AttemptResult{false, Aborted("the attempt was fenced or superseded while it ran")};
@@ -674,7 +682,9 @@ Result<PublishReport> ShardPublisher::Publish(uint64_t version, std::span<const 
   };
   auto r = ShardCall::Run(*this, maps, local, procs, check,
                           [&](ShardRun& shards) { return worker ? shards.Work(version) : shards.Coordinate(version); });
-  RecordPublish(r);
+  RecordPublish(store_,
+                worker ? fmt::format("p{}-{}", procs.process, options_.coordinator_id) : options_.coordinator_id,
+                worker ? "trainer-process" : "publisher", r);
   return r;
 }
 

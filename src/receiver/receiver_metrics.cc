@@ -1,5 +1,8 @@
 #include "receiver_metrics.h"
 
+#include <algorithm>
+#include <chrono>
+
 #include "dcr/metrics.h"
 
 namespace dcr::receiver_internal {
@@ -32,6 +35,16 @@ constexpr const char* kStages[] = {"download", "apply", "ack", "join"};
 
 }  // namespace
 
+void ReceiverMetrics::AddSeconds(Stage stage, double seconds) {
+  seconds_[static_cast<size_t>(stage)] += seconds;
+  const double end = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  const std::string_view name = kStages[static_cast<size_t>(stage)];
+  if (!spans_.empty() && spans_.back().stage == name && end - seconds - spans_.back().end < 0.001)
+    spans_.back().end = end;
+  else if (spans_.size() >= kMaxSpans) spans_.back().end = std::max(spans_.back().end, end);
+  else spans_.push_back({std::string(name), end - seconds, end});
+}
+
 void ReceiverMetrics::Received(std::string_view link, uint64_t bytes) {
   received_bytes.Add(static_cast<double>(bytes), {id_, link});
 }
@@ -46,6 +59,7 @@ void ReceiverMetrics::Commit(uint64_t v, bool joined) {
     if (seconds_[s] > 0 || s == static_cast<size_t>(Stage::kApply))
       stage_seconds.Observe(seconds_[s], {id_, kStages[s]});
   seconds_ = {};
+  spans_.clear();
 }
 
 void ReceiverMetrics::Behind(double seconds) { behind.Set(seconds, {id_}); }

@@ -7,6 +7,9 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
+
+#include "dcr/frame_transport.h"
 
 namespace dcr::receiver_internal {
 
@@ -17,7 +20,13 @@ enum class Stage { kDownload, kApply, kAck, kJoin };
 class ReceiverMetrics {
  public:
   explicit ReceiverMetrics(std::string id) : id_(std::move(id)) {}
-  void AddSeconds(Stage stage, double seconds) { seconds_[static_cast<size_t>(stage)] += seconds; }
+  // A stage that ends now and took `seconds`: counted, and kept as a span
+  // (wall clock) for the next ack's timeline.
+  void AddSeconds(Stage stage, double seconds);
+  // The spans since the last commit, merged where one follows another of
+  // the same stage within 1 ms, at most kMaxSpans (then the last grows).
+  const std::vector<StageSpan>& spans() const { return spans_; }
+  static constexpr size_t kMaxSpans = 256;
   // Frame object bytes taken from a link ("store", "relay").
   void Received(std::string_view link, uint64_t bytes);
   void Acked(bool ok);
@@ -31,6 +40,7 @@ class ReceiverMetrics {
  private:
   const std::string id_;
   std::array<double, 4> seconds_{};
+  std::vector<StageSpan> spans_;
 };
 
 // Adds the seconds from its construction to its destruction to a stage.

@@ -1,5 +1,5 @@
 // Fuzzes the refit protocol's store records (docs/protocol.md): run, commit,
-// ack, receiver, snapshot, trainer process, attempt and fence records are read from a store other processes
+// ack, receiver, snapshot, trainer process, attempt, fence and timeline records are read from a store other processes
 // write. The first input byte picks the record type; the rest is the JSON.
 // Any input must be refused or parse into a record whose ToJson parses back
 // to the same JSON (nothing lost or invented).
@@ -27,7 +27,7 @@ void RoundTrip(std::string_view text) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   const std::string_view text(reinterpret_cast<const char*>(data) + 1, size - 1);
-  switch (data[0] % 8) {
+  switch (data[0] % 9) {
     case 0: RoundTrip<dcr::RunRecord>(text); break;
     case 1: RoundTrip<dcr::CommitRecord>(text); break;
     case 2: RoundTrip<dcr::AckRecord>(text); break;
@@ -35,7 +35,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 4: RoundTrip<dcr::SnapshotRecord>(text); break;
     case 5: RoundTrip<dcr::ProcessRecord>(text); break;
     case 6: RoundTrip<dcr::AttemptRecord>(text); break;
-    default: RoundTrip<dcr::FenceRecord>(text); break;
+    case 7: RoundTrip<dcr::FenceRecord>(text); break;
+    default: RoundTrip<dcr::TimelineRecord>(text); break;
   }
   return 0;
 }

@@ -373,7 +373,7 @@ def relay_daemon_seeds(frame_dir):
 
 def records_seeds():
     """The protocol's store records (docs/protocol.md); byte 0 picks the parser:
-    0 run, 1 commit, 2 ack, 3 receiver, 4 snapshot, 5 trainer process, 6 attempt."""
+    0 run, 1 commit, 2 ack, 3 receiver, 4 snapshot, 5 trainer process, 6 attempt, 7 fence, 8 timeline."""
     import json
     d = "0123456789abcdef" * 2
     recs = {
@@ -393,6 +393,12 @@ def records_seeds():
         "ack": (2, {"format": "dcr-ack", "receiver": "e0", "ok": True, "digest": d, "error": ""}),
         "ack_rank": (2, {"format": "dcr-ack", "receiver": "eng-r1", "ok": True, "digest": d, "error": "",
                          "engine": {"id": "eng", "rank": 1, "ranks": 2}}),
+        "ack_spans": (2, {"format": "dcr-ack", "receiver": "e2", "ok": True, "digest": d, "error": "",
+                          "spans": [{"stage": "download", "start": 1764648000.25, "end": 1764648000.5},
+                                    {"stage": "ack", "start": 1764648000.75, "end": 1764648000.75}]}),
+        "timeline": (8, {"format": "dcr-timeline", "process": "host-1", "role": "publisher", "version": 3,
+                         "total_seconds": 0.75,
+                         "spans": [{"stage": "encode", "start": 1764648000.0, "end": 1764648000.5}]}),
         "nack": (2, {"format": "dcr-ack", "receiver": "e1", "ok": False, "digest": d, "error": "corrupt frame"}),
         "receiver": (3, {"format": "dcr-receiver", "id": "e0", "state": "following", "version": 3,
                          "heartbeat": 1764648000.5, "frames_held_bytes": 40960,

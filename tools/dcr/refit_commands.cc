@@ -16,6 +16,7 @@
 #include "dcr/json.h"
 #include "dcr/layout.h"
 #include "dcr/layout_apply.h"
+#include "dcr/mapped_file.h"
 #include "dcr/progress.h"
 #include "dcr/publisher.h"
 #include "dcr/receiver.h"
@@ -380,7 +381,32 @@ struct StatusArgs {
   std::vector<std::string> relay_stats;
   double heartbeat_timeout = 10;
   bool json = false;
+  int64_t timeline = -1;  // a version
+  std::string out;  // the timeline's trace file
 };
+
+// `dcr status --timeline V --out FILE`: the version's trace, and each row's stages.
+int RunTimeline(const StatusArgs& a, Store& store) {
+  if (a.out.empty()) return Fail("status", InvalidArgument("--timeline needs --out FILE (the trace, JSON)"));
+  auto t = ReadVersionTimeline(store, static_cast<uint64_t>(a.timeline));
+  if (!t.ok()) return Fail("status", t.status());
+  if (Status s = WriteFileAtomically(a.out, TimelineTraceJson(*t)); !s.ok()) return Fail("status", s);
+  double t0 = t->commit_time;
+  for (const TimelineRow& r : t->rows)
+    for (const StageSpan& s : r.spans) t0 = std::min(t0, s.start);
+  fmt::print("version {} (attempt {}): publish {:.3f} s, committed at +{:.3f} s\n", t->version, t->attempt,
+             t->publish_seconds, t->commit_time - t0);
+  for (const TimelineRow& r : t->rows) {
+    fmt::print("  {} {}{}\n", r.role, r.process, r.attempt == t->attempt ? "" : " (attempt " + r.attempt + ")");
+    for (const StageSpan& s : r.spans)
+      fmt::print("    {:<10} +{:.3f} s  {:.3f} s\n", s.stage, s.start - t0, s.end - s.start);
+  }
+  fmt::print(
+      "wrote {} (open it in https://ui.perfetto.dev or chrome://tracing; a PNG: python -m dcr.timeline {} "
+      "OUT.png)\n",
+      a.out, a.out);
+  return kExitOk;
+}
 
 // `dcr status --json`: the run's state as one document.
 json StatusJson(const RunStatusReport& r, const std::string& url, const std::optional<std::string>& relays) {
@@ -508,6 +534,7 @@ void PrintStatus(const RunStatusReport& r, const std::string& url) {
 int RunStatus(const StatusArgs& a) {
   auto store = OpenStore(a.store);
   if (!store.ok()) return Fail("status", store.status());
+  if (a.timeline >= 0) return RunTimeline(a, **store);
   auto r = ReadRunStatus(**store, std::chrono::milliseconds(static_cast<int64_t>(a.heartbeat_timeout * 1000)));
   if (!r.ok()) return Fail("status", r.status());
   std::optional<std::string> relays;
@@ -624,6 +651,10 @@ void AddStatusCommand(CLI::App& app) {
   st->add_flag("--json", sa->json, "Print JSON");
   st->add_option("--relay-stats", sa->relay_stats,
                  "Also show the relay tree from these relays' --stats files (relays, upstreams, per-link progress)");
+  st->add_option("--timeline", sa->timeline,
+                 "Write committed version V's timeline (every process's stages) as a Chrome/Perfetto trace to --out")
+      ->check(CLI::NonNegativeNumber);
+  st->add_option("--out", sa->out, "With --timeline: the trace file (JSON)");
   st->callback([sa] { ExitCode() = RunStatus(*sa); });
 }
 
