@@ -785,13 +785,15 @@ TEST_F(ProtocolTest, StatusListsTheAttemptsOfEachVersion) {
   EXPECT_EQ(v1.attempts[0].mode, "xor");
   EXPECT_GT(v1.attempts[0].frame_bytes, 0u);
   // What a receiver downloads for v1: every object of the attempt but the
-  // acks, and the commit record.
+  // acks and the publisher's timeline record, and the commit record.
   uint64_t download = 0, manifest = 0;
   const std::string prefix = run_keys::Attempt(1, v1.commit->attempt);
   auto objects = store_->List(prefix);
   ASSERT_TRUE(objects.ok());
   for (const ObjectInfo& obj : *objects) {
-    if (obj.key.starts_with(run_keys::Acks(1, v1.commit->attempt))) continue;
+    if (obj.key.starts_with(run_keys::Acks(1, v1.commit->attempt)) ||
+        obj.key.starts_with(run_keys::Timelines(1, v1.commit->attempt)))
+      continue;
     download += obj.size;
     if (obj.key == run_keys::Manifest(1, v1.commit->attempt)) manifest = obj.size;
   }
