@@ -26,7 +26,7 @@ class ReceiverMetrics {
   // The spans since the last commit, merged where one follows another of
   // the same stage within 1 ms, at most kMaxSpans (then the last grows).
   const std::vector<StageSpan>& spans() const { return spans_; }
-  static constexpr size_t kMaxSpans = 256;
+  static constexpr size_t kMaxSpans = 32;  // an ack stays small: the coordinator reads every one
   // Frame object bytes taken from a link ("store", "relay").
   void Received(std::string_view link, uint64_t bytes);
   void Acked(bool ok);
