@@ -28,6 +28,7 @@ class MetricFamily {
  public:
   MetricFamily(std::string name, std::string help, MetricType type, std::vector<std::string> label_names,
                std::vector<double> buckets = {});
+  ~MetricFamily();  // leaves the registry: a scrape during exit never reads it
   MetricFamily(const MetricFamily&) = delete;
   MetricFamily& operator=(const MetricFamily&) = delete;
 

@@ -73,6 +73,12 @@ MetricFamily::MetricFamily(std::string name, std::string help, MetricType type, 
   r.families.push_back(this);
 }
 
+MetricFamily::~MetricFamily() {
+  Registry& r = TheRegistry();
+  std::lock_guard lock(r.mu);
+  std::erase(r.families, this);
+}
+
 MetricFamily::Series* MetricFamily::Find(LabelValues values) {
   if (values.size() != label_names_.size()) return nullptr;
   std::vector<std::string> key(values.begin(), values.end());
@@ -135,11 +141,9 @@ std::vector<double> Histogram::SecondsBuckets() {
 
 std::string MetricsText() {
   Registry& r = TheRegistry();
-  std::vector<const MetricFamily*> families;
-  {
-    std::lock_guard lock(r.mu);
-    families = r.families;
-  }
+  // Held while the families are read: none is destroyed meanwhile (at exit).
+  std::lock_guard lock(r.mu);
+  std::vector<const MetricFamily*> families = r.families;
   std::sort(families.begin(), families.end(),
             [](const MetricFamily* a, const MetricFamily* b) { return a->name() < b->name(); });
   std::string out;

@@ -2,6 +2,7 @@
 // Not public API.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -45,8 +46,8 @@ inline double EndStage(PublishReport* report, const char* stage, Clock& clock, C
 // Ends stage `stage`, begun where the report's last span ended (now, when
 // none): the steps between named stages are counted too.
 inline void EndStageAfterLast(PublishReport* report, const char* stage, Clock& clock) {
-  const double end = clock.UnixSeconds();
-  report->spans.push_back({stage, report->spans.empty() ? end : report->spans.back().end, end});
+  const double now = clock.UnixSeconds(), start = report->spans.empty() ? now : report->spans.back().end;
+  report->spans.push_back({stage, start, std::max(start, now)});  // a wall clock may step back
 }
 
 // Store failures worth waiting out (the driver's own retries ran out).

@@ -39,9 +39,11 @@ void ReceiverMetrics::AddSeconds(Stage stage, double seconds) {
   seconds_[static_cast<size_t>(stage)] += seconds;
   const double end = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   const std::string_view name = kStages[static_cast<size_t>(stage)];
-  if (!spans_.empty() && spans_.back().stage == name && end - seconds - spans_.back().end < 0.001)
-    spans_.back().end = end;
-  else if (spans_.size() >= kMaxSpans) spans_.back().end = std::max(spans_.back().end, end);
+  // Never a span that ends before it starts (the coordinator refuses such
+  // an ack), even when the wall clock steps back meanwhile.
+  const bool merged = !spans_.empty() && ((spans_.back().stage == name && end - seconds - spans_.back().end < 0.001) ||
+                                          spans_.size() >= kMaxSpans);
+  if (merged) spans_.back().end = std::max(spans_.back().end, end);
   else spans_.push_back({std::string(name), end - seconds, end});
 }
 

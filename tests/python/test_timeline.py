@@ -80,7 +80,7 @@ def test_a_refits_timeline_shows_every_process_and_stage(tmp, gen_cache):
     covered = sum(e["dur"] for e in publisher) / 1e6
     assert covered == pytest.approx(report["total_seconds"], rel=0.05), (covered, report["total_seconds"])
     commit_span = next(e for e in publisher if e["name"] == "commit")
-    # The record's time (written with 10 ms resolution or so) is the commit stage's.
+    # The record's time is read just before the commit stage begins (a descheduled thread may put ms between).
     assert commit_span["ts"] - 5e4 <= commit_ts <= commit_span["ts"] + commit_span["dur"] + 5e4
     encode = next(e for e in publisher if e["name"] == "encode")
     for rid in ("rx1", "rx2"):
