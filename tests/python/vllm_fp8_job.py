@@ -266,8 +266,14 @@ def run(a) -> dict:
     bf16_rx = dcr.Receiver(bf16)
     bf16_thread, bf16_result = in_thread(lambda: bf16_rx.follow(store, os.path.join(a.work, "bf16"), engine="bf16",
                                                                 until=a.steps, timeout_s=600, poll_s=0.02))
+    def bf16_joined() -> bool:
+        """The BF16 engine holds version 0, verified (its record says when): registered is not enough."""
+        if not any(key == "receivers/bf16-r0.json" for key, *_ in store.list("receivers/")):
+            return False
+        return json.loads(store.get("receivers/bf16-r0.json")).get("verified_at", 0) > 0
+
     deadline = time.monotonic() + 120  # a guard only: the publishes below wait for both engines
-    while len(store.list("receivers/")) < 2:
+    while len(store.list("receivers/")) < 2 or not bf16_joined():
         assert bf16_thread.is_alive() and time.monotonic() < deadline, bf16_result
         time.sleep(0.01)
 
