@@ -83,6 +83,7 @@ struct VersionTimeline {
   uint64_t version = 0;
   std::string attempt;  // the committed one
   double commit_time = 0;  // the commit record's
+  double start = 0;  // the earliest span's start (or the commit's): where the trace's times count from
   double publish_seconds = 0;  // the committing publisher's publish call (0: no record)
   std::vector<TimelineRow> rows;  // publishing processes first, then receivers by id
 };

@@ -58,13 +58,14 @@ Result<VersionTimeline> ReadVersionTimeline(Store& store, uint64_t v) {
   std::stable_sort(t.rows.begin(), t.rows.end(), [](const TimelineRow& x, const TimelineRow& y) {
     return std::make_pair(x.role == "receiver", x.process) < std::make_pair(y.role == "receiver", y.process);
   });
+  t.start = t.commit_time;
+  for (const TimelineRow& r : t.rows)
+    for (const StageSpan& s : r.spans) t.start = std::min(t.start, s.start);
   return t;
 }
 
 std::string TimelineTraceJson(const VersionTimeline& t) {
-  double t0 = t.commit_time;
-  for (const TimelineRow& r : t.rows)
-    for (const StageSpan& s : r.spans) t0 = std::min(t0, s.start);
+  const double t0 = t.start;
   auto micros = [&](double unix) { return (unix - t0) * 1e6; };
   nlohmann::ordered_json events = nlohmann::ordered_json::array();
   for (size_t pid = 0; pid < t.rows.size(); ++pid) {

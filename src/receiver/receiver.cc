@@ -396,9 +396,7 @@ Status ReceiverWalk::ApplyAndAck(uint64_t v, const AttemptInfo& a) {
   ack.digest = target_.AckDigest();
   ack.error = s.ok() ? "" : s.ToString();
   ack.engine = target_.Engine();
-  ack.spans = metrics_.spans();
-  const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-  ack.spans.push_back({"ack", now, now});
+  ack.spans = metrics_.AckSpans();
   const ApplyCounts& st = streamed_[a.id].counts;
   Log(s.ok() ? fmt::format("applied version {} attempt {} ({:.3f} s after the manifest and frame objects were in; "
                            "streamed frames: {} applied as they arrived, {} already done, {} left to the manifest)",

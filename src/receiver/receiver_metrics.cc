@@ -35,9 +35,22 @@ constexpr const char* kStages[] = {"download", "apply", "ack", "join"};
 
 }  // namespace
 
+namespace {
+
+double UnixNow() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
+
+}  // namespace
+
+std::vector<StageSpan> ReceiverMetrics::AckSpans() const {
+  std::vector<StageSpan> out = spans_;
+  const double now = UnixNow();
+  out.push_back({"ack", now, now});
+  return out;
+}
+
 void ReceiverMetrics::AddSeconds(Stage stage, double seconds) {
   seconds_[static_cast<size_t>(stage)] += seconds;
-  const double end = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  const double end = UnixNow();
   const std::string_view name = kStages[static_cast<size_t>(stage)];
   // Never a span that ends before it starts (the coordinator refuses such
   // an ack), even when the wall clock steps back meanwhile.

@@ -23,9 +23,10 @@ class ReceiverMetrics {
   // A stage that ends now and took `seconds`: counted, and kept as a span
   // (wall clock) for the next ack's timeline.
   void AddSeconds(Stage stage, double seconds);
-  // The spans since the last commit, merged where one follows another of
-  // the same stage within 1 ms, at most kMaxSpans (then the last grows).
-  const std::vector<StageSpan>& spans() const { return spans_; }
+  // What an ack carries: the spans since the last commit (merged where one
+  // follows another of the same stage within 1 ms, at most kMaxSpans: then
+  // the last grows), and the instant "ack" now.
+  std::vector<StageSpan> AckSpans() const;
   static constexpr size_t kMaxSpans = 32;  // an ack stays small: the coordinator reads every one
   // Frame object bytes taken from a link ("store", "relay").
   void Received(std::string_view link, uint64_t bytes);

@@ -391,9 +391,7 @@ int RunTimeline(const StatusArgs& a, Store& store) {
   auto t = ReadVersionTimeline(store, static_cast<uint64_t>(a.timeline));
   if (!t.ok()) return Fail("status", t.status());
   if (Status s = WriteFileAtomically(a.out, TimelineTraceJson(*t)); !s.ok()) return Fail("status", s);
-  double t0 = t->commit_time;
-  for (const TimelineRow& r : t->rows)
-    for (const StageSpan& s : r.spans) t0 = std::min(t0, s.start);
+  const double t0 = t->start;
   fmt::print("version {} (attempt {}): publish {:.3f} s, committed at +{:.3f} s\n", t->version, t->attempt,
              t->publish_seconds, t->commit_time - t0);
   for (const TimelineRow& r : t->rows) {
