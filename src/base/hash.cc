@@ -33,7 +33,13 @@ struct Crc32cTables {
 constexpr Crc32cTables kTables;
 
 #if defined(__x86_64__)
-__attribute__((target("sse4.2"))) uint32_t Crc32cSse42(const uint8_t* p, size_t n, uint32_t crc) {
+// Clang (since 14) names the CRC32 instructions a feature of their own.
+#if defined(__clang__)
+#define DCR_TARGET_CRC32 __attribute__((target("sse4.2,crc32")))
+#else
+#define DCR_TARGET_CRC32 __attribute__((target("sse4.2")))
+#endif
+DCR_TARGET_CRC32 uint32_t Crc32cSse42(const uint8_t* p, size_t n, uint32_t crc) {
   uint64_t c = ~crc;
   while (n > 0 && (reinterpret_cast<uintptr_t>(p) & 7)) {
     c = _mm_crc32_u8(static_cast<uint32_t>(c), *p++);
