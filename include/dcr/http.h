@@ -73,7 +73,9 @@ struct CurlTransportOptions {
   std::chrono::milliseconds request_timeout{0};  // whole exchange; 0: no limit
   // Idle handles (each holding its kept-alive connection) kept for reuse.
   size_t max_idle_connections = 64;
-  bool verify_tls = true;  // peer and host verification (libcurl's CA defaults)
+  // Peer and host verification against $SSL_CERT_FILE, else libcurl's CA
+  // bundle, else the distribution's (http_curl.cc).
+  bool verify_tls = true;
 };
 
 // The libcurl transport: keep-alive connections reused across requests (a

@@ -5,8 +5,11 @@
 #include <curl/curl.h>
 #include <fmt/format.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 
@@ -40,6 +43,26 @@ namespace {
 void GlobalInit() {
   static std::once_flag once;
   std::call_once(once, [] { curl_global_init(CURL_GLOBAL_DEFAULT); });
+}
+
+// The CA bundle to verify servers with: $SSL_CERT_FILE when set; else, when
+// libcurl was built without a default (the wheel's: its builder cannot know
+// where the installing distribution keeps it), the first bundle found where
+// Linux distributions keep theirs; else "" (libcurl's default).
+const std::string& CaBundle() {
+  static const std::string path = [] {
+    if (const char* env = std::getenv("SSL_CERT_FILE"); env != nullptr && *env != '\0') return std::string(env);
+    const curl_version_info_data* v = curl_version_info(CURLVERSION_NOW);
+    if (v->cainfo != nullptr || v->capath != nullptr) return std::string();
+    for (const char* p : {"/etc/ssl/certs/ca-certificates.crt",  // Debian, Ubuntu, Arch, Gentoo
+                          "/etc/pki/ca-trust/extracted/pem/tls-ca-bundle.pem",  // RHEL 7+, Fedora
+                          "/etc/pki/tls/certs/ca-bundle.crt",  // older RHEL, Fedora
+                          "/etc/ssl/ca-bundle.pem",  // openSUSE
+                          "/etc/ssl/cert.pem"})  // Alpine
+      if (access(p, R_OK) == 0) return std::string(p);
+    return std::string();
+  }();
+  return path;
 }
 
 std::string_view Trim(std::string_view s) {
@@ -184,6 +207,7 @@ class CurlTransport final : public HttpTransport {
     curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, static_cast<long>(options_.request_timeout.count()));
     curl_easy_setopt(h, CURLOPT_SSL_VERIFYPEER, options_.verify_tls ? 1L : 0L);
     curl_easy_setopt(h, CURLOPT_SSL_VERIFYHOST, options_.verify_tls ? 2L : 0L);
+    if (options_.verify_tls && !CaBundle().empty()) curl_easy_setopt(h, CURLOPT_CAINFO, CaBundle().c_str());
     curl_easy_setopt(h, CURLOPT_HEADERFUNCTION, &HeaderCallback);
     curl_easy_setopt(h, CURLOPT_HEADERDATA, &ex);
     curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, &WriteCallback);
