@@ -26,17 +26,7 @@ packages=(g++ cmake ninja-build pkg-config libzstd-dev libxxhash-dev nlohmann-js
           libfmt-dev libzmq3-dev cppzmq-dev libsodium-dev libgtest-dev libgmock-dev libbenchmark-dev python3-venv python3-dev libcurl4-openssl-dev
           libssl-dev libexpat1-dev)
 if [ "$want_fuzz" = 1 ]; then packages+=(clang libclang-rt-14-dev); fi
-missing=()
-for p in "${packages[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
-done
-if [ "${#missing[@]}" -gt 0 ]; then
-  echo "setup: installing ${missing[*]}"
-  sudo_cmd=""
-  [ "$(id -u)" = 0 ] || sudo_cmd="sudo"
-  $sudo_cmd apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+scripts/install_debian_packages.sh "${packages[@]}"
 
 jobs=$(nproc)
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDCR_WERROR=ON \
@@ -74,7 +64,7 @@ if [ "$want_python" = 1 ]; then
     echo "$vllm_version" > .venv/.vllm
   fi
   # The dcr package (python/, pyproject.toml): scikit-build-core builds the
-  # libraries and the extension only, into build-python/, which is kept so
+  # libraries, the extension and the CLI (.venv/bin/dcr) into build-python/, which is kept so
   # that a rebuild compiles only what changed. Build requirements (nanobind,
   # scikit-build-core) come from requirements-dev.txt, hence no isolation.
   echo "setup: installing the dcr Python package into .venv"
