@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test dcr has: C++ unit tests (ctest), Python interoperability
-# and CLI tests (pytest), and each fuzz target for a short bounded time.
+# and CLI tests (pytest), the wheel as users install it (scripts/test_wheel.sh),
+# and each fuzz target for a short bounded time.
 # Installs and builds what it needs first (scripts/setup.sh).
 #
 #   scripts/test.sh                the suite
@@ -23,12 +24,7 @@ scripts/setup.sh --python --fuzz --vllm
 hog_pid=""
 stop_hog() { if [ -n "$hog_pid" ]; then kill "$hog_pid" 2>/dev/null || true; wait "$hog_pid" 2>/dev/null || true; fi; }
 if [ "$under_load" = 1 ]; then
-  if ! command -v stress-ng >/dev/null; then
-    sudo_cmd=""
-    [ "$(id -u)" = 0 ] || sudo_cmd="sudo"
-    $sudo_cmd apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends stress-ng >/dev/null
-  fi
+  scripts/install_debian_packages.sh stress-ng
   echo "== under load: stress-ng --cpu $(nproc) beside the tests"
   # Dies with this script even when it is killed outright (SIGKILL, a CI timeout).
   setpriv --pdeathsig TERM stress-ng --cpu "$(nproc)" --quiet &
@@ -37,10 +33,21 @@ if [ "$under_load" = 1 ]; then
   trap 'exit 130' INT TERM  # so that the EXIT trap runs then too
 fi
 
+# The wheel builds beside the suite below, at a lower priority (about 17
+# minutes of two cores when nothing is cached): a CPU hog the tests must hold
+# against anyway. It is tested once the suite is done (scripts/test_wheel.sh).
+mkdir -p build-wheel
+wheel_log=build-wheel/build.log
+rm -rf build-wheel/dist
+echo "== building the wheel in the background (log: $wheel_log)"
+# In a process group of its own, so that an early exit stops all of it.
+setsid nice -n 10 scripts/build_wheel.sh --out build-wheel/dist >"$wheel_log" 2>&1 &
+wheel_pid=$!
+
 # A real S3 server for the store tests: a single-node Ceph cluster with
 # radosgw (tests/s3/radosgw.sh), stopped on exit whatever happens.
 s3_dir=$(mktemp -d /tmp/dcr-radosgw.XXXXXX)
-trap 'tests/s3/radosgw.sh stop "$s3_dir" >/dev/null 2>&1 || true; stop_hog' EXIT
+trap 'tests/s3/radosgw.sh stop "$s3_dir" >/dev/null 2>&1 || true; kill -- "-$wheel_pid" 2>/dev/null || true; stop_hog' EXIT
 echo "== starting radosgw (Ceph, single node) for the S3 tests"
 tests/s3/radosgw.sh start "$s3_dir"
 set -a
@@ -66,9 +73,21 @@ fi
 echo "== C++ unit tests"
 ctest --test-dir build --output-on-failure -j "$(nproc)"
 
-echo "== Python tests"
+echo "== Python tests (the tree's build; those that need only the package and the CLI run against the wheel below)"
+mapfile -t wheel_tests < <(scripts/test_wheel.sh --list)
 # DCR_REQUIRE_VLLM: the vLLM backend tests fail, not skip, if vllm is missing.
-DCR_REQUIRE_VLLM=1 DCR_BIN="$PWD/build/tools/dcr/dcr" .venv/bin/python -m pytest -q tests/python
+DCR_REQUIRE_VLLM=1 DCR_BIN="$PWD/build/tools/dcr/dcr" .venv/bin/python -m pytest -q tests/python \
+  "${wheel_tests[@]/#/--ignore=tests/python/}"
 
 echo "== fuzzing (${DCR_FUZZ_SECONDS:-30} s per target)"
 tests/fuzz/run.sh "${DCR_FUZZ_SECONDS:-30}"
+
+echo "== the wheel: built (scripts/build_wheel.sh), installed into a fresh venv and tested there (scripts/test_wheel.sh)"
+if ! wait "$wheel_pid"; then
+  tail -60 "$wheel_log"
+  echo "the wheel did not build (log: $wheel_log)" >&2
+  exit 1
+fi
+grep -A8 "is consistent with" "$wheel_log" || true
+tail -1 "$wheel_log"
+scripts/test_wheel.sh --wheel build-wheel/dist/dcr-*.whl
