@@ -78,7 +78,9 @@ def test_a_refits_timeline_shows_every_process_and_stage(tmp, gen_cache):
     starts = [e["ts"] for e in publisher]
     assert starts == sorted(starts) and all(e["dur"] >= 0 and e["ts"] >= 0 for e in publisher)
     covered = sum(e["dur"] for e in publisher) / 1e6
-    assert covered == pytest.approx(report["total_seconds"], rel=0.05), (covered, report["total_seconds"])
+    # Within 5%, or 10 ms on a refit this small: the report and the timeline
+    # record are written after the last span ends, on any machine a few ms.
+    assert covered == pytest.approx(report["total_seconds"], rel=0.05, abs=0.01), (covered, report["total_seconds"])
     commit_span = next(e for e in publisher if e["name"] == "commit")
     # The record's time is read just before the commit stage begins (a descheduled thread may put ms between).
     assert commit_span["ts"] - 5e4 <= commit_ts <= commit_span["ts"] + commit_span["dur"] + 5e4
