@@ -25,7 +25,7 @@ SIDE = ["synth", "families"]
 # The module each public header belongs to (its implementation lives there).
 OWNER = {
     "status.h": "base", "hash.h": "base", "mapped_file.h": "base", "progress.h": "base", "thread_pool.h": "base",
-    "text.h": "base", "clock.h": "base", "metrics.h": "base",
+    "text.h": "base", "clock.h": "base", "metrics.h": "base", "cpu.h": "base",
     "dtype.h": "format", "safetensors.h": "format", "checkpoint.h": "format", "json.h": "format",
     "digest.h": "delta", "frame.h": "delta", "chunk_codec.h": "delta", "compare.h": "delta", "delta.h": "delta",
     "apply.h": "delta",

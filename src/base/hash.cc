@@ -6,6 +6,8 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include "dcr/cpu.h"
+
 #if defined(__x86_64__)
 #include <nmmintrin.h>
 #endif
@@ -74,7 +76,7 @@ DCR_TARGET_CRC32 uint32_t Crc32cSse42(const uint8_t* p, size_t n, uint32_t crc) 
   return ~static_cast<uint32_t>(c);
 }
 
-const bool kHaveSse42 = __builtin_cpu_supports("sse4.2");
+const bool kHaveSse42 = Cpu().sse42;
 #endif
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "dcr/chunk_codec.h"
+#include "dcr/cpu.h"
 #include "kernels.h"
 
 // How the work is laid out (docs/benchmarks.md has the figures). Encode: a
@@ -140,7 +141,7 @@ template <auto Loop, typename... Args>
   return Loop(std::forward<Args>(args)...);
 }
 inline bool HasBmi2() {
-  static const bool has = !kernels::BaselineIsa() && __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2");
+  static const bool has = !kernels::BaselineIsa() && Cpu().bmi1 && Cpu().bmi2;
   return has;
 }
 #endif

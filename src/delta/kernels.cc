@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <string_view>
 
+#include "dcr/cpu.h"
+
 namespace dcr::kernels {
 
 const uint64_t* DigestTable() {
@@ -65,8 +67,7 @@ bool BaselineIsa() {
 const KernelSet& Kernels() {
   static const KernelSet set = [] {
 #if defined(__x86_64__)
-    if (!BaselineIsa() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi") &&
-        __builtin_cpu_supports("bmi2"))
+    if (!BaselineIsa() && Cpu().avx2 && Cpu().bmi1 && Cpu().bmi2)
       return KernelSet{avx2::CompareWholeBytes, avx2::DigestLimbs, avx2::FindChanges,   avx2::DigestChanges,
                        avx2::AddCodes16,        avx2::AddApply16,  avx2::AddPutDigest16};
 #endif
