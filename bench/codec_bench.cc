@@ -53,6 +53,7 @@
 #include "../src/delta/kernels.h"  // internal: the encoder's digest kernel, timed alone
 #include "dcr/checkpoint.h"
 #include "dcr/chunk_codec.h"
+#include "dcr/cpu.h"
 #include "dcr/delta.h"
 #include "dcr/digest.h"
 #include "dcr/frame.h"
@@ -383,8 +384,7 @@ __attribute__((target("avx2"))) bool DifferAvx2(const uint8_t* a, const uint8_t*
 #endif
 bool Differ(const uint8_t* a, const uint8_t* b, uint64_t n) {
 #if defined(__x86_64__)
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  if (avx2) return DifferAvx2(a, b, n);
+  if (dcr::Cpu().avx2) return DifferAvx2(a, b, n);
 #endif
   return DifferScalar(a, b, n);
 }
@@ -446,8 +446,7 @@ __attribute__((target("avx2,popcnt"))) uint64_t ClassPassAvx2(const uint8_t* dat
 uint64_t ClassPass(const ChunkRef& c, const uint8_t* work) {
   if (c.wb != 2) return 0;
 #if defined(__x86_64__)
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  if (avx2) return ClassPassAvx2(work + c.work_offset, c.words);
+  if (dcr::Cpu().avx2) return ClassPassAvx2(work + c.work_offset, c.words);
 #endif
   return ClassPassScalar(work + c.work_offset, c.words);
 }
