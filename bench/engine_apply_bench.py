@@ -18,7 +18,9 @@ in ``--dir``. Per version: seconds to apply (and copy back), and host memory
 held: the frames (the delta in memory) plus the peak resident memory the
 apply added (VmHWM, reset before it), plus the mirror for the staged path.
 A warm-up version (nothing changed) computes the receivers' chunk digests
-first. On CUDA the device's own device-to-device copy of the model is timed
+first. After the last version each path times a recheck: every chunk's
+digest computed again from the bits (what ``Receiver.follow(recheck=True)``,
+the default, does before each update). On CUDA the device's own device-to-device copy of the model is timed
 in the same process, for the apply's throughput against it.
 
   .venv/bin/python bench/engine_apply_bench.py [--size 2GB] [--rates 0.001,0.01,0.03] [--device cpu|cuda]
@@ -166,6 +168,13 @@ def measure(path: str, device: str, root: Path, versions: list) -> dict:
                                 "held_bytes": v["frame_bytes"] + max(peak, 0) + mirror_bytes,
                                 "scratch_peak_bytes": report.get("scratch_peak_bytes", 0),
                                 "tensors_touched": len(touched)})
+    # A recheck (Receiver.follow's default before each update): every chunk's
+    # digest computed again from the bits the receiver holds.
+    sync(device)
+    t0 = time.perf_counter()
+    rx.forget_digests()
+    rx.digest()
+    out["recheck_seconds"] = time.perf_counter() - t0
     # The tensors end at the last version, bit for bit (its digest, from the live tensors).
     final = dcr.Receiver(live, stage=True).digest()
     out["exact"] = final == versions[-1]["target"]
@@ -220,6 +229,10 @@ def report(results: dict, versions: list, args) -> None:
         lo, hi = rows[0][1], rows[-1][1]
         print(f"in place: the {lo['rate']:.1%} version takes {lo['seconds'] / hi['seconds']:.3f}x the "
               f"{hi['rate']:.1%} version's time (target: at most 0.2)")
+    gb = inplace["model_bytes"] / 1e9
+    print(f"recheck (a digest pass over the bits, before each update by default): in place "
+          f"{inplace['recheck_seconds']:.3f} s ({gb / inplace['recheck_seconds']:.1f} GB/s), staged host mirror "
+          f"{staged['recheck_seconds']:.3f} s ({gb / staged['recheck_seconds']:.1f} GB/s)")
     if "d2d_copy_seconds" in inplace:
         d2d = inplace["model_bytes"] / inplace["d2d_copy_seconds"] / 1e9
         for _, i in rows:

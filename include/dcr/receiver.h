@@ -52,6 +52,14 @@ struct FollowOptions {
   // `relay_poll` (a lost notice costs at most that), and what the tree
   // delivers in between is applied; `poll` and `stream_poll` without notices.
   std::chrono::milliseconds relay_poll{1000};
+  // A Run that continues a follower's earlier Run (the bits in memory since)
+  // first reads the bits again and compares every chunk's digest with the
+  // one tracked through dcr's own writes: O(the rank's bytes) per Run. Bits
+  // changed outside dcr are named in the log and counted, and the follower
+  // rejoins from the newest snapshot instead of applying, acking or
+  // reporting a version on top of them. Off: O(changed elements) per
+  // version, trusting that only dcr writes the buffers between Runs.
+  bool recheck = false;
   // Fault injection for tests, as PublishOptions::fault ("applying", "applied", "acked").
   std::function<Status(std::string_view point)> fault;
   std::function<void(const std::string& line)> log;  // progress lines; default stderr
@@ -139,6 +147,9 @@ class RankFollower {
   // snapshot or reopened the buffers), in map order; then forgets them. For
   // Run's `stop` callback (Run's thread) or while Run is not running.
   std::vector<std::string> TakeChangedTensors();
+  // What the last Run's recheck (FollowOptions::recheck) found changed
+  // outside dcr, e.g. "tensor 'w' chunk 0 (elements 0..1023)"; empty if nothing.
+  std::string OutsideChanges() const;
 
  private:
   Store& store_;

@@ -11,6 +11,7 @@ failure is a :class:`DcrError` subclass named after its status code
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Sequence, Union
@@ -560,14 +561,15 @@ class Receiver:
         (and, for an engine of one rank, it is this rank's);
         :class:`NotFoundError` when the version is not committed."""
         f = _dcr.RankFollower(store, self.layout_json, self._buffers, os.fspath(state_dir), engine, rank, ranks, id,
-                              0.1, True, [], "", "", False, 1.0, self._memory)
+                              0.1, True, [], "", "", False, 1.0, memory=self._memory)
         f.adopt(version, engine_digest)
         self._follower = None  # follow starts from the journal
 
     def follow(self, store: Store, state_dir: PathLike, *, engine: str, rank: int = 0, ranks: int = 1,
                until: Optional[int] = None, timeout_s: Optional[float] = None, id: str = "", poll_s: float = 0.1,
                quiet: bool = True, relay: Sequence[str] = (), relay_key: PathLike = "",
-               relay_pub: PathLike = "", relay_insecure: bool = False, relay_poll_s: float = 1.0) -> int:
+               relay_pub: PathLike = "", relay_insecure: bool = False, relay_poll_s: float = 1.0,
+               recheck: bool = True) -> int:
         """Follows the run in ``store`` into these live tensors, in place, as
         rank ``rank`` of ``ranks`` of engine ``engine`` (C++ dcr::RankFollower
         over in-memory buffers): every attempt's frames are applied through
@@ -593,16 +595,25 @@ class Receiver:
         :class:`Follower` (acks go through the store). Calling it
         again with the same arguments continues where the last call stopped
         (after one that raised, from the journal and a digest pass). Residuals without a
-        loader cannot be followed: the rank's partial digest would lack them."""
+        loader cannot be followed: the rank's partial digest would lack them.
+
+        ``recheck`` (default): a call that continues first reads the tensors
+        again and compares each chunk's digest with the one dcr tracked
+        through its own writes (a pass over the rank's bytes). Bits changed
+        outside dcr since the last call are named in
+        :attr:`outside_changes` (and a warning logged), and the rank rejoins
+        from the newest snapshot instead of applying, acking or returning a
+        version on top of them. ``recheck=False``: O(changed elements) per
+        version, trusting that nothing else writes the tensors."""
         if self._skipped:
             raise InvalidArgumentError(f"Receiver.follow: residual tensor '{self._skipped[0]}' is not mapped and has "
                                        "no loader; the engine's partial digests would never add up (give a loader)")
         # The same run followed again (the next version) continues where the
         # last call stopped, without a digest pass over the tensors.
         args = (store, os.fspath(state_dir), engine, rank, ranks, id, poll_s, quiet, list(relay), os.fspath(relay_key),
-                os.fspath(relay_pub), relay_insecure, relay_poll_s)
+                os.fspath(relay_pub), relay_insecure, relay_poll_s, recheck)
         if self._follower is None or self._follow_args[0] is not store or self._follow_args[1:] != args[1:]:
-            self._follower = _dcr.RankFollower(store, self.layout_json, self._buffers, *args[1:], self._memory)
+            self._follower = _dcr.RankFollower(store, self.layout_json, self._buffers, *args[1:], memory=self._memory)
             self._follow_args = args
 
         def on_version(v: int) -> None:
@@ -614,7 +625,19 @@ class Receiver:
                 self._post_update({"version": v, "residuals_loaded": loaded, "tensors_changed": changed})
 
         hook = on_version if (self._shadow or self._post_update is not None) else None
-        return self._follower.run(until, timeout_s, hook)
+        try:
+            return self._follower.run(until, timeout_s, hook)
+        finally:
+            if self._follower.outside_changes:
+                logging.getLogger("dcr").warning("dcr: %s rank %d: bits changed outside dcr since the last version "
+                                                 "(%s); the rank rejoined from a snapshot", engine, rank,
+                                                 self._follower.outside_changes)
+
+    @property
+    def outside_changes(self) -> str:
+        """What :meth:`follow`'s last recheck found changed outside dcr (the
+        chunks, by tensor and element range); "" when it found nothing."""
+        return "" if self._follower is None else self._follower.outside_changes
 
     @property
     def version(self) -> Optional[int]:

@@ -142,6 +142,15 @@ class DcrInitInfo(WeightTransferInitInfo):
     metrics: ``HOST:PORT``: each rank serves its Prometheus metrics
         (docs/metrics.md) at ``http://HOST:PORT+rank/metrics`` (port 0: a
         free one each; ``join_report["metrics_url"]`` says which).
+    recheck: before each update, every rank reads the bits dcr holds again
+        (the parameters it writes in place, its host copies) and compares
+        each chunk's digest with the one it tracked through its own writes:
+        bits changed outside dcr since the last version (another loader, a
+        stray in-place write, memory damage) are named in the log and in
+        ``join_report["outside_changes"]``, and the rank rejoins from the
+        run's newest snapshot rather than report a version over them. A
+        pass over the rank's bytes per update; ``False``: O(changed
+        elements), trusting that nothing else writes the parameters.
     """
 
     store: str
@@ -157,6 +166,7 @@ class DcrInitInfo(WeightTransferInitInfo):
     relay_poll_s: float = 1.0
     adopt_loaded: bool = True
     metrics: Optional[str] = None
+    recheck: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, str) or not self.store:
@@ -180,6 +190,8 @@ class DcrInitInfo(WeightTransferInitInfo):
         if self.metrics is not None and (not isinstance(self.metrics, str) or
                                          not re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[^:\[\]]+):[0-9]{1,5}", self.metrics)):
             raise ValueError(f"dcr: init_info 'metrics' must be HOST:PORT, not {self.metrics!r}")
+        if not isinstance(self.recheck, bool):
+            raise ValueError(f"dcr: init_info 'recheck' must be a bool, not {self.recheck!r}")
 
 
 @dataclass
@@ -597,7 +609,7 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         self._follow = dict(engine=engine, rank=rank, ranks=ranks, poll_s=init_info.poll_s,
                             relay=list(init_info.relay or ()), relay_key=init_info.relay_key or "",
                             relay_pub=init_info.relay_pub or "", relay_insecure=init_info.relay_insecure,
-                            relay_poll_s=init_info.relay_poll_s)
+                            relay_poll_s=init_info.relay_poll_s, recheck=init_info.recheck)
         self._state_dir = state_dir
         try:
             self.adopted = None
@@ -741,7 +753,8 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         live (``in_place_bytes``); ``host_layers``: the layers vLLM
         transformed after loading, whose load form dcr keeps in host memory
         (``host_bytes``, with the residual tensors' canonical copies), each
-        with why it could not be written in place."""
+        with why it could not be written in place; ``outside_changes``: what
+        the last update's recheck found changed outside dcr ("": nothing)."""
         self._check_init()
         report = {"adopted": self.adopted, **self._form.report()}
         report["host_bytes"] += sum(t.numel() * t.element_size() for t in self._receiver.residuals.values())
@@ -750,6 +763,7 @@ class DcrWeightTransferEngine(WeightTransferEngine[DcrInitInfo, DcrUpdateInfo]):
         report["host_bytes"] += report["fp8_master_bytes"]
         report["residuals"] = sorted(self._receiver.residuals)
         report["metrics_url"] = self._receiver.metrics_url
+        report["outside_changes"] = self._receiver.outside_changes
         return report
 
 

@@ -325,12 +325,13 @@ void BindRankFollower(nb::module_& m) {
              const std::string& state_dir, const std::string& engine, uint32_t rank, uint32_t ranks,
              const std::string& id, double poll_s, bool quiet, const std::vector<std::string>& relay,
              const std::string& relay_key, const std::string& relay_pub, bool relay_insecure, double relay_poll_s,
-             nb::object memory) {
+             bool recheck, nb::object memory) {
             auto layout = std::make_unique<dcr::CompiledLayout>(CompileJson(layout_json, "receiver layout"));
             auto held = std::make_unique<PyBuffers>(*layout, std::move(buffers), std::move(memory), "Receiver.follow");
             const dcr::PlacedRank placed = held->placed;
             dcr::FollowOptions o =
                 MakeFollowOptions(id.empty() ? engine + "-r" + std::to_string(rank) : id, poll_s, relay_poll_s, quiet);
+            o.recheck = recheck;
             auto relayed = StartRelay(o.id, relay, relay_key, relay_pub, relay_insecure, quiet);
             o.relay = relayed.get();
             auto follower = std::make_unique<dcr::RankFollower>(*store.store, placed, state_dir,
@@ -338,7 +339,7 @@ void BindRankFollower(nb::module_& m) {
             new (self) PyRankFollower{std::move(layout), std::move(held), std::move(relayed), std::move(follower)};
           },
           "store"_a, "layout"_a, "buffers"_a, "state_dir"_a, "engine"_a, "rank"_a, "ranks"_a, "id"_a, "poll_s"_a,
-          "quiet"_a, "relay"_a, "relay_key"_a, "relay_pub"_a, "relay_insecure"_a, "relay_poll_s"_a,
+          "quiet"_a, "relay"_a, "relay_key"_a, "relay_pub"_a, "relay_insecure"_a, "relay_poll_s"_a, "recheck"_a = false,
           "memory"_a = nb::none(), nb::keep_alive<1, 2>())
       .def(
           "run",
@@ -359,6 +360,7 @@ void BindRankFollower(nb::module_& m) {
           },
           "version"_a, "engine_digest"_a)
       .def_prop_ro("version", [](const PyRankFollower& f) { return f.follower->version(); })
+      .def_prop_ro("outside_changes", [](const PyRankFollower& f) { return f.follower->OutsideChanges(); })
       .def(
           "take_changed", [](PyRankFollower& f) { return f.follower->TakeChangedTensors(); },
           "The map's tensors Run may have written since the last call (from run's on_version, or after run).");

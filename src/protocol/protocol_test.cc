@@ -57,6 +57,18 @@ Result<DeltaManifest> StoredManifest(Store& store, const std::string& key) {
                                protocol_internal::TensorTableOf(*state.run), key);
 }
 
+// A rank's buffers held in memory (as a serving process holds its weights),
+// zero-filled, and their placement.
+struct RankInMemory {
+  explicit RankInMemory(const CompiledLayout& layout) : placed{&layout, {}} {
+    for (size_t b = 0; b < layout.map().buffers.size(); ++b) memory.emplace_back(layout.BufferBytes(b));
+    for (auto& b : memory) placed.buffers.emplace_back(b);
+  }
+  RankInMemory(const RankInMemory&) = delete;  // placed points into memory
+  std::vector<std::vector<uint8_t>> memory;
+  PlacedRank placed;
+};
+
 class ProtocolTest : public testing::TempDirTest {
  protected:
   void SetUp() override {
@@ -1538,11 +1550,8 @@ TEST_F(ProtocolTest, ARankSaysWhichTensorsEachVersionChanged) {
   Publisher pub(*store_, Path("state"), Fast());
   ASSERT_TRUE(pub.Publish(0, Version(0)).ok());
   auto layouts = TpLayouts(1);
-  std::vector<std::vector<uint8_t>> memory;
-  for (size_t b = 0; b < layouts[0]->map().buffers.size(); ++b) memory.emplace_back(layouts[0]->BufferBytes(b));
-  PlacedRank placed{layouts[0].get(), {}};
-  for (auto& b : memory) placed.buffers.emplace_back(b);
-  RankFollower f(*store_, placed, Path("rank"), EngineRank{"e", 0, 1}, Receiver("e-r0"));
+  RankInMemory held(*layouts[0]);
+  RankFollower f(*store_, held.placed, Path("rank"), EngineRank{"e", 0, 1}, Receiver("e-r0"));
   std::vector<std::string> all, joined, again;
   for (const LayoutTensor& t : layouts[0]->map().tensors) all.push_back(t.name);
   std::atomic<bool> taken{false};
@@ -1574,34 +1583,103 @@ TEST_F(ProtocolTest, ARankSaysWhichTensorsEachVersionChanged) {
 }
 
 // A follower run again (for the next version) continues where it stopped:
-// it does not reopen its target, which would report every tensor changed
-// (and read every chunk again), and it ends at the version's exact bits.
+// it does not reopen its target, which would report every tensor changed,
+// and it ends at the version's exact bits. A recheck that finds the bits as
+// tracked changes nothing of that (it reads every chunk, and goes on).
 TEST_F(ProtocolTest, ARankFollowedAgainContinuesWhereItStopped) {
   Publisher pub(*store_, Path("state"), Fast());
   for (int v = 0; v <= 2; ++v) ASSERT_TRUE(pub.Publish(v, Version(v)).ok());
   auto layouts = TpLayouts(1);
-  std::vector<std::vector<uint8_t>> memory;
-  for (size_t b = 0; b < layouts[0]->map().buffers.size(); ++b) memory.emplace_back(layouts[0]->BufferBytes(b));
-  PlacedRank placed{layouts[0].get(), {}};
-  for (auto& b : memory) placed.buffers.emplace_back(b);
-  RankFollower f(*store_, placed, Path("rank"), EngineRank{"e", 0, 1}, Receiver("e-r0"));
-  Status s = f.Run(1);
-  ASSERT_TRUE(s.ok()) << s.ToString();
-  EXPECT_EQ(f.version(), 1u);
-  EXPECT_EQ(f.TakeChangedTensors().size(), layouts[0]->map().tensors.size());  // joined from the snapshot
-  s = f.Run(2);
-  ASSERT_TRUE(s.ok()) << s.ToString();
-  EXPECT_EQ(f.version(), 2u);
   auto commit = store_->Get(run_keys::Commit(2));
   ASSERT_TRUE(commit.ok());
   auto c = CommitRecord::FromJson(*commit, "commit");
   ASSERT_TRUE(c.ok());
   const std::vector<std::string> changed = FramedTensors(2, c->attempt, *layouts[0]);
   ASSERT_LT(changed.size(), layouts[0]->map().tensors.size());  // meaningful only if some tensors did not change
-  EXPECT_EQ(f.TakeChangedTensors(), changed);
   const auto dense = DenseRank(*layouts[0], 2);
-  for (size_t b = 0; b < memory.size(); ++b)
-    EXPECT_TRUE(memory[b] == dense[b]) << "buffer " << layouts[0]->map().buffers[b].id << " differs from a dense load";
+  for (const bool recheck : {false, true}) {
+    SCOPED_TRACE(recheck ? "recheck" : "no recheck");
+    RankInMemory held(*layouts[0]);
+    FollowOptions o = Receiver(recheck ? "f-r0" : "e-r0");
+    o.recheck = recheck;
+    RankFollower f(*store_, held.placed, Path(recheck ? "rank-f" : "rank-e"), EngineRank{recheck ? "f" : "e", 0, 1}, o);
+    Status s = f.Run(1);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(f.version(), 1u);
+    EXPECT_EQ(f.TakeChangedTensors().size(), layouts[0]->map().tensors.size());  // joined from the snapshot
+    s = f.Run(2);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(f.version(), 2u);
+    EXPECT_EQ(f.OutsideChanges(), "");
+    EXPECT_EQ(f.TakeChangedTensors(), changed);
+    for (size_t b = 0; b < held.memory.size(); ++b)
+      EXPECT_TRUE(held.memory[b] == dense[b])
+          << "buffer " << layouts[0]->map().buffers[b].id << " differs from a dense load";
+  }
+}
+
+// Bits changed behind dcr's back between two Runs (a serving engine's
+// parameter written by something else) in a chunk the next version does not
+// touch (a chunk it touches is refused by the apply itself: not the frame's
+// base). With FollowOptions::recheck the next Run names the chunk, rejoins
+// and ends at the version's exact bits; without it the tracked digests
+// cannot see the change, and the follower reports the version over bits that
+// are not its own (what the recheck is for).
+TEST_F(ProtocolTest, ARecheckFindsBitsChangedOutsideDcrAndRejoins) {
+  Publisher pub(*store_, Path("state"), Fast());
+  for (int v = 0; v <= 2; ++v) ASSERT_TRUE(pub.Publish(v, Version(v)).ok());
+  auto layouts = TpLayouts(1);
+  const LayoutMap& map = layouts[0]->map();
+  auto commit = store_->Get(run_keys::Commit(2));
+  ASSERT_TRUE(commit.ok());
+  auto c = CommitRecord::FromJson(*commit, "commit");
+  ASSERT_TRUE(c.ok());
+  const std::vector<std::string> framed = FramedTensors(2, c->attempt, *layouts[0]);
+  // The first element of a tensor version 2 leaves alone, in its buffer.
+  const BoxCopy* box = nullptr;
+  for (const BoxCopy& copy : map.copies)
+    if (std::find(framed.begin(), framed.end(), copy.tensor) == framed.end() &&
+        std::all_of(copy.offset.begin(), copy.offset.end(), [](uint64_t o) { return o == 0; })) {
+      box = &copy;
+      break;
+    }
+  ASSERT_NE(box, nullptr) << "every tensor changes in version 2";
+  size_t buffer = 0;
+  while (map.buffers[buffer].id != box->buffer) ++buffer;
+  uint64_t element = 0;
+  for (size_t d = 0; d < box->buffer_offset.size(); ++d)
+    element = element * map.buffers[buffer].shape[d] + box->buffer_offset[d];
+  const uint64_t byte = element * BitsPerElement(map.buffers[buffer].dtype) / 8;
+
+  const auto dense = DenseRank(*layouts[0], 2);
+  for (const bool recheck : {true, false}) {
+    SCOPED_TRACE(recheck ? "recheck" : "no recheck");
+    RankInMemory held(*layouts[0]);
+    auto& memory = held.memory;
+    FollowOptions o = Receiver(recheck ? "e-r0" : "f-r0");
+    o.recheck = recheck;
+    RankFollower f(*store_, held.placed, Path(recheck ? "rank-e" : "rank-f"), EngineRank{recheck ? "e" : "f", 0, 1}, o);
+    Status s = f.Run(1);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    f.TakeChangedTensors();
+    memory[buffer][byte] ^= 0x40;
+    s = f.Run(2);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(f.version(), 2u);
+    if (recheck) {
+      EXPECT_NE(f.OutsideChanges().find("tensor '" + box->tensor + "' chunk 0 (elements 0.."), std::string::npos)
+          << f.OutsideChanges();
+      EXPECT_EQ(f.TakeChangedTensors().size(), map.tensors.size());  // rejoined: every tensor written
+      EXPECT_TRUE(memory[buffer] == dense[buffer]);
+    } else {
+      EXPECT_EQ(f.OutsideChanges(), "");
+      EXPECT_FALSE(memory[buffer] == dense[buffer]);  // version 2 reported over bits that are not its
+    }
+    for (size_t b = 0; b < memory.size(); ++b) {
+      if (b == buffer) continue;
+      EXPECT_TRUE(memory[b] == dense[b]) << b;
+    }
+  }
 }
 
 // The publisher's timing decisions follow the injected clock, so that they

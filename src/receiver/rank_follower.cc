@@ -133,6 +133,7 @@ class RankTarget final : public ReceiverTarget {
   Status ApplyStreamed(const DeltaManifest& shape, std::span<const FrameView> frames, ApplyCounts* counts) override {
     return ApplyFrames(shape, frames, /*strict=*/false, counts);
   }
+  Result<std::string> Recheck() override;
 
  private:
   // Marks the map's tensor of run tensor `t` (every map tensor when nullopt) changed.
@@ -325,6 +326,26 @@ Status RankTarget::Audit() {
   return Status::Ok();
 }
 
+Result<std::string> RankTarget::Recheck() {
+  if (!placed_ || !journal_.attempt.empty()) return std::string();  // Resume audits these
+  DCR_ASSIGN_OR_RETURN(ChunkDigestTable now, RankChunkDigests(*placed_, shape_));
+  if (now.size() != tracked_.size()) return std::string("the chunk table changed");
+  std::vector<std::string> named;
+  size_t differ = 0;
+  for (size_t t = 0; t < now.size(); ++t)
+    for (size_t c = 0; c < now[t].size() && c < tracked_[t].size(); ++c) {
+      if (now[t][c] == tracked_[t][c]) continue;
+      if (++differ > 3) continue;
+      const uint64_t first = c * shape_.chunk_elements;
+      const uint64_t end = std::min(first + shape_.chunk_elements, shape_.tensors[t].elements);
+      named.push_back(fmt::format("tensor '{}' chunk {} (elements {}..{})", shape_.tensors[t].name, c, first, end - 1));
+    }
+  if (differ == 0) return std::string();
+  std::string out = fmt::format("{}", fmt::join(named, ", "));
+  if (differ > named.size()) out += fmt::format(" and {} more chunks", differ - named.size());
+  return out;
+}
+
 Status RankTarget::ApplyFrames(const DeltaManifest& m, std::span<const FrameView> frames, bool strict,
                                ApplyCounts* counts) {
   // A retry (an overwrite attempt) starts from the bits themselves: tracked
@@ -506,6 +527,8 @@ RankFollower::RankFollower(RankFollower&&) noexcept = default;
 RankFollower::~RankFollower() = default;
 uint64_t RankFollower::version() const { return walk_ ? walk_->version() : 0; }
 bool RankFollower::holds_version() const { return target_ && target_->Open(); }
+
+std::string RankFollower::OutsideChanges() const { return walk_ ? walk_->outside_changes() : std::string(); }
 
 std::vector<std::string> RankFollower::TakeChangedTensors() {
   std::vector<std::string> out;

@@ -22,7 +22,7 @@ ReceiverWalk::ReceiverWalk(Store& store, ReceiverTarget& target, FollowOptions o
 
 Status ReceiverWalk::Run(std::optional<uint64_t> until, const std::function<bool()>& stop) {
   Status s = FollowLoop(
-      heartbeat_, o_, [&] { return started_ ? Status::Ok() : Start(stop); }, [&] { return Step(); },
+      heartbeat_, o_, [&] { return started_ ? Recheck(stop) : Start(stop); }, [&] { return Step(); },
       [&] { return until && version_ >= *until; }, stop, [this](const std::string& l) { Log(l); });
   // After an error the target is reopened by the next Run: what it holds is
   // whatever its journal and bits say.
@@ -51,6 +51,26 @@ Status ReceiverWalk::Start(const std::function<bool()>& stop) {
     heartbeat_.SetVersion(version_);
   }
   return Status::Ok();
+}
+
+// A Run that continues: with FollowOptions::recheck, the bits are read
+// again. Chunks changed outside dcr since the last version make the walk
+// start over (the target, reopened, no longer holds its journal's version:
+// it rejoins from the newest snapshot and catches up), so that no version
+// is acked or reported on top of bits dcr did not write.
+Status ReceiverWalk::Recheck(const std::function<bool()>& stop) {
+  if (!o_.recheck) return Status::Ok();
+  outside_changes_.clear();
+  DCR_ASSIGN_OR_RETURN(std::string changed, target_.Recheck());
+  if (changed.empty()) {
+    if (target_.Open()) heartbeat_.SetVerified(target_.AckDigest(), ClockOf(o_).UnixSeconds());
+    return Status::Ok();
+  }
+  outside_changes_ = changed;
+  metrics_.ChangedOutside();
+  Log(fmt::format("the bits of version {} were changed outside dcr: {}; rejoining", version_, changed));
+  started_ = false;  // a transient failure of Start is retried as a start
+  return Start(stop);
 }
 
 // Replaces the target's bits with the newest snapshot at or below `at_most`.

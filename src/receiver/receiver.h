@@ -143,6 +143,11 @@ class ReceiverTarget {
   // tensors with the attempt's class). Frames it cannot prove
   // safe are logged and left to the manifest; errors are journal I/O only.
   virtual Status ApplyStreamed(const DeltaManifest& shape, std::span<const FrameView> frames, ApplyCounts* counts) = 0;
+  // Between versions (the journal names no attempt): reads the bits again
+  // and compares each chunk's digest with the tracked one. Returns the
+  // chunks that differ (changed outside dcr), described for a log line;
+  // empty when every chunk is as tracked, or the target cannot tell.
+  virtual Result<std::string> Recheck() { return std::string(); }
 };
 
 // What one step of the walk does, decided by a pure function of what the
@@ -195,6 +200,9 @@ class ReceiverWalk {
   // As Follower::Run; `version` is set as versions are committed.
   Status Run(std::optional<uint64_t> until, const std::function<bool()>& stop);
   uint64_t version() const { return version_; }
+  // What the last Run's recheck (FollowOptions::recheck) found changed
+  // outside dcr; empty when it found nothing.
+  const std::string& outside_changes() const { return outside_changes_; }
 
  private:
   void Log(const std::string& line) { FollowLog(o_, line); }
@@ -202,6 +210,7 @@ class ReceiverWalk {
   Status SetState(const std::string& state) { return heartbeat_.Set(state); }
 
   Status Start(const std::function<bool()>& stop);
+  Status Recheck(const std::function<bool()>& stop);
   Status Join(uint64_t at_most, const std::string& why);
   Status Commit(uint64_t v, bool joined = false);
   Status Step();
@@ -281,6 +290,7 @@ class ReceiverWalk {
   ReceiverTarget& target_;
   const FollowOptions o_;
   bool started_ = false;
+  std::string outside_changes_;  // the last recheck's finding
   uint64_t version_ = 0;
   RunRecord run_;
   DeltaManifest shape_;  // the run's tensors and chunking

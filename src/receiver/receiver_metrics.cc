@@ -13,6 +13,10 @@ Counter versions_applied("dcr_receiver_versions_applied_total",
                          "Versions a receiver applied and verified (joins from a snapshot included).", {"receiver"});
 Counter joins("dcr_receiver_joins_total", "Joins from a snapshot (a new, restarted or damaged receiver).",
               {"receiver"});
+Counter changed_outside("dcr_receiver_changed_outside_total",
+                        "Rechecks between versions that found the bits changed outside dcr (the receiver rejoined "
+                        "from a snapshot rather than build on them).",
+                        {"receiver"});
 Counter acks("dcr_receiver_acks_total", "Acks a receiver wrote, by result: ok, or refused (the attempt did not apply).",
              {"receiver", "result"});
 Counter received_bytes("dcr_receiver_received_bytes_total",
@@ -78,5 +82,7 @@ void ReceiverMetrics::Commit(uint64_t v, bool joined) {
 }
 
 void ReceiverMetrics::Behind(double seconds) { behind.Set(seconds, {id_}); }
+
+void ReceiverMetrics::ChangedOutside() { changed_outside.Add(1, {id_}); }
 
 }  // namespace dcr::receiver_internal

@@ -37,6 +37,8 @@ class ReceiverMetrics {
   // Seconds since the oldest committed version it does not hold was
   // committed (0: it holds the newest).
   void Behind(double seconds);
+  // A recheck found bits changed outside dcr.
+  void ChangedOutside();
 
  private:
   const std::string id_;

@@ -95,11 +95,17 @@ def test_vllm_engine_follows_a_trainer_bit_exact(tmp_path):
     steps = 3
     store = "file://" + str(tmp_path / "store")
     r = run_job(tmp_path, "refit", "refit", "--work", str(tmp_path), "--store", store, "--steps", str(steps),
-                "--fail-at", "frames-written:2", "--bad-input")
-    check_versions(r, steps)
+                "--fail-at", "frames-written:2", "--bad-input", "--tamper-at", "3")
+    check_versions(r, steps)  # version 3 too: equal to a fresh load, though a live bit was flipped before it
     attempts = [v.get("attempts") for v in r["versions"][1:]]
     assert attempts == [1, 2, 1], attempts  # version 2's first attempt failed on purpose: an overwrite retry
     assert all(v.get("acked") == ["e1-r0"] for v in r["versions"][1:]), [v.get("acked") for v in r["versions"]]
+    # No silent success: the norm written behind dcr's back before version 3 was found by the
+    # update's recheck, named, and the rank rejoined (its address kept: written in place).
+    assert [v["outside_changes"] for v in r["versions"][1:3]] == [[""], [""]], r["versions"]
+    found = r["versions"][3]["outside_changes"][0]
+    assert found.startswith("tensor 'model.norm.weight' chunk 0 (elements 0.."), found
+    assert r["versions"][3]["addresses"][0]["model.norm.weight"][0] == r["tampered"][0]["model.norm.weight"]
 
     # Refused before the engine joined (its weights as loaded from disk stay) and after.
     expect = {
@@ -122,8 +128,9 @@ def test_vllm_engine_follows_a_trainer_bit_exact(tmp_path):
     # Every rank served its metrics: the version it holds, once per version applied (the join, then each step).
     for rank, text in enumerate(r["metrics"]):
         assert f'dcr_receiver_version{{receiver="e1-r{rank}"}} {steps}\n' in text, text
-        applied = steps + (r["join"][rank]["adopted"] is None)  # a join from the snapshot counts one
-        assert f'dcr_receiver_versions_applied_total{{receiver="e1-r{rank}"}} {applied}\n' in text, text
+        joins = 1 + (r["join"][rank]["adopted"] is None)  # the recheck's rejoin, and a join from the snapshot
+        assert f'dcr_receiver_joins_total{{receiver="e1-r{rank}"}} {joins}\n' in text, text
+        assert f'dcr_receiver_changed_outside_total{{receiver="e1-r{rank}"}} 1\n' in text, text
 
     # The reference: a vLLM engine loading the trainer's last checkpoint from disk.
     fresh = run_job(tmp_path, "fresh", "fresh", "--dir", str(tmp_path / f"v{steps}"))

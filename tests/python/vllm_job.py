@@ -229,6 +229,17 @@ def mode_trainer_peer(a) -> dict:
     return out
 
 
+def tamper_norm(worker) -> dict:
+    """Flips a bit of the final norm's first element in place, as a stray
+    write by something other than dcr would (collective_rpc)."""
+    import torch
+
+    p = dict(worker.get_model().named_parameters())["model.norm.weight"]
+    with torch.no_grad():
+        p.view(torch.int16)[0] ^= 0x40
+    return {"model.norm.weight": p.data_ptr()}
+
+
 def refit_versions(a, model, optimizer, llm, trainer, out: dict, peer=None) -> dict:
     import torch
 
@@ -253,9 +264,12 @@ def refit_versions(a, model, optimizer, llm, trainer, out: dict, peer=None) -> d
         changed = sum(int((before[n].view(torch.int16) != p.detach().view(torch.int16)).sum())
                       for n, p in model.named_parameters())
         total = sum(p.numel() for p in model.parameters())
+        if step == a.tamper_at:  # a live parameter written behind dcr's back, between two versions
+            out["tampered"] = per_rank(llm.collective_rpc(tamper_norm))
         report = trainer.send_weights()
         model.save_pretrained(os.path.join(a.work, f"v{step}"))
         entry = check(step)
+        entry["outside_changes"] = [j["outside_changes"] for j in llm.collective_rpc(dv.join_report)]
         if peer is not None:  # the replicas are the same model: process 0's checkpoint is the reference
             said = json.loads(peer.stdout.readline())
             entry.update(peer_version=said["version"], peer_same=said["sha256"] == params_sha256(model))
@@ -457,6 +471,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--fail-at", action="append", default=[])
     p.add_argument("--bad-input", action="store_true")
+    p.add_argument("--tamper-at", type=int, default=0, help="flip a live norm bit before publishing this step")
     p.add_argument("--trainer-processes", type=int, choices=[1, 2], default=1)
     p.add_argument("--relay", help="the engine's ranks take frame objects from this relay (engine_init 'relay')")
     p.add_argument("--relay-key", help="the ranks' CURVE key pair file (engine_init 'relay_key')")
