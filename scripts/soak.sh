@@ -21,9 +21,19 @@
 # seed and replay command of any failure. A failed batch keeps its logs and
 # temporary directories under OUT/batches/; a passed batch's are removed.
 #
+# Each batch also goes into the ledger, tests/soak/ledger.tsv (one row per
+# batch: date, commit, campaign, seed, seconds, episodes, faults, receivers
+# checked, versions committed, divergences, double commits, hangs, other
+# failures), which is kept in the repo like the fuzz ledger: commit it after
+# a run. The soak record in docs/testing.md is its sum, across runs and
+# machines (--totals).
+#
 #   scripts/soak.sh --episodes N      until N episodes (over all campaigns)
 #   scripts/soak.sh --hours H         until H hours have passed (the running batch ends first)
+#   scripts/soak.sh --goal F          until the ledger's faults add up to F (resumes across runs)
+#   scripts/soak.sh --totals          print the ledger's sums by campaign, and exit
 #   options: --campaigns refit,relay,s3   which ones (default all three)
+#            --ledger FILE                the ledger (default tests/soak/ledger.tsv)
 #            --out DIR                    results (default out/soak-<date>)
 #            --seed S                     batch seeds derived from S (default: random, printed)
 #            --batch-refit N --batch-relay N --batch-s3 N   episodes per batch (46, 9, 18)
@@ -42,6 +52,9 @@ args="$*"
 
 episodes=0
 hours=0
+goal=0
+ledger=tests/soak/ledger.tsv
+totals=0
 campaigns=refit,relay,s3
 out=""
 seed=""
@@ -54,6 +67,9 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --episodes) episodes=$2; shift 2 ;;
     --hours) hours=$2; shift 2 ;;
+    --goal) goal=$2; shift 2 ;;
+    --ledger) ledger=$2; shift 2 ;;
+    --totals) totals=1; shift ;;
     --campaigns) campaigns=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --seed) seed=$2; shift 2 ;;
@@ -66,8 +82,15 @@ while [ $# -gt 0 ]; do
     *) echo "soak.sh: unknown option $1 (--help)" >&2; exit 2 ;;
   esac
 done
-if [ "$episodes" = 0 ] && [ "$hours" = 0 ]; then
-  echo "soak.sh: give --episodes N or --hours H (--help)" >&2
+mkdir -p "$(dirname "$ledger")"
+ledger=$(cd "$(dirname "$ledger")" && pwd)/$(basename "$ledger")
+ledger_faults() { python3 tests/python/campaign_report.py ledger-totals "$ledger" --field faults; }
+if [ "$totals" = 1 ]; then
+  python3 tests/python/campaign_report.py ledger-totals "$ledger"
+  exit 0
+fi
+if [ "$episodes" = 0 ] && [ "$hours" = 0 ] && [ "$goal" = 0 ]; then
+  echo "soak.sh: give --episodes N, --hours H or --goal F (--help)" >&2
   exit 2
 fi
 deadline=0
@@ -137,6 +160,10 @@ while :; do
     n=$(done_episodes)
     if [ "$episodes" != 0 ] && [ "$n" -ge "$episodes" ]; then break 2; fi
     if [ "$deadline" != 0 ] && [ "$(date +%s)" -ge "$deadline" ]; then break 2; fi
+    if [ "$goal" != 0 ] && [ "$(ledger_faults)" -ge "$goal" ]; then
+      echo "soak: the ledger holds $(ledger_faults) faults, the goal was $goal"
+      break 2
+    fi
     case "$campaign" in
       refit) size=$batch_refit; test=("$tests/test_refit.py" -k "campaign and not s3"); var=DCR_CAMPAIGN_EPISODES
              bound=$((120 + 15 * size)) ;;
@@ -152,6 +179,7 @@ while :; do
     dir="$out/batches/$(printf %04d "$batch")-$campaign"
     mkdir -p "$dir"
     echo "soak: batch $batch: $campaign, $size episodes, DCR_CAMPAIGN_SEED=$bseed [$(date -u +%H:%M:%S)]"
+    batch_started=$(date +%s)
     set +e
     # The campaign's own time bound fails it first (a hang); this one catches a stall of pytest itself.
     env DCR_CAMPAIGN_SEED="$bseed" "$var=$size" DCR_CAMPAIGN_REPORT="$report" DCR_CAMPAIGN_TIME_BOUND_S="$bound" \
@@ -182,6 +210,9 @@ while :; do
       echo "soak: batch $batch ($campaign, DCR_CAMPAIGN_SEED=$bseed) FAILED (rc $rc); logs and processes' files kept in $dir" >&2
       python3 "$tests/campaign_report.py" last-failure "$report" >&2 || tail -n 30 "$dir/pytest.log" >&2
     fi
+    python3 "$tests/campaign_report.py" ledger-append "$report" --ledger "$ledger" --commit "$commit" \
+      --batch "$campaign:$bseed" --seconds $(( $(date +%s) - batch_started )) >/dev/null ||
+      echo "soak: batch $batch left no records for the ledger" >&2
     summarize
     elapsed=$(( $(date +%s) - started ))
     python3 - "$out/summary.json" "$elapsed" <<'EOF'
@@ -199,4 +230,6 @@ done
 summarize
 echo "soak: summary in $out/summary.md and $out/summary.json"
 cat "$out/summary.md"
+echo "soak: the ledger ($ledger), all runs:"
+python3 tests/python/campaign_report.py ledger-totals "$ledger"
 [ "$failures" = 0 ]

@@ -163,6 +163,88 @@ def summarize(lines: list[dict], meta: dict) -> tuple[dict, str]:
     return summary, "\n".join(md) + "\n"
 
 
+# ---- The ledger (tests/soak/ledger.tsv): one row per batch, kept in the repo
+# like the fuzz ledger, so that the soak record adds up across runs and
+# machines (`scripts/soak.sh --totals`).
+
+LEDGER_COLUMNS = ["date", "commit", "campaign", "seed", "seconds", "episodes", "faults", "receivers_checked",
+                  "versions_committed", "divergences", "double_commits", "hangs", "other_failures"]
+_COUNTS = LEDGER_COLUMNS[4:]
+
+
+def ledger_row(lines: list[dict], campaign: str, seed: int, commit: str, seconds: float | None = None) -> dict:
+    """The ledger row of one batch: the records of `campaign` with `seed`."""
+    mine = [r for r in lines if r.get("campaign") == campaign and r.get("seed") == seed]
+    if not mine:
+        raise ValueError(f"no records of campaign {campaign} with seed {seed}")
+    t = summarize(mine, {})[0]["totals"]
+    if seconds is None:  # from the records: the first episode's start to the last record
+        times = [r["time"] for r in mine if "time" in r]
+        first = min((r for r in mine if "time" in r), key=lambda r: r["time"])
+        seconds = max(times) - min(times) + first.get("seconds", 0.0)
+    day = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(min(r.get("time", time.time()) for r in mine)))
+    return {"date": day, "commit": commit, "campaign": campaign, "seed": seed, "seconds": int(round(seconds)),
+            "episodes": t["episodes"], "faults": t["faults"], "receivers_checked": t["receivers_checked"],
+            "versions_committed": t["versions_committed"], "divergences": t["divergences"],
+            "double_commits": t["double_commits"], "hangs": t["hangs"], "other_failures": t["errors"]}
+
+
+def read_ledger(path: str) -> list[dict]:
+    """The ledger's rows (counts as ints); [] when it does not exist."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        header = f.readline().rstrip("\n").split("\t")
+        if header != LEDGER_COLUMNS:
+            raise ValueError(f"{path}: not a soak ledger (columns {header})")
+        rows = []
+        for n, line in enumerate(f, start=2):
+            cells = line.rstrip("\n").split("\t")
+            if len(cells) != len(LEDGER_COLUMNS):
+                raise ValueError(f"{path}:{n}: {len(cells)} cells, not {len(LEDGER_COLUMNS)}")
+            row = dict(zip(LEDGER_COLUMNS, cells))
+            for k in _COUNTS:
+                row[k] = int(row[k])
+            rows.append(row)
+        return rows
+
+
+def append_ledger(path: str, row: dict) -> None:
+    """Appends `row`; a batch already in the ledger (campaign and seed) is not counted twice."""
+    rows = read_ledger(path)
+    if any(r["campaign"] == row["campaign"] and r["seed"] == str(row["seed"]) for r in rows):
+        return
+    new = not rows and not os.path.exists(path)
+    with open(path, "a") as f:
+        if new:
+            f.write("\t".join(LEDGER_COLUMNS) + "\n")
+        f.write("\t".join(str(row[k]) for k in LEDGER_COLUMNS) + "\n")
+
+
+def ledger_totals(rows: list[dict]) -> tuple[dict, str]:
+    """Sums over the ledger, overall and by campaign, and a Markdown table."""
+    def add(into: dict, r: dict) -> None:
+        for k in _COUNTS:
+            into[k] = into.get(k, 0) + r[k]
+        into["batches"] = into.get("batches", 0) + 1
+
+    total: dict = {}
+    by: dict = {}
+    for r in rows:
+        add(total, r)
+        add(by.setdefault(r["campaign"], {}), r)
+    head = ("| campaign | batches | minutes | episodes | faults | receivers checked | versions committed | "
+            "divergences | double commits | hangs | other failures |")
+    md = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, t in sorted(by.items()) + [("**total**", total)]:
+        if not t:
+            continue
+        md.append(f"| {name} | {t['batches']} | {t['seconds'] / 60:.0f} | {t['episodes']:,} | {t['faults']:,} | "
+                  f"{t['receivers_checked']:,} | {t['versions_committed']:,} | {t['divergences']} | "
+                  f"{t['double_commits']} | {t['hangs']} | {t['other_failures']} |")
+    return {"total": total, "campaigns": by}, "\n".join(md) + "\n"
+
+
 def _main(argv: list[str]) -> int:
     import argparse
 
@@ -181,7 +263,29 @@ def _main(argv: list[str]) -> int:
     h.add_argument("--class", dest="cls", default="hang")
     lf = sub.add_parser("last-failure")
     lf.add_argument("report")
+    la = sub.add_parser("ledger-append", help="append each named batch of REPORT to the ledger")
+    la.add_argument("report")
+    la.add_argument("--ledger", required=True)
+    la.add_argument("--commit", required=True)
+    la.add_argument("--batch", action="append", default=[], metavar="CAMPAIGN:SEED")
+    la.add_argument("--seconds", type=float, help="the batch's wall time (one --batch; default: from its records)")
+    lt = sub.add_parser("ledger-totals")
+    lt.add_argument("ledger")
+    lt.add_argument("--field", help="print only this total (e.g. faults)")
     a = ap.parse_args(argv)
+    if a.cmd == "ledger-totals":
+        totals, md = ledger_totals(read_ledger(a.ledger))
+        print(totals["total"].get(a.field, 0) if a.field else md, end="\n" if a.field else "")
+        return 0
+    if a.cmd == "ledger-append":
+        with open(a.report) as f:
+            lines = [json.loads(x) for x in f if x.strip().startswith("{") and x.strip().endswith("}")]
+        for b in a.batch:
+            campaign, seed = b.rsplit(":", 1)
+            row = ledger_row(lines, campaign, int(seed), a.commit, a.seconds)
+            append_ledger(a.ledger, row)
+            print(f"ledger: {campaign} seed {seed}: {row['episodes']} episodes, {row['faults']} faults")
+        return 0
     if a.cmd == "last-failure":
         with open(a.report) as f:
             last = [json.loads(x) for x in f if '"record": "failure"' in x][-1:]
