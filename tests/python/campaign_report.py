@@ -73,6 +73,34 @@ class CampaignReport:
         self._write({"record": "end", "episodes": episodes, "counters": counters})
 
 
+class CampaignSettings:
+    """A campaign's settings from the environment: its episode count
+    (``count_var``; default one round, each kind once), DCR_CAMPAIGN_SEED
+    (default random), DCR_CAMPAIGN_KINDS (a subset of ``kinds``) and
+    DCR_CAMPAIGN_TIME_BOUND_S (default ``bound(episodes)``); ``replay`` is
+    the command that runs the same episodes again, and ``report`` its
+    CampaignReport."""
+
+    def __init__(self, name: str, count_var: str, kinds: list, bound, test: str):
+        import random
+
+        given = os.environ.get("DCR_CAMPAIGN_KINDS")
+        self.kinds = given.split(",") if given else list(kinds)
+        unknown = set(self.kinds) - set(kinds)
+        if unknown:
+            raise ValueError(f"unknown kinds: {sorted(unknown)}")
+        self.episodes = int(os.environ.get(count_var) or len(self.kinds))
+        seed = os.environ.get("DCR_CAMPAIGN_SEED")
+        self.seed = int(seed) if seed else random.SystemRandom().randrange(1, 1 << 31)
+        self.bound = float(os.environ.get("DCR_CAMPAIGN_TIME_BOUND_S") or bound(self.episodes))
+        self.replay = (f"DCR_CAMPAIGN_SEED={self.seed} {count_var}={self.episodes}"
+                       + (f" DCR_CAMPAIGN_KINDS={','.join(self.kinds)}" if given else "")
+                       + f" .venv/bin/python -m pytest -s {test}")
+        self.report = CampaignReport(name, self.seed, self.replay)
+        print(f"\n{name} failure campaign: DCR_CAMPAIGN_SEED={self.seed} {count_var}={self.episodes} "
+              f"(time bound {self.bound:.0f} s)", flush=True)
+
+
 # ---------------------------------------------------------------- the soak's summary
 
 def summarize(lines: list[dict], meta: dict) -> tuple[dict, str]:

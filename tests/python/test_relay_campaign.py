@@ -35,7 +35,7 @@ import time
 from collections import Counter
 
 import pytest
-from campaign_report import CampaignReport
+from campaign_report import CampaignReport, CampaignSettings
 from conftest import run_dcr
 from test_relay import DEAD_AFTER, PLACEMENT, RELAYS, TIMEOUT_S, Tree, read_json, start_tree, tail
 
@@ -168,18 +168,9 @@ def link_versions(t: Tree, upto: int) -> None:
 
 def test_relay_failure_campaign(relay_tree):
     # The suite runs one round (each kind once); scripts/soak.sh sets the count.
-    episodes = int(os.environ.get("DCR_CAMPAIGN_RELAY_EPISODES") or len(RELAY_KINDS))
-    seed_text = os.environ.get("DCR_CAMPAIGN_SEED")
-    seed = int(seed_text) if seed_text else random.SystemRandom().randrange(1, 1 << 31)
-    bound = float(os.environ.get("DCR_CAMPAIGN_TIME_BOUND_S", 120 + 20 * episodes))
-    kinds = os.environ.get("DCR_CAMPAIGN_KINDS", "").split(",") if os.environ.get("DCR_CAMPAIGN_KINDS") else RELAY_KINDS
-    assert set(kinds) <= set(RELAY_KINDS), f"unknown kinds: {set(kinds) - set(RELAY_KINDS)}"
-    replay = (f"DCR_CAMPAIGN_SEED={seed} DCR_CAMPAIGN_RELAY_EPISODES={episodes}"
-              + (f" DCR_CAMPAIGN_KINDS={','.join(kinds)}" if kinds != RELAY_KINDS else "")
-              + " .venv/bin/python -m pytest -s tests/python/test_relay_campaign.py")
-    print(f"\nrelay failure campaign: DCR_CAMPAIGN_SEED={seed} DCR_CAMPAIGN_RELAY_EPISODES={episodes} "
-          f"(time bound {bound:.0f} s)", flush=True)
-    report = CampaignReport("relay", seed, replay)
+    cs = CampaignSettings("relay", "DCR_CAMPAIGN_RELAY_EPISODES", RELAY_KINDS, lambda n: 120 + 20 * n,
+                          "tests/python/test_relay_campaign.py")
+    episodes, seed, bound, kinds, replay, report = cs.episodes, cs.seed, cs.bound, cs.kinds, cs.replay, cs.report
     started = time.monotonic()
     n, kind = 0, "start"
     try:
