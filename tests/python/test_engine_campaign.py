@@ -375,6 +375,11 @@ def test_engine_failure_campaign(tmp_path):
         assert st.returncode == 0, str(st)
         for x in st.json()["versions"]:
             assert sum(a["state"] == "committed" for a in x["attempts"]) <= 1, f"two commits: {x}"
+        # dcr status shows the version the engine's rank holds and the digest it verified there.
+        rank = next(x for x in st.json()["receivers"] if x["id"] == f"{ENGINE}-r0")
+        commit = json.loads((c.store_dir / "commits" / f"v{c.version:010}.json").read_text())
+        assert rank["version"] == c.version and rank["verified_digest"] == commit["target_digest"], \
+            (rank, commit["target_digest"])
         # The reference: a vLLM engine loading the trainer's last checkpoint from disk.
         fresh = run_job(tmp_path, "fresh", "fresh", "--dir", str(c.trainer_dir / f"v{c.version}"))
         assert fresh["tokens"] == tokens, (fresh["tokens"], tokens)
