@@ -54,6 +54,15 @@
 # other failure), 1 otherwise. Needs the build (scripts/setup.sh --python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# bash reads a script as it runs it: a soak runs from a copy of this file,
+# so that editing it (a checkout, a pull) under a running soak changes nothing.
+if [ -z "${DCR_SOAK_RUNNING_COPY:-}" ]; then
+  copy=$(mktemp /tmp/dcr-soak-script.XXXXXX)
+  cp "$0" "$copy"
+  DCR_SOAK_RUNNING_COPY=$copy DCR_SOAK_REPO=$PWD exec bash "$copy" "$@"
+fi
+cd "$DCR_SOAK_REPO"
+rm -f "$DCR_SOAK_RUNNING_COPY"  # bash holds it open: the file is gone, the run goes on
 args="$*"
 
 episodes=0
@@ -86,7 +95,7 @@ while [ $# -gt 0 ]; do
     --batch-engine) batch_engine=$2; shift 2 ;;
     --max-failures) max_failures=$2; shift 2 ;;
     --tests) tests=$(cd "$2" && pwd); shift 2 ;;
-    -h|--help) sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' scripts/soak.sh; exit 0 ;;
     *) echo "soak.sh: unknown option $1 (--help)" >&2; exit 2 ;;
   esac
 done
