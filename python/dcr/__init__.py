@@ -609,7 +609,7 @@ class Receiver:
             raise InvalidArgumentError(f"Receiver.follow: residual tensor '{self._skipped[0]}' is not mapped and has "
                                        "no loader; the engine's partial digests would never add up (give a loader)")
         # The same run followed again (the next version) continues where the
-        # last call stopped, without a digest pass over the tensors.
+        # last call stopped (after a recheck, unless recheck=False).
         args = (store, os.fspath(state_dir), engine, rank, ranks, id, poll_s, quiet, list(relay), os.fspath(relay_key),
                 os.fspath(relay_pub), relay_insecure, relay_poll_s, recheck)
         if self._follower is None or self._follow_args[0] is not store or self._follow_args[1:] != args[1:]:

@@ -25,7 +25,7 @@ import json
 import os
 import sys
 
-from vllm_job import PROMPTS, make_llm, make_model, per_rank, train_step  # noqa: F401  (PROMPTS: the same prompts)
+from vllm_job import make_llm, make_model, per_rank, tamper_norm, train_step
 
 
 def answer(doc: dict) -> None:
@@ -37,16 +37,6 @@ def commands():
     for line in sys.stdin:
         if line.strip():
             yield json.loads(line)
-
-
-def tamper_norm(worker) -> dict:
-    """Flips a bit of the final norm's first element in place (collective_rpc)."""
-    import torch
-
-    p = dict(worker.get_model().named_parameters())["model.norm.weight"]
-    with torch.no_grad():
-        p.view(torch.int16)[0] ^= 0x40
-    return {"model.norm.weight": p.data_ptr()}
 
 
 def engine(a) -> None:
@@ -85,22 +75,17 @@ def engine(a) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
-def committed(store) -> int:
-    from dcr.vllm import _latest_commit
-
-    return _latest_commit(store)
-
-
 def trainer(a) -> None:
     import torch
     import transformers
 
     import dcr
+    from dcr.vllm import _latest_commit
 
     torch.set_num_threads(1)
     store = dcr.open_store(a.store)
     state = os.path.join(a.work, "trainer-state")
-    latest = committed(store)
+    latest = _latest_commit(store)
     if latest < 0:  # a new run: version 0 is the snapshot
         model, written = make_model(a.family), 0
         model.save_pretrained(os.path.join(a.work, "v0"))

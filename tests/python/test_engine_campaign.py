@@ -66,7 +66,7 @@ if os.environ.get("DCR_REQUIRE_VLLM") != "1":
 
 from campaign_report import CampaignReport, CampaignSettings  # noqa: E402
 from conftest import run_dcr  # noqa: E402
-from test_vllm import run_job  # noqa: E402
+from test_vllm import assert_same_as_fresh, run_job, vllm_env  # noqa: E402
 
 HOSTS = os.path.join(os.path.dirname(__file__), "engine_campaign_hosts.py")
 KINDS = ["engine:kill-updating", "trainer:kill-publishing", "engine:update-timeout", "engine:tamper",
@@ -146,11 +146,8 @@ def tail(path: Path, n: int = 4000) -> str:
 
 
 def host_env() -> dict:
-    env = dict(os.environ)
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", TOKENIZERS_PARALLELISM="false",
-               VLLM_LOGGING_LEVEL="WARNING", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "2"),
-               PYTHONPATH=os.path.dirname(__file__) + os.pathsep + env.get("PYTHONPATH", ""))
-    env.pop("DCR_STORE_FAULTS", None)
+    env = vllm_env(1)
+    env["PYTHONPATH"] = os.path.dirname(__file__) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 
@@ -221,10 +218,7 @@ class EngineCampaign:
         assert got["ok"], got
         assert got["weight_version"] == str(self.version), f"{what}: weight_version {got['weight_version']}, " \
                                                            f"the trainer is at {self.version}"
-        for rank, (engine, fresh) in enumerate(zip(got["engine"], got["fresh"])):
-            assert engine.keys() == fresh.keys() and len(engine) > 10
-            differ = sorted(n for n in engine if engine[n] != fresh[n])
-            assert not differ, f"{what}: version {self.version} rank {rank} differs from a fresh load: {differ[:5]}"
+        assert_same_as_fresh(got["engine"], got["fresh"], f"{what}: version {self.version}")
         return got
 
     # -- the episodes ------------------------------------------------------------

